@@ -1,0 +1,185 @@
+"""One typed config tree for every coevo process.
+
+Precedence (lowest to highest): defaults -> config file (TOML or YAML) -> environment
+(``COEVO_SECTION__FIELD``) -> command-line flags. Unknown keys and wrong types fail at load time
+with a ``ConfigError`` that names the dotted field. Secrets are never fields of this tree: they
+come from the environment at the point of use.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from coevo.runtime.errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
+class RunConfig(Section):
+    run_id: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_\-]{1,64}$", description="run id (default: generated)"
+    )
+    runs_dir: Path = Field(default=Path("runs"), description="parent directory of run directories")
+    minutes: float = Field(default=3.0, ge=0.0, description="wall-clock budget; 0 = until stopped")
+    steps: int | None = Field(default=None, ge=1, description="stop after this many learner steps")
+    seed: int = Field(default=0, description="global seed")
+
+
+class NatsConfig(Section):
+    url: str | None = Field(default=None, description="NATS URL; none = start an embedded server")
+    user: str | None = None
+    password_env: str | None = Field(
+        default=None, description="name of the environment variable holding the password"
+    )
+    token_env: str | None = Field(default=None, description="environment variable holding a token")
+    creds_file: Path | None = Field(default=None, description="NATS .creds file")
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    server_binary: str = Field(default="nats-server", description="binary for the embedded server")
+
+
+class StreamConfig(Section):
+    max_age_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="drop events older than this")
+    max_bytes: int = Field(
+        default=-1, ge=-1, description="stream size limit in bytes (-1: none; JetStream reserves it up front)"
+    )
+    max_msg_size: int = Field(default=8 * 1024**2, ge=1024)
+    duplicate_window_s: float = Field(default=120.0, gt=0, description="Nats-Msg-Id dedupe window")
+    storage: Literal["file", "memory"] = "file"
+    replicas: int = Field(default=1, ge=1, le=5)
+
+
+class BusConfig(Section):
+    max_inflight_publishes: int = Field(default=512, ge=1, description="bound on unacked publishes")
+    publish_ack_timeout_s: float = Field(default=10.0, gt=0)
+    publish_retries: int = Field(default=5, ge=0)
+    fetch_batch: int = Field(default=64, ge=1)
+    fetch_timeout_s: float = Field(default=1.0, gt=0)
+    max_ack_pending: int = Field(default=256, ge=1, description="server-side backpressure per consumer")
+    ack_wait_s: float = Field(default=30.0, gt=0, description="redelivery after this without ack")
+    max_deliver: int = Field(default=5, ge=1, description="then the message is dead-lettered")
+    nak_backoff_s: list[float] = Field(default_factory=lambda: [0.2, 1.0, 5.0], min_length=1)
+    handler_concurrency: int = Field(default=8, ge=1)
+    in_progress_every_s: float = Field(default=10.0, gt=0, description="heartbeat for long handlers")
+
+    @model_validator(mode="after")
+    def _in_progress_before_ack_wait(self) -> BusConfig:
+        if self.in_progress_every_s >= self.ack_wait_s:
+            raise ValueError("bus.in_progress_every_s must be shorter than bus.ack_wait_s")
+        return self
+
+
+class AgentConfig(Section):
+    heartbeat_s: float = Field(default=5.0, gt=0)
+    drain_timeout_s: float = Field(default=10.0, gt=0)
+    restart_backoff_s: list[float] = Field(default_factory=lambda: [0.1, 0.5, 2.0, 5.0], min_length=1)
+    max_restarts: int = Field(default=20, ge=0, description="then the agent fails")
+
+
+class LogConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    console: Literal["pretty", "json", "off"] = "pretty"
+
+
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("coevo_config_file", default=None)
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = _CONFIG_FILE.get()
+        return read_config_file(path) if path is not None else {}
+
+
+class CoevoConfig(BaseSettings):
+    """The root of the config tree."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="COEVO_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    nats: NatsConfig = Field(default_factory=NatsConfig)
+    stream: StreamConfig = Field(default_factory=StreamConfig)
+    bus: BusConfig = Field(default_factory=BusConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _FileSource(settings_cls))
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist", field=None)
+    text = path.read_text()
+    try:
+        if path.suffix in {".yaml", ".yml"}:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: use .toml, .yaml or .yml", field=None)
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ConfigError(f"config file {path} does not parse: {exc}", field=None) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping", field=None)
+    return data
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section", field=dotted)
+    node[parts[-1]] = value
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> CoevoConfig:
+    """Load the tree from defaults, ``path``, the environment and dotted ``overrides``."""
+    nested: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        set_dotted(nested, key, value)
+    token = _CONFIG_FILE.set(path)
+    try:
+        return CoevoConfig(**nested)
+    except ValidationError as exc:
+        raise ConfigError.from_validation(exc) from None
+    finally:
+        _CONFIG_FILE.reset(token)
+
+
+def leaf_fields(model: type[BaseModel] = CoevoConfig, prefix: str = "") -> dict[str, Any]:
+    """Dotted name -> FieldInfo for every leaf of the tree (used to generate CLI flags)."""
+    out: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.update(leaf_fields(ann, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = info
+    return out

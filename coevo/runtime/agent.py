@@ -1,0 +1,225 @@
+"""The agent: a long-lived coroutine with subscriptions, heartbeats, supervision and control.
+
+Invariants:
+- everything an agent starts lives in one ``TaskGroup`` inside ``run()``; when ``run()``
+  returns, nothing of the agent is left running and its publishes are acknowledged;
+- a crashed consumer or ``main()`` is restarted with backoff and counted; past
+  ``agent.max_restarts`` the agent reports ``failed`` and ``run()`` raises ``AgentFailed``;
+- ``stop()`` (SIGINT/SIGTERM, a control message, or the owner) stops fetching, lets in-flight
+  handlers finish within ``agent.drain_timeout_s`` and naks the rest, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, ClassVar, TypeVar
+
+import structlog
+
+from coevo.config import CoevoConfig
+from coevo.runtime.aio import first_completed
+from coevo.runtime.bus import NatsBus
+from coevo.runtime.consumer import Consumer, Subscription
+from coevo.runtime.errors import AgentFailed
+from coevo.schemas import AgentStatus, ControlReply, ControlRequest, Event, Source, new_id
+from coevo.schemas.events import AgentState
+
+E = TypeVar("E", bound=Event)
+
+
+class Agent:
+    """Base class. Subclasses set ``role`` and override ``subscriptions()`` and/or ``main()``."""
+
+    role: ClassVar[str] = "agent"
+
+    def __init__(self, bus: NatsBus, cfg: CoevoConfig, *, agent_id: str | None = None) -> None:
+        self.bus = bus
+        self.cfg = cfg
+        self.agent_id = agent_id or f"{self.role}-{new_id()[:8]}"
+        self.state: AgentState = "starting"
+        self.counters: Counter[str] = Counter()
+        self.model_version: int | None = None
+        self.log = structlog.get_logger(f"coevo.agent.{self.role}").bind(agent_id=self.agent_id)
+        self.stopping = asyncio.Event()
+        self._consumers: list[Consumer] = []
+        self._started = time.monotonic()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+
+    # ---- to override -------------------------------------------------------------------------
+
+    def subscriptions(self) -> list[Subscription]:
+        return []
+
+    async def main(self) -> None:
+        """Producer work. Returning ends it (the agent keeps consuming until stopped)."""
+
+    # ---- helpers for subclasses --------------------------------------------------------------
+
+    @property
+    def source(self) -> Source:
+        return Source(agent_id=self.agent_id, role=self.role, model_version=self.model_version)
+
+    def event(self, cls: type[E], *, cause: Event | None = None, **fields: Any) -> E:
+        """Build an event of this run from this agent; ``cause`` sets causation/correlation ids."""
+        if cause is not None:
+            fields.setdefault("causation_id", cause.event_id)
+            fields.setdefault("correlation_id", cause.correlation_id or cause.event_id)
+        return cls(run_id=self.bus.run_id, source=self.source, **fields)
+
+    async def emit(self, event: Event) -> None:
+        await self.bus.publish(event)
+        self.counters[f"emitted.{event.kind}"] += 1  # type: ignore[attr-defined]
+
+    async def wait_resumed(self) -> bool:
+        """Block while paused; False when the agent is stopping."""
+        while not self._resumed.is_set() and not self.stopping.is_set():
+            await first_completed(self._resumed.wait(), self.stopping.wait())
+        return not self.stopping.is_set()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep unless stopped first; returns False when stopping."""
+        try:
+            await asyncio.wait_for(self.stopping.wait(), seconds)
+        except TimeoutError:
+            return True
+        return False
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        if not self.stopping.is_set():
+            self.log.info("agent.stopping")
+            self.stopping.set()
+
+    def pause(self) -> None:
+        self._resumed.clear()
+        for c in self._consumers:
+            c.resumed.clear()
+        self.state = "paused"
+
+    def resume(self) -> None:
+        self._resumed.set()
+        for c in self._consumers:
+            c.resumed.set()
+        self.state = "running"
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started
+
+    def snapshot_counters(self) -> dict[str, int]:
+        out = dict(self.counters)
+        for c in self._consumers:
+            for k, v in vars(c.stats).items():
+                out[f"{c.sub.durable}.{k}"] = v
+        return out
+
+    async def run(self) -> None:
+        structlog.contextvars.bind_contextvars(agent_id=self.agent_id, role=self.role)
+        self._started = time.monotonic()
+        control = await self.bus.serve_control(self.agent_id, self._on_control)
+        drain = self.cfg.agent.drain_timeout_s
+        self._consumers = [Consumer(self.bus, s, self.source, drain_timeout_s=drain)
+                           for s in self.subscriptions()]
+        failure: BaseException | None = None
+        try:
+            self.state = "running"
+            await self._report()
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._heartbeat(), name=f"{self.agent_id}:heartbeat")
+                for c in self._consumers:
+                    tg.create_task(self._supervise(c.sub.durable, lambda c=c: c.run(self.stopping)),
+                                   name=f"{self.agent_id}:{c.sub.durable}")
+                tg.create_task(self._supervise("main", self._main_once), name=f"{self.agent_id}:main")
+        except BaseException as exc:  # noqa: BLE001 - reported, then re-raised
+            failure = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
+            raise failure from None
+        finally:
+            self.state = "failed" if isinstance(failure, Exception) else "stopped"
+            await control.unsubscribe()
+            try:
+                await self._report(detail=repr(failure) if failure else None)
+                await self.bus.flush()
+            except Exception as exc:  # noqa: BLE001 - the bus may be gone; say so
+                self.log.warning("agent.final_report_failed", error=repr(exc))
+            self.log.info("agent.stopped", state=self.state, counters=self.snapshot_counters())
+
+    async def _main_once(self) -> None:
+        await self.main()
+        await self.stopping.wait()
+
+    async def _supervise(self, name: str, start: Callable[[], Awaitable[None]]) -> None:
+        restarts = 0
+        delays = self.cfg.agent.restart_backoff_s
+        while not self.stopping.is_set():
+            try:
+                await start()
+                return
+            except Exception as exc:
+                restarts += 1
+                self.counters[f"restarts.{name}"] += 1
+                self.log.error("agent.task_crashed", task=name, restarts=restarts, error=repr(exc),
+                               exc_info=exc)
+                if restarts > self.cfg.agent.max_restarts:
+                    self.stop()
+                    raise AgentFailed(self.agent_id, restarts, exc) from exc
+                if not await self.sleep(delays[min(restarts, len(delays)) - 1]):
+                    return
+
+    async def _heartbeat(self) -> None:
+        while await self.sleep(self.cfg.agent.heartbeat_s):
+            await self._report()
+
+    async def _report(self, detail: str | None = None) -> None:
+        await self.bus.publish(self.event(
+            AgentStatus, agent_id=self.agent_id, role=self.role, state=self.state,
+            uptime_s=self.uptime_s, counters=self.snapshot_counters(), detail=detail))
+
+    async def _on_control(self, request: ControlRequest) -> ControlReply:
+        if request.command == "pause":
+            self.pause()
+        elif request.command == "resume":
+            self.resume()
+        elif request.command == "stop":
+            self.stop()
+            self.state = "draining"
+        return ControlReply(agent_id=self.agent_id, role=self.role, state=self.state,
+                            uptime_s=self.uptime_s, counters=self.snapshot_counters())
+
+
+
+async def run_agents(agents: Iterable[Agent], *, handle_signals: bool = True,
+                     until: asyncio.Event | None = None) -> None:
+    """Run agents side by side in one event loop; SIGINT/SIGTERM or ``until`` stops them all."""
+    agents = list(agents)
+    loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        for a in agents:
+            a.stop()
+
+    installed = []
+    if handle_signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop_all)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for a in agents:
+                tg.create_task(a.run(), name=a.agent_id)
+            if until is not None:
+                async def watch() -> None:
+                    await first_completed(until.wait(), *(a.stopping.wait() for a in agents[:1]))
+                    stop_all()
+                tg.create_task(watch(), name="run_agents:until")
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)

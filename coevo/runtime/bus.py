@@ -1,0 +1,437 @@
+"""The typed event bus on NATS JetStream.
+
+Invariants:
+- every event is published on ``subject_for(run, kind)`` with ``Nats-Msg-Id = event_id``, so a
+  retried or repeated publish of the same event is stored once (within the duplicate window);
+- at most ``bus.max_inflight_publishes`` publishes await their acknowledgement; ``flush()``
+  returns only when every publish was acknowledged (failed ones are retried with the same id);
+- a consumed message is acked only after its handler returned; a payload that is not a valid
+  event is terminated *after* a ``DeadLettered`` event holding its bytes and the reason was stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+
+from coevo.config import BusConfig, NatsConfig, StreamConfig
+from coevo.runtime.errors import BusError, PublishError
+from coevo.schemas import (
+    ControlReply,
+    ControlRequest,
+    Event,
+    control_subject,
+    decode,
+    encode,
+    events_prefix,
+    kind_of,
+    new_id,
+    subject_for,
+)
+
+log = structlog.get_logger("coevo.bus")
+
+MSG_ID = "Nats-Msg-Id"
+
+
+def stream_name(run_id: str) -> str:
+    return f"COEVO_{run_id}"
+
+
+async def connect_nats(cfg: NatsConfig, url: str, name: str = "coevo") -> NATS:
+    """Connect with credentials and TLS from config; secrets are read from the environment."""
+    opts: dict[str, Any] = {
+        "servers": [url],
+        "name": name,
+        "connect_timeout": cfg.connect_timeout_s,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "allow_reconnect": True,
+    }
+    if cfg.user:
+        opts["user"] = cfg.user
+    if cfg.password_env:
+        opts["password"] = _secret(cfg.password_env)
+    if cfg.token_env:
+        opts["token"] = _secret(cfg.token_env)
+    if cfg.creds_file:
+        opts["user_credentials"] = str(cfg.creds_file)
+    if cfg.tls_ca or cfg.tls_cert:
+        ctx = ssl.create_default_context(cafile=str(cfg.tls_ca) if cfg.tls_ca else None)
+        if cfg.tls_cert:
+            ctx.load_cert_chain(str(cfg.tls_cert), str(cfg.tls_key) if cfg.tls_key else None)
+        opts["tls"] = ctx
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats.error", error=repr(exc))
+
+    async def on_disconnect() -> None:
+        log.warning("nats.disconnected", url=url)
+
+    async def on_reconnect() -> None:
+        log.info("nats.reconnected", url=url)
+
+    try:
+        return await nats.connect(
+            error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, **opts
+        )
+    except Exception as exc:
+        raise BusError(f"cannot connect to NATS at {url}: {exc!r}") from exc
+
+
+def _secret(env: str) -> str:
+    value = os.environ.get(env)
+    if not value:
+        raise BusError(f"environment variable {env} (named by the config) is not set")
+    return value
+
+
+@dataclass
+class _Pending:
+    subject: str
+    payload: bytes
+    event_id: str
+    t0: float
+
+
+@dataclass
+class BusStats:
+    published: int = 0
+    duplicates: int = 0
+    publish_retries: int = 0
+    dead_lettered: int = 0
+    latencies_ms: list[float] = field(default_factory=list)
+    track_latency: bool = False
+
+
+class NatsBus:
+    """A run's view of JetStream: one stream ``COEVO_<run>`` with subjects ``coevo.<run>.ev.>``."""
+
+    def __init__(
+        self, nc: NATS, run_id: str, bus: BusConfig, stream: StreamConfig | None = None
+    ) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=bus.publish_ack_timeout_s,
+                                                 publish_async_max_pending=bus.max_inflight_publishes + 1)
+        self.run_id = run_id
+        self.cfg = bus
+        self.stream_cfg = stream or StreamConfig()
+        self.stream = stream_name(run_id)
+        self.stats = BusStats()
+        self._slots = asyncio.Semaphore(bus.max_inflight_publishes)
+        self._pending: dict[asyncio.Future[Any], _Pending] = {}
+        self._failed: list[_Pending] = []
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        run_id: str,
+        *,
+        nats_cfg: NatsConfig | None = None,
+        bus: BusConfig | None = None,
+        stream: StreamConfig | None = None,
+        name: str = "coevo",
+    ) -> NatsBus:
+        nc = await connect_nats(nats_cfg or NatsConfig(), url, name=name)
+        self = cls(nc, run_id, bus or BusConfig(), stream)
+        try:
+            await self.ensure_stream()
+        except BaseException:
+            await nc.close()
+            raise
+        return self
+
+    async def ensure_stream(self) -> api.StreamInfo:
+        """Create the run's stream, or update it to the configured limits."""
+        s = self.stream_cfg
+        config = api.StreamConfig(
+            name=self.stream,
+            subjects=[f"{events_prefix(self.run_id)}.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE if s.storage == "file" else api.StorageType.MEMORY,
+            max_age=s.max_age_s,
+            max_bytes=s.max_bytes,
+            max_msg_size=s.max_msg_size,
+            duplicate_window=s.duplicate_window_s,
+            num_replicas=s.replicas,
+        )
+        try:
+            info = await self.js.stream_info(self.stream)
+        except nats.js.errors.NotFoundError:
+            return await self.js.add_stream(config)
+        if info.config.subjects != config.subjects or info.config.max_age != config.max_age or \
+                info.config.max_bytes != config.max_bytes or info.config.duplicate_window != \
+                config.duplicate_window or info.config.max_msg_size != config.max_msg_size:
+            return await self.js.update_stream(config)
+        return info
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Flush pending publishes, then drain the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.flush(timeout_s)
+        finally:
+            if not self.nc.is_closed:
+                try:
+                    await asyncio.wait_for(self.nc.drain(), timeout_s)
+                except (TimeoutError, nats.errors.ConnectionClosedError):
+                    await self.nc.close()
+
+    async def __aenter__(self) -> NatsBus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- publish -----------------------------------------------------------------------------
+
+    async def publish(self, event: Event) -> asyncio.Future[Any]:
+        """Publish without waiting for the ack (bounded in-flight). Returns the ack future."""
+        if event.run_id != self.run_id:
+            raise BusError(f"event {event.event_id} belongs to run {event.run_id}, not {self.run_id}")
+        return await self.publish_raw(subject_for(self.run_id, kind_of(event)), encode(event),
+                                      event.event_id)
+
+    async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> asyncio.Future[Any]:
+        if self._failed:
+            await self._retry_failed()
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.cfg.publish_ack_timeout_s)
+        except TimeoutError:
+            await self._expire_stale()
+            await self._slots.acquire()
+        pending = _Pending(subject, payload, msg_id, time.perf_counter())
+        try:
+            fut = await self.js.publish_async(subject, payload, headers={MSG_ID: msg_id})
+        except BaseException:
+            self._slots.release()
+            raise
+        self._pending[fut] = pending
+        self._idle.clear()
+        fut.add_done_callback(self._on_ack)
+        return fut
+
+    async def publish_sync(self, event: Event) -> api.PubAck:
+        """Publish and wait for the ack (retried with the same message id)."""
+        return await self._publish_with_retry(
+            _Pending(subject_for(self.run_id, kind_of(event)), encode(event), event.event_id,
+                     time.perf_counter()))
+
+    def _on_ack(self, fut: asyncio.Future[Any]) -> None:
+        pending = self._pending.pop(fut, None)
+        self._slots.release()
+        if pending is not None:
+            if fut.cancelled() or fut.exception() is not None:
+                self._failed.append(pending)
+            else:
+                ack = fut.result()
+                self.stats.published += 1
+                if ack.duplicate:
+                    self.stats.duplicates += 1
+                if self.stats.track_latency:
+                    self.stats.latencies_ms.append((time.perf_counter() - pending.t0) * 1e3)
+        if not self._pending:
+            self._idle.set()
+
+    async def _expire_stale(self) -> None:
+        limit = time.perf_counter() - self.cfg.publish_ack_timeout_s
+        for fut, pending in list(self._pending.items()):
+            if pending.t0 < limit:
+                fut.cancel()
+        await self._retry_failed()
+
+    async def _retry_failed(self) -> None:
+        failed, self._failed = self._failed, []
+        for pending in failed:
+            self.stats.publish_retries += 1
+            await self._publish_with_retry(pending)
+
+    async def _publish_with_retry(self, p: _Pending) -> api.PubAck:
+        last: BaseException | None = None
+        for attempt in range(self.cfg.publish_retries + 1):
+            try:
+                ack = await self.js.publish(p.subject, p.payload, headers={MSG_ID: p.event_id},
+                                            timeout=self.cfg.publish_ack_timeout_s)
+            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError,
+                    nats.errors.ConnectionReconnectingError) as exc:
+                last = exc
+                await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
+                continue
+            self.stats.published += 1
+            self.stats.duplicates += int(ack.duplicate or False)
+            return ack
+        raise PublishError(p.subject, p.event_id, repr(last))
+
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every publish so far is acknowledged (retrying failures)."""
+        timeout_s = timeout_s or self.cfg.publish_ack_timeout_s
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            for fut in list(self._pending):
+                fut.cancel()
+        await self._retry_failed()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._pending)
+
+    # ---- consume -----------------------------------------------------------------------------
+
+    def consumer_config(self, durable: str, kinds: Iterable[str]) -> api.ConsumerConfig:
+        subjects = sorted(subject_for(self.run_id, k) for k in kinds)
+        return api.ConsumerConfig(
+            durable_name=durable,
+            name=durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_wait=self.cfg.ack_wait_s,
+            # one more than ours: our last attempt dead-letters before the server gives up
+            max_deliver=self.cfg.max_deliver + 1,
+            max_ack_pending=self.cfg.max_ack_pending,
+            filter_subjects=subjects if len(subjects) > 1 else None,
+            filter_subject=subjects[0] if len(subjects) == 1 else None,
+        )
+
+    async def pull_subscription(self, durable: str, kinds: Iterable[str]) -> Any:
+        """Create or update the durable consumer, then bind a pull subscription to it."""
+        config = self.consumer_config(durable, kinds)
+        try:
+            await self.js.add_consumer(self.stream, config)
+        except nats.js.errors.BadRequestError as exc:
+            raise BusError(f"consumer {durable} exists with an incompatible config: {exc}") from exc
+        return await self.js.pull_subscribe_bind(durable=durable, stream=self.stream)
+
+    async def dead_letter(self, msg: Msg, consumer: str, reason: str, source: Any) -> None:
+        from coevo.schemas import DeadLettered
+
+        delivered = msg.metadata.num_delivered if msg.reply else 0
+        event = DeadLettered(
+            run_id=self.run_id, source=source, original_subject=msg.subject, consumer=consumer,
+            reason=reason[:4000], raw=bytes(msg.data), delivery_count=delivered,
+            headers={k: str(v) for k, v in (msg.headers or {}).items()},
+        )
+        await self.publish_sync(event)
+        self.stats.dead_lettered += 1
+        log.warning("bus.dead_lettered", subject=msg.subject, consumer=consumer, reason=reason[:200])
+
+    # ---- reading history ---------------------------------------------------------------------
+
+    async def last_sequence(self) -> int:
+        info = await self.js.stream_info(self.stream)
+        return info.state.last_seq
+
+    async def history(
+        self, kinds: Iterable[str] | None = None, start_seq: int = 1, end_seq: int | None = None
+    ) -> AsyncIterator[tuple[int, Event | None, Msg]]:
+        """Every stored event (or those of ``kinds``) in order, up to ``end_seq`` (default: now).
+
+        Yields ``(sequence, event, msg)``; ``event`` is None for a payload that does not decode.
+        """
+        end = end_seq if end_seq is not None else await self.last_sequence()
+        if end < start_seq:
+            return
+        subjects = [subject_for(self.run_id, k) for k in kinds] if kinds else [f"{events_prefix(self.run_id)}.>"]
+        config = api.ConsumerConfig(
+            ack_policy=api.AckPolicy.NONE,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start_seq,
+            filter_subjects=subjects if len(subjects) > 1 else None,
+            filter_subject=subjects[0] if len(subjects) == 1 else None,
+            inactive_threshold=30.0,
+            max_ack_pending=-1,
+        )
+        config.name = f"history_{new_id()[:16]}"
+        await self.js.add_consumer(self.stream, config)
+        sub = await self.js.pull_subscribe_bind(durable=config.name, stream=self.stream)
+        try:
+            if (await sub.consumer_info()).num_pending == 0:
+                return
+            while True:
+                try:
+                    msgs = await sub.fetch(256, timeout=2.0)
+                except nats.errors.TimeoutError:
+                    return
+                for msg in msgs:
+                    md = msg.metadata
+                    if md.sequence.stream > end:
+                        return
+                    try:
+                        event: Event | None = decode(msg.data)
+                    except ValueError:
+                        event = None
+                    yield md.sequence.stream, event, msg
+                    if md.num_pending == 0 or md.sequence.stream >= end:
+                        return
+        finally:
+            await sub.unsubscribe()
+            with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+                await self.js.delete_consumer(self.stream, config.name)
+
+    async def events(self, kinds: Iterable[str] | None = None) -> list[Event]:
+        """Convenience: the decoded events stored so far (undecodable ones skipped)."""
+        return [e async for _, e, _ in self.history(kinds) if e is not None]
+
+    # ---- control (request-reply on core NATS) -------------------------------------------------
+
+    async def serve_control(
+        self, agent_id: str, handler: Callable[[ControlRequest], Awaitable[ControlReply]]
+    ) -> Any:
+        async def on_request(msg: Msg) -> None:
+            try:
+                request = ControlRequest.model_validate_json(msg.data)
+            except ValueError as exc:
+                await msg.respond(f'{{"error": {str(exc)[:500]!r}}}'.encode())
+                return
+            reply = await handler(request)
+            await msg.respond(reply.model_dump_json().encode())
+
+        return await self.nc.subscribe(control_subject(self.run_id, agent_id), cb=on_request)
+
+    async def control(self, agent_id: str, command: str, timeout_s: float = 5.0) -> ControlReply:
+        request = ControlRequest(command=command)  # type: ignore[arg-type]
+        try:
+            msg = await self.nc.request(control_subject(self.run_id, agent_id),
+                                        request.model_dump_json().encode(), timeout=timeout_s)
+        except nats.errors.NoRespondersError as exc:
+            raise BusError(f"no agent {agent_id} in run {self.run_id}") from exc
+        return ControlReply.model_validate_json(msg.data)
+
+
+HandlerFn = Callable[[Event, "Delivery"], Awaitable[None]]
+
+
+@dataclass
+class Delivery:
+    """What a handler knows about the message it handles."""
+
+    msg: Msg
+    subject: str
+    stream_seq: int
+    num_delivered: int
+
+    async def in_progress(self) -> None:
+        """Tell the server the work goes on (resets the ack timer)."""
+        await self.msg.in_progress()

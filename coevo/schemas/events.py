@@ -1,0 +1,263 @@
+"""Every event of the closed loop (see ALGORITHM.md). Facts are named in the past tense.
+
+Invariant: these models are the only contract between agents; each has a unique ``kind`` literal,
+which the registry maps to a subject. Adding a field needs a default (old events stay decodable);
+changing a field's meaning bumps ``SCHEMA_VERSION`` and adds an upcaster in the registry.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from coevo.schemas.base import Event, Frozen, Identifier
+
+Role = Literal["policy", "judge"]
+Outcome = Literal["won", "lost", "truncated", "aborted"]
+Direction = Literal["harder", "easier"]
+Purpose = Literal["train", "candidate", "eval"]
+Split = Literal["train", "heldout"]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class TaskSpec(Frozen):
+    """A task as the environments, the rewriter and the events see it.
+
+    ``params`` holds the family's own parameters (validated by the family); ``knobs`` the integer
+    difficulty knobs the rewriter may move within the family's bounds.
+    """
+
+    task_id: Identifier
+    family: Identifier
+    params: dict[str, Any] = Field(default_factory=dict)
+    knobs: dict[str, int] = Field(default_factory=dict)
+    parent_id: Identifier | None = None
+    version: int = Field(default=0, ge=0)
+    split: Split = "train"
+
+
+# ---- tasks -------------------------------------------------------------------------------------
+
+
+class TaskScheduled(Event):
+    """A group of ``n_rollouts`` trajectories was requested for a task."""
+
+    kind: Literal["task.scheduled"] = "task.scheduled"
+    task: TaskSpec
+    slot_id: Identifier | None = None
+    group_id: Identifier
+    n_rollouts: int = Field(ge=1, le=4096)
+    purpose: Purpose = "train"
+
+
+class TaskRewritten(Event):
+    """The rewriter proposed a harder or easier version of a slot's active task."""
+
+    kind: Literal["task.rewritten"] = "task.rewritten"
+    slot_id: Identifier
+    parent: TaskSpec
+    candidate: TaskSpec | None
+    direction: Direction
+    summaries: list[str] = Field(default_factory=list)
+    rewriter: str
+    precheck_ok: bool
+    precheck_error: str | None = None
+
+
+class TaskDecided(Event):
+    """The acceptance gate's verdict on a rolled-out candidate (ALGORITHM.md §4.4)."""
+
+    kind: Literal["task.decided"] = "task.decided"
+    slot_id: Identifier
+    parent_id: Identifier
+    candidate_id: Identifier
+    direction: Direction
+    accepted: bool
+    reason: str
+    parent_accuracy: Probability
+    candidate_accuracy: Probability | None
+    rewriter: str
+
+
+# ---- rollouts ----------------------------------------------------------------------------------
+
+
+class StepTaken(Event):
+    """One policy call and the environment's answer to the action it chose."""
+
+    kind: Literal["step.taken"] = "step.taken"
+    trajectory_id: Identifier
+    task_id: Identifier
+    group_id: Identifier
+    step_index: int = Field(ge=0)
+    observation: str
+    candidates: list[str] = Field(default_factory=list)
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    response_token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list, description="sampling log-prob per response token")
+    response_text: str = ""
+    action_index: int | None = None
+    action_text: str = ""
+    parse_ok: bool = True
+    next_observation: str = ""
+    done: bool = False
+    reference_label: Literal[1, -1] | None = Field(
+        default=None, description="environment's own label of this step (e.g. from a walkthrough)"
+    )
+    policy_version: int = Field(ge=0)
+
+
+class TrajectoryCompleted(Event):
+    """A trajectory ended; ``aborted`` ones are never counted as failures nor trained on."""
+
+    kind: Literal["trajectory.completed"] = "trajectory.completed"
+    trajectory_id: Identifier
+    task_id: Identifier
+    group_id: Identifier
+    outcome: Outcome
+    num_steps: int = Field(ge=0)
+    step_event_ids: list[str] = Field(default_factory=list)
+    policy_versions: list[int] = Field(default_factory=list)
+    error: str | None = None
+
+
+class Vote(Frozen):
+    """One of the judge's ``m`` votes on a step. ``value`` is None unless ``status == 'ok'``."""
+
+    index: int = Field(ge=0)
+    value: Literal[1, -1] | None
+    status: Literal["ok", "unparseable", "error"]
+    rationale: str = ""
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    response_token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    model_version: int | None = None
+
+
+class StepJudged(Event):
+    """The judge's votes on one step."""
+
+    kind: Literal["step.judged"] = "step.judged"
+    step_event_id: str
+    trajectory_id: Identifier
+    task_id: Identifier
+    group_id: Identifier
+    step_index: int = Field(ge=0)
+    votes: list[Vote]
+    judge_version: int | None = None
+
+
+class TrainingSample(Frozen):
+    """One (prompt, response, advantage) sample for a trainable model."""
+
+    sample_id: str
+    role: Role
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    logprobs: list[float]
+    advantage: float
+    model_version: int = Field(ge=0)
+    step_event_id: str
+
+
+class GroupScored(Event):
+    """A task's group was scored: rewards, advantages, accuracy, bands and the training samples."""
+
+    kind: Literal["group.scored"] = "group.scored"
+    task_id: Identifier
+    group_id: Identifier
+    slot_id: Identifier | None = None
+    purpose: Purpose = "train"
+    accuracy: Probability
+    n_trajectories: int = Field(ge=0)
+    n_aborted: int = Field(ge=0, default=0)
+    policy_band_ok: bool
+    judge_band_ok: bool
+    trajectory_ids: list[str] = Field(default_factory=list)
+    step_event_ids: list[str] = Field(default_factory=list)
+    stragglers: list[str] = Field(default_factory=list, description="trajectories scored without all votes")
+    policy_samples: list[TrainingSample] = Field(default_factory=list)
+    judge_samples: list[TrainingSample] = Field(default_factory=list)
+    judge_process_accuracy: Probability | None = None
+    judge_outcome_accuracy: Probability | None = None
+    flagged: str | None = Field(default=None, description="why this group is kept out of training")
+
+
+# ---- learner and weights -----------------------------------------------------------------------
+
+
+class LearnerStepped(Event):
+    """One optimiser step of a lane (policy or judge)."""
+
+    kind: Literal["learner.stepped"] = "learner.stepped"
+    role: Role
+    version: int = Field(ge=0, description="model version produced by this step")
+    samples: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    loss: float
+    kl: float
+    clip_fraction: float
+    mismatch_kl: float
+    staleness_histogram: dict[str, int] = Field(default_factory=dict)
+    tokens_per_second: float
+    group_ids: list[str] = Field(default_factory=list)
+
+
+class WeightsPublished(Event):
+    """New weights exist on disk; never the bytes themselves."""
+
+    kind: Literal["weights.published"] = "weights.published"
+    role: Role
+    version: int = Field(ge=0)
+    path: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int = Field(ge=0)
+
+
+class WeightsApplied(Event):
+    """An inference server (vLLM or a local engine) now serves ``version`` (or failed to)."""
+
+    kind: Literal["weights.applied"] = "weights.applied"
+    role: Role
+    server: str
+    version: int = Field(ge=0)
+    pause_ms: float = Field(ge=0.0)
+    ok: bool = True
+    error: str | None = None
+
+
+# ---- runtime -----------------------------------------------------------------------------------
+
+AgentState = Literal["starting", "running", "paused", "draining", "stopped", "failed"]
+
+
+class AgentStatus(Event):
+    """Heartbeat and lifecycle transitions of an agent."""
+
+    kind: Literal["agent.status"] = "agent.status"
+    agent_id: Identifier
+    role: Identifier
+    state: AgentState
+    uptime_s: float = Field(ge=0.0)
+    counters: dict[str, int] = Field(default_factory=dict)
+    detail: str | None = None
+
+
+class DeadLettered(Event):
+    """A message a consumer could not accept, kept with its raw bytes and the reason."""
+
+    kind: Literal["dead.lettered"] = "dead.lettered"
+    original_subject: str
+    consumer: str
+    reason: str
+    raw: bytes
+    delivery_count: int = Field(ge=0)
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
+class RunFinished(Event):
+    """The run stopped; carries the summary that ``summary.json`` also holds."""
+
+    kind: Literal["run.finished"] = "run.finished"
+    summary: dict[str, Any] = Field(default_factory=dict)

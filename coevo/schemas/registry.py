@@ -1,0 +1,131 @@
+"""One registry: event kind <-> model <-> subject, and the wire codec.
+
+Invariant: ``decode(encode(e)) == e`` for every registered event; every kind has exactly one
+subject ``coevo.<run>.ev.<kind>``; raw bytes that are not a valid event raise ``ValidationError``
+(never a half-built event). Old schema versions pass through an upcaster before validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Union
+
+from pydantic import Field, TypeAdapter
+
+from coevo.schemas.base import SCHEMA_VERSION, Event
+from coevo.schemas.events import (
+    AgentStatus,
+    DeadLettered,
+    GroupScored,
+    LearnerStepped,
+    RunFinished,
+    StepJudged,
+    StepTaken,
+    TaskDecided,
+    TaskRewritten,
+    TaskScheduled,
+    TrajectoryCompleted,
+    WeightsApplied,
+    WeightsPublished,
+)
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    TaskScheduled,
+    TaskRewritten,
+    TaskDecided,
+    StepTaken,
+    TrajectoryCompleted,
+    StepJudged,
+    GroupScored,
+    LearnerStepped,
+    WeightsPublished,
+    WeightsApplied,
+    AgentStatus,
+    DeadLettered,
+    RunFinished,
+)
+
+AnyEvent = Annotated[Union[EVENT_TYPES], Field(discriminator="kind")]  # noqa: UP007
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(AnyEvent)
+
+KIND_TO_MODEL: dict[str, type[Event]] = {
+    m.model_fields["kind"].default: m for m in EVENT_TYPES
+}
+MODEL_TO_KIND: dict[type[Event], str] = {m: k for k, m in KIND_TO_MODEL.items()}
+
+SUBJECT_ROOT = "coevo"
+CONTENT_TYPE = "application/json"
+"""Wire encoding: pydantic-core JSON (measured in ``coevo bench codec``; see README)."""
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+"""(kind, old schema_version) -> function that rewrites the payload to the next version."""
+
+
+def kind_of(model: type[Event] | Event) -> str:
+    cls = model if isinstance(model, type) else type(model)
+    return MODEL_TO_KIND[cls]
+
+
+def events_prefix(run_id: str) -> str:
+    return f"{SUBJECT_ROOT}.{run_id}.ev"
+
+
+def subject_for(run_id: str, kind: str | type[Event]) -> str:
+    k = kind if isinstance(kind, str) else kind_of(kind)
+    if k not in KIND_TO_MODEL:
+        raise KeyError(f"unknown event kind {k!r}")
+    return f"{events_prefix(run_id)}.{k}"
+
+
+def kind_from_subject(subject: str) -> str | None:
+    parts = subject.split(".", 3)
+    if len(parts) < 4 or parts[0] != SUBJECT_ROOT or parts[2] != "ev":
+        return None
+    return parts[3]
+
+
+def control_subject(run_id: str, agent_id: str) -> str:
+    return f"{SUBJECT_ROOT}.{run_id}.ctl.{agent_id}"
+
+
+def encode(event: Event) -> bytes:
+    return event.__pydantic_serializer__.to_json(event)
+
+
+def decode(raw: bytes | str) -> Event:
+    """Validate raw bytes into the registered event they encode.
+
+    Fast path: current-version payloads go straight through the Rust JSON validator. Older
+    versions are parsed, upcast step by step, then validated.
+    """
+    try:
+        return EVENT_ADAPTER.validate_json(raw)
+    except Exception:
+        import json
+
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise
+        if not isinstance(data, dict) or data.get("schema_version", SCHEMA_VERSION) >= SCHEMA_VERSION:
+            raise
+        return EVENT_ADAPTER.validate_python(upcast(data), strict=False)
+
+
+def upcast(data: dict[str, Any]) -> dict[str, Any]:
+    kind = data.get("kind")
+    version = int(data.get("schema_version", SCHEMA_VERSION))
+    while version < SCHEMA_VERSION:
+        step = UPCASTERS.get((str(kind), version))
+        if step is None:
+            raise ValueError(f"no upcaster for {kind} schema_version {version}")
+        data = step(data)
+        version += 1
+        data["schema_version"] = version
+    return data
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """JSON Schema of every event, keyed by kind."""
+    return {kind: model.model_json_schema() for kind, model in KIND_TO_MODEL.items()}

@@ -1,0 +1,67 @@
+"""Fixtures: a real nats-server with JetStream per test module, a fresh run id per test."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from coevo.config import CoevoConfig, load_config
+from coevo.runtime.bus import NatsBus
+from coevo.runtime.server import EmbeddedServer
+from coevo.schemas import new_id
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    server = EmbeddedServer(tmp_path_factory.mktemp("nats"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server: EmbeddedServer) -> str:
+    assert nats_server.url is not None
+    return nats_server.url
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"t{new_id()[:12]}"
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> CoevoConfig:
+    return load_config(overrides={
+        "run.runs_dir": str(tmp_path / "runs"),
+        "bus.ack_wait_s": 2.0,
+        "bus.in_progress_every_s": 0.5,
+        "bus.nak_backoff_s": [0.05, 0.1],
+        "bus.fetch_timeout_s": 0.2,
+        "agent.heartbeat_s": 0.5,
+        "agent.drain_timeout_s": 3.0,
+        "agent.restart_backoff_s": [0.01, 0.05],
+    })
+
+
+@pytest.fixture
+async def bus(nats_url: str, run_id: str, cfg: CoevoConfig) -> AsyncIterator[NatsBus]:
+    b = await NatsBus.connect(nats_url, run_id, nats_cfg=cfg.nats, bus=cfg.bus, stream=cfg.stream)
+    yield b
+    await b.close()
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+PYTHON = sys.executable

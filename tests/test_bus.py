@@ -1,0 +1,223 @@
+"""The typed bus against a real nats-server with JetStream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coevo.runtime.bus import NatsBus
+from coevo.runtime.consumer import Consumer, Subscription
+from coevo.runtime.errors import Reject, Retry
+from coevo.schemas import (
+    DeadLettered,
+    Source,
+    StepTaken,
+    TaskScheduled,
+    TaskSpec,
+    encode,
+    subject_for,
+)
+from tests.samples import sample_events
+
+SRC = Source(agent_id="test", role="test")
+
+
+def sched(run_id: str, i: int = 0) -> TaskScheduled:
+    return TaskScheduled(run_id=run_id, source=SRC, task=TaskSpec(task_id=f"t{i}", family="quick"),
+                         group_id=f"g{i}", n_rollouts=4)
+
+
+async def test_round_trip_every_event_type(bus: NatsBus, run_id: str) -> None:
+    events = sample_events(run_id)
+    for e in events:
+        await bus.publish(e)
+    await bus.flush()
+    stored = await bus.events()
+    assert [type(e) for e in stored] == [type(e) for e in events]
+    assert stored == events  # every field survives the wire, typed
+
+
+async def test_republished_event_is_stored_once(bus: NatsBus, run_id: str) -> None:
+    e = sched(run_id)
+    first = await bus.publish_sync(e)
+    second = await bus.publish_sync(e)
+    await bus.publish(e)
+    await bus.flush()
+    assert not first.duplicate and second.duplicate
+    assert first.seq == second.seq
+    assert [x.event_id for x in await bus.events()] == [e.event_id]
+    assert bus.stats.duplicates == 2
+
+
+async def test_wrong_run_is_refused(bus: NatsBus) -> None:
+    with pytest.raises(Exception, match="belongs to run"):
+        await bus.publish(sched("other-run"))
+
+
+async def run_consumer(consumer: Consumer, stop: asyncio.Event, until, timeout: float = 10) -> None:
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(consumer.run(stop))
+        async with asyncio.timeout(timeout):
+            await until()
+        stop.set()
+
+
+async def test_malformed_payload_is_dead_lettered_and_consumer_continues(bus: NatsBus, run_id: str) -> None:
+    subject = subject_for(run_id, TaskScheduled)
+    good = [sched(run_id, i) for i in range(3)]
+    await bus.publish_sync(good[0])
+    await bus.nc.jetstream().publish(subject, b'{"kind": "task.scheduled", "n_rollouts": "many"}')
+    await bus.nc.jetstream().publish(subject, b"\x00\xffnot json")
+    wrong_type = encode(good[1]).replace(b'"n_rollouts":4', b'"n_rollouts":"4"')  # strict: no coercion
+    await bus.nc.jetstream().publish(subject, wrong_type)
+    await bus.publish_sync(good[2])
+    seen: list[str] = []
+
+    async def handler(event: TaskScheduled, _d) -> None:
+        seen.append(event.task.task_id)
+
+    c = Consumer(bus, Subscription("sched", (TaskScheduled,), handler), SRC)
+    stop = asyncio.Event()
+
+    async def until() -> None:
+        while c.stats.handled + c.stats.dead_lettered < 5:
+            await asyncio.sleep(0.02)
+
+    await run_consumer(c, stop, until)
+    assert seen == ["t0", "t2"]
+    dead = [e for e in await bus.events(["dead.lettered"]) if isinstance(e, DeadLettered)]
+    assert len(dead) == 3
+    assert dead[1].raw == b"\x00\xffnot json"
+    assert all(d.original_subject == subject and d.consumer == "sched" for d in dead)
+    assert "n_rollouts" in dead[0].reason and "n_rollouts" in dead[2].reason
+    assert dead[2].raw == wrong_type
+
+
+async def test_retry_reject_and_crash_outcomes(bus: NatsBus, run_id: str, cfg) -> None:
+    events = [sched(run_id, i) for i in range(3)]
+    for e in events:
+        await bus.publish(e)
+    await bus.flush()
+    attempts: dict[str, int] = {}
+
+    async def handler(event: TaskScheduled, d) -> None:
+        tid = event.task.task_id
+        attempts[tid] = attempts.get(tid, 0) + 1
+        if tid == "t0" and attempts[tid] < 3:
+            raise Retry("not yet", delay_s=0.01)
+        if tid == "t1":
+            raise Reject("bad task")
+        if tid == "t2":
+            raise RuntimeError("boom")
+
+    c = Consumer(bus, Subscription("outcomes", (TaskScheduled,), handler), SRC)
+    stop = asyncio.Event()
+
+    async def until() -> None:
+        while c.stats.handled + c.stats.dead_lettered < 3:
+            await asyncio.sleep(0.02)
+
+    await run_consumer(c, stop, until)
+    assert attempts == {"t0": 3, "t1": 1, "t2": cfg.bus.max_deliver}
+    assert c.stats.retried == 2 and c.stats.crashed == cfg.bus.max_deliver
+    dead = await bus.events(["dead.lettered"])
+    reasons = sorted(d.reason for d in dead)
+    assert reasons[0].startswith("handler crashed 5 times") and "boom" in reasons[0]
+    assert reasons[1] == "rejected: bad task"
+
+
+async def test_long_handler_keeps_its_message_with_in_progress(bus: NatsBus, run_id: str, cfg) -> None:
+    await bus.publish_sync(sched(run_id))
+    calls = 0
+
+    async def slow(event, d) -> None:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(cfg.bus.ack_wait_s * 2)  # longer than ack_wait: no redelivery
+
+    c = Consumer(bus, Subscription("slow", (TaskScheduled,), slow), SRC)
+    stop = asyncio.Event()
+
+    async def until() -> None:
+        while c.stats.handled < 1:
+            await asyncio.sleep(0.05)
+
+    await run_consumer(c, stop, until, timeout=20)
+    assert calls == 1
+
+
+async def test_unacked_message_is_redelivered_to_another_consumer(
+        nats_url: str, run_id: str, cfg, bus: NatsBus) -> None:
+    """A consumer that dies holding a message (connection gone, no ack) loses nothing."""
+    for i in range(4):
+        await bus.publish(sched(run_id, i))
+    await bus.flush()
+    victim_bus = await NatsBus.connect(nats_url, run_id, bus=cfg.bus)
+    got_by_victim: list[str] = []
+    holding = asyncio.Event()
+
+    async def hang(event, d) -> None:
+        got_by_victim.append(event.task.task_id)
+        holding.set()
+        await asyncio.Event().wait()  # never acks
+
+    victim = Consumer(victim_bus, Subscription("work", (TaskScheduled,), hang, concurrency=1), SRC)
+    stop_v = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        t = tg.create_task(victim.run(stop_v))
+        await asyncio.wait_for(holding.wait(), 10)
+        t.cancel()  # the process "dies": the task is gone and the connection closes without a nak
+        await victim_bus.nc.close()
+    assert len(got_by_victim) == 1
+    done: list[str] = []
+
+    async def work(event, d) -> None:
+        done.append(event.task.task_id)
+
+    survivor = Consumer(bus, Subscription("work", (TaskScheduled,), work), SRC)
+    stop = asyncio.Event()
+
+    async def until() -> None:
+        while len(done) < 4:
+            await asyncio.sleep(0.05)
+
+    await run_consumer(survivor, stop, until, timeout=cfg.bus.ack_wait_s + 10)
+    assert sorted(done) == ["t0", "t1", "t2", "t3"]
+    assert got_by_victim[0] in done
+
+
+async def test_control_request_reply(bus: NatsBus) -> None:
+    from coevo.schemas import ControlReply, ControlRequest
+
+    async def handler(req: ControlRequest) -> ControlReply:
+        return ControlReply(agent_id="a1", role="r", state="paused" if req.command == "pause" else "running",
+                            uptime_s=1.0)
+
+    sub = await bus.serve_control("a1", handler)
+    try:
+        assert (await bus.control("a1", "pause")).state == "paused"
+        assert (await bus.control("a1", "status")).state == "running"
+        with pytest.raises(Exception, match="no agent"):
+            await bus.control("nobody", "status", timeout_s=1)
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_runs_are_isolated(nats_url: str, cfg, run_id: str, bus: NatsBus) -> None:
+    other = await NatsBus.connect(nats_url, run_id + "x", bus=cfg.bus)
+    try:
+        await other.publish_sync(sched(other.run_id))
+        await bus.publish_sync(sched(run_id))
+        assert len(await bus.events()) == 1 and len(await other.events()) == 1
+    finally:
+        await other.close()
+
+
+async def test_step_event_with_token_arrays_round_trips(bus: NatsBus, run_id: str) -> None:
+    step = StepTaken(run_id=run_id, source=SRC, trajectory_id="tr", task_id="t", group_id="g", step_index=0,
+                     observation="o", prompt_token_ids=list(range(2000)), response_token_ids=[1, 2],
+                     logprobs=[-0.1234567890123, -2.5], policy_version=3)
+    await bus.publish_sync(step)
+    (back,) = await bus.events()
+    assert back == step and back.logprobs[0] == -0.1234567890123
