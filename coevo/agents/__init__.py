@@ -1,0 +1,26 @@
+"""Agents of the closed loop. Roles are resolved lazily so that ``coevo --help`` stays fast."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coevo.runtime.agent import Agent
+
+ROLES: dict[str, str] = {}
+"""Role name -> ``module:Class``. Any ``module:Class`` path is accepted as a role too."""
+
+
+def resolve_role(role: str) -> type[Agent]:
+    from coevo.runtime.agent import Agent
+
+    target = ROLES.get(role, role)
+    if ":" not in target:
+        known = ", ".join(sorted(ROLES)) or "none yet"
+        raise SystemExit(f"unknown agent role {role!r} (known: {known}; or give module:Class)")
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, Agent)):
+        raise SystemExit(f"{target} is not an Agent subclass")
+    return cls

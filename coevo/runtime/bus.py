@@ -217,10 +217,13 @@ class NatsBus:
     async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> asyncio.Future[Any]:
         if self._failed:
             await self._retry_failed()
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self.cfg.publish_ack_timeout_s)
-        except TimeoutError:
-            await self._expire_stale()
+        if self._slots.locked():
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self.cfg.publish_ack_timeout_s)
+            except TimeoutError:
+                await self._expire_stale()
+                await self._slots.acquire()
+        else:
             await self._slots.acquire()
         pending = _Pending(subject, payload, msg_id, time.perf_counter())
         try:
@@ -372,7 +375,7 @@ class NatsBus:
             while True:
                 try:
                     msgs = await sub.fetch(256, timeout=2.0)
-                except nats.errors.TimeoutError:
+                except (nats.errors.TimeoutError, TimeoutError):
                     return
                 for msg in msgs:
                     md = msg.metadata
@@ -423,14 +426,25 @@ class NatsBus:
 HandlerFn = Callable[[Event, "Delivery"], Awaitable[None]]
 
 
-@dataclass
 class Delivery:
-    """What a handler knows about the message it handles."""
+    """What a handler knows about the message it handles (metadata parsed on demand)."""
 
-    msg: Msg
-    subject: str
-    stream_seq: int
-    num_delivered: int
+    __slots__ = ("msg",)
+
+    def __init__(self, msg: Msg) -> None:
+        self.msg = msg
+
+    @property
+    def subject(self) -> str:
+        return self.msg.subject
+
+    @property
+    def stream_seq(self) -> int:
+        return self.msg.metadata.sequence.stream
+
+    @property
+    def num_delivered(self) -> int:
+        return self.msg.metadata.num_delivered
 
     async def in_progress(self) -> None:
         """Tell the server the work goes on (resets the ack timer)."""

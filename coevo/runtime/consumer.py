@@ -1,8 +1,9 @@
 """A typed, bounded pull consumer.
 
 Invariants:
-- at most ``concurrency`` messages are held at once (fetches ask only for free slots), on top of
-  the server's ``max_ack_pending``; memory stays flat whatever the producer does;
+- at most about ``fetch_batch`` messages are held at once (each of ``concurrency`` workers
+  fetches its share only when it has handled its previous batch), under the server's
+  ``max_ack_pending``; memory stays flat whatever the producer does;
 - every fetched message ends in exactly one of: ack (handler returned), nak with delay
   (``Retry``, a crash below ``max_deliver``, or shutdown), or term after a stored ``DeadLettered``
   event (invalid payload, ``Reject``, or the last allowed crash);
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,51 +78,77 @@ class Consumer:
         self.stats = ConsumerStats()
         self.resumed = asyncio.Event()
         self.resumed.set()
-        self._inflight: set[asyncio.Task[None]] = set()
-        self._slot_freed = asyncio.Event()
+        self._held: dict[int, tuple[Msg, float]] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Consume until ``stop`` is set, then drain in-flight handlers (nak what is unfinished)."""
-        psub = await self.bus.pull_subscription(self.sub.durable, self.sub.kinds)
+        """Consume until ``stop`` is set; then let each worker finish the message it handles within
+        ``drain_timeout_s`` (cancelled and nak'd after that) and nak what it fetched but did not start.
+
+        ``concurrency`` workers each pull their own batches (``fetch_batch / concurrency``) through
+        their own subscription to the shared durable, so a message is never handed between tasks.
+        """
+        per_worker = max(1, -(-self.cfg.fetch_batch // self.concurrency))
+        subs = [await self.bus.pull_subscription(self.sub.durable, self.sub.kinds)
+                for _ in range(self.concurrency)]
         try:
             async with asyncio.TaskGroup() as tg:
-                while not stop.is_set():
-                    if not self.resumed.is_set():
-                        await first_completed(self.resumed.wait(), stop.wait())
-                        continue
-                    free = self.concurrency - len(self._inflight)
-                    if free <= 0:
-                        self._slot_freed.clear()
-                        await first_completed(self._slot_freed.wait(), stop.wait())
-                        continue
-                    try:
-                        msgs = await psub.fetch(min(free, self.cfg.fetch_batch),
-                                                timeout=self.cfg.fetch_timeout_s)
-                    except nats.errors.TimeoutError:
-                        continue
-                    for msg in msgs:
-                        task = tg.create_task(self._handle(msg), name=f"{self.sub.durable}:{msg.subject}")
-                        self._inflight.add(task)
-                        task.add_done_callback(self._done)
-                    self.stats.max_inflight = max(self.stats.max_inflight, len(self._inflight))
-                await self._drain()
+                workers = [tg.create_task(self._worker(ps, per_worker, stop), name=f"{self.sub.durable}:w{i}")
+                           for i, ps in enumerate(subs)]
+                keepalive = tg.create_task(self._keepalive(), name=f"{self.sub.durable}:keepalive")
+                await first_completed(stop.wait(), asyncio.wait(workers))
+                _, pending = await asyncio.wait(workers, timeout=self.drain_timeout_s)
+                for task in pending:
+                    task.cancel()
+                keepalive.cancel()
         finally:
+            for ps in subs:
+                with contextlib.suppress(Exception):
+                    await ps.unsubscribe()
+
+    async def _worker(self, psub: Any, batch: int, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if not self.resumed.is_set():
+                await first_completed(self.resumed.wait(), stop.wait())
+                continue
+            try:
+                msgs = await psub.fetch(batch, timeout=self.cfg.fetch_timeout_s)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            held = len(self._held) + len(msgs)
+            if held > self.stats.max_inflight:
+                self.stats.max_inflight = held
+            for i, msg in enumerate(msgs):
+                if stop.is_set() or not self.resumed.is_set():
+                    await self._release(msgs[i:])
+                    break
+                self._held[id(msg)] = (msg, time.monotonic())
+                try:
+                    await self._handle(msg)
+                except asyncio.CancelledError:
+                    await self._release(msgs[i + 1:])
+                    raise
+                finally:
+                    del self._held[id(msg)]
+
+    async def _release(self, msgs: list[Msg]) -> None:
+        """Give fetched-but-unstarted messages back at once (nak without delay)."""
+        for msg in msgs:
+            self.stats.nak_on_shutdown += 1
             with contextlib.suppress(Exception):
-                await psub.unsubscribe()
+                await msg.nak()
 
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._inflight.discard(task)
-        self._slot_freed.set()
-
-    async def _drain(self) -> None:
-        if not self._inflight:
-            return
-        _, pending = await asyncio.wait(set(self._inflight), timeout=self.drain_timeout_s)
-        for task in pending:
-            task.cancel()
+    async def _keepalive(self) -> None:
+        """Send ``in_progress`` for messages held longer than ``in_progress_every_s``."""
+        every = self.cfg.in_progress_every_s
+        while True:
+            await asyncio.sleep(every / 2)
+            limit = time.monotonic() - every / 2
+            for msg, since in list(self._held.values()):
+                if since < limit:
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
 
     async def _handle(self, msg: Msg) -> None:
-        md = msg.metadata
         try:
             event = decode(msg.data)
         except ValidationError as exc:
@@ -132,11 +160,8 @@ class Consumer:
         if event.run_id != self.bus.run_id:
             await self._dead_letter(msg, f"event of run {event.run_id} on run {self.bus.run_id}")
             return
-        delivery = Delivery(msg, msg.subject, md.sequence.stream, md.num_delivered)
-        bound = log.bind(event_id=event.event_id, subject=msg.subject, consumer=self.sub.durable,
-                         delivered=md.num_delivered)
         try:
-            await self._run_with_keepalive(self.sub.handler(event, delivery), msg)
+            await self.sub.handler(event, Delivery(msg))
         except asyncio.CancelledError:
             self.stats.nak_on_shutdown += 1
             with contextlib.suppress(Exception):
@@ -144,35 +169,25 @@ class Consumer:
             raise
         except Retry as r:
             self.stats.retried += 1
+            delivered = msg.metadata.num_delivered
             await msg.nak(delay=r.delay_s if r.delay_s is not None else
-                          backoff(self.cfg.nak_backoff_s, md.num_delivered))
-            bound.info("handler.retry", reason=str(r))
+                          backoff(self.cfg.nak_backoff_s, delivered))
+            log.info("handler.retry", reason=str(r), event_id=event.event_id, consumer=self.sub.durable,
+                     delivered=delivered)
         except Reject as r:
             await self._dead_letter(msg, f"rejected: {r}")
         except Exception as exc:
             self.stats.crashed += 1
-            if md.num_delivered >= self.cfg.max_deliver:
-                await self._dead_letter(msg, f"handler crashed {md.num_delivered} times: {exc!r}")
+            delivered = msg.metadata.num_delivered
+            if delivered >= self.cfg.max_deliver:
+                await self._dead_letter(msg, f"handler crashed {delivered} times: {exc!r}")
             else:
-                bound.warning("handler.crashed", error=repr(exc))
-                await msg.nak(delay=backoff(self.cfg.nak_backoff_s, md.num_delivered))
+                log.warning("handler.crashed", error=repr(exc), event_id=event.event_id,
+                            consumer=self.sub.durable, delivered=delivered)
+                await msg.nak(delay=backoff(self.cfg.nak_backoff_s, delivered))
         else:
             await msg.ack()
             self.stats.handled += 1
-
-    async def _run_with_keepalive(self, work: Awaitable[None], msg: Msg) -> None:
-        task = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.cfg.in_progress_every_s)
-                if done:
-                    return task.result()
-                await msg.in_progress()
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         await self.bus.dead_letter(msg, self.sub.durable, reason, self.source)

@@ -57,3 +57,4 @@ class Event(Frozen):
     correlation_id: str | None = Field(
         default=None, description="id shared by every event of one unit of work (e.g. a task's group)"
     )
+

@@ -1,0 +1,5 @@
+import sys
+
+from coevo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,211 @@
+"""The ``coevo`` command. Parses flags and config first; heavy modules are imported per command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _config_flags(parser: argparse.ArgumentParser) -> None:
+    from coevo.config import leaf_fields
+
+    parser.add_argument("--config", type=Path, help="TOML or YAML config file")
+    parser.add_argument("--nats", dest="nats_url", metavar="URL",
+                        help="NATS server URL (default: start an embedded server)")
+    parser.add_argument("--run-id", help="run id (default: generated)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any config field by dotted name (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    group = parser.add_argument_group("config fields (any field of the tree, by dotted name)")
+    for name, info in leaf_fields().items():
+        group.add_argument(f"--{name}", dest=f"cfg:{name}", default=None, metavar="V",
+                           help=(info.description or "") + f" [default: {_default(info)}]")
+
+
+def _default(info: Any) -> str:
+    if info.default_factory is not None:
+        return repr(info.default_factory())
+    return repr(info.default)
+
+
+def _parse_value(raw: str) -> Any:
+    text = raw.strip()
+    if text[:1] in "[{":
+        return json.loads(text)
+    return raw
+
+
+def resolve_config(args: argparse.Namespace) -> Any:
+    from coevo.config import load_config
+
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = _parse_value(value)
+    for key, value in vars(args).items():
+        if key.startswith("cfg:") and value is not None:
+            overrides[key[4:]] = _parse_value(value)
+    if getattr(args, "nats_url", None):
+        overrides["nats.url"] = args.nats_url
+    if getattr(args, "run_id", None):
+        overrides["run.run_id"] = args.run_id
+    for key, dotted in getattr(args, "_extra_overrides", {}).items():
+        value = getattr(args, key, None)
+        if value is not None:
+            overrides[dotted] = value
+    return load_config(args.config, overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="coevo",
+        description="Online RL of LLM agents: policy, judge and environment rewriter co-evolve over NATS.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run the closed loop (policy, judge, rewriter, learner)")
+    _config_flags(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("agent", help="run one agent (a role, or module:Class) against a server")
+    p.add_argument("role", help="agent role or module:Class")
+    p.add_argument("--agent-id", help="agent id (default: role + random suffix)")
+    _config_flags(p)
+    p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser("server", help="run an embedded nats-server with JetStream in the foreground")
+    p.add_argument("--port", type=int, default=4222, help="port (-1: any free port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--store", type=Path, default=Path("runs/nats"), help="JetStream storage directory")
+    p.set_defaults(func=cmd_server)
+
+    p = sub.add_parser("schemas", help="event schemas")
+    ssub = p.add_subparsers(dest="schemas_command", required=True, metavar="ACTION")
+    e = ssub.add_parser("export", help="write the JSON Schema of every event into DIR")
+    e.add_argument("dir", type=Path)
+    e.set_defaults(func=cmd_schemas_export)
+
+    p = sub.add_parser("bench", help="benchmarks (write JSON)")
+    bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    b = bsub.add_parser("bus", help="typed bus vs plain nats-py: throughput and publish-to-ack latency")
+    b.add_argument("--json", type=Path, help="write results here")
+    b.add_argument("--count", type=int, default=20000, help="events per size and mode")
+    b.add_argument("--repeats", type=int, default=3, help="best of N runs per measurement")
+    b.add_argument("--nats", dest="nats_url", help="use this server instead of an embedded one")
+    b.set_defaults(func=cmd_bench_bus)
+    b = bsub.add_parser("codec", help="wire encodings of the event models: speed and size")
+    b.add_argument("--json", type=Path)
+    b.set_defaults(func=cmd_bench_codec)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from coevo.runtime.errors import ConfigError
+
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"coevo: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---- commands ----------------------------------------------------------------------------------
+
+
+def _dry_run(args: argparse.Namespace, cfg: Any) -> bool:
+    if args.dry_run:
+        print(cfg.model_dump_json(indent=2))
+        return True
+    return False
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    if _dry_run(args, cfg):
+        return 0
+    from coevo.loop import run_main
+
+    return asyncio.run(run_main(cfg))
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    if _dry_run(args, cfg):
+        return 0
+    from coevo.agents import resolve_role
+
+    cls = resolve_role(args.role)
+
+    async def go() -> int:
+        from coevo.runtime.agent import run_agents
+        from coevo.runtime.app import open_runtime
+
+        async with open_runtime(cfg, name=f"coevo-agent-{cls.role}") as rt:
+            agent = cls(rt.bus, cfg, agent_id=args.agent_id)
+            await run_agents([agent])
+        return 0
+
+    return asyncio.run(go())
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from coevo.runtime.server import EmbeddedServer
+
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    with EmbeddedServer(args.store, port=args.port, host=args.host) as server:
+        print(f"nats-server ready at {server.url} (JetStream in {server.store_dir}); Ctrl-C stops it",
+              flush=True)
+        done.wait()
+    return 0
+
+
+def cmd_schemas_export(args: argparse.Namespace) -> int:
+    from coevo.schemas import json_schemas
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    schemas = json_schemas()
+    for kind, schema in schemas.items():
+        (args.dir / f"{kind}.json").write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {len(schemas)} schemas to {args.dir}")
+    return 0
+
+
+def cmd_bench_bus(args: argparse.Namespace) -> int:
+    from coevo.runtime.bench import bench_bus
+
+    result = asyncio.run(bench_bus(count=args.count, repeats=args.repeats, url=args.nats_url))
+    return _emit(result, args.json)
+
+
+def cmd_bench_codec(args: argparse.Namespace) -> int:
+    from coevo.runtime.bench import bench_codec
+
+    return _emit(bench_codec(), args.json)
+
+
+def _emit(result: dict[str, Any], path: Path | None) -> int:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
