@@ -221,3 +221,42 @@ async def test_step_event_with_token_arrays_round_trips(bus: NatsBus, run_id: st
     await bus.publish_sync(step)
     (back,) = await bus.events()
     assert back == step and back.logprobs[0] == -0.1234567890123
+
+
+async def test_backpressure_keeps_memory_flat(bus: NatsBus, run_id: str, cfg) -> None:
+    """A producer far faster than its consumer: the backlog stays on the server, not in memory."""
+    import tracemalloc
+
+    from coevo.runtime.bench import make_event
+
+    n = 6000
+    handled = 0
+
+    async def slow(event, d) -> None:
+        nonlocal handled
+        handled += 1
+        await asyncio.sleep(0.002)
+
+    c = Consumer(bus, Subscription("slowpoke", (StepTaken,), slow, concurrency=2), SRC)
+    stop = asyncio.Event()
+    samples: list[tuple[int, int, int]] = []  # (published, traced bytes, publishes in flight)
+    tracemalloc.start()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(c.run(stop))
+            for i in range(n):
+                await bus.publish(make_event(run_id, 2000, i))
+                if i % 500 == 499:
+                    samples.append((i, tracemalloc.get_traced_memory()[0], bus.inflight))
+            await bus.flush(30)
+            info = await bus.js.consumer_info(bus.stream, "slowpoke")
+            stop.set()
+    finally:
+        tracemalloc.stop()
+    assert handled < n / 2, "the consumer must be the bottleneck for this test to mean anything"
+    assert info.num_pending > n / 3  # the backlog is on the server...
+    assert info.num_ack_pending <= cfg.bus.max_ack_pending
+    assert c.stats.max_inflight <= cfg.bus.fetch_batch  # ...not in this process
+    assert max(s[2] for s in samples) <= cfg.bus.max_inflight_publishes
+    growth = samples[-1][1] - samples[1][1]
+    assert growth < 3 * 1024 * 1024, f"memory grew by {growth} bytes while the backlog grew"

@@ -136,7 +136,7 @@ class Agent:
                     tg.create_task(self._supervise(c.sub.durable, lambda c=c: c.run(self.stopping)),
                                    name=f"{self.agent_id}:{c.sub.durable}")
                 tg.create_task(self._supervise("main", self._main_once), name=f"{self.agent_id}:main")
-        except BaseException as exc:  # noqa: BLE001 - reported, then re-raised
+        except BaseException as exc:
             failure = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
             raise failure from None
         finally:
@@ -145,7 +145,7 @@ class Agent:
             try:
                 await self._report(detail=repr(failure) if failure else None)
                 await self.bus.flush()
-            except Exception as exc:  # noqa: BLE001 - the bus may be gone; say so
+            except Exception as exc:
                 self.log.warning("agent.final_report_failed", error=repr(exc))
             self.log.info("agent.stopped", state=self.state, counters=self.snapshot_counters())
 

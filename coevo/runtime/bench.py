@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from coevo.config import BusConfig, StreamConfig
-from coevo.schemas import Event, Source, StepTaken, decode, encode, new_id, subject_for
+from coevo.schemas import Event, Source, StepTaken, decode, encode, new_id
 
 SIZES = {"small": 300, "large": 20_000}
 

@@ -48,7 +48,7 @@ class ServerError(CoevoError):
     """The embedded nats-server could not start or stopped unexpectedly."""
 
 
-class HandlerOutcome(CoevoError):  # noqa: N818 - these are outcomes, not failures
+class HandlerOutcome(CoevoError):
     """Raised by a handler to choose how its message is acknowledged."""
 
 

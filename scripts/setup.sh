@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv with everything coevo needs (CPU). Idempotent; safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: a bare 'torch' (or a range) would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[envs,dev]"

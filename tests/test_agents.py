@@ -1,0 +1,150 @@
+"""Agent lifecycle against a real server: supervision, control, shutdown, separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+
+import pytest
+
+from coevo.runtime.agent import run_agents
+from coevo.runtime.bus import NatsBus
+from coevo.runtime.errors import AgentFailed
+from coevo.schemas import AgentStatus, TaskScheduled, TaskSpec, TrajectoryCompleted
+from tests.agents_for_tests import Echo, Flaky, Producer
+from tests.conftest import PYTHON, subprocess_env
+
+
+async def test_two_agents_in_one_loop(bus: NatsBus, cfg, monkeypatch) -> None:
+    monkeypatch.setenv("COEVO_TEST_N", "25")
+    producer, echo = Producer(bus, cfg), Echo(bus, cfg)
+
+    async def stop_echo_after_producer() -> None:
+        await producer.stopping.wait()
+        echo.stop()
+
+    async with asyncio.timeout(30):
+        await asyncio.gather(run_agents([producer, echo], handle_signals=False), stop_echo_after_producer())
+    done = await bus.events(["trajectory.completed"])
+    scheduled = {e.event_id: e for e in await bus.events(["task.scheduled"])}
+    assert len(done) == 25 and len(scheduled) == 25
+    assert {d.causation_id for d in done} == set(scheduled)  # each answer references its cause
+    statuses = [e for e in await bus.events(["agent.status"]) if isinstance(e, AgentStatus)]
+    assert {s.agent_id for s in statuses if s.state == "stopped"} == {producer.agent_id, echo.agent_id}
+
+
+async def test_crashed_task_is_restarted_and_counted(bus: NatsBus, cfg) -> None:
+    agent = Flaky(bus, cfg)
+    async with asyncio.timeout(10):
+        await run_agents([agent], handle_signals=False)
+    assert agent.attempts == 3
+    assert agent.counters["restarts.main"] == 2
+
+
+async def test_restart_budget_exhausted_fails_the_agent(bus: NatsBus, cfg) -> None:
+    from coevo.config import load_config
+
+    strict = load_config(overrides={**{"agent.max_restarts": 1, "agent.restart_backoff_s": [0.01]}})
+    agent = Flaky(bus, strict)
+    agent.fail_times = 5
+    with pytest.raises(AgentFailed):
+        async with asyncio.timeout(10):
+            await agent.run()
+    assert agent.state == "failed"
+    last = [e for e in await bus.events(["agent.status"]) if e.agent_id == agent.agent_id][-1]
+    assert last.state == "failed" and "crash 2" in (last.detail or "")
+
+
+async def test_control_pause_resume_stop(bus: NatsBus, cfg) -> None:
+    echo = Echo(bus, cfg)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(echo.run())
+        for _ in range(100):
+            try:
+                reply = await bus.control(echo.agent_id, "status", timeout_s=0.5)
+                break
+            except Exception:
+                await asyncio.sleep(0.05)
+        assert reply.state == "running"
+        assert (await bus.control(echo.agent_id, "pause")).state == "paused"
+        await bus.publish_sync(echo.event(TaskScheduled, task=TaskSpec(task_id="p", family="q"), group_id="g",
+                                          n_rollouts=1))
+        await asyncio.sleep(1.0)
+        assert echo.counters["echoed"] == 0  # paused: nothing consumed
+        await bus.control(echo.agent_id, "resume")
+        async with asyncio.timeout(10):
+            while echo.counters["echoed"] == 0:
+                await asyncio.sleep(0.05)
+        assert (await bus.control(echo.agent_id, "stop")).state == "draining"
+    assert echo.state == "stopped"
+
+
+def spawn_agent(target: str, nats_url: str, run_id: str, env_extra: dict[str, str]) -> subprocess.Popen[bytes]:
+    env = subprocess_env() | env_extra
+    return subprocess.Popen(
+        [PYTHON, "-m", "coevo", "agent", target, "--nats", nats_url, "--run-id", run_id,
+         "--log.console", "json", "--agent.heartbeat_s", "0.5", "--bus.fetch_timeout_s", "0.2",
+         "--agent.drain_timeout_s", "10", "--run.runs_dir", env["COEVO_TEST_RUNS"]],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+async def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    if proc.poll() is None:
+        proc.kill()
+        out = proc.communicate()[0].decode(errors="replace")
+        raise AssertionError(f"process did not exit in {timeout}s:\n{out[-3000:]}")
+    return proc.returncode
+
+
+async def test_agents_in_separate_processes_exchange_events(nats_url: str, run_id: str, bus: NatsBus,
+                                                             tmp_path) -> None:
+    env = {"COEVO_TEST_N": "30", "COEVO_TEST_RUNS": str(tmp_path)}
+    echo = spawn_agent("tests.agents_for_tests:Echo", nats_url, run_id, env)
+    producer = spawn_agent("tests.agents_for_tests:Producer", nats_url, run_id, env)
+    try:
+        assert await wait_exit(producer, 60) == 0, producer.communicate()[0].decode()[-3000:]
+    finally:
+        echo.send_signal(signal.SIGTERM)
+        assert await wait_exit(echo, 30) == 0
+    done = [e for e in await bus.events(["trajectory.completed"]) if isinstance(e, TrajectoryCompleted)]
+    assert sorted(d.task_id for d in done) == sorted(f"t{i}" for i in range(30))
+    sources = {e.source.role for e in await bus.events(["task.scheduled", "trajectory.completed"])}
+    assert sources == {"test-producer", "test-echo"}
+    log_lines = (tmp_path / run_id / "coevo.log.jsonl").read_text().splitlines()
+    assert log_lines and all('"run_id"' in line for line in log_lines)
+
+
+async def test_sigterm_mid_work_loses_nothing(nats_url: str, run_id: str, bus: NatsBus, tmp_path) -> None:
+    """SIGTERM while handlers are busy: in-flight work finishes, the rest is redelivered."""
+    n = 40
+    for i in range(n):
+        await bus.publish(Echo(bus, None).event(TaskScheduled, task=TaskSpec(task_id=f"t{i}", family="q"),
+                                                group_id=f"g{i}", n_rollouts=1))  # type: ignore[arg-type]
+    await bus.flush()
+    env = {"COEVO_TEST_DELAY": "0.3", "COEVO_TEST_RUNS": str(tmp_path)}
+    first = spawn_agent("tests.agents_for_tests:Echo", nats_url, run_id, env)
+    async with asyncio.timeout(60):
+        while len(await bus.events(["trajectory.completed"])) < 4:
+            await asyncio.sleep(0.1)
+    first.send_signal(signal.SIGTERM)
+    assert await wait_exit(first, 30) == 0
+    after_first = await bus.events(["trajectory.completed"])
+    assert 4 <= len(after_first) < n
+    second = spawn_agent("tests.agents_for_tests:Echo", nats_url, run_id, {**env, "COEVO_TEST_DELAY": "0"})
+    try:
+        async with asyncio.timeout(60):
+            while len(await bus.events(["trajectory.completed"])) < n:
+                await asyncio.sleep(0.2)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert await wait_exit(second, 30) == 0
+    done = await bus.events(["trajectory.completed"])
+    task_ids = [d.task_id for d in done]
+    assert sorted(task_ids) == sorted(f"t{i}" for i in range(n))  # each exactly once: none lost, none twice
+    stopped = [e for e in await bus.events(["agent.status"]) if e.state == "stopped"]
+    assert len(stopped) == 2

@@ -1,0 +1,85 @@
+"""The config tree: precedence, errors that name the field, every shipped config loads."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from coevo.config import load_config
+from coevo.runtime.errors import ConfigError
+from tests.conftest import PYTHON, REPO, subprocess_env
+
+
+def test_precedence_defaults_file_env_flags(tmp_path: Path, monkeypatch) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("[bus]\nmax_ack_pending = 10\nfetch_batch = 7\n[agent]\nheartbeat_s = 2.0\n")
+    monkeypatch.setenv("COEVO_BUS__MAX_ACK_PENDING", "20")
+    cfg = load_config(f, {"agent.heartbeat_s": "3.5"})
+    assert cfg.bus.max_ack_pending == 20  # env beats file
+    assert cfg.bus.fetch_batch == 7  # file beats default
+    assert cfg.agent.heartbeat_s == 3.5  # flag beats file
+    assert cfg.bus.max_deliver == 5  # default
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ("[bus]\nmax_inflgiht = 3\n", "bus.max_inflgiht"),
+    ("[bus]\nmax_ack_pending = 'lots'\n", "bus.max_ack_pending"),
+    ("[nope]\nx = 1\n", "nope"),
+    ("[bus]\nack_wait_s = 1.0\nin_progress_every_s = 2.0\n", "bus"),
+])
+def test_bad_config_names_the_field(tmp_path: Path, text: str, field: str) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(f)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_yaml_and_unparseable_files(tmp_path: Path) -> None:
+    y = tmp_path / "c.yaml"
+    y.write_text("log:\n  level: debug\n")
+    assert load_config(y).log.level == "debug"
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[bus\n")
+    with pytest.raises(ConfigError, match="does not parse"):
+        load_config(broken)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.*")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    load_config(path)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, "-m", "coevo", *args], capture_output=True, text=True, env=subprocess_env(),
+                          timeout=60)
+
+
+def test_cli_dry_run_prints_resolved_config_and_errors_name_fields(tmp_path: Path) -> None:
+    out = run_cli("agent", "x:Y", "--dry-run", "--bus.max_ack_pending", "9", "--set", "agent.heartbeat_s=1.5")
+    assert out.returncode == 0, out.stderr
+    assert '"max_ack_pending": 9' in out.stdout and '"heartbeat_s": 1.5' in out.stdout
+    bad = run_cli("agent", "x:Y", "--dry-run", "--set", "bus.max_ack_pendng=3")
+    assert bad.returncode == 2 and "bus.max_ack_pendng" in bad.stderr
+
+
+def test_help_everywhere_and_fast() -> None:
+    t0 = time.perf_counter()
+    top = run_cli("--help")
+    elapsed = time.perf_counter() - t0
+    assert top.returncode == 0
+    for cmd in ("run", "agent", "server", "schemas", "bench"):
+        assert cmd in top.stdout
+        assert run_cli(cmd, "--help").returncode == 0
+    assert run_cli("bench", "bus", "--help").returncode == 0
+    assert run_cli("schemas", "export", "--help").returncode == 0
+    assert elapsed < 5.0  # generous bound for a loaded CI machine; typically ~0.3 s
+    probe = subprocess.run([PYTHON, "-X", "importtime", "-m", "coevo", "--help"], capture_output=True,
+                           text=True, env=subprocess_env(), timeout=60)
+    heavy = {"torch", "transformers", "nats", "vllm", "litellm"}
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in probe.stderr.splitlines() if "|" in line}
+    assert not heavy & imported
