@@ -1,0 +1,140 @@
+"""The environment interface. Environments know nothing of NATS or models.
+
+Invariants:
+- ``reset(task)`` then ``step(action)`` until ``done``; a step after ``done`` raises ``EnvError``;
+- an episode's outcome is ``won``, ``lost``, ``truncated`` (step budget spent) or ``aborted``
+  (the environment itself failed; never counted as a failure, never trained on);
+- a family's rewrite operators only move knobs within the family's declared bounds, and
+  ``precheck`` proves a task builds and is solvable before anyone rolls it out.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from coevo.runtime.errors import CoevoError
+from coevo.schemas import TaskSpec
+from coevo.schemas.events import Direction, Outcome
+
+
+class EnvError(CoevoError):
+    """The environment was used wrongly (e.g. a step after the episode ended)."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    text: str
+    candidates: list[str] = field(default_factory=list)
+    objective: str = ""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: Observation
+    done: bool
+    outcome: Outcome | None = None
+    reference_label: Literal[1, -1] | None = None
+    """The environment's own verdict on the action just taken (+1 on a shortest path to the goal)."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A difficulty knob. ``harder`` is the direction (+1 or -1) that makes the task harder."""
+
+    name: str
+    low: int
+    high: int
+    harder: Literal[1, -1] = 1
+
+    def clamp(self, value: int) -> int:
+        return max(self.low, min(self.high, value))
+
+
+@dataclass(frozen=True)
+class PrecheckResult:
+    ok: bool
+    reason: str = ""
+    solution_length: int | None = None
+
+
+class Environment(abc.ABC):
+    """One episode at a time of one task."""
+
+    @abc.abstractmethod
+    async def reset(self, task: TaskSpec) -> Observation: ...
+
+    @abc.abstractmethod
+    async def step(self, action: str) -> StepResult: ...
+
+    async def close(self) -> None:
+        return None
+
+
+class Family(abc.ABC):
+    """A family of tasks: how to build them, make them harder or easier, and check them."""
+
+    name: ClassVar[str]
+    knobs: ClassVar[tuple[Knob, ...]] = ()
+    max_steps_cap: ClassVar[int] = 50
+
+    @abc.abstractmethod
+    def make_env(self) -> Environment: ...
+
+    @abc.abstractmethod
+    def initial_tasks(self, n_train: int, n_heldout: int, seed: int) -> list[TaskSpec]: ...
+
+    @abc.abstractmethod
+    async def precheck(self, task: TaskSpec) -> PrecheckResult: ...
+
+    def knob(self, name: str) -> Knob:
+        for k in self.knobs:
+            if k.name == name:
+                return k
+        raise KeyError(f"{self.name} has no knob {name!r}")
+
+    def operators(self, direction: Direction) -> list[str]:
+        """Names of the edits that move ``task`` in ``direction`` (one per knob)."""
+        return [f"{k.name}{'+' if (k.harder == 1) == (direction == 'harder') else '-'}" for k in self.knobs]
+
+    def apply(self, task: TaskSpec, operator: str) -> TaskSpec | None:
+        """Apply ``knob+`` / ``knob-``; None when the knob is already at its bound."""
+        name, sign = operator[:-1], operator[-1]
+        knob = self.knob(name)
+        current = task.knobs.get(name, knob.low)
+        new = knob.clamp(current + (1 if sign == "+" else -1))
+        if new == current:
+            return None
+        return self.derive(task, {**task.knobs, name: new})
+
+    def derive(self, task: TaskSpec, knobs: dict[str, int], params: dict[str, Any] | None = None) -> TaskSpec:
+        """A rewritten child of ``task`` (lineage kept: parent id, version + 1)."""
+        for name, value in knobs.items():
+            k = self.knob(name)
+            if not k.low <= value <= k.high:
+                raise EnvError(f"{self.name}: knob {name}={value} outside [{k.low}, {k.high}]")
+        root = task.task_id.split("~")[0]
+        version = task.version + 1
+        merged = {**task.params, **(params or {})}
+        digest = spec_hash(self.name, merged, knobs)[:8]
+        return TaskSpec(task_id=f"{root}~v{version}-{digest}", family=self.name, params=merged, knobs=knobs,
+                        parent_id=task.task_id, version=version, split=task.split)
+
+    def difficulty(self, task: TaskSpec) -> float:
+        """A scalar for tests and reports: sum of knob positions, oriented so higher = harder."""
+        total = 0.0
+        for k in self.knobs:
+            v = task.knobs.get(k.name, k.low)
+            span = max(1, k.high - k.low)
+            pos = (v - k.low) / span
+            total += pos if k.harder == 1 else 1 - pos
+        return total
+
+
+def spec_hash(family: str, params: dict[str, Any], knobs: dict[str, int]) -> str:
+    blob = json.dumps({"family": family, "params": params, "knobs": knobs}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()

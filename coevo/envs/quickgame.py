@@ -1,0 +1,317 @@
+"""The quick game: a tiny procedural text game that a model trained from scratch can learn on CPU.
+
+A chain of rooms joined by doors, some locked (their key lies in the room before the door); the
+goal is always to take the coin in the last room. Knobs: ``steps`` (shortest solution, 1..6),
+``distractors`` (wrong keys and side rooms, some of them pits that lose the game), ``slack``
+(extra steps allowed beyond the shortest solution) and ``hints`` (the next good action is shown).
+
+Invariants: a task (seed + knobs) always builds the same world; the shortest solution has
+exactly ``steps`` actions; candidates come in a stable order (verb, direction, colour); the
+reference label of an action is +1 iff it starts a shortest path to the goal from that state.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult
+from coevo.schemas import TaskSpec
+
+DIRS = ("north", "south", "east", "west")
+OPPOSITE = {"north": "south", "south": "north", "east": "west", "west": "east"}
+COLORS = ("red", "blue", "green", "gold", "white")
+ROOMS = ("hall", "kitchen", "cellar", "attic", "garden", "library", "study", "pantry", "tower", "yard")
+VERBS = ("go", "take", "unlock")
+
+
+@dataclass(frozen=True)
+class Door:
+    room: int
+    direction: str
+    to: int
+    key: str | None  # colour of the key that unlocks it; None = open
+
+
+@dataclass
+class World:
+    rooms: list[str]
+    doors: list[Door]
+    keys: dict[int, list[str]]  # room -> key colours lying there
+    coin_room: int
+    pits: set[int]
+    max_steps: int
+    solution: list[str] = field(default_factory=list)
+
+    def exits(self, room: int) -> list[Door]:
+        return sorted((d for d in self.doors if d.room == room), key=lambda d: DIRS.index(d.direction))
+
+
+@dataclass(frozen=True)
+class State:
+    room: int = 0
+    held: frozenset[str] = frozenset()
+    taken: frozenset[tuple[int, str]] = frozenset()
+    unlocked: frozenset[tuple[int, str]] = frozenset()
+    won: bool = False
+    lost: bool = False
+
+
+def _segments(total: int, rng: random.Random) -> list[int]:
+    """Costs (1 = open door, 3 = locked door) summing to ``total``, at most 4 segments."""
+    options: list[list[int]] = []
+
+    def rec(left: int, acc: list[int]) -> None:
+        if left == 0:
+            options.append(acc)
+            return
+        if len(acc) == 4:
+            return
+        for c in (1, 3):
+            if c <= left:
+                rec(left - c, [*acc, c])
+
+    rec(total, [])
+    return rng.choice(options)
+
+
+def build_world(seed: int, steps: int, distractors: int, slack: int) -> World:
+    rng = random.Random(seed * 1_000_003 + steps * 101 + distractors * 7)
+    segs = _segments(steps - 1, rng)
+    names = rng.sample(ROOMS, len(ROOMS))
+    colors = rng.sample(COLORS, len(COLORS))
+    rooms = [names[0]]
+    doors: list[Door] = []
+    keys: dict[int, list[str]] = {}
+    free: dict[int, list[str]] = {0: list(DIRS)}
+    used_colors: list[str] = []
+    solution: list[str] = []
+    for cost in segs:
+        here = len(rooms) - 1
+        direction = rng.choice(free[here])
+        free[here].remove(direction)
+        there = len(rooms)
+        rooms.append(names[there])
+        free[there] = [d for d in DIRS if d != OPPOSITE[direction]]
+        key = None
+        if cost == 3:
+            key = colors[len(used_colors)]
+            used_colors.append(key)
+            keys.setdefault(here, []).append(key)
+            solution += [f"take {key} key", f"unlock {direction} door with {key} key"]
+        doors.append(Door(here, direction, there, key))
+        doors.append(Door(there, OPPOSITE[direction], here, key))
+        solution.append(f"go {direction}")
+    coin_room = len(rooms) - 1
+    solution.append("take coin")
+    pits: set[int] = set()
+    spare = [c for c in colors if c not in used_colors]
+    for i in range(distractors):
+        if i % 2 == 1 and spare:  # a key that fits nothing
+            keys.setdefault(rng.randrange(len(rooms)), []).append(spare.pop())
+            continue
+        hosts = [r for r in range(len(rooms)) if free.get(r) and r not in pits]
+        if not hosts:
+            if spare:
+                keys.setdefault(rng.randrange(len(rooms)), []).append(spare.pop())
+            continue
+        host = rng.choice(hosts)
+        direction = rng.choice(free[host])
+        free[host].remove(direction)
+        side = len(rooms)
+        rooms.append(names[side])
+        free[side] = []
+        doors.append(Door(host, direction, side, None))
+        doors.append(Door(side, OPPOSITE[direction], host, None))
+        if i % 4 == 0:  # the first and fifth side rooms are pits: entering them loses
+            pits.add(side)
+    for r in keys:
+        keys[r].sort(key=COLORS.index)
+    return World(rooms, doors, keys, coin_room, pits, steps + slack, solution)
+
+
+def candidates(world: World, s: State) -> list[str]:
+    out = [f"go {d.direction}" for d in world.exits(s.room)]
+    out += [f"take {c} key" for c in world.keys.get(s.room, []) if (s.room, c) not in s.taken]
+    if s.room == world.coin_room:
+        out.append("take coin")
+    for d in world.exits(s.room):
+        if d.key is not None and (s.room, d.direction) not in s.unlocked:
+            out += [f"unlock {d.direction} door with {c} key" for c in sorted(s.held, key=COLORS.index)]
+    return out
+
+
+def transition(world: World, s: State, action: str) -> tuple[State, str]:
+    """The next state and the feedback text. Unknown actions waste the step."""
+    words = action.split()
+    if words[:1] == ["go"] and len(words) == 2:
+        for d in world.exits(s.room):
+            if d.direction == words[1]:
+                if d.key is not None and (s.room, d.direction) not in s.unlocked:
+                    return s, "the door is locked."
+                lost = d.to in world.pits
+                nxt = State(d.to, s.held, s.taken, s.unlocked, lost=lost)
+                return nxt, ("you fall into a pit." if lost else f"you go {d.direction}.")
+        return s, "you cannot go that way."
+    if action == "take coin" and s.room == world.coin_room:
+        return State(s.room, s.held, s.taken, s.unlocked, won=True), "you take the coin."
+    if words[:1] == ["take"] and len(words) == 3 and words[2] == "key":
+        color = words[1]
+        if color in world.keys.get(s.room, []) and (s.room, color) not in s.taken:
+            return State(s.room, s.held | {color}, s.taken | {(s.room, color)}, s.unlocked), f"you take the {color} key."
+        return s, "there is no such key here."
+    if words[:1] == ["unlock"] and len(words) == 6:
+        direction, color = words[1], words[4]
+        for d in world.exits(s.room):
+            if d.direction == direction and d.key is not None and color in s.held:
+                if d.key != color:
+                    return s, "the key does not fit."
+                unlocked = s.unlocked | {(s.room, direction), (d.to, OPPOSITE[direction])}
+                return State(s.room, s.held, s.taken, unlocked), f"you unlock the {direction} door."
+        return s, "you cannot unlock that."
+    return s, "nothing happens."
+
+
+def distance_to_win(world: World, start: State, limit: int = 40) -> int | None:
+    """Length of the shortest winning action sequence from ``start`` (None if none)."""
+    if start.won:
+        return 0
+    seen = {start}
+    frontier: deque[tuple[State, int]] = deque([(start, 0)])
+    while frontier:
+        s, d = frontier.popleft()
+        if d >= limit:
+            continue
+        for a in candidates(world, s):
+            n, _ = transition(world, s, a)
+            if n.won:
+                return d + 1
+            if n.lost or n in seen:
+                continue
+            seen.add(n)
+            frontier.append((n, d + 1))
+    return None
+
+
+def describe(world: World, s: State, steps_left: int, hint: str | None) -> str:
+    items = [f"{c} key" for c in world.keys.get(s.room, []) if (s.room, c) not in s.taken]
+    if s.room == world.coin_room:
+        items.append("coin")
+    exits = []
+    for d in world.exits(s.room):
+        locked = d.key is not None and (s.room, d.direction) not in s.unlocked
+        exits.append(f"{d.direction} {world.rooms[d.to]}{' locked' if locked else ''}")
+    held = ", ".join(f"{c} key" for c in sorted(s.held, key=COLORS.index)) or "nothing"
+    text = (f"goal: take the coin. room: {world.rooms[s.room]}. items: {', '.join(items) or 'none'}. "
+            f"carry: {held}. exits: {', '.join(exits) or 'none'}. steps left: {steps_left}.")
+    if hint:
+        text += f" hint: {hint}."
+    return text
+
+
+class QuickGameEnv(Environment):
+    def __init__(self) -> None:
+        self.world: World | None = None
+        self.state = State()
+        self.steps = 0
+        self.hints = False
+        self.done = True
+
+    async def reset(self, task: TaskSpec) -> Observation:
+        k = QuickGame.knobs_of(task)
+        self.world = build_world(int(task.params.get("seed", 0)), k["steps"], k["distractors"], k["slack"])
+        self.state = State()
+        self.steps = 0
+        self.hints = bool(k["hints"])
+        self.done = False
+        return self._observe("")
+
+    def _best_action(self) -> str | None:
+        assert self.world is not None
+        best, best_d = None, None
+        for a in candidates(self.world, self.state):
+            n, _ = transition(self.world, self.state, a)
+            if n.lost:
+                continue
+            d = 0 if n.won else distance_to_win(self.world, n)
+            if d is not None and (best_d is None or d < best_d):
+                best, best_d = a, d
+        return best
+
+    def _observe(self, feedback: str) -> Observation:
+        assert self.world is not None
+        hint = self._best_action() if self.hints else None
+        text = describe(self.world, self.state, self.world.max_steps - self.steps, hint)
+        return Observation(text=(feedback + " " + text).strip(), candidates=candidates(self.world, self.state),
+                           objective="take the coin")
+
+    async def step(self, action: str) -> StepResult:
+        if self.done or self.world is None:
+            raise EnvError("step after the episode ended (call reset)")
+        before = distance_to_win(self.world, self.state)
+        nxt, feedback = transition(self.world, self.state, action)
+        after = 0 if nxt.won else (None if nxt.lost else distance_to_win(self.world, nxt))
+        label: Literal[1, -1] = 1 if before is not None and after is not None and after == before - 1 else -1
+        self.state = nxt
+        self.steps += 1
+        outcome: Literal["won", "lost", "truncated"] | None = None
+        if nxt.won:
+            outcome = "won"
+        elif nxt.lost:
+            outcome = "lost"
+        elif self.steps >= self.world.max_steps:
+            outcome = "truncated"
+        self.done = outcome is not None
+        obs = self._observe(feedback)
+        return StepResult(obs, self.done, outcome, label, {"feedback": feedback})
+
+
+class QuickGame(Family):
+    name = "quickgame"
+    knobs = (
+        Knob("steps", 1, 6, harder=1),
+        Knob("distractors", 0, 4, harder=1),
+        Knob("slack", 0, 3, harder=-1),
+        Knob("hints", 0, 1, harder=-1),
+    )
+    max_steps_cap = 9
+
+    @classmethod
+    def knobs_of(cls, task: TaskSpec) -> dict[str, int]:
+        out = {}
+        for k in cls.knobs:
+            v = task.knobs.get(k.name, k.low)
+            if not k.low <= v <= k.high:
+                raise EnvError(f"quickgame: knob {k.name}={v} outside [{k.low}, {k.high}]")
+            out[k.name] = v
+        return out
+
+    def make_env(self) -> QuickGameEnv:
+        return QuickGameEnv()
+
+    def initial_tasks(self, n_train: int, n_heldout: int, seed: int) -> list[TaskSpec]:
+        rng = random.Random(seed)
+        tasks = []
+        for i in range(n_train + n_heldout):
+            split: Literal["train", "heldout"] = "train" if i < n_train else "heldout"
+            knobs = {"steps": rng.randint(2, 4), "distractors": rng.randint(0, 2), "slack": 1, "hints": 0}
+            tasks.append(TaskSpec(task_id=f"qg-{split[0]}{i}", family=self.name,
+                                  params={"seed": rng.randrange(1_000_000)}, knobs=knobs, split=split))
+        return tasks
+
+    async def precheck(self, task: TaskSpec) -> PrecheckResult:
+        try:
+            k = self.knobs_of(task)
+            world = build_world(int(task.params.get("seed", 0)), k["steps"], k["distractors"], k["slack"])
+        except (EnvError, ValueError, TypeError) as exc:
+            return PrecheckResult(False, f"does not build: {exc}")
+        d = distance_to_win(world, State())
+        if d is None or d > world.max_steps:
+            return PrecheckResult(False, f"unsolvable within {world.max_steps} steps", d)
+        return PrecheckResult(True, "", d)
+
+    def walkthrough(self, task: TaskSpec) -> list[str]:
+        k = self.knobs_of(task)
+        return build_world(int(task.params.get("seed", 0)), k["steps"], k["distractors"], k["slack"]).solution
