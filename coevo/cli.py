@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("agent", help="run one agent (a role, or module:Class) against a server")
     p.add_argument("role", help="agent role or module:Class")
     p.add_argument("--agent-id", help="agent id (default: role + random suffix)")
+    p.add_argument("--family", help="environment family (same as --env.family)")
+    p.set_defaults(_extra_overrides={"family": "env.family"})
     _config_flags(p)
     p.set_defaults(func=cmd_agent)
 

