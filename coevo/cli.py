@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="best of N runs per measurement")
     b.add_argument("--nats", dest="nats_url", help="use this server instead of an embedded one")
     b.set_defaults(func=cmd_bench_bus)
+    b = bsub.add_parser("envs", help="environment steps/s in process vs as services; sandbox runs/s")
+    b.add_argument("--json", type=Path)
+    b.add_argument("--seconds", type=float, default=5.0, help="per measurement")
+    b.add_argument("--families", default="quickgame,textworld,coding")
+    b.set_defaults(func=cmd_bench_envs)
     b = bsub.add_parser("codec", help="wire encodings of the event models: speed and size")
     b.add_argument("--json", type=Path)
     b.set_defaults(func=cmd_bench_codec)
@@ -192,6 +197,13 @@ def cmd_bench_bus(args: argparse.Namespace) -> int:
 
     result = asyncio.run(bench_bus(count=args.count, repeats=args.repeats, url=args.nats_url))
     return _emit(result, args.json)
+
+
+def cmd_bench_envs(args: argparse.Namespace) -> int:
+    from coevo.envs.bench import bench_envs
+
+    families = tuple(f.strip() for f in args.families.split(",") if f.strip())
+    return _emit(asyncio.run(bench_envs(args.seconds, families)), args.json)
 
 
 def cmd_bench_codec(args: argparse.Namespace) -> int:
