@@ -5,6 +5,7 @@ from coevo.schemas.control import ControlReply, ControlRequest
 from coevo.schemas.events import (
     AgentStatus,
     DeadLettered,
+    FailureDigest,
     GroupScored,
     LearnerStepped,
     RunFinished,
@@ -42,6 +43,7 @@ __all__ = [
     "ControlRequest",
     "DeadLettered",
     "Event",
+    "FailureDigest",
     "Frozen",
     "GroupScored",
     "LearnerStepped",

@@ -96,6 +96,9 @@ class StepTaken(Event):
     prompt_token_ids: list[int] = Field(default_factory=list)
     response_token_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list, description="sampling log-prob per response token")
+    allowed_token_ids: list[int] | None = Field(
+        default=None, description="choice mode: the tokens sampling was restricted to (log-probs are of that)"
+    )
     response_text: str = ""
     action_index: int | None = None
     action_text: str = ""
@@ -115,6 +118,7 @@ class TrajectoryCompleted(Event):
     trajectory_id: Identifier
     task_id: Identifier
     group_id: Identifier
+    rollout_index: int = Field(default=0, ge=0, description="which of the group's n rollouts this is")
     outcome: Outcome
     num_steps: int = Field(ge=0)
     step_event_ids: list[str] = Field(default_factory=list)
@@ -132,6 +136,7 @@ class Vote(Frozen):
     prompt_token_ids: list[int] = Field(default_factory=list)
     response_token_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
     model_version: int | None = None
 
 
@@ -156,9 +161,20 @@ class TrainingSample(Frozen):
     prompt_token_ids: list[int]
     response_token_ids: list[int]
     logprobs: list[float]
+    allowed_token_ids: list[int] | None = None
     advantage: float
     model_version: int = Field(ge=0)
     step_event_id: str
+
+
+class FailureDigest(Frozen):
+    """What the rewriter's critic sees of one failed trajectory (ALGORITHM.md §4.2)."""
+
+    trajectory_id: str
+    outcome: Outcome
+    steps: list[str] = Field(default_factory=list, description="numbered 'action -> feedback' lines")
+    all_negative_steps: list[int] = Field(default_factory=list, description="steps every vote called bad")
+    rationales: list[str] = Field(default_factory=list)
 
 
 class GroupScored(Event):
@@ -182,6 +198,8 @@ class GroupScored(Event):
     judge_process_accuracy: Probability | None = None
     judge_outcome_accuracy: Probability | None = None
     flagged: str | None = Field(default=None, description="why this group is kept out of training")
+    failures: list[FailureDigest] = Field(default_factory=list)
+    mean_reward: float = 0.0
 
 
 # ---- learner and weights -----------------------------------------------------------------------

@@ -1,0 +1,261 @@
+"""Inference clients: one interface, a local transformers engine and a vLLM HTTP client.
+
+Every ``Completion`` records the prompt and response token ids, the per-token log-probs of the
+distribution actually sampled from (tempered, and restricted to ``choices`` when constrained),
+and the model version that produced it.
+
+Invariant (local engine): requests are served in batches by one owned task; a weight swap is
+applied between batches, so a request never mixes two versions and reports the one it used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+log = structlog.get_logger("coevo.inference")
+
+
+def quiet_transformers() -> None:
+    """No hub access, no progress bars: models here are local directories."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    logprobs: list[float]
+    model_version: int
+    choice: int | None = None
+    allowed_token_ids: list[int] | None = None
+    finish_reason: str = "stop"
+
+
+class InferenceClient(Protocol):
+    name: str
+
+    @property
+    def version(self) -> int: ...
+
+    async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
+                       temperature: float = 1.0) -> Completion: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass
+class _Request:
+    prompt: str
+    choices: list[str] | None
+    max_tokens: int
+    temperature: float
+    future: asyncio.Future[Completion] = field(repr=False, default=None)  # type: ignore[assignment]
+
+
+class LocalEngine:
+    """A transformers causal LM served in process (CPU or CUDA), with hot-swappable weights."""
+
+    def __init__(self, model_dir: Path, *, name: str = "local", device: str | None = None, max_batch: int = 64,
+                 seed: int = 0, version: int = 0) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        quiet_transformers()
+        self.name = name
+        self.model_dir = Path(model_dir)
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir).to(self.device).eval()
+        self.max_batch = max_batch
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._version = version
+        self._queue: asyncio.Queue[_Request | tuple[Path, int, asyncio.Future[float]]] = asyncio.Queue()
+        self._server: asyncio.Task[None] | None = None
+        self._choice_ids: dict[tuple[str, ...], list[int]] = {}
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def __aenter__(self) -> LocalEngine:
+        self._server = asyncio.create_task(self._serve(), name=f"engine:{self.name}")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._server
+            self._server = None
+
+    def _ensure_started(self) -> None:
+        if self._server is None:
+            raise RuntimeError(f"engine {self.name} is not running (use `async with engine:`)")
+
+    async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
+                       temperature: float = 1.0) -> Completion:
+        self._ensure_started()
+        req = _Request(prompt, choices, max_tokens, temperature)
+        req.future = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(req)
+        return await req.future
+
+    async def swap_weights(self, path: Path, version: int) -> float:
+        """Load safetensors weights from ``path`` between batches; returns the pause in ms."""
+        self._ensure_started()
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((Path(path), version, fut))
+        return await fut
+
+    async def _serve(self) -> None:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, tuple):
+                await self._swap(*item)
+                continue
+            batch = [item]
+            swaps: list[tuple[Path, int, asyncio.Future[float]]] = []
+            while len(batch) < self.max_batch and not self._queue.empty():
+                nxt = self._queue.get_nowait()
+                if isinstance(nxt, tuple):
+                    swaps.append(nxt)
+                    break
+                batch.append(nxt)
+            try:
+                results = await asyncio.to_thread(self._run_batch, batch)
+            except Exception as exc:  # every waiter learns why
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+            else:
+                for r, res in zip(batch, results, strict=True):
+                    if not r.future.done():
+                        r.future.set_result(res)
+            for s in swaps:
+                await self._swap(*s)
+
+    async def _swap(self, path: Path, version: int, fut: asyncio.Future[float]) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(self._load, path)
+        except Exception as exc:
+            fut.set_exception(exc)
+            return
+        self._version = version
+        fut.set_result((time.perf_counter() - t0) * 1e3)
+
+    def _load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        state: dict[str, Any] = {}
+        for f in files:
+            state.update(load_file(str(f), device=self.device))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        real_missing = [m for m in missing if not m.endswith("lm_head.weight")]
+        if real_missing or unexpected:
+            raise ValueError(f"weights at {path} do not fit: missing {real_missing[:3]}, unexpected {unexpected[:3]}")
+
+    # ---- the model work (runs in a worker thread) ---------------------------------------------
+
+    def choice_token_ids(self, choices: list[str]) -> list[int]:
+        key = tuple(choices)
+        if key not in self._choice_ids:
+            ids = []
+            for c in choices:
+                toks = self.tokenizer.encode(c, add_special_tokens=False)
+                if len(toks) != 1:
+                    raise ValueError(f"choice {c!r} is not a single token for {self.name}")
+                ids.append(toks[0])
+            self._choice_ids[key] = ids
+        return self._choice_ids[key]
+
+    def _run_batch(self, batch: list[_Request]) -> list[Completion]:
+        import torch
+
+        with torch.no_grad():
+            constrained = [r for r in batch if r.choices]
+            out: dict[int, Completion] = {}
+            if constrained:
+                for r, c in zip(constrained, self._choose(constrained), strict=True):
+                    out[id(r)] = c
+            for r in batch:
+                if not r.choices:
+                    out[id(r)] = self._generate(r)
+            return [out[id(r)] for r in batch]
+
+    def _encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        bos = self.tokenizer.bos_token_id
+        return ([bos] if bos is not None else []) + ids
+
+    def _choose(self, batch: list[_Request]) -> list[Completion]:
+        import torch
+
+        prompts = [self._encode(r.prompt) for r in batch]
+        width = max(map(len, prompts))
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: the next token is always at the end
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                            position_ids=position_ids.to(self.device)).logits[:, -1, :].float().cpu()
+        results = []
+        for i, r in enumerate(batch):
+            assert r.choices is not None
+            allowed = self.choice_token_ids(r.choices)
+            sub = logits[i, allowed] / max(r.temperature, 1e-5)
+            logp = torch.log_softmax(sub, -1)
+            k = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
+            results.append(Completion(r.choices[k], prompts[i], [allowed[k]], [float(logp[k])], self._version,
+                                      choice=k, allowed_token_ids=list(allowed)))
+        return results
+
+    def _generate(self, r: _Request) -> Completion:
+        import torch
+
+        prompt = self._encode(r.prompt)
+        ids = torch.tensor([prompt], device=self.device)
+        cache = None
+        out_ids: list[int] = []
+        out_lp: list[float] = []
+        eos = self.tokenizer.eos_token_id
+        finish = "length"
+        for _ in range(r.max_tokens):
+            res = self.model(input_ids=ids, cache=cache, use_cache=True)
+            cache = res.cache
+            logp = torch.log_softmax(res.logits[0, -1].float().cpu() / max(r.temperature, 1e-5), -1)
+            tok = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
+            out_ids.append(tok)
+            out_lp.append(float(logp[tok]))
+            if tok == eos:
+                finish = "stop"
+                break
+            ids = torch.tensor([[tok]], device=self.device)
+        text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+        return Completion(text, prompt, out_ids, out_lp, self._version, finish_reason=finish)
+

@@ -1,0 +1,123 @@
+"""Default models: tiny Qwen2-architecture policy and judge built locally (no downloads).
+
+The tokenizer is a byte-level BPE trained with ``tokenizers`` on text the environments and the
+prompts produce, so every string is encodable and the quick game's words are single tokens.
+Models are saved with ``save_pretrained`` and always loaded through the normal
+``from_pretrained`` path.
+
+Invariant: ``ensure_default_model(kind, cache)`` is idempotent and atomic (built in a temporary
+directory, renamed into place); the same arguments always produce the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+ModelKind = Literal["policy", "judge"]
+
+SPECIAL = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]
+TINY = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "max_position_embeddings": 1024}
+"""head_dim 64: vLLM's CPU attention kernel needs it (see STACK.md)."""
+VOCAB = 1024
+VERSION = 1  # bump when the recipe changes: the cache key includes it
+
+
+def _corpus(seed: int = 0, n: int = 400) -> list[str]:
+    import asyncio
+
+    from coevo.agents.prompts import judge_prompt, policy_prompt
+    from coevo.envs.quickgame import QuickGame
+    from coevo.schemas import TaskSpec
+
+    rng = random.Random(seed)
+    game = QuickGame()
+    texts: list[str] = []
+
+    async def play() -> None:
+        for i in range(n):
+            knobs = {"steps": rng.randint(1, 6), "distractors": rng.randint(0, 4), "slack": rng.randint(0, 3),
+                     "hints": rng.randint(0, 1)}
+            task = TaskSpec(task_id=f"c{i}", family="quickgame", params={"seed": i}, knobs=knobs)
+            env = game.make_env()
+            obs = await env.reset(task)
+            while True:
+                action = rng.choice(obs.candidates)
+                texts.append(policy_prompt(obs.text, obs.candidates))
+                r = await env.step(action)
+                texts.append(judge_prompt(obs.objective, obs.text, action, r.observation.text))
+                obs = r.observation
+                if r.done:
+                    break
+
+    asyncio.run(play())
+    texts += [r"\boxed{1}", r"\boxed{-1}", "the step is good", "the step is bad", "def return for in if else"]
+    texts += [" ".join(str(d) for d in range(10))]
+    return texts
+
+
+def _digest(kind: str, seed: int) -> str:
+    blob = json.dumps({"kind": kind, "seed": seed, "tiny": TINY, "vocab": VOCAB, "v": VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def default_model_dir(kind: ModelKind, cache_dir: Path, seed: int = 0) -> Path:
+    return cache_dir / "models" / f"tiny-{kind}-{_digest(kind, seed)}"
+
+
+def build_tokenizer(out_dir: Path, seed: int = 0) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
+                                   eos_token="<|eos|>", unk_token="<|unk|>")
+    fast.save_pretrained(out_dir)
+
+
+def build_model(out_dir: Path, kind: ModelKind, seed: int = 0) -> None:
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from coevo.agents.inference import quiet_transformers
+
+    quiet_transformers()
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    config = Qwen2Config(vocab_size=len(tok), tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **TINY)
+    torch.manual_seed(seed + (0 if kind == "policy" else 1))
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def ensure_default_model(kind: ModelKind, cache_dir: Path, seed: int = 0) -> Path:
+    """The tiny default model of ``kind``, built on first use."""
+    final = default_model_dir(kind, cache_dir, seed)
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        build_tokenizer(tmp, seed)
+        build_model(tmp, kind, seed)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

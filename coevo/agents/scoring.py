@@ -1,0 +1,177 @@
+"""The numbers of ALGORITHM.md, as pure functions (no I/O, no torch).
+
+- integrated reward  R_{τ_i} = O_τ + λ · mean_j S_{τ_i,j}   (unparseable votes count 0)
+- policy advantage   z-score of R across the group's trajectories at the same step index
+                     (a step index reached once keeps its raw R; std ≤ 1e-8 gives 0)
+- consistency reward R_{S} = R_{τ_i} · S, or −2 for an unparseable vote; z-scored over the votes
+                     of the same step (a step whose votes all have the same reward is skipped)
+- acceptance gate    harder: 0 < acc(q′) < acc(q) and acc(q′) ≥ α_low;
+                     easier: acc(q′) > acc(q) and acc(q′) ≤ α_high
+
+Votes with status ``error`` (the judge failed, e.g. an API outage) are not votes: they are
+excluded from both rewards; a step with only error votes has no step signal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+RewardMode = Literal["integrated", "outcome-only", "steps-only"]
+
+
+@dataclass(frozen=True)
+class VoteRec:
+    value: Literal[1, -1] | None
+    status: Literal["ok", "unparseable", "error"] = "ok"
+
+
+@dataclass(frozen=True)
+class StepRec:
+    step_id: str
+    index: int
+    votes: tuple[VoteRec, ...] = ()
+    reference_label: Literal[1, -1] | None = None
+
+
+@dataclass(frozen=True)
+class TrajRec:
+    trajectory_id: str
+    outcome: Literal["won", "lost", "truncated", "aborted"]
+    steps: tuple[StepRec, ...] = field(default=())
+
+    @property
+    def o(self) -> int:
+        return 1 if self.outcome == "won" else -1
+
+
+def mean_vote(votes: Sequence[VoteRec]) -> float:
+    """Mean of the votes that are not errors; unparseable counts 0. No votes -> 0."""
+    counted = [v for v in votes if v.status != "error"]
+    if not counted:
+        return 0.0
+    return sum((v.value or 0) if v.status == "ok" else 0 for v in counted) / len(counted)
+
+
+def integrated_rewards(trajs: Sequence[TrajRec], lam: float = 1.0,
+                       mode: RewardMode = "integrated") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for t in trajs:
+        if t.outcome == "aborted":
+            continue
+        for s in t.steps:
+            outcome = 0.0 if mode == "steps-only" else float(t.o)
+            step = 0.0 if mode == "outcome-only" else lam * mean_vote(s.votes)
+            out[s.step_id] = outcome + step
+    return out
+
+
+def zscore(values: Sequence[float], eps: float = 1e-8) -> list[float]:
+    n = len(values)
+    mu = sum(values) / n
+    std = math.sqrt(sum((v - mu) ** 2 for v in values) / n)
+    if std <= eps:
+        return [0.0] * n
+    return [(v - mu) / std for v in values]
+
+
+def step_advantages(trajs: Sequence[TrajRec], rewards: dict[str, float], eps: float = 1e-8) -> dict[str, float]:
+    """Standardise rewards across trajectories at the same step index."""
+    by_index: dict[int, list[str]] = defaultdict(list)
+    for t in trajs:
+        if t.outcome == "aborted":
+            continue
+        for s in t.steps:
+            by_index[s.index].append(s.step_id)
+    out: dict[str, float] = {}
+    for ids in by_index.values():
+        if len(ids) == 1:
+            out[ids[0]] = rewards[ids[0]]
+            continue
+        for sid, a in zip(ids, zscore([rewards[i] for i in ids], eps), strict=True):
+            out[sid] = a
+    return out
+
+
+def consistency_advantages(step_reward: float, votes: Sequence[VoteRec], eps: float = 1e-8) -> list[float | None]:
+    """Per vote: the standardised consistency reward, or None (error vote, or a skipped step)."""
+    rewards: list[float | None] = []
+    for v in votes:
+        if v.status == "error":
+            rewards.append(None)
+        elif v.status == "unparseable" or v.value is None:
+            rewards.append(-2.0)
+        else:
+            rewards.append(step_reward * v.value)
+    present = [r for r in rewards if r is not None]
+    if len(present) < 2 or max(present) - min(present) <= eps:
+        return [None] * len(votes)
+    z = iter(zscore(present, eps))
+    return [next(z) if r is not None else None for r in rewards]
+
+
+def accuracy(trajs: Sequence[TrajRec]) -> float | None:
+    counted = [t for t in trajs if t.outcome != "aborted"]
+    if not counted:
+        return None
+    return sum(t.outcome == "won" for t in counted) / len(counted)
+
+
+def in_band(acc: float, low: float, high: float) -> bool:
+    return low - 1e-12 <= acc <= high + 1e-12
+
+
+def accept_rewrite(direction: Literal["harder", "easier"], parent_acc: float, candidate_acc: float,
+                   low: float = 0.2, high: float = 0.8) -> tuple[bool, str]:
+    if direction == "harder":
+        if not 0 < candidate_acc:
+            return False, f"candidate unsolved (acc {candidate_acc:.3f} = 0)"
+        if not candidate_acc < parent_acc:
+            return False, f"not harder: acc {candidate_acc:.3f} >= parent {parent_acc:.3f}"
+        if not candidate_acc >= low:
+            return False, f"too hard: acc {candidate_acc:.3f} < {low}"
+        return True, f"0 < {candidate_acc:.3f} < {parent_acc:.3f} and >= {low}"
+    if not candidate_acc > parent_acc:
+        return False, f"not easier: acc {candidate_acc:.3f} <= parent {parent_acc:.3f}"
+    if not candidate_acc <= high:
+        return False, f"too easy: acc {candidate_acc:.3f} > {high}"
+    return True, f"{candidate_acc:.3f} > {parent_acc:.3f} and <= {high}"
+
+
+def rewrite_direction(acc: float, low: float = 0.2, high: float = 0.8) -> Literal["harder", "easier"] | None:
+    if acc >= high:
+        return "harder"
+    if acc <= low:
+        return "easier"
+    return None
+
+
+def majority(votes: Sequence[VoteRec]) -> Literal[1, -1] | None:
+    m = sum(v.value or 0 for v in votes if v.status == "ok")
+    return None if m == 0 else (1 if m > 0 else -1)
+
+
+def judge_accuracies(trajs: Sequence[TrajRec]) -> tuple[float | None, float | None]:
+    """(process accuracy, outcome accuracy) of the judge on this group.
+
+    Process: the majority vote of a step equals the environment's reference label (ties are
+    wrong). Outcome: the trajectory's mean vote is positive iff it was won.
+    """
+    proc_hits = proc_n = out_hits = out_n = 0
+    for t in trajs:
+        if t.outcome == "aborted":
+            continue
+        all_votes: list[VoteRec] = []
+        for s in t.steps:
+            ok = [v for v in s.votes if v.status != "error"]
+            all_votes += ok
+            if s.reference_label is not None and ok:
+                proc_n += 1
+                proc_hits += majority(ok) == s.reference_label
+        if all_votes:
+            out_n += 1
+            out_hits += (mean_vote(all_votes) > 0) == (t.outcome == "won")
+    return (proc_hits / proc_n if proc_n else None, out_hits / out_n if out_n else None)

@@ -1,0 +1,153 @@
+"""ALGORITHM.md's numbers, checked against values computed by hand (no I/O, no torch)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coevo.agents.prompts import last_boxed, parse_action, parse_vote
+from coevo.agents.scoring import (
+    StepRec,
+    TrajRec,
+    VoteRec,
+    accept_rewrite,
+    accuracy,
+    consistency_advantages,
+    integrated_rewards,
+    judge_accuracies,
+    rewrite_direction,
+    step_advantages,
+)
+
+P, M, U, E = VoteRec(1), VoteRec(-1), VoteRec(None, "unparseable"), VoteRec(None, "error")
+
+
+def group() -> list[TrajRec]:
+    return [
+        TrajRec("t1", "won", (StepRec("s10", 0, (P, P, P), 1), StepRec("s11", 1, (P, M, U), 1))),
+        TrajRec("t2", "lost", (StepRec("s20", 0, (M, M, M), -1), StepRec("s21", 1, (M, M, P), -1),
+                               StepRec("s22", 2, (P, P, P), 1))),
+        TrajRec("t3", "truncated", (StepRec("s30", 0, (P, M, M), -1),)),
+        TrajRec("t4", "aborted", (StepRec("s40", 0, (P, P, P)),)),
+    ]
+
+
+def test_integrated_rewards() -> None:
+    r = integrated_rewards(group())
+    assert r == pytest.approx({"s10": 2.0, "s11": 1.0, "s20": -2.0, "s21": -4 / 3, "s22": 0.0, "s30": -4 / 3})
+    assert "s40" not in r  # aborted: never trained on
+    assert integrated_rewards(group(), mode="outcome-only")["s11"] == 1.0
+    assert integrated_rewards(group(), mode="steps-only")["s21"] == pytest.approx(-1 / 3)
+    assert integrated_rewards(group(), lam=0.5)["s20"] == pytest.approx(-1.5)
+
+
+def test_step_index_standardisation() -> None:
+    a = step_advantages(group(), integrated_rewards(group()))
+    # index 0: R = [2, -2, -4/3]; mean -4/9; population std sqrt(248/81)
+    std0 = math.sqrt(((2 + 4 / 9) ** 2 + (-2 + 4 / 9) ** 2 + (-4 / 3 + 4 / 9) ** 2) / 3)
+    assert std0 == pytest.approx(1.749779)
+    assert a["s10"] == pytest.approx((2 + 4 / 9) / std0) == pytest.approx(1.397001, abs=1e-6)
+    assert a["s20"] == pytest.approx(-0.889, abs=1e-3)
+    assert a["s30"] == pytest.approx(-0.508, abs=1e-3)
+    # index 1: R = [1, -4/3]: z = ±1
+    assert a["s11"] == pytest.approx(1.0) and a["s21"] == pytest.approx(-1.0)
+    # index 2 is reached by one trajectory only: raw R (here 0, so it will be dropped)
+    assert a["s22"] == 0.0
+
+
+def test_zero_std_gives_zero_advantage() -> None:
+    same = [TrajRec(f"t{i}", "lost", (StepRec(f"s{i}", 0, (M, M)),)) for i in range(4)]
+    assert set(step_advantages(same, integrated_rewards(same)).values()) == {0.0}
+    lone = [TrajRec("t", "won", (StepRec("s", 0, (P,)),))]
+    assert step_advantages(lone, integrated_rewards(lone)) == {"s": 2.0}
+
+
+def test_consistency_rewards_with_an_unparseable_vote() -> None:
+    # R = 1, votes (+1, -1, unparseable) -> rewards (1, -1, -2): mean -2/3, std sqrt(14/9)
+    z = consistency_advantages(1.0, [P, M, U])
+    std = math.sqrt(14 / 9)
+    assert z == pytest.approx([(1 + 2 / 3) / std, (-1 + 2 / 3) / std, (-2 + 2 / 3) / std])
+    assert z == pytest.approx([1.336306, -0.267261, -1.069045], abs=1e-6)
+    assert consistency_advantages(2.0, [P, P, P]) == [None, None, None]  # all the same reward: skipped
+    # an error vote is not a vote: excluded, and the rest standardised among themselves
+    assert consistency_advantages(-1.0, [P, E, M]) == pytest.approx([-1.0, None, 1.0])
+    assert consistency_advantages(-1.0, [E, E, P]) == [None, None, None]
+
+
+def test_error_votes_do_not_count_as_minus_one() -> None:
+    t = [TrajRec("t", "won", (StepRec("s", 0, (P, E, E)),))]
+    assert integrated_rewards(t)["s"] == 2.0  # mean over the one real vote
+    u = [TrajRec("t", "won", (StepRec("s", 0, (P, U)),))]
+    assert integrated_rewards(u)["s"] == 1.5  # unparseable counts 0
+
+
+def test_accuracy_and_judge_accuracies() -> None:
+    assert accuracy(group()) == pytest.approx(1 / 3)  # aborted excluded
+    proc, outc = judge_accuracies(group())
+    # majorities: s10 +1 ok, s11 tie (wrong), s20 -1 ok, s21 -1 ok, s22 +1 ok, s30 -1 ok -> 5/6
+    assert proc == pytest.approx(5 / 6)
+    # mean votes: t1 4/6 > 0 and won (hit); t2 -1/9... (-3-1+3)/9 < 0 and lost (hit); t3 -1/3 (hit)
+    assert outc == 1.0
+
+
+@pytest.mark.parametrize(("direction", "parent", "cand", "ok"), [
+    ("harder", 0.875, 0.5, True),
+    ("harder", 0.875, 0.0, False),     # unsolved
+    ("harder", 0.875, 0.875, False),   # not harder (boundary)
+    ("harder", 0.875, 0.2, True),      # exactly at alpha_low: accepted
+    ("harder", 0.875, 0.125, False),   # below alpha_low
+    ("easier", 0.125, 0.5, True),
+    ("easier", 0.125, 0.125, False),   # not easier (boundary)
+    ("easier", 0.125, 0.8, True),      # exactly at alpha_high: accepted
+    ("easier", 0.125, 0.875, False),   # above alpha_high
+    ("easier", 0.0, 0.0, False),
+])
+def test_acceptance_gate_on_both_sides_of_each_boundary(direction, parent, cand, ok) -> None:
+    accepted, reason = accept_rewrite(direction, parent, cand)
+    assert accepted is ok, reason
+
+
+def test_rewrite_direction_band() -> None:
+    assert rewrite_direction(0.8) == "harder" and rewrite_direction(0.2) == "easier"
+    assert rewrite_direction(0.5) is None and rewrite_direction(0.79) is None
+
+
+@pytest.mark.parametrize(("text", "vote"), [
+    (r"good step. \boxed{1}", 1),
+    (r"\boxed{+1}", 1),
+    (r"\boxed{-1}", -1),
+    (r"first \boxed{1} then I changed my mind \boxed{-1}", -1),  # the last box counts
+    (r"\boxed{ -1 }", -1),
+    (r"\boxed{\text{-1}}", -1),
+    (r"\boxed{0}", None),
+    (r"\boxed{1/2}", None),
+    (r"\boxed{good}", None),
+    (r"no box at all: 1", None),
+    (r"\boxed{1", None),  # unbalanced
+    (r"\boxed{{1}}", None),
+    (r"\boxed{-1} and an unfinished \boxed{", -1),
+    ("", None),
+])
+def test_vote_parser_on_tricky_outputs(text: str, vote) -> None:
+    assert parse_vote(text) == vote
+
+
+def test_action_parser() -> None:
+    assert parse_action(r"I go north \boxed{2}", 3) == 2
+    assert parse_action(r"\boxed{3}", 3) is None
+    assert parse_action(r"\boxed{b}", 12) == 11
+    assert parse_action("2", 3) is None
+    assert last_boxed(r"\boxed{a{b}c}") == "a{b}c"
+
+
+@given(st.lists(st.floats(-2, 2, allow_nan=False), min_size=2, max_size=16))
+def test_step_advantages_are_standardised(rs: list[float]) -> None:
+    trajs = [TrajRec(f"t{i}", "won", (StepRec(f"s{i}", 0),)) for i in range(len(rs))]
+    a = step_advantages(trajs, {f"s{i}": r for i, r in enumerate(rs)})
+    vals = list(a.values())
+    assert abs(sum(vals) / len(vals)) < 1e-6
+    if max(rs) - min(rs) > 1e-6:
+        assert sum(v * v for v in vals) / len(vals) == pytest.approx(1.0, abs=1e-6)
