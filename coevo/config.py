@@ -99,6 +99,81 @@ class EnvConfig(Section):
     session_idle_s: float = Field(default=600.0, gt=0, description="an idle remote episode is closed")
 
 
+Band = tuple[float, float]
+
+
+def _check_band(band: Band, name: str) -> Band:
+    low, high = band
+    if not 0.0 <= low <= high <= 1.0:
+        raise ValueError(f"{name} must satisfy 0 <= low <= high <= 1, got {band}")
+    return band
+
+
+class PolicyConfig(Section):
+    model: Path | None = Field(default=None, description="transformers model dir (default: tiny built locally)")
+    url: str | None = Field(default=None, description="vLLM server (http://host:port/v1) serving the policy")
+    served_name: str | None = Field(default=None, description="model name on the vLLM server")
+    n: int = Field(default=8, ge=2, le=256, description="trajectories per task (group size)")
+    mode: Literal["choice", "generate"] = Field(default="choice", description="constrained index or free text")
+    temperature: float = Field(default=1.0, gt=0)
+    max_tokens: int = Field(default=64, ge=1)
+    max_concurrent_trajectories: int = Field(default=64, ge=1)
+
+
+class JudgeConfig(Section):
+    backend: Literal["local", "vllm", "litellm"] = "local"
+    model: str | None = Field(default=None, description="model dir (local), served name (vllm) or provider/name")
+    url: str | None = Field(default=None, description="vLLM URL or LiteLLM api_base")
+    m: int = Field(default=3, ge=1, le=32, description="votes per step")
+    mode: Literal["verdict", "reasoned"] = "verdict"
+    temperature: float = Field(default=0.8, gt=0)
+    max_tokens: int = Field(default=256, ge=1)
+    max_concurrent_steps: int = Field(default=32, ge=1)
+
+
+class ScorerConfig(Section):
+    reward: Literal["integrated", "outcome-only", "steps-only"] = "integrated"
+    lam: float = Field(default=1.0, ge=0, description="weight of the step votes (λ)")
+    policy_band: Band = Field(default=(0.125, 0.875), description="accuracy band of tasks the policy trains on")
+    judge_band: Band = Field(default=(0.2, 0.8), description="accuracy band of tasks the judge trains on")
+    vote_timeout_s: float = Field(default=60.0, gt=0, description="score without missing votes after this")
+    group_timeout_s: float = Field(default=600.0, gt=0, description="score a group with missing trajectories")
+
+    @model_validator(mode="after")
+    def _bands(self) -> ScorerConfig:
+        _check_band(self.policy_band, "scorer.policy_band")
+        _check_band(self.judge_band, "scorer.judge_band")
+        return self
+
+
+class TasksConfig(Section):
+    rewriter: Literal["builtin", "llm", "off"] = "builtin"
+    band: Band = Field(default=(0.2, 0.8), description="(α_low, α_high) of the rewrite trigger and gate")
+    min_groups_between_rewrites: int = Field(default=2, ge=0, description="per slot, against oscillation")
+    max_groups_in_flight: int = Field(default=4, ge=1, description="scheduled but not yet scored")
+    eval_every: int = Field(default=16, ge=1, description="train groups between held-out evaluations")
+
+    @model_validator(mode="after")
+    def _band(self) -> TasksConfig:
+        _check_band(self.band, "tasks.band")
+        return self
+
+
+class LearnerConfig(Section):
+    lr: float = Field(default=1e-3, gt=0, description="AdamW lr (1e-3 for tiny models; ~1e-6 for 7B)")
+    judge_lr: float | None = Field(default=None, description="judge lane lr (default: lr)")
+    batch_samples: int = Field(default=64, ge=1, description="samples per optimiser step")
+    max_batch_tokens: int = Field(default=32768, ge=64)
+    clip_eps: float = Field(default=0.2, gt=0)
+    kl_beta: float = Field(default=0.01, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    max_staleness: int = Field(default=2, ge=0, description="policy versions data may lag (0 = synchronous)")
+    correction: Literal["tis", "decoupled"] = Field(default="tis", description="off-policy correction")
+    tis_cap: float = Field(default=2.0, ge=1.0, description="truncated importance sampling cap c")
+    checkpoint_every: int = Field(default=20, ge=1, description="learner steps between checkpoints")
+    device: str | None = Field(default=None, description="torch device (default: cuda if available)")
+
+
 class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     console: Literal["pretty", "json", "off"] = "pretty"
@@ -129,6 +204,13 @@ class CoevoConfig(BaseSettings):
     bus: BusConfig = Field(default_factory=BusConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    scorer: ScorerConfig = Field(default_factory=ScorerConfig)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    loop: Literal["policy-only", "policy+judge", "full"] = Field(
+        default="full", description="ablation: fixed judge and tasks / + judge training / + rewriting")
     log: LogConfig = Field(default_factory=LogConfig)
 
     @classmethod
@@ -192,7 +274,7 @@ def leaf_fields(model: type[BaseModel] = CoevoConfig, prefix: str = "") -> dict[
     out: dict[str, Any] = {}
     for name, info in model.model_fields.items():
         ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
+        if isinstance(ann, type) and issubclass(ann, BaseModel) and not name.startswith("_"):
             out.update(leaf_fields(ann, f"{prefix}{name}."))
         else:
             out[f"{prefix}{name}"] = info

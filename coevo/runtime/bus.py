@@ -303,13 +303,15 @@ class NatsBus:
 
     # ---- consume -----------------------------------------------------------------------------
 
-    def consumer_config(self, durable: str, kinds: Iterable[str]) -> api.ConsumerConfig:
+    def consumer_config(self, durable: str, kinds: Iterable[str], *, deliver: str = "all",
+                        ephemeral: bool = False) -> api.ConsumerConfig:
         subjects = sorted(subject_for(self.run_id, k) for k in kinds)
         return api.ConsumerConfig(
-            durable_name=durable,
+            durable_name=None if ephemeral else durable,
             name=durable,
+            inactive_threshold=60.0 if ephemeral else None,
             ack_policy=api.AckPolicy.EXPLICIT,
-            deliver_policy=api.DeliverPolicy.ALL,
+            deliver_policy=api.DeliverPolicy.LAST if deliver == "last" else api.DeliverPolicy.ALL,
             ack_wait=self.cfg.ack_wait_s,
             # one more than ours: our last attempt dead-letters before the server gives up
             max_deliver=self.cfg.max_deliver + 1,
@@ -318,9 +320,10 @@ class NatsBus:
             filter_subject=subjects[0] if len(subjects) == 1 else None,
         )
 
-    async def pull_subscription(self, durable: str, kinds: Iterable[str]) -> Any:
+    async def pull_subscription(self, durable: str, kinds: Iterable[str], *, deliver: str = "all",
+                                ephemeral: bool = False) -> Any:
         """Create or update the durable consumer, then bind a pull subscription to it."""
-        config = self.consumer_config(durable, kinds)
+        config = self.consumer_config(durable, kinds, deliver=deliver, ephemeral=ephemeral)
         try:
             await self.js.add_consumer(self.stream, config)
         except nats.js.errors.BadRequestError as exc:
@@ -339,6 +342,16 @@ class NatsBus:
         await self.publish_sync(event)
         self.stats.dead_lettered += 1
         log.warning("bus.dead_lettered", subject=msg.subject, consumer=consumer, reason=reason[:200])
+
+    # ---- key-value state ---------------------------------------------------------------------
+
+    async def kv(self, name: str) -> Any:
+        """The run's KV bucket ``name`` (file-backed), created on first use."""
+        bucket = f"coevo_{self.run_id}_{name}"
+        try:
+            return await self.js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            return await self.js.create_key_value(bucket=bucket, storage=api.StorageType.FILE, history=1)
 
     # ---- reading history ---------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import nats.errors
 import structlog
@@ -53,6 +53,10 @@ class Subscription:
     events: tuple[type[Event], ...]
     handler: Handler
     concurrency: int | None = None
+    shared: bool = True
+    """True: replicas share the durable (load balancing). False: each agent instance has its own."""
+    deliver: Literal["all", "last"] = "all"
+    """``last``: start from the newest matching event (e.g. only the latest weights matter)."""
     kinds: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -88,7 +92,9 @@ class Consumer:
         their own subscription to the shared durable, so a message is never handed between tasks.
         """
         per_worker = max(1, -(-self.cfg.fetch_batch // self.concurrency))
-        subs = [await self.bus.pull_subscription(self.sub.durable, self.sub.kinds)
+        name = self.sub.durable if self.sub.shared else f"{self.sub.durable}-{self.source.agent_id}"
+        subs = [await self.bus.pull_subscription(name, self.sub.kinds, deliver=self.sub.deliver,
+                                                 ephemeral=not self.sub.shared)
                 for _ in range(self.concurrency)]
         try:
             async with asyncio.TaskGroup() as tg:

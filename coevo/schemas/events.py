@@ -91,6 +91,7 @@ class StepTaken(Event):
     task_id: Identifier
     group_id: Identifier
     step_index: int = Field(ge=0)
+    objective: str = ""
     observation: str
     candidates: list[str] = Field(default_factory=list)
     prompt_token_ids: list[int] = Field(default_factory=list)

@@ -1,0 +1,43 @@
+"""Which inference client an agent uses, from config: local engine (default) or a vLLM server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from coevo.agents.inference import InferenceClient, LocalEngine
+from coevo.config import CoevoConfig
+
+
+def cache_dir(cfg: CoevoConfig) -> Path:
+    from coevo.envs.textworld_env import default_cache_dir
+
+    return Path(cfg.env.cache_dir) if cfg.env.cache_dir else default_cache_dir()
+
+
+def model_dir(cfg: CoevoConfig, role: Literal["policy", "judge"]) -> Path:
+    """The configured local model directory of ``role``, or the tiny default (built on first use)."""
+    from coevo.agents.models import ensure_default_model
+
+    configured = cfg.policy.model if role == "policy" else cfg.judge.model
+    if configured:
+        return Path(configured)
+    return ensure_default_model(role, cache_dir(cfg), seed=cfg.run.seed)
+
+
+def make_client(cfg: CoevoConfig, role: Literal["policy", "judge"], *, seed: int = 0) -> InferenceClient:
+    if role == "policy" and cfg.policy.url:
+        from coevo.agents.vllm_client import VLLMClient
+
+        return VLLMClient(cfg.policy.url, cfg.policy.served_name or str(model_dir(cfg, "policy")), name="policy")
+    if role == "judge" and cfg.judge.backend == "vllm":
+        from coevo.agents.vllm_client import VLLMClient
+
+        if not cfg.judge.url:
+            raise ValueError("judge.backend = 'vllm' needs judge.url")
+        return VLLMClient(cfg.judge.url, cfg.judge.model or "judge", name="judge")
+    if role == "judge" and cfg.judge.backend == "litellm":
+        from coevo.agents.litellm_client import LiteLLMClient
+
+        return LiteLLMClient(cfg.judge)
+    return LocalEngine(model_dir(cfg, role), name=role, device=cfg.learner.device, seed=seed)

@@ -1,0 +1,133 @@
+"""Environment rewriters: critic summaries of failures, then a proposal (ALGORITHM.md §4).
+
+The built-in rewriter needs no model: its critic turns each failure digest into one sentence,
+and it applies the family's operators, ordered by what the summaries say went wrong. The LLM
+rewriter asks any inference client for a JSON task and validates it against the family's knobs;
+invalid output is retried, then the proposal is rejected with the validation error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from coevo.envs.base import Family
+from coevo.schemas import FailureDigest, TaskSpec
+
+Direction = Literal["harder", "easier"]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    candidate: TaskSpec | None
+    summaries: list[str]
+    rewriter: str
+    error: str | None = None
+
+
+class Rewriter(Protocol):
+    name: str
+
+    async def propose(self, family: Family, task: TaskSpec, direction: Direction,
+                      failures: list[FailureDigest]) -> Proposal: ...
+
+
+def critic_summary(f: FailureDigest) -> str:
+    """At most two sentences on why a trajectory failed (built-in critic)."""
+    if f.all_negative_steps:
+        k = f.all_negative_steps[0]
+        line = f.steps[k - 1] if 0 < k <= len(f.steps) else "?"
+        first = f"Went wrong at step {k} ({line.split('. ', 1)[-1]}), which every judge vote called bad."
+    elif f.steps:
+        first = f"Ended {f.outcome} after {len(f.steps)} steps; last: {f.steps[-1].split('. ', 1)[-1]}."
+    else:
+        first = f"Ended {f.outcome} without a valid step."
+    second = " Ran out of steps." if f.outcome == "truncated" else ""
+    return (first + second).strip()
+
+
+# keywords in the summaries -> the knob that most likely caused the failure
+_BLAME = (("pit", "distractors"), ("does not fit", "distractors"), ("locked", "steps"),
+          ("out of steps", "slack"), ("no valid action", "hints"), ("nothing happens", "hints"))
+
+
+class BuiltinRewriter:
+    name = "builtin"
+
+    async def propose(self, family: Family, task: TaskSpec, direction: Direction,
+                      failures: list[FailureDigest]) -> Proposal:
+        summaries = [critic_summary(f) for f in failures]
+        ops = family.operators(direction)
+        if direction == "easier":
+            text = " ".join(summaries).lower()
+            blamed = [knob for word, knob in _BLAME if word in text]
+            ops.sort(key=lambda op: blamed.index(op[:-1]) if op[:-1] in blamed else len(_BLAME))
+        else:  # harder: rotate through the knobs by version so that no knob runs away alone
+            shift = task.version % max(1, len(ops))
+            ops = ops[shift:] + ops[:shift]
+        for op in ops:
+            candidate = family.apply(task, op)
+            if candidate is not None:
+                return Proposal(candidate, summaries, f"{self.name}:{op}")
+        return Proposal(None, summaries, self.name, f"every knob is at its {direction} bound")
+
+
+class LLMRewriter:
+    """Any inference client proposes the new knobs as JSON; validated, retried, else rejected."""
+
+    name = "llm"
+
+    def __init__(self, client: object, retries: int = 2, max_tokens: int = 256) -> None:
+        self.client = client
+        self.retries = retries
+        self.max_tokens = max_tokens
+
+    def prompt(self, family: Family, task: TaskSpec, direction: Direction, summaries: list[str]) -> str:
+        bounds = {k.name: [k.low, k.high] for k in family.knobs}
+        return (f"You rewrite {family.name} tasks to make them {direction} while keeping their intent.\n"
+                f"Current knobs: {json.dumps(task.knobs)}\nBounds: {json.dumps(bounds)}\n"
+                f"Why recent attempts failed:\n- " + "\n- ".join(summaries or ["(no failures)"]) +
+                '\nAnswer with JSON only: {"knobs": {...}, "reason": "..."}\n')
+
+    async def propose(self, family: Family, task: TaskSpec, direction: Direction,
+                      failures: list[FailureDigest]) -> Proposal:
+        summaries = [critic_summary(f) for f in failures]
+        prompt = self.prompt(family, task, direction, summaries)
+        error = "no answer"
+        for _ in range(self.retries + 1):
+            completion = await self.client.complete(prompt, max_tokens=self.max_tokens)  # type: ignore[attr-defined]
+            try:
+                candidate = parse_llm_proposal(family, task, direction, completion.text)
+            except ValueError as exc:
+                error = str(exc)
+                prompt += f"\nYour previous answer was invalid: {error}. Answer with valid JSON only.\n"
+                continue
+            return Proposal(candidate, summaries, self.name)
+        return Proposal(None, summaries, self.name, f"invalid rewriter output after {self.retries + 1} tries: {error}")
+
+
+def parse_llm_proposal(family: Family, task: TaskSpec, direction: Direction, text: str) -> TaskSpec:
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end <= start:
+        raise ValueError("no JSON object in the answer")
+    try:
+        data = json.loads(text[start:end + 1])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    knobs = data.get("knobs") if isinstance(data, dict) else None
+    if not isinstance(knobs, dict):
+        raise ValueError("missing 'knobs' object")
+    new = dict(task.knobs)
+    for name, value in knobs.items():
+        knob = next((k for k in family.knobs if k.name == name), None)
+        if knob is None:
+            raise ValueError(f"unknown knob {name!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not knob.low <= value <= knob.high:
+            raise ValueError(f"knob {name}={value!r} outside [{knob.low}, {knob.high}]")
+        new[name] = value
+    candidate = family.derive(task, new)
+    moved = family.difficulty(candidate) - family.difficulty(task)
+    if (moved <= 0) if direction == "harder" else (moved >= 0):
+        raise ValueError(f"the proposal does not make the task {direction}")
+    return candidate

@@ -1,0 +1,246 @@
+"""The scorer: assembles each task's group and emits ``GroupScored`` with the training samples.
+
+Invariants:
+- a group is scored exactly once (its ``GroupScored`` id is derived from the group id, so a
+  rescoring after a restart is stored once); afterwards its state is dropped (bounded memory);
+- a group is scored when all ``n`` rollouts completed and every step of them was judged; a
+  step still without votes ``vote_timeout_s`` after its trajectory completed is scored without
+  step signal and listed in ``stragglers``; a group missing trajectories ``group_timeout_s``
+  after it was scheduled is scored with those it has (or flagged when it has none);
+- on restart the state is rebuilt from the stream up to the consumer's ack floor, so what was
+  acknowledged before the crash is not lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from coevo.agents import scoring
+from coevo.config import CoevoConfig
+from coevo.runtime.agent import Agent
+from coevo.runtime.bus import Delivery
+from coevo.runtime.consumer import Subscription
+from coevo.schemas import (
+    Event,
+    FailureDigest,
+    GroupScored,
+    StepJudged,
+    StepTaken,
+    TaskScheduled,
+    TrainingSample,
+    TrajectoryCompleted,
+)
+
+
+def scored_id(group_id: str) -> str:
+    return f"scored-{group_id}"
+
+
+@dataclass
+class Group:
+    scheduled: TaskScheduled | None = None
+    trajectories: dict[int, TrajectoryCompleted] = field(default_factory=dict)
+    steps: dict[str, StepTaken] = field(default_factory=dict)
+    judged: dict[str, StepJudged] = field(default_factory=dict)
+    first_seen: float = field(default_factory=time.monotonic)
+    last_completed: float | None = None
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, TaskScheduled):
+            self.scheduled = event
+        elif isinstance(event, StepTaken):
+            self.steps[event.event_id] = event
+        elif isinstance(event, StepJudged):
+            self.judged[event.step_event_id] = event
+        elif isinstance(event, TrajectoryCompleted):
+            self.trajectories.setdefault(event.rollout_index, event)  # first completion of each rollout wins
+            self.last_completed = time.monotonic()
+
+    def needed_steps(self) -> list[str]:
+        return [sid for t in self.trajectories.values() if t.outcome != "aborted" for sid in t.step_event_ids]
+
+    def readiness(self, now: float, cfg: CoevoConfig, need_votes: bool) -> str | None:
+        """None (wait), 'complete', 'vote-timeout' or 'group-timeout'."""
+        if self.scheduled is None:
+            return None
+        n = self.scheduled.n_rollouts
+        have_all = len(self.trajectories) >= n and all(s in self.steps for s in self.needed_steps())
+        if have_all:
+            if not need_votes or all(s in self.judged for s in self.needed_steps()):
+                return "complete"
+            if self.last_completed is not None and now - self.last_completed > cfg.scorer.vote_timeout_s:
+                return "vote-timeout"
+            return None
+        if now - self.first_seen > cfg.scorer.group_timeout_s:
+            return "group-timeout"
+        return None
+
+
+def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, Any]:
+    """The fields of ``GroupScored`` for a ready group (pure: no I/O)."""
+    assert g.scheduled is not None
+    sc = cfg.scorer
+    stragglers: list[str] = []
+    trajs: list[scoring.TrajRec] = []
+    for t in sorted(g.trajectories.values(), key=lambda t: t.rollout_index):
+        steps = []
+        for sid in t.step_event_ids if t.outcome != "aborted" else []:
+            if sid not in g.steps:
+                continue
+            st = g.steps[sid]
+            judged = g.judged.get(sid)
+            if judged is None:
+                stragglers.append(sid)
+            votes = tuple(scoring.VoteRec(v.value, v.status) for v in judged.votes) if judged else ()
+            steps.append(scoring.StepRec(sid, st.step_index, votes, st.reference_label))
+        trajs.append(scoring.TrajRec(t.trajectory_id, t.outcome, tuple(steps)))
+    acc = scoring.accuracy(trajs)
+    n_aborted = sum(t.outcome == "aborted" for t in trajs)
+    purpose = g.scheduled.purpose
+    fields: dict[str, Any] = {
+        "task_id": g.scheduled.task.task_id, "group_id": g.scheduled.group_id, "slot_id": g.scheduled.slot_id,
+        "purpose": purpose, "n_trajectories": len(trajs), "n_aborted": n_aborted,
+        "trajectory_ids": [t.trajectory_id for t in trajs],
+        "step_event_ids": [s.step_id for t in trajs for s in t.steps], "stragglers": stragglers,
+    }
+    if acc is None:
+        return {**fields, "accuracy": 0.0, "policy_band_ok": False, "judge_band_ok": False,
+                "flagged": "no completed trajectory"}
+    rewards = scoring.integrated_rewards(trajs, sc.lam, sc.reward)
+    adv = scoring.step_advantages(trajs, rewards)
+    policy_ok = scoring.in_band(acc, *sc.policy_band)
+    judge_ok = scoring.in_band(acc, *sc.judge_band)
+    errors = sum(v.status == "error" for t in trajs for s in t.steps for v in s.votes)
+    total_votes = sum(len(s.votes) for t in trajs for s in t.steps)
+    flagged = None
+    if total_votes and errors / total_votes > 0.5 and sc.reward != "outcome-only":
+        flagged = f"judge errors: {errors}/{total_votes} votes failed"
+    trainable = purpose in ("train", "candidate") and flagged is None
+    policy_samples: list[TrainingSample] = []
+    judge_samples: list[TrainingSample] = []
+    for t in trajs:
+        for s in t.steps:
+            st = g.steps[s.step_id]
+            a = adv.get(s.step_id, 0.0)
+            if trainable and policy_ok and a != 0.0 and st.response_token_ids:
+                policy_samples.append(TrainingSample(
+                    sample_id=f"p-{s.step_id}", role="policy", prompt_token_ids=st.prompt_token_ids,
+                    response_token_ids=st.response_token_ids, logprobs=st.logprobs,
+                    allowed_token_ids=st.allowed_token_ids, advantage=a, model_version=st.policy_version,
+                    step_event_id=s.step_id))
+            judged = g.judged.get(s.step_id)
+            if not (trainable and train_judge and judge_ok and judged):
+                continue
+            for vote, va in zip(judged.votes, scoring.consistency_advantages(rewards[s.step_id], s.votes),
+                                strict=True):
+                if va is None or va == 0.0 or not vote.response_token_ids:
+                    continue
+                judge_samples.append(TrainingSample(
+                    sample_id=f"j-{s.step_id}-{vote.index}", role="judge", prompt_token_ids=vote.prompt_token_ids,
+                    response_token_ids=vote.response_token_ids, logprobs=vote.logprobs,
+                    allowed_token_ids=vote.allowed_token_ids, advantage=va, model_version=vote.model_version or 0,
+                    step_event_id=s.step_id))
+    proc, outc = scoring.judge_accuracies(trajs)
+    failures = [failure_digest(t, g) for t in trajs if t.outcome in ("lost", "truncated")]
+    return {**fields, "accuracy": acc, "policy_band_ok": policy_ok, "judge_band_ok": judge_ok,
+            "policy_samples": policy_samples, "judge_samples": judge_samples, "judge_process_accuracy": proc,
+            "judge_outcome_accuracy": outc, "flagged": flagged, "failures": failures,
+            "mean_reward": sum(rewards.values()) / len(rewards) if rewards else 0.0}
+
+
+def failure_digest(t: scoring.TrajRec, g: Group) -> FailureDigest:
+    lines, negative, rationales = [], [], []
+    for k, s in enumerate(t.steps, 1):
+        st = g.steps[s.step_id]
+        feedback = st.next_observation.split(".")[0] if st.next_observation else ""
+        lines.append(f"{k}. {st.action_text or '(no valid action)'} -> {feedback}")
+        ok = [v for v in s.votes if v.status == "ok"]
+        if ok and all(v.value == -1 for v in ok):
+            negative.append(k)
+            judged = g.judged.get(s.step_id)
+            if judged:
+                rationales += [v.rationale[-300:] for v in judged.votes if v.rationale][:1]
+    return FailureDigest(trajectory_id=t.trajectory_id, outcome=t.outcome, steps=lines,  # type: ignore[arg-type]
+                         all_negative_steps=negative, rationales=rationales)
+
+
+class ScorerAgent(Agent):
+    role = "scorer"
+    KINDS = (TaskScheduled, StepTaken, TrajectoryCompleted, StepJudged)
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.groups: dict[str, Group] = {}
+        self.scored: set[str] = set()
+        self.need_votes = self.cfg.scorer.reward != "outcome-only"
+        self.train_judge = self.cfg.loop != "policy-only" and self.cfg.judge.backend == "local"
+        self._lock = asyncio.Lock()  # the straggler clock and the consumer must not score a group twice
+
+    def subscriptions(self) -> list[Subscription]:
+        # one consumer, concurrency 1: events are applied in stream order
+        return [Subscription("scorer", self.KINDS, self.on_event, concurrency=1)]
+
+    async def run(self) -> None:
+        await self.rebuild()
+        await super().run()
+
+    async def rebuild(self) -> None:
+        """Re-apply what this consumer acknowledged before a restart."""
+        import nats.js.errors
+
+        try:
+            info = await self.bus.js.consumer_info(self.bus.stream, "scorer")
+        except nats.js.errors.NotFoundError:
+            return
+        floor = info.ack_floor.stream_seq if info.ack_floor else 0
+        if not floor:
+            return
+        kinds = [*(k for k in ("task.scheduled", "step.taken", "trajectory.completed", "step.judged")),
+                 "group.scored"]
+        n = 0
+        async for _, event, _msg in self.bus.history(kinds, end_seq=floor):
+            if isinstance(event, GroupScored):
+                self.scored.add(event.group_id)
+                self.groups.pop(event.group_id, None)
+            elif event is not None and getattr(event, "group_id", None) not in self.scored:
+                self.groups.setdefault(event.group_id, Group()).add(event)  # type: ignore[attr-defined]
+                n += 1
+        self.log.info("scorer.rebuilt", events=n, groups=len(self.groups), scored=len(self.scored))
+
+    async def on_event(self, event: Any, _d: Delivery) -> None:
+        gid = event.group_id
+        if gid in self.scored:
+            return
+        g = self.groups.setdefault(gid, Group())
+        g.add(event)
+        await self.maybe_score(gid, g)
+
+    async def maybe_score(self, gid: str, g: Group) -> None:
+        async with self._lock:
+            if gid not in self.scored:
+                await self._score(gid, g)
+
+    async def _score(self, gid: str, g: Group) -> None:
+        why = g.readiness(time.monotonic(), self.cfg, self.need_votes)
+        if why is None:
+            return
+        fields = score_group(g, self.cfg, train_judge=self.train_judge)
+        if why != "complete":
+            self.log.warning("scorer.straggler_policy", group_id=gid, why=why, stragglers=len(fields["stragglers"]),
+                             trajectories=fields["n_trajectories"])
+            self.counters[f"scored.{why}"] += 1
+        assert g.scheduled is not None
+        await self.emit(self.event(GroupScored, cause=g.scheduled, event_id=scored_id(gid), correlation_id=gid,
+                                   **fields))
+        self.counters["groups_scored"] += 1
+        self.scored.add(gid)
+        del self.groups[gid]
+
+    async def main(self) -> None:
+        """The straggler clock: re-check waiting groups every second."""
+        while await self.sleep(1.0):
+            for gid, g in list(self.groups.items()):
+                await self.maybe_score(gid, g)

@@ -1,0 +1,241 @@
+"""The task pool and the environment rewriter agent (ALGORITHM.md §4).
+
+Invariants:
+- every slot has one active task, the ids of the tasks it replaced, and at most one pending
+  rewrite; slots live in JetStream KV, so a restarted agent resumes them (and its in-flight groups);
+- held-out slots are never rewritten and their groups (``purpose = eval``) are never trained on;
+- at most ``tasks.max_groups_in_flight`` groups are scheduled and not yet scored, and no new group
+  is scheduled while a group that was scheduled more than ``learner.max_staleness`` policy versions
+  ago is still in flight (admission control pauses rollouts, it drops nothing);
+- a candidate is decided once, by the acceptance gate on its measured accuracy, and every decision
+  is a ``TaskDecided`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from coevo.agents import scoring
+from coevo.agents.rewriter import BuiltinRewriter, Rewriter
+from coevo.envs import make_family
+from coevo.runtime.agent import Agent
+from coevo.runtime.bus import Delivery
+from coevo.runtime.consumer import Subscription
+from coevo.schemas import (
+    GroupScored,
+    TaskDecided,
+    TaskRewritten,
+    TaskScheduled,
+    TaskSpec,
+    WeightsPublished,
+    new_id,
+)
+
+
+class Slot(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    slot_id: str
+    split: Literal["train", "heldout"]
+    active: TaskSpec
+    history: list[str] = Field(default_factory=list)
+    pending: TaskSpec | None = None
+    pending_direction: Literal["harder", "easier"] | None = None
+    pending_scheduled: bool = False
+    parent_accuracy: float | None = None
+    groups_since_rewrite: int = 0
+    last_accuracy: float | None = None
+    rewrites_proposed: int = 0
+    rewrites_accepted: int = 0
+
+
+class InFlight(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    groups: dict[str, int] = Field(default_factory=dict, description="group id -> policy version at scheduling")
+    train_groups_scheduled: int = 0
+
+
+class TasksAgent(Agent):
+    role = "tasks"
+
+    def __init__(self, *a: Any, rewriter: Rewriter | None = None, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.family = make_family(self.cfg.env)
+        self.rewriter: Rewriter | None = None
+        rewriting = self.cfg.loop == "full" and self.cfg.tasks.rewriter != "off"
+        if rewriting:
+            self.rewriter = rewriter or BuiltinRewriter()
+        self.slots: dict[str, Slot] = {}
+        self.inflight = InFlight()
+        self.policy_version = 0
+        self.changed = asyncio.Event()
+        self._kv: Any = None
+        self._rr = itertools.count()
+        self.eval_queue: list[str] = []
+
+    def subscriptions(self) -> list[Subscription]:
+        return [Subscription("tasks", (GroupScored,), self.on_scored, concurrency=1),
+                Subscription("tasks-weights", (WeightsPublished,), self.on_weights, concurrency=1, shared=False,
+                             deliver="last")]
+
+    # ---- state -------------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        self._kv = await self.bus.kv("tasks")
+        keys: list[str] = []
+        try:
+            keys = await self._kv.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            keys = []
+        for key in keys:
+            raw = (await self._kv.get(key)).value
+            if key == "inflight":
+                self.inflight = InFlight.model_validate_json(raw)
+            elif key.startswith("slot."):
+                slot = Slot.model_validate_json(raw)
+                self.slots[slot.slot_id] = slot
+        if self.slots:
+            self.log.info("tasks.resumed", slots=len(self.slots), inflight=len(self.inflight.groups))
+            return
+        for t in self.family.initial_tasks(self.cfg.env.n_train, self.cfg.env.n_heldout, self.cfg.env.seed):
+            slot = Slot(slot_id=f"{t.split}-{t.task_id}", split=t.split, active=t)
+            self.slots[slot.slot_id] = slot
+            await self.save(slot)
+        self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]  # the "before" numbers
+        await self.save_inflight()
+
+    async def save(self, slot: Slot) -> None:
+        await self._kv.put(f"slot.{slot.slot_id}", slot.model_dump_json().encode())
+
+    async def save_inflight(self) -> None:
+        await self._kv.put("inflight", self.inflight.model_dump_json().encode())
+
+    # ---- scheduling --------------------------------------------------------------------------
+
+    def admitted(self) -> bool:
+        if len(self.inflight.groups) >= self.cfg.tasks.max_groups_in_flight:
+            return False
+        oldest = min(self.inflight.groups.values(), default=self.policy_version)
+        return self.policy_version - oldest <= self.cfg.learner.max_staleness
+
+    def next_group(self) -> tuple[Slot, TaskSpec, Literal["train", "candidate", "eval"]]:
+        """Candidates first, then a due held-out evaluation round, then train slots round-robin."""
+        for slot in self.slots.values():
+            if slot.pending is not None and not slot.pending_scheduled:
+                return slot, slot.pending, "candidate"
+        if self.eval_queue:
+            slot = self.slots[self.eval_queue.pop(0)]
+            return slot, slot.active, "eval"
+        train = [s for s in self.slots.values() if s.split == "train"]
+        if not train:
+            self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]
+            slot = self.slots[self.eval_queue.pop(0)]
+            return slot, slot.active, "eval"
+        slot = train[next(self._rr) % len(train)]
+        return slot, slot.active, "train"
+
+    async def schedule(self, slot: Slot, task: TaskSpec, purpose: Literal["train", "candidate", "eval"]) -> None:
+        k = self.inflight.train_groups_scheduled // self.cfg.tasks.eval_every
+        prefix = f"eval{k}-" if purpose == "eval" else ("cand-" if purpose == "candidate" else "g-")
+        group_id = f"{prefix}{new_id()[:16]}"
+        event = self.event(TaskScheduled, task=task, slot_id=slot.slot_id, group_id=group_id,
+                           n_rollouts=self.cfg.policy.n, purpose=purpose, correlation_id=group_id)
+        self.inflight.groups[group_id] = self.policy_version
+        if purpose == "train":
+            self.inflight.train_groups_scheduled += 1
+            if self.inflight.train_groups_scheduled % self.cfg.tasks.eval_every == 0:
+                self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]
+        if purpose == "candidate":
+            slot.pending_scheduled = True
+            await self.save(slot)
+        await self.save_inflight()
+        await self.emit(event)
+        self.counters[f"scheduled.{purpose}"] += 1
+
+    async def main(self) -> None:
+        await self.load()
+        while await self.wait_resumed():
+            while self.admitted() and not self.stopping.is_set():
+                await self.schedule(*self.next_group())
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), 1.0)
+            except TimeoutError:
+                pass
+
+    # ---- reacting to scores ------------------------------------------------------------------
+
+    async def on_weights(self, event: WeightsPublished, _d: Delivery) -> None:
+        if event.role == "policy" and event.version > self.policy_version:
+            self.policy_version = event.version
+            self.changed.set()
+
+    async def on_scored(self, event: GroupScored, _d: Delivery) -> None:
+        if self._kv is None:
+            raise RuntimeError("task pool not loaded yet")  # nak: redelivered once main() loaded it
+        self.inflight.groups.pop(event.group_id, None)
+        slot = self.slots.get(event.slot_id or "")
+        if slot is not None:
+            if event.purpose == "candidate":
+                await self.decide(slot, event)
+            elif event.purpose == "train" and event.task_id == slot.active.task_id:
+                slot.last_accuracy = event.accuracy
+                slot.groups_since_rewrite += 1
+                if event.flagged is None:
+                    await self.maybe_rewrite(slot, event)
+            elif event.purpose == "eval":
+                slot.last_accuracy = event.accuracy
+            await self.save(slot)
+        await self.save_inflight()
+        self.changed.set()
+
+    async def maybe_rewrite(self, slot: Slot, event: GroupScored) -> None:
+        low, high = self.cfg.tasks.band
+        direction = scoring.rewrite_direction(event.accuracy, low, high)
+        if (self.rewriter is None or slot.split != "train" or direction is None or slot.pending is not None
+                or slot.groups_since_rewrite < self.cfg.tasks.min_groups_between_rewrites):
+            return
+        proposal = await self.rewriter.propose(self.family, slot.active, direction, event.failures)
+        ok, why = False, proposal.error
+        if proposal.candidate is not None:
+            check = await self.family.precheck(proposal.candidate)
+            ok, why = check.ok, (None if check.ok else check.reason)
+        slot.rewrites_proposed += 1
+        await self.emit(self.event(TaskRewritten, cause=event, slot_id=slot.slot_id, parent=slot.active,
+                                   candidate=proposal.candidate, direction=direction, summaries=proposal.summaries,
+                                   rewriter=proposal.rewriter, precheck_ok=ok, precheck_error=why))
+        self.counters["rewrites_proposed"] += 1
+        if ok and proposal.candidate is not None:
+            slot.pending, slot.pending_direction = proposal.candidate, direction
+            slot.pending_scheduled, slot.parent_accuracy = False, event.accuracy
+        else:
+            slot.groups_since_rewrite = 0  # back off before trying again
+
+    async def decide(self, slot: Slot, event: GroupScored) -> None:
+        if slot.pending is None or event.task_id != slot.pending.task_id:
+            return  # decided already (redelivery)
+        assert slot.pending_direction is not None
+        low, high = self.cfg.tasks.band
+        parent_acc = slot.parent_accuracy if slot.parent_accuracy is not None else 0.0
+        if event.flagged:
+            accepted, reason = False, f"candidate group flagged: {event.flagged}"
+        else:
+            accepted, reason = scoring.accept_rewrite(slot.pending_direction, parent_acc, event.accuracy, low, high)
+        await self.emit(self.event(
+            TaskDecided, cause=event, slot_id=slot.slot_id, parent_id=slot.active.task_id,
+            candidate_id=slot.pending.task_id, direction=slot.pending_direction, accepted=accepted, reason=reason,
+            parent_accuracy=parent_acc, candidate_accuracy=event.accuracy,
+            rewriter=self.rewriter.name if self.rewriter else "none"))
+        if accepted:
+            slot.history.append(slot.active.task_id)
+            slot.active = slot.pending
+            slot.rewrites_accepted += 1
+            slot.last_accuracy = event.accuracy
+            self.counters["rewrites_accepted"] += 1
+        slot.pending, slot.pending_direction, slot.pending_scheduled, slot.parent_accuracy = None, None, False, None
+        slot.groups_since_rewrite = 0
