@@ -70,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", help="run the closed loop (policy, judge, rewriter, learner)")
+    p.add_argument("--minutes", type=float, help="wall-clock budget (0: until stopped) [run.minutes]")
+    p.add_argument("--steps", type=int, help="stop after this many policy learner steps [run.steps]")
+    p.add_argument("--family", help="quickgame | textworld | coding [env.family]")
+    p.add_argument("--reward", help="integrated | outcome-only | steps-only [scorer.reward]")
+    p.add_argument("--policy-model", help="local transformers model dir [policy.model]")
+    p.add_argument("--policy-url", help="vLLM server serving the policy, http://host:port/v1 [policy.url]")
+    p.add_argument("--resume", metavar="RUN", help="continue run RUN (same run id and run directory)")
+    p.set_defaults(_extra_overrides={"minutes": "run.minutes", "steps": "run.steps", "family": "env.family",
+                                     "reward": "scorer.reward", "policy_model": "policy.model",
+                                     "policy_url": "policy.url", "resume": "run.run_id"})
     _config_flags(p)
     p.set_defaults(func=cmd_run)
 

@@ -9,6 +9,11 @@ if TYPE_CHECKING:
     from coevo.runtime.agent import Agent
 
 ROLES: dict[str, str] = {
+    "policy": "coevo.agents.policy:PolicyAgent",
+    "judge": "coevo.agents.judge:JudgeAgent",
+    "scorer": "coevo.agents.scorer:ScorerAgent",
+    "tasks": "coevo.agents.tasks:TasksAgent",
+    "learner": "coevo.training.learner:LearnerAgent",
     "env": "coevo.envs.service:EnvHost",
 }
 """Role name -> ``module:Class``. Any ``module:Class`` path is accepted as a role too."""

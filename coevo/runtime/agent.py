@@ -213,12 +213,12 @@ async def run_agents(agents: Iterable[Agent], *, handle_signals: bool = True,
                 pass
     try:
         async with asyncio.TaskGroup() as tg:
-            for a in agents:
-                tg.create_task(a.run(), name=a.agent_id)
+            tasks = [tg.create_task(a.run(), name=a.agent_id) for a in agents]
             if until is not None:
                 async def watch() -> None:
-                    await first_completed(until.wait(), *(a.stopping.wait() for a in agents[:1]))
+                    await first_completed(until.wait(), asyncio.wait(tasks))
                     stop_all()
+
                 tg.create_task(watch(), name="run_agents:until")
     finally:
         for sig in installed:

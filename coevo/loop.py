@@ -1,0 +1,191 @@
+"""``coevo run``: the closed loop in one process (each agent can also run alone: ``coevo agent``).
+
+Invariant: the run ends (budget, ``--steps``, Ctrl-C or SIGTERM) by stopping every agent
+gracefully (in-flight work finishes or is nak'd for the next run), then writes ``summary.json``
+from the event stream itself, so the summary of a run and of its replay agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from coevo.config import CoevoConfig
+from coevo.runtime.agent import Agent, run_agents
+from coevo.runtime.app import open_runtime
+from coevo.runtime.bus import NatsBus
+from coevo.schemas import GroupScored, LearnerStepped, RunFinished, TaskDecided
+
+log = structlog.get_logger("coevo.loop")
+
+
+def build_agents(bus: NatsBus, cfg: CoevoConfig, on_step: Any = None) -> list[Agent]:
+    from coevo.agents.judge import JudgeAgent
+    from coevo.agents.policy import PolicyAgent
+    from coevo.agents.scorer import ScorerAgent
+    from coevo.agents.tasks import TasksAgent
+    from coevo.training.learner import LearnerAgent
+
+    agents: list[Agent] = [TasksAgent(bus, cfg), PolicyAgent(bus, cfg), ScorerAgent(bus, cfg),
+                           LearnerAgent(bus, cfg, on_step=on_step)]
+    if cfg.scorer.reward != "outcome-only":
+        agents.append(JudgeAgent(bus, cfg))
+    if cfg.env.remote:
+        from coevo.envs.service import EnvHost
+
+        agents.append(EnvHost(bus, cfg))
+    return agents
+
+
+async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any]:
+    """The run's summary, computed from the stored events."""
+    counts: Counter[str] = Counter()
+    train: list[float] = []
+    evals: dict[str, list[float]] = {}
+    proc: list[float] = []
+    outc: list[float] = []
+    learner_steps = judge_steps = accepted = 0
+    async for _, event, _m in bus.history():
+        if event is None:
+            counts["undecodable"] += 1
+            continue
+        counts[event.kind] += 1  # type: ignore[attr-defined]
+        if isinstance(event, GroupScored):
+            if event.purpose == "train":
+                train.append(event.accuracy)
+            elif event.purpose == "eval":
+                evals.setdefault(event.group_id.split("-")[0], []).append(event.accuracy)
+            if event.judge_process_accuracy is not None:
+                proc.append(event.judge_process_accuracy)
+            if event.judge_outcome_accuracy is not None:
+                outc.append(event.judge_outcome_accuracy)
+        elif isinstance(event, LearnerStepped):
+            learner_steps += event.role == "policy"
+            judge_steps += event.role == "judge"
+        elif isinstance(event, TaskDecided):
+            accepted += event.accepted
+    k = max(1, len(train) // 5)
+    rounds = [v for _, v in sorted(evals.items(), key=lambda kv: int(kv[0][4:] or 0))]
+    tail = max(1, len(proc) // 4)
+
+    def mean(xs: list[float]) -> float | None:
+        return round(statistics.fmean(xs), 4) if xs else None
+
+    seconds = max(ended - started, 1e-9)
+    return {
+        "run_id": bus.run_id,
+        "policy_success_start": mean(train[:k]),
+        "policy_success_end": mean(train[-k:]),
+        "heldout_success_start": mean(rounds[0]) if rounds else None,
+        "heldout_success_end": mean(rounds[-1]) if rounds else None,
+        "judge_process_accuracy": mean(proc[-tail:]),
+        "judge_outcome_accuracy": mean(outc[-tail:]),
+        "rewrites_proposed": counts["task.rewritten"],
+        "rewrites_accepted": accepted,
+        "learner_steps": learner_steps,
+        "judge_learner_steps": judge_steps,
+        "events": dict(sorted(counts.items())),
+        "trajectories_per_second": round(counts["trajectory.completed"] / seconds, 3),
+        "seconds": round(seconds, 1),
+        "groups_scored": len(train),
+    }
+
+
+class Progress:
+    """Live progress: a rich status line on a terminal, a log line every 10 s otherwise."""
+
+    def __init__(self, agents: list[Agent]) -> None:
+        self.agents = agents
+        self.t0 = time.monotonic()
+
+    def line(self) -> str:
+        c: Counter[str] = Counter()
+        for a in self.agents:
+            c.update(a.counters)
+        won = c["trajectories.won"]
+        done = sum(v for k, v in c.items() if k.startswith("trajectories."))
+        return (f"{time.monotonic() - self.t0:6.0f}s  trajectories {done} (won {won / done if done else 0:.0%})  "
+                f"groups {c['groups_scored']}  learner steps {c['steps.policy']}/{c['steps.judge']}  "
+                f"rewrites {c['rewrites_accepted']}/{c['rewrites_proposed']}")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        import sys
+
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        if sys.stderr.isatty():
+            with console.status(self.line()) as status:
+                while not stop.is_set():
+                    await _wait(stop, 1.0)
+                    status.update(self.line())
+        else:
+            while not stop.is_set():
+                await _wait(stop, 10.0)
+                log.info("progress", status=self.line())
+
+
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except TimeoutError:
+        pass
+
+
+async def run_main(cfg: CoevoConfig) -> int:
+    from coevo.agents.clients import model_dir
+
+    async with open_runtime(cfg, name="coevo-run") as rt:
+        await asyncio.to_thread(model_dir, cfg, "policy")
+        await asyncio.to_thread(model_dir, cfg, "judge")
+        stop = asyncio.Event()
+        steps_done = 0
+
+        def on_step(role: str, _m: Any) -> None:
+            nonlocal steps_done
+            if role == "policy":
+                steps_done += 1
+                if cfg.run.steps is not None and steps_done >= cfg.run.steps:
+                    stop.set()
+
+        agents = build_agents(rt.bus, cfg, on_step=on_step)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        started = time.time()
+        log.info("run.started", run_id=rt.run_id, family=cfg.env.family, loop=cfg.loop, reward=cfg.scorer.reward,
+                 run_dir=str(rt.run_dir))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(run_agents(agents, handle_signals=False, until=stop), name="agents")
+                tg.create_task(Progress(agents).run(stop), name="progress")
+                if cfg.run.minutes > 0:
+                    tg.create_task(_deadline(stop, cfg.run.minutes * 60), name="deadline")
+                await stop.wait()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        summary = await summarize(rt.bus, started, time.time())
+        src = agents[0]
+        await rt.bus.publish_sync(src.event(RunFinished, summary=summary))
+        summary["events"]["run.finished"] = summary["events"].get("run.finished", 0) + 1
+        path = Path(rt.run_dir) / "summary.json"
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        log.info("run.finished", summary=str(path), learner_steps=summary["learner_steps"],
+                 policy_success_start=summary["policy_success_start"],
+                 policy_success_end=summary["policy_success_end"])
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+async def _deadline(stop: asyncio.Event, seconds: float) -> None:
+    await _wait(stop, seconds)
+    stop.set()

@@ -1,0 +1,187 @@
+"""One trainable model (the policy or the judge): optimiser, version counter and checkpoints.
+
+Invariants:
+- ``version`` counts optimiser steps since the initial weights (version 0) and survives restarts;
+- a checkpoint is written to a temporary directory, fsynced, renamed into place, then marked
+  ``COMPLETE``; only complete checkpoints are ever loaded or published;
+- a checkpoint records the groups whose samples it has trained, so a resumed learner never trains
+  an acknowledged sample twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from coevo.config import LearnerConfig
+from coevo.schemas import TrainingSample
+from coevo.training.batch import pack_by_tokens, to_tensors
+from coevo.training.loss import ppo_loss, token_logprobs
+
+MARKER = "COMPLETE"
+KEEP = 3
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    version: int
+    samples: int
+    tokens: int
+    loss: float
+    kl: float
+    clip_fraction: float
+    mismatch_kl: float
+    staleness_histogram: dict[str, int]
+    tokens_per_second: float
+    grad_norm: float
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    done = sorted(p for p in root.glob("v*") if (p / MARKER).exists())
+    return done[-1] if done else None
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Lane:
+    def __init__(self, role: Literal["policy", "judge"], base_model: Path, ckpt_root: Path, cfg: LearnerConfig,
+                 *, temperature: float = 1.0, lr: float | None = None, device: str | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from coevo.agents.inference import quiet_transformers
+
+        quiet_transformers()
+        self.role = role
+        self.cfg = cfg
+        self.base_model = Path(base_model)
+        self.root = Path(ckpt_root) / role
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.temperature = temperature
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        resume = latest_checkpoint(self.root)
+        self.model = AutoModelForCausalLM.from_pretrained(resume or self.base_model).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr or cfg.lr)
+        self.version = 0
+        self.consumed: deque[str] = deque(maxlen=100_000)
+        self.steps_total = 0
+        if resume is not None:
+            state = json.loads((resume / "state.json").read_text())
+            self.version = state["version"]
+            self.consumed.extend(state["consumed_groups"])
+            self.optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location=self.device))
+        self.resumed_from = resume
+        self._consumed_set = set(self.consumed)
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+        self.vocab = int(self.model.config.vocab_size)
+
+    def has_consumed(self, group_id: str) -> bool:
+        return group_id in self._consumed_set
+
+    def step(self, samples: list[TrainingSample], groups: list[str]) -> StepMetrics:
+        """One optimiser step on ``samples`` (all groups at once); returns the metrics."""
+        t0 = time.perf_counter()
+        self.model.train()
+        micro = [to_tensors(mb, self.vocab, self.pad_id).to(self.device)
+                 for mb in pack_by_tokens(samples, self.cfg.max_batch_tokens)]
+        with torch.no_grad():
+            prox = [token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
+                                   self.temperature) for t in micro]
+        self.optimizer.zero_grad(set_to_none=True)
+        total = len(samples)
+        agg: Counter[str] = Counter()
+        tokens = 0
+        for t, px in zip(micro, prox, strict=True):
+            new = token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
+                                 self.temperature)
+            out = ppo_loss(new, px, t.behav_logp, t.advantages, t.response_mask, clip_eps=self.cfg.clip_eps,
+                           kl_beta=self.cfg.kl_beta, correction=self.cfg.correction, tis_cap=self.cfg.tis_cap)
+            weight = t.input_ids.shape[0] / total
+            (out.loss * weight).backward()
+            agg["loss"] += float(out.loss) * weight
+            agg["kl"] += out.kl * weight
+            agg["clip_fraction"] += out.clip_fraction * weight
+            agg["mismatch_kl"] += out.mismatch_kl * weight
+            tokens += int(t.response_mask.sum()) + int(t.attention_mask.sum())
+        self.all_reduce_grads()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        self.optimizer.step()
+        self.version += 1
+        self.steps_total += 1
+        for g in groups:
+            self.consumed.append(g)
+            self._consumed_set.add(g)
+        hist = Counter(str(self.version - 1 - s.model_version) for s in samples)
+        dt = time.perf_counter() - t0
+        return StepMetrics(self.version, total, tokens, agg["loss"], agg["kl"], agg["clip_fraction"],
+                           agg["mismatch_kl"], dict(hist), tokens / dt if dt > 0 else 0.0, grad_norm)
+
+    def all_reduce_grads(self) -> None:
+        """Data parallel (torchrun, gloo or nccl): average gradients over ranks."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        world = dist.get_world_size()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                p.grad /= world
+
+    def checkpoint(self) -> tuple[Path, str, int]:
+        """Write the current weights, optimiser state and counters atomically; (path, sha256, bytes)."""
+        from coevo.agents.weights import checkpoint_sha256
+
+        final = self.root / f"v{self.version:06d}"
+        if (final / MARKER).exists():
+            return final, checkpoint_sha256(final), _size(final)
+        tmp = self.root / f".tmp-v{self.version:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp, safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            src = self.base_model / name
+            if src.exists():
+                shutil.copy2(src, tmp / name)
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps({"version": self.version, "role": self.role,
+                                                    "consumed_groups": list(self.consumed)}))
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        (final / MARKER).write_text(str(self.version))
+        _fsync_dir(final)
+        self._prune()
+        return final, checkpoint_sha256(final), _size(final)
+
+    def _prune(self) -> None:
+        done = sorted(p for p in self.root.glob("v*") if (p / MARKER).exists())
+        for old in done[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def lane_summary(lane: Lane) -> dict[str, Any]:
+    return {"role": lane.role, "version": lane.version, "resumed_from": str(lane.resumed_from or "")}

@@ -1,0 +1,166 @@
+"""The learner agent: consumes scored groups as a stream and trains the policy and judge lanes.
+
+Invariants:
+- a ``GroupScored`` is acknowledged only after every lane that trains on it has taken an optimiser
+  step on its samples *and* written the checkpoint that includes them (or has nothing to train);
+  so a kill -9 at any point loses no sample, and the checkpoint's consumed-group list makes sure a
+  redelivered group is not trained twice;
+- a lane steps on whole groups: when it holds ``batch_samples`` samples, or holds some and no new
+  group arrived for ``flush_after_s``;
+- candidate groups wait for their ``TaskDecided``: accepted ones are trained, rejected ones never;
+  held-out (eval) and flagged groups are never trained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from coevo.agents.clients import model_dir
+from coevo.runtime.agent import Agent
+from coevo.runtime.bus import Delivery
+from coevo.runtime.consumer import Subscription
+from coevo.schemas import GroupScored, LearnerStepped, TaskDecided, TrainingSample, WeightsPublished
+from coevo.training.lane import Lane, StepMetrics
+
+Role = Literal["policy", "judge"]
+
+
+@dataclass
+class Pending:
+    group_id: str
+    samples: list[TrainingSample]
+    done: asyncio.Future[None]
+
+
+@dataclass
+class LaneQueue:
+    lane: Lane
+    pending: list[Pending] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    last_arrival: float = 0.0
+
+    @property
+    def held(self) -> int:
+        return sum(len(p.samples) for p in self.pending)
+
+
+class LearnerAgent(Agent):
+    role = "learner"
+    flush_after_s = 2.0
+
+    def __init__(self, *a: Any, on_step: Callable[[Role, StepMetrics], None] | None = None, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.on_step = on_step
+        self.lanes: dict[Role, LaneQueue] = {}
+        self.decisions: dict[str, bool] = {}
+        self.decided = asyncio.Event()
+        self.train_judge = self.cfg.loop != "policy-only" and self.cfg.judge.backend == "local"
+        self.ckpt_root = self.cfg.run.runs_dir / self.bus.run_id / "checkpoints"
+
+    def subscriptions(self) -> list[Subscription]:
+        return [Subscription("learner", (GroupScored,), self.on_scored, concurrency=256),
+                Subscription("learner-decisions", (TaskDecided,), self.on_decided, concurrency=1)]
+
+    async def run(self) -> None:
+        roles: list[Role] = ["policy", "judge"] if self.train_judge else ["policy"]
+        if not self.train_judge:
+            self.log.info("learner.judge_lane_off", reason="external judge" if self.cfg.judge.backend != "local"
+                          else f"loop={self.cfg.loop}")
+        for role in roles:
+            lr = self.cfg.learner.judge_lr if role == "judge" else None
+            temp = self.cfg.policy.temperature if role == "policy" else self.cfg.judge.temperature
+            lane = await asyncio.to_thread(Lane, role, model_dir(self.cfg, role), self.ckpt_root, self.cfg.learner,
+                                           temperature=temp, lr=lr, device=self.cfg.learner.device)
+            self.lanes[role] = LaneQueue(lane)
+            if lane.resumed_from is not None:
+                self.log.info("learner.resumed", role=role, version=lane.version)
+                await self.publish_weights(lane)  # followers catch up with the resumed version
+        self.model_version = self.lanes["policy"].lane.version
+        await super().run()
+
+    async def on_decided(self, event: TaskDecided, _d: Delivery) -> None:
+        self.decisions[event.candidate_id] = event.accepted
+        self.decided.set()
+
+    async def on_scored(self, event: GroupScored, _d: Delivery) -> None:
+        if event.purpose == "eval" or event.flagged:
+            return
+        if event.purpose == "candidate":
+            while event.task_id not in self.decisions:
+                self.decided.clear()
+                await self.decided.wait()
+            if not self.decisions[event.task_id]:
+                self.counters["groups.rejected_candidate"] += 1
+                return
+        waits = []
+        for role, q in self.lanes.items():
+            samples = event.policy_samples if role == "policy" else event.judge_samples
+            if not samples or q.lane.has_consumed(event.group_id):
+                continue
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            q.pending.append(Pending(event.group_id, list(samples), fut))
+            q.last_arrival = time.monotonic()
+            q.arrived.set()
+            waits.append(fut)
+        if waits:
+            await asyncio.gather(*waits)
+        self.counters["groups.trained"] += 1
+
+    async def main(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for role, q in self.lanes.items():
+                tg.create_task(self.lane_loop(role, q), name=f"learner:{role}")
+
+    async def lane_loop(self, role: Role, q: LaneQueue) -> None:
+        batch = self.cfg.learner.batch_samples
+        while not self.stopping.is_set():
+            if q.held >= batch or (q.held and time.monotonic() - q.last_arrival >= self.flush_after_s):
+                await self.train(role, q)
+                continue
+            q.arrived.clear()
+            timeout = self.flush_after_s if q.held else 1.0
+            try:
+                await asyncio.wait_for(q.arrived.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    async def train(self, role: Role, q: LaneQueue) -> None:
+        take: list[Pending] = []
+        n = 0
+        while q.pending and (n < self.cfg.learner.batch_samples or not take):
+            p = q.pending.pop(0)
+            take.append(p)
+            n += len(p.samples)
+        samples = [s for p in take for s in p.samples]
+        try:
+            metrics = await asyncio.to_thread(q.lane.step, samples, [p.group_id for p in take])
+            path, sha, size = await asyncio.to_thread(q.lane.checkpoint)
+        except Exception as exc:
+            for p in take:
+                if not p.done.done():
+                    p.done.set_exception(exc)
+            raise
+        if role == "policy":
+            self.model_version = metrics.version
+        await self.emit(self.event(
+            LearnerStepped, role=role, version=metrics.version, samples=metrics.samples, tokens=metrics.tokens,
+            loss=metrics.loss, kl=metrics.kl, clip_fraction=metrics.clip_fraction, mismatch_kl=metrics.mismatch_kl,
+            staleness_histogram=metrics.staleness_histogram, tokens_per_second=metrics.tokens_per_second,
+            group_ids=[p.group_id for p in take]))
+        await self.emit(self.event(WeightsPublished, role=role, version=metrics.version, path=str(path),
+                                   sha256=sha, bytes=size))
+        for p in take:
+            if not p.done.done():
+                p.done.set_result(None)
+        self.counters[f"steps.{role}"] += 1
+        if self.on_step is not None:
+            self.on_step(role, metrics)
+
+    async def publish_weights(self, lane: Lane) -> None:
+        path, sha, size = await asyncio.to_thread(lane.checkpoint)
+        await self.emit(self.event(WeightsPublished, role=lane.role, version=lane.version, path=str(path),
+                                   sha256=sha, bytes=size))
