@@ -65,3 +65,44 @@ def subprocess_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache of the tiny default models (and compiled games) for the whole session."""
+    return tmp_path_factory.mktemp("coevo-cache")
+
+
+LOOP_OVERRIDES = {
+    "policy.n": 4,
+    "env.n_train": 2,
+    "env.n_heldout": 1,
+    "tasks.eval_every": 4,
+    "tasks.band": [0.49, 0.51],  # every group outside the band: rewrites happen at once
+    "tasks.min_groups_between_rewrites": 0,
+    "learner.batch_samples": 16,
+    "judge.m": 2,
+    "log.console": "off",
+}
+
+
+@pytest.fixture
+def loop_cfg(tmp_path: Path, model_cache: Path, run_id: str, nats_url: str) -> CoevoConfig:
+    return load_config(overrides={
+        **LOOP_OVERRIDES,
+        "run.runs_dir": str(tmp_path / "runs"), "run.run_id": run_id, "env.cache_dir": str(model_cache),
+        "nats.url": nats_url, "bus.ack_wait_s": 5.0, "bus.in_progress_every_s": 1.0,
+        "bus.fetch_timeout_s": 0.2, "agent.heartbeat_s": 1.0,
+    })
+
+
+def cli_args(cfg: CoevoConfig) -> list[str]:
+    """The same config as command-line flags (for agents started as separate processes)."""
+    import json
+
+    out = []
+    for key, value in {**LOOP_OVERRIDES, "run.runs_dir": str(cfg.run.runs_dir), "env.cache_dir": str(cfg.env.cache_dir),
+                       "bus.ack_wait_s": cfg.bus.ack_wait_s, "bus.in_progress_every_s": cfg.bus.in_progress_every_s,
+                       "bus.fetch_timeout_s": 0.2, "agent.heartbeat_s": 1.0}.items():
+        out += ["--set", f"{key}={json.dumps(value) if isinstance(value, list) else value}"]
+    return out

@@ -259,5 +259,5 @@ async def test_jsonl_problems_with_call_and_io_tests(tmp_path: Path) -> None:
     assert (await _step(fam, tasks["echo"], "print(input())")).outcome == "lost"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
-    with pytest.raises(EnvError, match="bad.jsonl:1"):
+    with pytest.raises(EnvError, match=r"bad\.jsonl:1"):
         Coding(bad).initial_tasks(1, 0, 0)

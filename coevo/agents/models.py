@@ -27,39 +27,30 @@ TINY = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "n
         "num_key_value_heads": 2, "max_position_embeddings": 1024}
 """head_dim 64: vLLM's CPU attention kernel needs it (see STACK.md)."""
 VOCAB = 1024
-VERSION = 1  # bump when the recipe changes: the cache key includes it
+VERSION = 2  # bump when the recipe changes: the cache key includes it
 
 
 def _corpus(seed: int = 0, n: int = 400) -> list[str]:
-    import asyncio
-
+    """Prompts the quick game and the judge produce under random play (synchronous, no event loop)."""
     from coevo.agents.prompts import judge_prompt, policy_prompt
-    from coevo.envs.quickgame import QuickGame
-    from coevo.schemas import TaskSpec
+    from coevo.envs.quickgame import State, build_world, candidates, describe, transition
 
     rng = random.Random(seed)
-    game = QuickGame()
     texts: list[str] = []
-
-    async def play() -> None:
-        for i in range(n):
-            knobs = {"steps": rng.randint(1, 6), "distractors": rng.randint(0, 4), "slack": rng.randint(0, 3),
-                     "hints": rng.randint(0, 1)}
-            task = TaskSpec(task_id=f"c{i}", family="quickgame", params={"seed": i}, knobs=knobs)
-            env = game.make_env()
-            obs = await env.reset(task)
-            while True:
-                action = rng.choice(obs.candidates)
-                texts.append(policy_prompt(obs.text, obs.candidates))
-                r = await env.step(action)
-                texts.append(judge_prompt(obs.objective, obs.text, action, r.observation.text))
-                obs = r.observation
-                if r.done:
-                    break
-
-    asyncio.run(play())
+    for i in range(n):
+        world = build_world(i, rng.randint(1, 6), rng.randint(0, 4), rng.randint(0, 3))
+        state, steps = State(), 0
+        while not (state.won or state.lost) and steps < world.max_steps:
+            obs = describe(world, state, world.max_steps - steps, None)
+            cands = candidates(world, state)
+            action = rng.choice(cands)
+            texts.append(policy_prompt(obs, cands))
+            state, feedback = transition(world, state, action)
+            steps += 1
+            texts.append(judge_prompt("take the coin", obs, action, feedback + " " +
+                                      describe(world, state, world.max_steps - steps, action)))
     texts += [r"\boxed{1}", r"\boxed{-1}", "the step is good", "the step is bad", "def return for in if else"]
-    texts += [" ".join(str(d) for d in range(10))]
+    texts += [" ".join(str(d) for d in range(10)), "hint: you go north. you take the coin."]
     return texts
 
 

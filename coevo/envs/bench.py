@@ -4,6 +4,7 @@ and sandbox executions per second."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import tempfile
 import time
@@ -74,8 +75,8 @@ async def bench_envs(seconds: float = 5.0, families: tuple[str, ...] = ("quickga
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(run_agents(hosts, handle_signals=False, until=stop))
                 await asyncio.sleep(0.5)
-                remote = await _random_steps(lambda: RemoteEnv(bus.nc, bus.run_id, fam_name), tasks, seconds,
-                                             concurrency)
+                remote = await _random_steps(functools.partial(RemoteEnv, bus.nc, bus.run_id, fam_name), tasks,
+                                             seconds, concurrency)
                 stop.set()
             await bus.close()
             out["families"][fam_name] = {"in_process_steps_per_s": round(local, 1),

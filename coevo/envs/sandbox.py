@@ -161,7 +161,7 @@ async def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-I", "_boot.py", cwd=tmp, env=env, stdin=asyncio.subprocess.PIPE,
                 stdout=out, stderr=err, start_new_session=True,
-                preexec_fn=lambda: _limit(limits, isolate),  # noqa: PLW1509 - fork then exec, nothing else
+                preexec_fn=lambda: _limit(limits, isolate),
             )
             timed_out = False
             try:
@@ -178,7 +178,7 @@ async def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None
     rc = proc.returncode
     status: Status
     detail = ""
-    if timed_out or rc in (-signal.SIGXCPU, -signal.SIGKILL) and duration >= limits.cpu_s * 0.9:
+    if timed_out or (rc in (-signal.SIGXCPU, -signal.SIGKILL) and duration >= limits.cpu_s * 0.9):
         status, detail = "timeout", f"exceeded {limits.wall_s}s wall or {limits.cpu_s}s CPU"
     elif rc == _FORBIDDEN_EXIT:
         status, detail = "forbidden", _marker(stderr)

@@ -133,8 +133,8 @@ class RemoteEnv(Environment):
         self.worker_id: str | None = None
         self.session_id: str | None = None
 
-    async def _request(self, subject: str, payload: bytes, timeout: float) -> EnvReply:
-        msg = await self.nc.request(subject, payload, timeout=timeout)
+    async def _request(self, subject: str, payload: bytes, timeout_s: float) -> EnvReply:
+        msg = await self.nc.request(subject, payload, timeout=timeout_s)
         return EnvReply.model_validate_json(msg.data)
 
     async def reset(self, task: TaskSpec) -> Observation:

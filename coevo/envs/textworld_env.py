@@ -20,9 +20,17 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal
 
-from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult, spec_hash
+from coevo.envs.base import (
+    EnvError,
+    Environment,
+    Family,
+    Knob,
+    Observation,
+    PrecheckResult,
+    StepResult,
+    spec_hash,
+)
 from coevo.schemas import TaskSpec
-
 
 # TextWorld's own games are not in jericho's list of known games; the warning says nothing useful.
 warnings.filterwarnings("ignore", message=r".*is not fully supported\. Score, move, change detection")
