@@ -181,3 +181,48 @@ async def test_task_pool_survives_a_restart(bus: NatsBus, loop_cfg: CoevoConfig)
         assert d.candidate_id == slot.active.task_id or d.candidate_id in slot.history
     assert again.inflight.groups == agents[0].inflight.groups
     assert json.loads(again.slots[next(iter(before))].model_dump_json())  # persisted as plain JSON
+
+
+async def test_learner_resumes_after_kill_9_without_training_a_group_twice(
+        bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str) -> None:
+    from coevo.agents.clients import model_dir
+    from coevo.training.lane import latest_checkpoint
+
+    model_dir(loop_cfg, "policy")
+    model_dir(loop_cfg, "judge")
+    producers = [TasksAgent(bus, loop_cfg), PolicyAgent(bus, loop_cfg), ScorerAgent(bus, loop_cfg),
+                 JudgeAgent(bus, loop_cfg)]
+    stop = asyncio.Event()
+
+    def policy_steps(ev) -> list[LearnerStepped]:
+        return [e for e in ev if isinstance(e, LearnerStepped) and e.role == "policy"]
+
+    async def scenario() -> None:
+        learner = spawn("learner", nats_url, run_id, loop_cfg)
+        try:
+            await wait_for(bus, lambda ev: len(policy_steps(ev)) >= 2, timeout=240)
+            learner.kill()  # kill -9 in the middle of the stream
+            learner.wait()
+            killed_at = len(policy_steps(await bus.events()))
+            learner = spawn("learner", nats_url, run_id, loop_cfg)
+            await wait_for(bus, lambda ev: len(policy_steps(ev)) >= killed_at + 2, timeout=240)
+            stop.set()  # stop producing; the learner drains what was scored
+            await asyncio.sleep(6)
+        finally:
+            await stop_procs(learner)
+
+    await asyncio.gather(run_agents(producers, handle_signals=False, until=stop), scenario())
+    events = await bus.events()
+    steps = policy_steps(events)
+    versions = [s.version for s in steps]
+    assert versions == sorted(set(versions)) and versions[0] == 1, versions  # the sequence continues
+    trained = [g for s in steps for g in s.group_ids]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    ckpt = latest_checkpoint(loop_cfg.run.runs_dir / run_id / "checkpoints" / "policy")
+    assert ckpt is not None
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["version"] == versions[-1] or state["version"] == versions[-1] + 1
+    consumed = set(state["consumed_groups"])
+    trainable = {g.group_id for g in events if isinstance(g, GroupScored) and g.purpose == "train"
+                 and g.policy_samples and not g.flagged}
+    assert trainable - consumed == set(), "an acknowledged group was never trained"

@@ -117,7 +117,7 @@ class Lane:
                            kl_beta=self.cfg.kl_beta, correction=self.cfg.correction, tis_cap=self.cfg.tis_cap)
             weight = t.input_ids.shape[0] / total
             (out.loss * weight).backward()
-            agg["loss"] += float(out.loss) * weight
+            agg["loss"] += float(out.loss.detach()) * weight
             agg["kl"] += out.kl * weight
             agg["clip_fraction"] += out.clip_fraction * weight
             agg["mismatch_kl"] += out.mismatch_kl * weight

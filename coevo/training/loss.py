@@ -28,6 +28,7 @@ class LossOut:
     kl: float
     clip_fraction: float
     mismatch_kl: float
+    """k3 estimate of KL(sampler ‖ learner before the step) per token."""
     mean_is_weight: float
 
 
@@ -59,9 +60,14 @@ def ppo_loss(new_logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.
             loss=loss,
             kl=float((kl * mask).sum() / n),
             clip_fraction=float(clipped_tokens.sum() / n),
-            mismatch_kl=float(((behav_logp - prox_logp) * mask).sum() / n),
+            mismatch_kl=float((_k3(prox_logp - behav_logp) * mask).sum() / n),
             mean_is_weight=float((weight * mask).sum() / n),
         )
+
+
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(sampler || learner) from log(p_learner / p_sampler) on sampled tokens (≥ 0)."""
+    return torch.exp(log_ratio) - 1 - log_ratio
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -1,0 +1,150 @@
+"""The learner's numbers: loss on hand-made batches, correction no-op, a real step, gloo data parallel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from coevo.agents.inference import LocalEngine
+from coevo.agents.models import ensure_default_model
+from coevo.agents.prompts import INDEX_LABELS, policy_prompt
+from coevo.config import LearnerConfig
+from coevo.schemas import TrainingSample
+from coevo.training.batch import pack_by_tokens
+from coevo.training.lane import Lane, latest_checkpoint
+from coevo.training.loss import ppo_loss
+from tests.conftest import PYTHON, subprocess_env
+
+NEW = torch.tensor([[-1.0, -0.5], [-2.0, -1.0]])
+PROX = torch.tensor([[-1.2, -0.5], [-1.5, -1.0]])
+ADV = torch.tensor([1.0, -1.0])
+MASK = torch.ones(2, 2)
+
+
+def test_ppo_loss_matches_hand_computation() -> None:
+    out = ppo_loss(NEW, PROX, PROX, ADV, MASK, clip_eps=0.2, kl_beta=0.01, correction="tis")
+    # sample 0 (A=+1): r = e^0.2 = 1.2214 > 1.2 -> clipped to 1.2; r = 1 -> 1.  k3(0.2) = e^-0.2 - 1 + 0.2
+    k3_02 = math.exp(-0.2) - 1 + 0.2
+    s0 = ((-1.2 + 0.01 * k3_02) + (-1.0)) / 2
+    # sample 1 (A=-1): r = e^-0.5 = 0.6065 < 0.8 -> min(-0.6065, -0.8) = -0.8 -> +0.8; r = 1 -> +1
+    k3_m05 = math.exp(0.5) - 1 - 0.5
+    s1 = ((0.8 + 0.01 * k3_m05) + 1.0) / 2
+    assert float(out.loss.detach()) == pytest.approx((s0 + s1) / 2, abs=1e-6)
+    assert float(out.loss.detach()) == pytest.approx(-0.0995814, abs=1e-6)
+    assert out.clip_fraction == pytest.approx(0.5)  # both first tokens left [0.8, 1.2]
+    assert out.kl == pytest.approx((k3_02 + k3_m05) / 4, abs=1e-6)
+    assert out.mismatch_kl == 0.0 and out.mean_is_weight == 1.0
+
+
+def test_ratio_clipping_on_both_sides_only_when_it_lowers_the_objective() -> None:
+    # A>0 and r<1-eps: unclipped term is smaller, so no clipping effect (gradient flows)
+    new = torch.tensor([[-2.0]], requires_grad=True)
+    out = ppo_loss(new, torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([1.0]), torch.ones(1, 1),
+                   kl_beta=0.0)
+    out.loss.backward()
+    assert float(out.loss.detach()) == pytest.approx(-math.exp(-1.0)) and new.grad is not None and float(new.grad) != 0
+    # A>0 and r>1+eps: clipped, gradient is zero
+    new = torch.tensor([[-0.5]], requires_grad=True)
+    out = ppo_loss(new, torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([1.0]), torch.ones(1, 1),
+                   kl_beta=0.0)
+    out.loss.backward()
+    assert float(out.loss.detach()) == pytest.approx(-1.2) and float(new.grad) == 0.0
+    # A<0 and r<1-eps: clipped at 0.8, gradient zero
+    new = torch.tensor([[-2.0]], requires_grad=True)
+    out = ppo_loss(new, torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([-1.0]), torch.ones(1, 1),
+                   kl_beta=0.0)
+    out.loss.backward()
+    assert float(out.loss.detach()) == pytest.approx(0.8) and float(new.grad) == 0.0
+
+
+def test_off_policy_weights_truncated_and_decoupled() -> None:
+    behav = PROX.clone()
+    behav[0, 0] = PROX[0, 0] - math.log(3.0)  # the sampler gave this token a third of the learner's prob
+    tis = ppo_loss(NEW, PROX, behav, ADV, MASK, kl_beta=0.0, correction="tis", tis_cap=2.0)
+    dec = ppo_loss(NEW, PROX, behav, ADV, MASK, kl_beta=0.0, correction="decoupled")
+    plain = ppo_loss(NEW, PROX, PROX, ADV, MASK, kl_beta=0.0, correction="tis")
+    # only token (0, 0) changes: its term -1.2 is weighted 2 (truncated) or 3 (decoupled)
+    assert float(tis.loss.detach()) - float(plain.loss.detach()) == pytest.approx((-1.2 * 2 + 1.2) / 2 / 2)
+    assert float(dec.loss.detach()) - float(plain.loss.detach()) == pytest.approx((-1.2 * 3 + 1.2) / 2 / 2)
+    assert tis.mismatch_kl == pytest.approx((3 - 1 - math.log(3.0)) / 4)  # k3 with ratio 3 on 1 of 4 tokens
+
+
+def test_correction_is_a_no_op_with_identical_logprobs() -> None:
+    for correction in ("tis", "decoupled"):
+        a = ppo_loss(NEW, PROX, PROX, ADV, MASK, correction=correction)
+        b = ppo_loss(NEW, PROX, PROX, ADV, MASK, correction="none")
+        assert float(a.loss.detach()) == float(b.loss.detach())
+
+
+def test_pack_by_tokens() -> None:
+    def s(n: int) -> TrainingSample:
+        return TrainingSample(sample_id=str(n), role="policy", prompt_token_ids=[1] * n, response_token_ids=[2],
+                              logprobs=[-1.0], advantage=1.0, model_version=0, step_event_id="x")
+
+    batches = pack_by_tokens([s(9), s(9), s(19), s(4), s(49)], max_tokens=40)
+    assert [[len(x.prompt_token_ids) for x in b] for b in batches] == [[9, 9], [19, 4], [49]]  # 2x10, 2x20 (= 40), 1x50 alone
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return ensure_default_model("policy", tmp_path_factory.mktemp("models"))
+
+
+def choice_samples(tiny: Path, n: int = 16) -> list[TrainingSample]:
+    async def go() -> list[TrainingSample]:
+        prompt = policy_prompt("goal: take the coin. room: hall. items: coin. exits: north attic.",
+                               ["go north", "take coin"])
+        async with LocalEngine(tiny, seed=1) as eng:
+            cs = await asyncio.gather(*(eng.complete(prompt, choices=list(INDEX_LABELS[:2])) for _ in range(n)))
+        return [TrainingSample(sample_id=f"s{i}", role="policy", prompt_token_ids=c.prompt_token_ids,
+                               response_token_ids=c.response_token_ids, logprobs=c.logprobs,
+                               allowed_token_ids=c.allowed_token_ids, advantage=1.0 if c.choice == 1 else -1.0,
+                               model_version=0, step_event_id=f"e{i}") for i, c in enumerate(cs)]
+
+    return asyncio.run(go())
+
+
+def test_sampler_and_learner_agree_and_a_step_learns(tiny: Path, tmp_path: Path) -> None:
+    samples = choice_samples(tiny)
+    lane = Lane("policy", tiny, tmp_path, LearnerConfig(lr=1e-2), device="cpu")
+    before = {k: v.clone() for k, v in lane.model.state_dict().items()}
+    m = lane.step(samples, ["g1"])
+    # at version 0 the learner recomputes exactly the log-probs the engine sampled with
+    assert m.mismatch_kl < 1e-6
+    assert m.staleness_histogram == {"0": 16} and m.version == 1
+    changed = [k for k, v in lane.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "the step did not change any parameter"
+    # "take coin" (index 1) had positive advantage: its probability must have gone up
+    p_before = math.exp(next(s.logprobs[0] for s in samples if s.advantage > 0))
+    again = lane.step(samples, ["g2"])
+    assert again.mismatch_kl > 1e-4  # the learner has moved away from the sampler
+    path, sha, size = lane.checkpoint()
+    assert latest_checkpoint(tmp_path / "policy") == path and len(sha) == 64 and size > 0
+    resumed = Lane("policy", tiny, tmp_path, LearnerConfig(lr=1e-2), device="cpu")
+    assert resumed.version == 2 and resumed.has_consumed("g1") and resumed.has_consumed("g2")
+    assert all(torch.equal(v, lane.model.state_dict()[k]) for k, v in resumed.model.state_dict().items())
+    assert p_before < 1.0
+
+
+def test_two_gloo_processes_match_single_process(tiny: Path, tmp_path: Path) -> None:
+    samples = choice_samples(tiny, 8)
+    (tmp_path / "samples.json").write_text(json.dumps([s.model_dump() for s in samples]))
+    single = Lane("policy", tiny, tmp_path / "single", LearnerConfig(lr=1e-2), device="cpu")
+    single.step(samples, [])
+    init = tmp_path / "init"
+    out = tmp_path / "rank0.pt"
+    procs = [subprocess.Popen([PYTHON, "-m", "tests.gloo_worker", str(r), "2", str(init), str(tiny),
+                               str(tmp_path / "samples.json"), str(out)], env=subprocess_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    for p in procs:
+        output = p.communicate(timeout=240)[0].decode()
+        assert p.returncode == 0, output[-3000:]
+    dist_state = torch.load(out)
+    for k, v in single.model.state_dict().items():
+        assert torch.allclose(v, dist_state[k], atol=1e-6), k
