@@ -83,7 +83,7 @@ async def test_bad_checkpoint_path_is_refused_and_server_survives(vllm_server, t
     url, model = vllm_server
     async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
         version = client.version
-        with pytest.raises(VLLMError, match="no \\*.safetensors"):
+        with pytest.raises(VLLMError, match=r"no \*\.safetensors"):
             await client.swap_weights(tmp_path / "missing", version + 1)
         (tmp_path / "empty").mkdir()
         with pytest.raises(VLLMError):
