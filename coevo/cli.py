@@ -116,6 +116,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=5.0, help="per measurement")
     b.add_argument("--families", default="quickgame,textworld,coding")
     b.set_defaults(func=cmd_bench_envs)
+    b = bsub.add_parser("learn", help="policy success over time on the quick game, integrated vs outcome-only")
+    b.add_argument("--json", type=Path)
+    b.add_argument("--minutes", type=float, default=10.0, help="budget per configuration")
+    b.add_argument("--eval-every", type=float, default=30.0, help="seconds between evaluations")
+    b.add_argument("--episodes", type=int, default=64, help="episodes per evaluation")
+    b.set_defaults(func=cmd_bench_learn)
+    b = bsub.add_parser("ladder", help="the paper's ablation ladder at equal wall-clock budget")
+    b.add_argument("--json", type=Path)
+    b.add_argument("--minutes", type=float, default=5.0, help="budget per rung")
+    b.add_argument("--eval-every", type=float, default=30.0)
+    b.add_argument("--episodes", type=int, default=64)
+    b.set_defaults(func=cmd_bench_ladder)
+    b = bsub.add_parser("weights", help="pause of a weight swap (local engine; vLLM with --vllm-python)")
+    b.add_argument("--json", type=Path)
+    b.add_argument("--vllm-python", help="python of a venv with vllm (starts a server per size)")
+    b.add_argument("--sizes", default="tiny,small,medium")
+    b.set_defaults(func=cmd_bench_weights)
     b = bsub.add_parser("codec", help="wire encodings of the event models: speed and size")
     b.add_argument("--json", type=Path)
     b.set_defaults(func=cmd_bench_codec)
@@ -214,6 +231,25 @@ def cmd_bench_envs(args: argparse.Namespace) -> int:
 
     families = tuple(f.strip() for f in args.families.split(",") if f.strip())
     return _emit(asyncio.run(bench_envs(args.seconds, families)), args.json)
+
+
+def cmd_bench_learn(args: argparse.Namespace) -> int:
+    from coevo.training.bench import bench_learn
+
+    return _emit(asyncio.run(bench_learn(args.minutes, args.eval_every, args.episodes)), args.json)
+
+
+def cmd_bench_ladder(args: argparse.Namespace) -> int:
+    from coevo.training.bench import bench_ladder
+
+    return _emit(asyncio.run(bench_ladder(args.minutes, args.eval_every, args.episodes)), args.json)
+
+
+def cmd_bench_weights(args: argparse.Namespace) -> int:
+    from coevo.training.bench import bench_weights
+
+    sizes = tuple(s.strip() for s in args.sizes.split(",") if s.strip())
+    return _emit(asyncio.run(bench_weights(args.vllm_python, sizes)), args.json)
 
 
 def cmd_bench_codec(args: argparse.Namespace) -> int:
