@@ -55,6 +55,13 @@ def resolve_config(args: argparse.Namespace) -> Any:
         overrides["nats.url"] = args.nats_url
     if getattr(args, "run_id", None):
         overrides["run.run_id"] = args.run_id
+    if getattr(args, "judge", None):
+        backend, sep, model = args.judge.partition(":")
+        if not sep or backend not in ("litellm", "vllm", "local"):
+            raise SystemExit(f"--judge expects litellm:MODEL, vllm:NAME or local:DIR, got {args.judge!r}")
+        overrides["judge.backend"], overrides["judge.model"] = backend, model
+    if getattr(args, "judge_api_base", None):
+        overrides["judge.url"] = args.judge_api_base
     for key, dotted in getattr(args, "_extra_overrides", {}).items():
         value = getattr(args, key, None)
         if value is not None:
@@ -77,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy-model", help="local transformers model dir [policy.model]")
     p.add_argument("--policy-url", help="vLLM server serving the policy, http://host:port/v1 [policy.url]")
     p.add_argument("--resume", metavar="RUN", help="continue run RUN (same run id and run directory)")
+    p.add_argument("--judge", metavar="BACKEND:MODEL",
+                   help="e.g. litellm:openai/gpt-4.1-mini, vllm:NAME, local:DIR [judge.backend, judge.model]")
+    p.add_argument("--judge-api-base", help="api_base of the judge's API (LiteLLM) or vLLM URL [judge.url]")
     p.set_defaults(_extra_overrides={"minutes": "run.minutes", "steps": "run.steps", "family": "env.family",
                                      "reward": "scorer.reward", "policy_model": "policy.model",
                                      "policy_url": "policy.url", "resume": "run.run_id"})

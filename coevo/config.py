@@ -120,12 +120,45 @@ class PolicyConfig(Section):
     max_concurrent_trajectories: int = Field(default=64, ge=1)
 
 
+class ApiConfig(Section):
+    """An external LLM API through LiteLLM. Keys are read from the environment, never from config."""
+
+    api_key_env: str | None = Field(default=None, description="env var with the key (default: the provider's)")
+    fallbacks: list[str] = Field(default_factory=list, description="provider/name models tried in order")
+    rpm: int | None = Field(default=None, ge=1, description="requests per minute limit")
+    tpm: int | None = Field(default=None, ge=1, description="tokens per minute limit")
+    max_concurrency: int = Field(default=16, ge=1, description="calls in flight at once")
+    retries: int = Field(default=4, ge=0, description="retries with jittered backoff (rate limits, timeouts)")
+    backoff_s: float = Field(default=1.0, gt=0, description="first backoff; doubles, with jitter")
+    timeout_s: float = Field(default=60.0, gt=0, description="per call")
+    max_usd: float | None = Field(default=None, gt=0, description="stop calling once this much was spent")
+    cache: bool = Field(default=True, description="cache responses in JetStream KV (re-runs don't pay twice)")
+    mock_response: str | list[str] | None = Field(
+        default=None, description="offline testing: LiteLLM mock_response per attempt (text or error name)")
+
+
 class JudgeConfig(Section):
     backend: Literal["local", "vllm", "litellm"] = "local"
     model: str | None = Field(default=None, description="model dir (local), served name (vllm) or provider/name")
     url: str | None = Field(default=None, description="vLLM URL or LiteLLM api_base")
     m: int = Field(default=3, ge=1, le=32, description="votes per step")
-    mode: Literal["verdict", "reasoned"] = "verdict"
+    mode: Literal["auto", "verdict", "reasoned"] = Field(
+        default="auto", description="auto: one constrained token for local models, reasoning + \\boxed otherwise")
+    api: ApiConfig = Field(default_factory=ApiConfig)
+
+    @property
+    def effective_mode(self) -> Literal["verdict", "reasoned"]:
+        if self.mode == "auto":
+            return "verdict" if self.backend == "local" else "reasoned"
+        return self.mode
+
+    @model_validator(mode="after")
+    def _external_needs_model(self) -> JudgeConfig:
+        if self.backend == "litellm" and not self.model:
+            raise ValueError("judge.model must name the provider/model when judge.backend = 'litellm'")
+        if self.backend == "litellm" and self.mode == "verdict":
+            raise ValueError("judge.mode 'verdict' needs a local model; use 'reasoned' with an API")
+        return self
     temperature: float = Field(default=0.8, gt=0)
     max_tokens: int = Field(default=256, ge=1)
     max_concurrent_steps: int = Field(default=32, ge=1)
@@ -148,6 +181,10 @@ class ScorerConfig(Section):
 
 class TasksConfig(Section):
     rewriter: Literal["builtin", "llm", "off"] = "builtin"
+    llm_backend: Literal["litellm", "local", "vllm"] = Field(default="litellm", description="for rewriter = 'llm'")
+    llm_model: str | None = Field(default=None, description="provider/name, model dir or served name")
+    llm_url: str | None = Field(default=None, description="api_base (litellm) or vLLM URL")
+    api: ApiConfig = Field(default_factory=ApiConfig)
     band: Band = Field(default=(0.2, 0.8), description="(α_low, α_high) of the rewrite trigger and gate")
     min_groups_between_rewrites: int = Field(default=2, ge=0, description="per slot, against oscillation")
     max_groups_in_flight: int = Field(default=4, ge=1, description="scheduled but not yet scored")

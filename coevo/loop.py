@@ -22,7 +22,7 @@ from coevo.config import CoevoConfig
 from coevo.runtime.agent import Agent, run_agents
 from coevo.runtime.app import open_runtime
 from coevo.runtime.bus import NatsBus
-from coevo.schemas import GroupScored, LearnerStepped, RunFinished, TaskDecided
+from coevo.schemas import GroupScored, LearnerStepped, RunFinished, StepJudged, TaskDecided
 
 log = structlog.get_logger("coevo.loop")
 
@@ -53,6 +53,8 @@ async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any
     proc: list[float] = []
     outc: list[float] = []
     learner_steps = judge_steps = accepted = 0
+    judge_errors = judge_calls = judge_cache_hits = 0
+    judge_cost = 0.0
     async for _, event, _m in bus.history():
         if event is None:
             counts["undecodable"] += 1
@@ -72,6 +74,12 @@ async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any
             judge_steps += event.role == "judge"
         elif isinstance(event, TaskDecided):
             accepted += event.accepted
+        elif isinstance(event, StepJudged):
+            for v in event.votes:
+                judge_errors += v.status == "error"
+                judge_cache_hits += v.cached
+                judge_calls += v.status != "error" and not v.cached
+                judge_cost += v.cost_usd
     k = max(1, len(train) // 5)
     rounds = [v for _, v in sorted(evals.items(), key=lambda kv: int(kv[0][4:] or 0))]
     tail = max(1, len(proc) // 4)
@@ -94,6 +102,10 @@ async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any
         "judge_learner_steps": judge_steps,
         "events": dict(sorted(counts.items())),
         "trajectories_per_second": round(counts["trajectory.completed"] / seconds, 3),
+        "judge_errors": judge_errors,
+        "judge_calls": judge_calls,
+        "judge_cache_hits": judge_cache_hits,
+        "judge_cost_usd": round(judge_cost, 6),
         "seconds": round(seconds, 1),
         "groups_scored": len(train),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from coevo.schemas import (
     EVENT_TYPES,
     AgentStatus,
+    BudgetExceeded,
     DeadLettered,
     Event,
     GroupScored,
@@ -62,6 +63,7 @@ def sample_events(run_id: str) -> list[Event]:
                     counters={"x": 1}),
         DeadLettered(**common, original_subject="coevo.r.ev.task.scheduled", consumer="c", reason="bad",
                      raw=b"\x00\x01binary", delivery_count=1, headers={"Nats-Msg-Id": "x"}),
+        BudgetExceeded(**common, backend="litellm", model="openai/gpt-4.1-mini", spent_usd=1.01, max_usd=1.0),
         RunFinished(**common, summary={"policy_success_end": 0.9}),
     ]
     assert {type(e) for e in events} == set(EVENT_TYPES), "a new event type needs a sample here"

@@ -40,5 +40,6 @@ def make_client(cfg: CoevoConfig, role: Literal["policy", "judge"], *, seed: int
     if role == "judge" and cfg.judge.backend == "litellm":
         from coevo.agents.litellm_client import LiteLLMClient
 
-        return LiteLLMClient(cfg.judge)
+        assert cfg.judge.model is not None
+        return LiteLLMClient(cfg.judge.model, cfg.judge.api, api_base=cfg.judge.url, name="judge")
     return LocalEngine(model_dir(cfg, role), name=role, device=cfg.learner.device, seed=seed)

@@ -43,6 +43,11 @@ class Completion:
     choice: int | None = None
     allowed_token_ids: list[int] | None = None
     finish_reason: str = "stop"
+    latency_ms: float = 0.0
+    cost_usd: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached: bool = False
 
 
 class InferenceClient(Protocol):
@@ -52,7 +57,7 @@ class InferenceClient(Protocol):
     def version(self) -> int: ...
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
-                       temperature: float = 1.0) -> Completion: ...
+                       temperature: float = 1.0, index: int = 0) -> Completion: ...
 
     async def aclose(self) -> None: ...
 
@@ -110,7 +115,7 @@ class LocalEngine:
             raise RuntimeError(f"engine {self.name} is not running (use `async with engine:`)")
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
-                       temperature: float = 1.0) -> Completion:
+                       temperature: float = 1.0, index: int = 0) -> Completion:
         self._ensure_started()
         req = _Request(prompt, choices, max_tokens, temperature)
         req.future = asyncio.get_running_loop().create_future()

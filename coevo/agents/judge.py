@@ -17,7 +17,7 @@ from coevo.agents.weights import WeightsFollower
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
-from coevo.schemas import StepJudged, StepTaken, Vote
+from coevo.schemas import BudgetExceeded, StepJudged, StepTaken, Vote
 
 
 def judged_id(step_event_id: str) -> str:
@@ -37,32 +37,57 @@ class JudgeAgent(WeightsFollower, Agent):
                 *self.weight_subscriptions()]
 
     async def run(self) -> None:
+        if hasattr(self.client, "attach_cache"):
+            self.client.attach_cache(await self.bus.kv("llmcache"))
         async with self.client:  # type: ignore[attr-defined]
             await super().run()
 
     async def vote(self, prompt: str, index: int) -> Vote:
+        from coevo.agents.litellm_client import BudgetExceeded as OverBudget
+
         cfg = self.cfg.judge
+        external = cfg.backend == "litellm"
         try:
-            if cfg.mode == "verdict":
-                c = await self.client.complete(prompt, choices=list(VERDICT_LABELS), temperature=cfg.temperature)
+            if cfg.effective_mode == "verdict":
+                c = await self.client.complete(prompt, choices=list(VERDICT_LABELS), temperature=cfg.temperature,
+                                               index=index)
                 value = 1 if c.choice == 0 else -1
                 status = "ok"
             else:
-                c = await self.client.complete(prompt, max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+                c = await self.client.complete(prompt, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                               index=index)
                 parsed = parse_vote(c.text)
                 value, status = (parsed, "ok") if parsed is not None else (None, "unparseable")
+        except OverBudget as exc:
+            await self.report_budget(exc)
+            return Vote(index=index, value=None, status="error", rationale=str(exc)[:500])
         except Exception as exc:  # the call failed: an error vote, never a -1
             self.counters["vote_errors"] += 1
-            self.log.warning("judge.call_failed", error=repr(exc)[:300])
-            return Vote(index=index, value=None, status="error", rationale=repr(exc)[:500])
+            if self.counters["vote_errors"] in (1, 10, 100) or self.counters["vote_errors"] % 1000 == 0:
+                self.log.warning("judge.call_failed", error=str(exc)[:300], errors=self.counters["vote_errors"],
+                                 note="error votes are not votes; groups with mostly errors are not trained on")
+            return Vote(index=index, value=None, status="error", rationale=str(exc)[:500])
         self.counters[f"votes.{status}"] += 1
-        return Vote(index=index, value=value, status=status, rationale=c.text if cfg.mode == "reasoned" else "",
+        return Vote(index=index, value=value, status=status,
+                    rationale=c.text if cfg.effective_mode == "reasoned" else "",
                     prompt_token_ids=c.prompt_token_ids, response_token_ids=c.response_token_ids,
-                    logprobs=c.logprobs, allowed_token_ids=c.allowed_token_ids, model_version=c.model_version)
+                    logprobs=c.logprobs, allowed_token_ids=c.allowed_token_ids,
+                    model_version=None if external else c.model_version, cost_usd=c.cost_usd,
+                    prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                    latency_ms=c.latency_ms, cached=c.cached)
+
+    async def report_budget(self, exc: Exception) -> None:
+        if self.counters["budget_exceeded"]:
+            return
+        self.counters["budget_exceeded"] = 1
+        api = self.cfg.judge.api
+        self.log.error("judge.budget_exceeded", error=str(exc))
+        await self.emit(self.event(BudgetExceeded, backend=self.cfg.judge.backend, model=self.cfg.judge.model or "",
+                                   spent_usd=getattr(self.client, "spent_usd", 0.0), max_usd=api.max_usd or 0.0))
 
     async def on_step(self, step: StepTaken, _d: Delivery) -> None:
         prompt = judge_prompt(step.objective, step.observation, step.action_text, step.next_observation,
-                              self.cfg.judge.mode)
+                              self.cfg.judge.effective_mode)
         votes = await asyncio.gather(*(self.vote(prompt, j) for j in range(self.cfg.judge.m)))
         versions = [v.model_version for v in votes if v.model_version is not None]
         await self.emit(self.event(

@@ -143,12 +143,15 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, A
                     response_token_ids=vote.response_token_ids, logprobs=vote.logprobs,
                     allowed_token_ids=vote.allowed_token_ids, advantage=va, model_version=vote.model_version or 0,
                     step_event_id=s.step_id))
+    consistency = [rewards[s.step_id] * (v.value or 0) if v.status == "ok" else -2.0
+                   for t in trajs for s in t.steps for v in s.votes if v.status != "error"]
     proc, outc = scoring.judge_accuracies(trajs)
     failures = [failure_digest(t, g) for t in trajs if t.outcome in ("lost", "truncated")]
     return {**fields, "accuracy": acc, "policy_band_ok": policy_ok, "judge_band_ok": judge_ok,
             "policy_samples": policy_samples, "judge_samples": judge_samples, "judge_process_accuracy": proc,
             "judge_outcome_accuracy": outc, "flagged": flagged, "failures": failures,
-            "mean_reward": sum(rewards.values()) / len(rewards) if rewards else 0.0}
+            "mean_reward": sum(rewards.values()) / len(rewards) if rewards else 0.0,
+            "judge_consistency": sum(consistency) / len(consistency) if consistency else None}
 
 
 def failure_digest(t: scoring.TrajRec, g: Group) -> FailureDigest:

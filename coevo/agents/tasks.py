@@ -68,8 +68,9 @@ class TasksAgent(Agent):
         self.family = make_family(self.cfg.env)
         self.rewriter: Rewriter | None = None
         rewriting = self.cfg.loop == "full" and self.cfg.tasks.rewriter != "off"
+        self.llm_client: Any = None
         if rewriting:
-            self.rewriter = rewriter or BuiltinRewriter()
+            self.rewriter = rewriter or self._make_rewriter()
         self.slots: dict[str, Slot] = {}
         self.inflight = InFlight()
         self.policy_version = 0
@@ -77,6 +78,39 @@ class TasksAgent(Agent):
         self._kv: Any = None
         self._rr = itertools.count()
         self.eval_queue: list[str] = []
+
+    def _make_rewriter(self) -> Rewriter:
+        tc = self.cfg.tasks
+        if tc.rewriter != "llm":
+            return BuiltinRewriter()
+        from coevo.agents.rewriter import LLMRewriter
+
+        if not tc.llm_model:
+            raise ValueError("tasks.llm_model is needed when tasks.rewriter = 'llm'")
+        if tc.llm_backend == "litellm":
+            from coevo.agents.litellm_client import LiteLLMClient
+
+            self.llm_client = LiteLLMClient(tc.llm_model, tc.api, api_base=tc.llm_url, name="rewriter")
+        elif tc.llm_backend == "vllm":
+            from coevo.agents.vllm_client import VLLMClient
+
+            self.llm_client = VLLMClient(tc.llm_url or "", tc.llm_model, name="rewriter")
+        else:
+            from pathlib import Path
+
+            from coevo.agents.inference import LocalEngine
+
+            self.llm_client = LocalEngine(Path(tc.llm_model), name="rewriter")
+        return LLMRewriter(self.llm_client, retries=tc.api.retries)
+
+    async def run(self) -> None:
+        if self.llm_client is None:
+            await super().run()
+            return
+        if hasattr(self.llm_client, "attach_cache"):
+            self.llm_client.attach_cache(await self.bus.kv("llmcache"))
+        async with self.llm_client:
+            await super().run()
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("tasks", (GroupScored,), self.on_scored, concurrency=1),
@@ -213,8 +247,14 @@ class TasksAgent(Agent):
         if ok and proposal.candidate is not None:
             slot.pending, slot.pending_direction = proposal.candidate, direction
             slot.pending_scheduled, slot.parent_accuracy = False, event.accuracy
-        else:
+        else:  # rejected before any rollout: the decision says why
             slot.groups_since_rewrite = 0  # back off before trying again
+            candidate_id = proposal.candidate.task_id if proposal.candidate else f"{slot.active.task_id}__invalid"
+            await self.emit(self.event(
+                TaskDecided, cause=event, slot_id=slot.slot_id, parent_id=slot.active.task_id,
+                candidate_id=candidate_id, direction=direction, accepted=False,
+                reason=f"{'pre-check failed' if proposal.candidate else 'invalid proposal'}: {why}",
+                parent_accuracy=event.accuracy, candidate_accuracy=None, rewriter=proposal.rewriter))
 
     async def decide(self, slot: Slot, event: GroupScored) -> None:
         if slot.pending is None or event.task_id != slot.pending.task_id:

@@ -145,7 +145,7 @@ class VLLMClient:
         return self._choice_ids[key]
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
-                       temperature: float = 1.0) -> Completion:
+                       temperature: float = 1.0, index: int = 0) -> Completion:
         prompt_ids = self.encode(prompt)
         body: dict[str, Any] = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
                                 "temperature": temperature, "logprobs": 1, "return_token_ids": True}

@@ -4,6 +4,7 @@ from coevo.schemas.base import SCHEMA_VERSION, Event, Frozen, Source, new_id
 from coevo.schemas.control import ControlReply, ControlRequest
 from coevo.schemas.events import (
     AgentStatus,
+    BudgetExceeded,
     DeadLettered,
     FailureDigest,
     GroupScored,
@@ -39,6 +40,7 @@ __all__ = [
     "KIND_TO_MODEL",
     "SCHEMA_VERSION",
     "AgentStatus",
+    "BudgetExceeded",
     "ControlReply",
     "ControlRequest",
     "DeadLettered",

@@ -139,6 +139,11 @@ class Vote(Frozen):
     logprobs: list[float] = Field(default_factory=list)
     allowed_token_ids: list[int] | None = None
     model_version: int | None = None
+    cost_usd: float = Field(default=0.0, ge=0.0)
+    prompt_tokens: int = Field(default=0, ge=0)
+    completion_tokens: int = Field(default=0, ge=0)
+    latency_ms: float = Field(default=0.0, ge=0.0)
+    cached: bool = False
 
 
 class StepJudged(Event):
@@ -201,6 +206,8 @@ class GroupScored(Event):
     flagged: str | None = Field(default=None, description="why this group is kept out of training")
     failures: list[FailureDigest] = Field(default_factory=list)
     mean_reward: float = 0.0
+    judge_consistency: float | None = Field(
+        default=None, description="mean consistency reward R·S of the judge's votes (its agreement with outcomes)")
 
 
 # ---- learner and weights -----------------------------------------------------------------------
@@ -273,6 +280,16 @@ class DeadLettered(Event):
     raw: bytes
     delivery_count: int = Field(ge=0)
     headers: dict[str, str] = Field(default_factory=dict)
+
+
+class BudgetExceeded(Event):
+    """An external API reached its spending cap: no further calls are made to it."""
+
+    kind: Literal["budget.exceeded"] = "budget.exceeded"
+    backend: str
+    model: str
+    spent_usd: float = Field(ge=0.0)
+    max_usd: float = Field(ge=0.0)
 
 
 class RunFinished(Event):

@@ -15,6 +15,7 @@ from pydantic import Field, TypeAdapter
 from coevo.schemas.base import SCHEMA_VERSION, Event
 from coevo.schemas.events import (
     AgentStatus,
+    BudgetExceeded,
     DeadLettered,
     GroupScored,
     LearnerStepped,
@@ -42,6 +43,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     WeightsApplied,
     AgentStatus,
     DeadLettered,
+    BudgetExceeded,
     RunFinished,
 )
 

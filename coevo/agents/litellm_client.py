@@ -1,0 +1,169 @@
+"""External LLM APIs (OpenAI, Anthropic, Gemini, a gateway, a remote vLLM) through LiteLLM.
+
+Invariants:
+- keys come from the environment only; they are handed to LiteLLM and never logged or stored;
+- a failed call is retried with jittered exponential backoff (rate limits, timeouts, 5xx); a call
+  that still fails raises ``ExternalCallFailed``: callers turn it into an ``error`` vote, never a −1;
+- responses are cached in JetStream KV by (model, prompt hash, sampling parameters, vote index), so a
+  re-run or a replay does not pay twice; every call records tokens, cost and latency;
+- once ``max_usd`` has been spent no further call is made (``BudgetExceeded``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import time
+from typing import Any
+
+from coevo.agents.inference import Completion
+from coevo.config import ApiConfig
+from coevo.runtime.errors import CoevoError
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-list download at import
+
+RETRYABLE = ("RateLimitError", "Timeout", "APIConnectionError", "ServiceUnavailableError", "InternalServerError",
+             "APIError")
+
+
+class ExternalCallFailed(CoevoError):
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(f"{model}: {reason}")
+        self.model = model
+
+
+class BudgetExceeded(ExternalCallFailed):
+    pass
+
+
+class LiteLLMClient:
+    """One model (with fallbacks) behind a LiteLLM Router; no token ids, version 0 (not trained)."""
+
+    def __init__(self, model: str, api: ApiConfig, *, api_base: str | None = None, name: str = "litellm") -> None:
+        import litellm
+        from litellm import Router
+
+        litellm.suppress_debug_info = True
+        self.name = name
+        self.model = model
+        self.api = api
+        self.version = 0
+        self._sem = asyncio.Semaphore(api.max_concurrency)
+        self._cache: Any = None
+        self.spent_usd = 0.0
+        self.calls = self.errors = self.cache_hits = 0
+        self._attempts = 0
+        deployments = []
+        for i, m in enumerate([model, *api.fallbacks]):
+            params: dict[str, Any] = {"model": m}
+            if api_base and i == 0:
+                params["api_base"] = api_base
+            if api.api_key_env:
+                key = os.environ.get(api.api_key_env)
+                if not key:
+                    raise ExternalCallFailed(model, f"environment variable {api.api_key_env} is not set")
+                params["api_key"] = key
+            if api.rpm:
+                params["rpm"] = api.rpm
+            if api.tpm:
+                params["tpm"] = api.tpm
+            deployments.append({"model_name": f"m{i}", "litellm_params": params})
+        fallbacks = [{"m0": [f"m{i}" for i in range(1, len(deployments))]}] if len(deployments) > 1 else []
+        # retries are ours (deterministic, jittered, observable); the router gives fallbacks and limits
+        self.router = Router(model_list=deployments, fallbacks=fallbacks, num_retries=0, timeout=api.timeout_s)
+
+    async def __aenter__(self) -> LiteLLMClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        return None
+
+    def attach_cache(self, kv: Any) -> None:
+        self._cache = kv if self.api.cache else None
+
+    def cache_key(self, prompt: str, max_tokens: int, temperature: float, index: int) -> str:
+        blob = json.dumps({"model": self.model, "prompt": hashlib.sha256(prompt.encode()).hexdigest(),
+                           "max_tokens": max_tokens, "temperature": temperature, "index": index}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    async def _cached(self, key: str) -> dict[str, Any] | None:
+        if self._cache is None:
+            return None
+        try:
+            entry = await self._cache.get(key)
+        except Exception:  # nats-py raises KeyNotFoundError
+            return None
+        return json.loads(entry.value) if entry and entry.value else None
+
+    def _mock(self) -> Any:
+        """Offline testing: the n-th attempt of this client gets the n-th mock (the last one repeats)."""
+        m = self.api.mock_response
+        self._attempts += 1
+        if isinstance(m, list):
+            return m[min(self._attempts - 1, len(m) - 1)] if m else None
+        return m
+
+    async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 256,
+                       temperature: float = 1.0, index: int = 0) -> Completion:
+        if choices:
+            raise ExternalCallFailed(self.model, "constrained choices need a local model (use a reasoned prompt)")
+        key = self.cache_key(prompt, max_tokens, temperature, index)
+        hit = await self._cached(key)
+        if hit is not None:
+            self.cache_hits += 1
+            return Completion(hit["text"], [], [], [], 0, latency_ms=0.0, cost_usd=0.0, cached=True,
+                              prompt_tokens=hit.get("prompt_tokens", 0),
+                              completion_tokens=hit.get("completion_tokens", 0))
+        async with self._sem:  # checked inside: at most max_concurrency calls can overshoot the cap
+            if self.api.max_usd is not None and self.spent_usd >= self.api.max_usd:
+                raise BudgetExceeded(self.model, f"spent ${self.spent_usd:.4f} of max_usd ${self.api.max_usd}")
+            response, latency = await self._call(prompt, max_tokens, temperature)
+            cost = self._cost(response)
+            self.spent_usd += cost
+        text = response.choices[0].message.content or ""
+        usage = getattr(response, "usage", None)
+        pt, ct = int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
+        self.calls += 1
+        if self._cache is not None:
+            await self._cache.put(key, json.dumps({"text": text, "prompt_tokens": pt,
+                                                   "completion_tokens": ct}).encode())
+        return Completion(text, [], [], [], 0, latency_ms=latency, cost_usd=cost, prompt_tokens=pt,
+                          completion_tokens=ct)
+
+    async def _call(self, prompt: str, max_tokens: int, temperature: float) -> tuple[Any, float]:
+        last = "no attempt"
+        for attempt in range(self.api.retries + 1):
+            kwargs: dict[str, Any] = {"model": "m0", "messages": [{"role": "user", "content": prompt}],
+                                      "max_tokens": max_tokens, "temperature": temperature,
+                                      "timeout": self.api.timeout_s}
+            mock = self._mock()
+            if mock is not None:
+                kwargs["mock_response"] = mock
+            t0 = time.perf_counter()
+            try:
+                response = await self.router.acompletion(**kwargs)
+                return response, (time.perf_counter() - t0) * 1e3
+            except Exception as exc:
+                name = type(exc).__name__
+                last = f"{name}: {str(exc)[:200]}"
+                if not any(r in name for r in RETRYABLE) or attempt == self.api.retries:
+                    break
+                delay = self.api.backoff_s * 2**attempt
+                await asyncio.sleep(delay * (0.5 + random.random()))
+        self.errors += 1
+        raise ExternalCallFailed(self.model, last)
+
+    @staticmethod
+    def _cost(response: Any) -> float:
+        import litellm
+
+        try:
+            return float(litellm.completion_cost(completion_response=response) or 0.0)
+        except Exception:  # unknown model in the price map: the call happened, its price is unknown
+            return 0.0

@@ -1,0 +1,198 @@
+"""External LLM APIs through LiteLLM, offline: LiteLLM's own mock_response drives every case."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from coevo.agents.judge import JudgeAgent
+from coevo.agents.litellm_client import BudgetExceeded, ExternalCallFailed, LiteLLMClient
+from coevo.agents.rewriter import LLMRewriter
+from coevo.agents.scorer import Group, score_group
+from coevo.config import ApiConfig, CoevoConfig, load_config
+from coevo.envs.quickgame import QuickGame
+from coevo.runtime.agent import run_agents
+from coevo.runtime.bus import NatsBus
+from coevo.schemas import FailureDigest, Source, StepJudged, StepTaken, TaskScheduled, TaskSpec, TrajectoryCompleted
+from tests.conftest import PYTHON, REPO, subprocess_env
+
+MODEL = "openai/gpt-4.1-mini"  # in LiteLLM's bundled price map, so costs are real numbers
+SRC = Source(agent_id="test", role="test")
+
+
+def api(**kw) -> ApiConfig:
+    return ApiConfig(**{"backoff_s": 0.01, "retries": 2, **kw})
+
+
+def judge_cfg(base: CoevoConfig, **api_kw) -> CoevoConfig:
+    return load_config(overrides={"run.runs_dir": str(base.run.runs_dir), "judge.backend": "litellm",
+                                  "judge.model": MODEL, "judge.m": 3, "log.console": "off",
+                                  "bus.fetch_timeout_s": 0.2, "agent.heartbeat_s": 0.5,
+                                  **{f"judge.api.{k}": v for k, v in {"backoff_s": 0.01, **api_kw}.items()}})
+
+
+def step(run_id: str, i: int, group: str = "g") -> StepTaken:
+    return StepTaken(run_id=run_id, source=SRC, trajectory_id=f"{group}-t{i}", task_id="t", group_id=group,
+                     step_index=0, objective="take the coin", observation="room: hall. items: coin.",
+                     action_text="take coin", next_observation="you take the coin.", done=True, policy_version=0,
+                     prompt_token_ids=[1, 2], response_token_ids=[3], logprobs=[-0.5])
+
+
+async def judge_steps(bus: NatsBus, cfg: CoevoConfig, steps: list[StepTaken]) -> tuple[JudgeAgent, list[StepJudged]]:
+    agent = JudgeAgent(bus, cfg)
+    for s in steps:
+        await bus.publish(s)
+    await bus.flush()
+    stop = asyncio.Event()
+
+    async def until() -> None:
+        async with asyncio.timeout(60):
+            while len(await bus.events(["step.judged"])) < len(steps):
+                await asyncio.sleep(0.1)
+        stop.set()
+
+    await asyncio.gather(run_agents([agent], handle_signals=False, until=stop), until())
+    return agent, [e for e in await bus.events(["step.judged"]) if isinstance(e, StepJudged)]
+
+
+async def test_mocked_judge_votes_reach_the_scorer_with_the_right_numbers(bus: NatsBus, cfg: CoevoConfig) -> None:
+    jcfg = judge_cfg(cfg, mock_response=r"The agent took the coin, which wins. \boxed{1}")
+    steps = [step(bus.run_id, i) for i in range(2)]
+    _, judged = await judge_steps(bus, jcfg, steps)
+    assert all(v.value == 1 and v.status == "ok" and v.cost_usd > 0 and v.model_version is None
+               for j in judged for v in j.votes)
+    g = Group(scheduled=TaskScheduled(run_id=bus.run_id, source=SRC, task=TaskSpec(task_id="t", family="quickgame"),
+                                      group_id="g", n_rollouts=2))
+    for s, won in zip(steps, ("won", "lost"), strict=True):
+        g.add(s)
+        g.add(TrajectoryCompleted(run_id=bus.run_id, source=SRC, trajectory_id=s.trajectory_id, task_id="t",
+                                  group_id="g", rollout_index=int(s.trajectory_id[-1]), outcome=won, num_steps=1,
+                                  step_event_ids=[s.event_id]))
+    for j in judged:
+        g.add(j)
+    fields = score_group(g, jcfg, train_judge=False)
+    # R = O + mean(votes) = 2 (won) and 0 (lost); one step index: z-scores +1 / -1
+    assert sorted(s.advantage for s in fields["policy_samples"]) == pytest.approx([-1.0, 1.0])
+    assert fields["judge_samples"] == []  # an external judge is not trained
+    assert fields["judge_consistency"] == pytest.approx((2 * 3 + 0 * 3) / 6)  # R·S over the six +1 votes
+    assert fields["accuracy"] == 0.5
+
+
+async def test_rate_limit_then_success(bus: NatsBus, cfg: CoevoConfig) -> None:
+    client = LiteLLMClient(MODEL, api(mock_response=["litellm.RateLimitError", r"\boxed{-1}"]))
+    c = await client.complete("judge this", max_tokens=32)
+    assert c.text == r"\boxed{-1}" and client.errors == 0 and client.calls == 1
+
+
+async def test_persistent_failure_gives_error_votes_and_a_flagged_group(bus: NatsBus, cfg: CoevoConfig) -> None:
+    jcfg = judge_cfg(cfg, mock_response="litellm.RateLimitError", retries=1)
+    steps = [step(bus.run_id, i) for i in range(2)]
+    agent, judged = await judge_steps(bus, jcfg, steps)
+    assert all(v.status == "error" and v.value is None for j in judged for v in j.votes)
+    assert agent.counters["vote_errors"] == 6
+    g = Group(scheduled=TaskScheduled(run_id=bus.run_id, source=SRC, task=TaskSpec(task_id="t", family="quickgame"),
+                                      group_id="g", n_rollouts=2))
+    for s, won in zip(steps, ("won", "lost"), strict=True):
+        g.add(s)
+        g.add(TrajectoryCompleted(run_id=bus.run_id, source=SRC, trajectory_id=s.trajectory_id, task_id="t",
+                                  group_id="g", rollout_index=int(s.trajectory_id[-1]), outcome=won, num_steps=1,
+                                  step_event_ids=[s.event_id]))
+    for j in judged:
+        g.add(j)
+    fields = score_group(g, jcfg, train_judge=False)
+    assert fields["flagged"] and "judge errors" in fields["flagged"]
+    assert fields["policy_samples"] == []  # kept out of training
+    with pytest.raises(ExternalCallFailed, match="RateLimitError"):
+        await LiteLLMClient(MODEL, api(mock_response="litellm.RateLimitError", retries=0)).complete("x")
+
+
+async def test_invalid_rewriter_json_is_retried_then_rejected_with_the_reason() -> None:
+    game = QuickGame()
+    task = TaskSpec(task_id="q1", family="quickgame", params={"seed": 1},
+                    knobs={"steps": 3, "distractors": 1, "slack": 1, "hints": 0})
+    bad = LiteLLMClient(MODEL, api(mock_response=["no json here", '{"knobs": {"steps": 99}}', '{"knobs": {"steps": 2}}']))
+    proposal = await LLMRewriter(bad, retries=2).propose(game, task, "harder", [])
+    assert proposal.candidate is None
+    assert "invalid rewriter output after 3 tries" in (proposal.error or "")
+    assert "does not make the task harder" in (proposal.error or "")  # the last answer's validation error
+    good = LiteLLMClient(MODEL, api(mock_response=["no json", 'Sure: {"knobs": {"steps": 4}, "reason": "longer"}']))
+    ok = await LLMRewriter(good, retries=2).propose(game, task, "harder",
+                                                    [FailureDigest(trajectory_id="t", outcome="lost")])
+    assert ok.candidate is not None and ok.candidate.knobs["steps"] == 4 and ok.candidate.parent_id == "q1"
+
+
+async def test_tasks_agent_records_the_rejection_in_a_decision_event(bus: NatsBus, cfg: CoevoConfig) -> None:
+    from coevo.agents.tasks import TasksAgent
+    from coevo.schemas import GroupScored, TaskDecided
+
+    tcfg = load_config(overrides={"run.runs_dir": str(cfg.run.runs_dir), "tasks.rewriter": "llm",
+                                  "tasks.llm_model": MODEL, "tasks.api.mock_response": "not json",
+                                  "tasks.api.retries": 1, "tasks.api.backoff_s": 0.01,
+                                  "tasks.min_groups_between_rewrites": 0, "log.console": "off"})
+    agent = TasksAgent(bus, tcfg)
+    await agent.load()
+    slot = next(s for s in agent.slots.values() if s.split == "train")
+    scored = GroupScored(run_id=bus.run_id, source=SRC, task_id=slot.active.task_id, group_id="g1",
+                         slot_id=slot.slot_id, accuracy=1.0, n_trajectories=8, policy_band_ok=False,
+                         judge_band_ok=False)
+    async with agent.llm_client:
+        await agent.maybe_rewrite(slot, scored)
+    await bus.flush()
+    (decided,) = [e for e in await bus.events(["task.decided"]) if isinstance(e, TaskDecided)]
+    assert not decided.accepted and decided.reason.startswith("invalid proposal: invalid rewriter output")
+    assert "no JSON object" in decided.reason and slot.pending is None
+
+
+async def test_cache_hit_on_the_second_identical_call(bus: NatsBus) -> None:
+    kv = await bus.kv("llmcache")
+    first = LiteLLMClient(MODEL, api(mock_response=r"\boxed{1}"))
+    first.attach_cache(kv)
+    a = await first.complete("same prompt", max_tokens=16, temperature=0.8, index=0)
+    # a second client whose API would fail: the answer must come from the cache, without a call
+    second = LiteLLMClient(MODEL, api(mock_response="litellm.RateLimitError", retries=0))
+    second.attach_cache(kv)
+    b = await second.complete("same prompt", max_tokens=16, temperature=0.8, index=0)
+    assert b.text == a.text and b.cached and second.calls == 0 and second.cache_hits == 1 and b.cost_usd == 0
+    with pytest.raises(ExternalCallFailed):  # another vote index is another call
+        await second.complete("same prompt", max_tokens=16, temperature=0.8, index=1)
+
+
+async def test_max_usd_stops_calls(bus: NatsBus, cfg: CoevoConfig) -> None:
+    client = LiteLLMClient(MODEL, api(mock_response=r"\boxed{1}", max_usd=1e-6))
+    await client.complete("one")
+    assert client.spent_usd > 1e-6
+    with pytest.raises(BudgetExceeded, match="max_usd"):
+        await client.complete("two")
+    jcfg = judge_cfg(cfg, mock_response=r"\boxed{1}", max_usd=1e-6, cache=False, max_concurrency=1)
+    _, judged = await judge_steps(bus, jcfg, [step(bus.run_id, i) for i in range(3)])
+    statuses = [v.status for j in judged for v in j.votes]
+    assert statuses.count("ok") == 1 and statuses.count("error") == 8  # one call, then none
+    budget = await bus.events(["budget.exceeded"])
+    assert len(budget) == 1 and budget[0].max_usd == 1e-6
+
+
+@pytest.mark.slow
+def test_run_with_an_unreachable_api_completes_and_never_leaks_the_key(tmp_path: Path, model_cache: Path) -> None:
+    """`coevo run --judge litellm:...` against a closed port: failures are counted, the key never appears."""
+    secret = "sk-coevo-test-SECRET-5f1c9a"
+    env = subprocess_env() | {"COEVO_TEST_JUDGE_KEY": secret}
+    runs = tmp_path / "runs"
+    out = subprocess.run(
+        [PYTHON, "-m", "coevo", "run", "--judge", f"litellm:{MODEL}", "--judge-api-base", "http://127.0.0.1:9/v1",
+         "--minutes", "0.5", "--run-id", "keytest", "--run.runs_dir", str(runs), "--env.cache_dir", str(model_cache),
+         "--set", "judge.api.api_key_env=COEVO_TEST_JUDGE_KEY", "--set", "judge.api.retries=0",
+         "--set", "judge.api.timeout_s=2", "--set", "policy.n=4", "--set", "env.n_train=2",
+         "--set", "env.n_heldout=1", "--log.console", "json"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((runs / "keytest" / "summary.json").read_text())
+    assert summary["judge_errors"] > 0 and summary["judge_cost_usd"] == 0.0
+    assert summary["events"]["trajectory.completed"] > 0  # rollouts went on while the judge was down
+    leaked = [str(p) for p in runs.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaked == [] and secret not in out.stdout + out.stderr
+    assert os.environ.get("COEVO_TEST_JUDGE_KEY") is None
