@@ -113,6 +113,42 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("dir", type=Path)
     e.set_defaults(func=cmd_schemas_export)
 
+    p = sub.add_parser("events", help="export a run's events, or import an export under a new run id")
+    esub = p.add_subparsers(dest="events_command", required=True, metavar="ACTION")
+    e = esub.add_parser("export", help="write every event of a run, in order, with sequence numbers")
+    e.add_argument("out", type=Path)
+    e.add_argument("--run", required=True, help="run id")
+    e.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    _run_source(e)
+    e.set_defaults(func=cmd_events_export)
+    e = esub.add_parser("import", help="load an export into a server under a new run id")
+    e.add_argument("file", type=Path)
+    e.add_argument("--run-id", help="new run id (default: generated)")
+    _run_source(e)
+    e.set_defaults(func=cmd_events_import)
+
+    p = sub.add_parser("trace", help="causal timeline of a trajectory, task, step or weights version")
+    p.add_argument("ident", help="trajectory id, task id, step event id, or a weights version (policy:12)")
+    p.add_argument("--run", required=True)
+    p.add_argument("--json", action="store_true", help="JSON instead of a tree")
+    _run_source(p)
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("replay", help="feed recorded events into a fresh agent; report the first divergence")
+    p.add_argument("--run", required=True)
+    p.add_argument("--into", required=True, choices=["scorer", "judge", "rewriter", "learner"])
+    p.add_argument("--from", dest="start", type=int, help="first stream sequence")
+    p.add_argument("--to", dest="end", type=int, help="last stream sequence")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change the config for the replay")
+    _run_source(p)
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("rejudge", help="run another judge over a run's steps; agreement and accuracies")
+    p.add_argument("--run", required=True)
+    p.add_argument("--judge", default="recorded", help="'recorded' (the original responses) or a config file")
+    _run_source(p)
+    p.set_defaults(func=cmd_rejudge)
+
     p = sub.add_parser("bench", help="benchmarks (write JSON)")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     b = bsub.add_parser("bus", help="typed bus vs plain nats-py: throughput and publish-to-ack latency")
@@ -147,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", type=Path)
     b.set_defaults(func=cmd_bench_codec)
     return parser
+
+
+def _run_source(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats", dest="nats_url", metavar="URL",
+                        help="server holding the run (default: the run's own store under --runs-dir)")
+    parser.add_argument("--runs-dir", type=Path, default=Path("runs"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,6 +268,114 @@ def cmd_schemas_export(args: argparse.Namespace) -> int:
     for kind, schema in schemas.items():
         (args.dir / f"{kind}.json").write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
     print(f"wrote {len(schemas)} schemas to {args.dir}")
+    return 0
+
+
+def cmd_events_export(args: argparse.Namespace) -> int:
+    from coevo.agents.replay import export_events, open_run
+
+    async def go() -> int:
+        async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
+            return await export_events(bus, args.out, args.format)
+
+    n = asyncio.run(go())
+    print(f"exported {n} events of run {args.run} to {args.out}")
+    return 0
+
+
+def cmd_events_import(args: argparse.Namespace) -> int:
+    from coevo.agents.replay import import_events, read_export
+    from coevo.runtime.app import make_run_id
+    from coevo.runtime.bus import NatsBus
+    from coevo.runtime.server import EmbeddedServer
+
+    run_id = args.run_id or make_run_id()
+
+    async def go() -> int:
+        rows = read_export(args.file)
+        server = None
+        url = args.nats_url
+        if url is None:
+            server = EmbeddedServer(args.runs_dir / run_id / "nats")
+            url = server.start()
+        try:
+            bus = await NatsBus.connect(url, run_id)
+            try:
+                return await import_events(bus, rows)
+            finally:
+                await bus.close()
+        finally:
+            if server is not None:
+                server.stop()
+
+    n = asyncio.run(go())
+    print(f"imported {n} events as run {run_id}")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from coevo.agents.replay import open_run, trace
+
+    async def go() -> dict[str, Any]:
+        async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
+            return await trace(bus, args.ident)
+
+    try:
+        result = asyncio.run(go())
+    except KeyError as exc:
+        print(f"coevo: {exc.args[0]}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        from rich import print as rprint
+
+        from coevo.agents.trace_view import tree
+
+        rprint(tree(result))
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from coevo.agents import replay as rp
+
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key.strip()] = _parse_value(value)
+    cfg = rp.run_config(args.runs_dir, args.run, overrides)
+
+    async def go() -> dict[str, Any]:
+        async with rp.open_run(args.run, args.runs_dir, args.nats_url) as bus:
+            events = await rp.load_events(bus, args.start, args.end)
+        if args.into == "scorer":
+            report = rp.replay_scorer(events, cfg)
+        elif args.into == "judge":
+            report = await rp.replay_judge(events, cfg)
+        elif args.into == "rewriter":
+            report = await rp.replay_rewriter(events, cfg)
+        else:
+            raise SystemExit("replay --into learner is not implemented yet: see the notes on issue 7")
+        return report.as_dict()
+
+    result = asyncio.run(go())
+    print(json.dumps(result, indent=2, default=str))
+    return 0 if result["identical"] else 1
+
+
+def cmd_rejudge(args: argparse.Namespace) -> int:
+    from coevo.agents import replay as rp
+    from coevo.config import load_config
+
+    recorded_cfg = rp.run_config(args.runs_dir, args.run, {})
+    use_recorded = args.judge == "recorded"
+    cfg = recorded_cfg if use_recorded else load_config(Path(args.judge))
+
+    async def go() -> dict[str, Any]:
+        async with rp.open_run(args.run, args.runs_dir, args.nats_url) as bus:
+            return await rp.rejudge(bus, cfg, recorded_cfg, use_recorded)
+
+    print(json.dumps(asyncio.run(go()), indent=2))
     return 0
 
 

@@ -18,7 +18,15 @@ from coevo.config import ApiConfig, CoevoConfig, load_config
 from coevo.envs.quickgame import QuickGame
 from coevo.runtime.agent import run_agents
 from coevo.runtime.bus import NatsBus
-from coevo.schemas import FailureDigest, Source, StepJudged, StepTaken, TaskScheduled, TaskSpec, TrajectoryCompleted
+from coevo.schemas import (
+    FailureDigest,
+    Source,
+    StepJudged,
+    StepTaken,
+    TaskScheduled,
+    TaskSpec,
+    TrajectoryCompleted,
+)
 from tests.conftest import PYTHON, REPO, subprocess_env
 
 MODEL = "openai/gpt-4.1-mini"  # in LiteLLM's bundled price map, so costs are real numbers

@@ -80,7 +80,7 @@ async def connect_nats(cfg: NatsConfig, url: str, name: str = "coevo") -> NATS:
         log.warning("nats.error", error=repr(exc))
 
     async def on_disconnect() -> None:
-        log.warning("nats.disconnected", url=url)
+        log.debug("nats.disconnected", url=url)
 
     async def on_reconnect() -> None:
         log.info("nats.reconnected", url=url)

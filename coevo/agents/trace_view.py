@@ -1,0 +1,59 @@
+"""Rendering a trace as a rich tree (the data comes from ``replay.trace``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.tree import Tree
+
+
+def tree(t: dict[str, Any]) -> Tree:
+    kind = t["kind"]
+    if kind == "weights":
+        root = Tree(f"[bold]weights {t['role']} v{t['version']}[/] {t.get('path') or ''}")
+        if t.get("learner_step"):
+            ls = t["learner_step"]
+            root.add(f"learner step: loss {ls['loss']:.4f} kl {ls['kl']:.4f} samples {ls['samples']} "
+                     f"groups {len(ls['group_ids'])}")
+        for a in t["applied"]:
+            root.add(f"applied on {a['server']} ({'ok' if a['ok'] else 'FAILED'}, pause {a['pause_ms']:.1f} ms)")
+        return root
+    if kind == "task":
+        root = Tree(f"[bold]task {t['task_id']}[/]")
+        _lineage(root, t["lineage"])
+        groups = root.add(f"{len(t['groups'])} groups")
+        for g in t["groups"]:
+            groups.add(f"{g['group_id']} ({g['purpose']}): accuracy {g['accuracy']:.3f}")
+        return root
+    root = Tree(f"[bold]trajectory {t['trajectory_id']}[/] on task {t['task_id']}: [bold]{t['outcome']}[/]")
+    _lineage(root, t["lineage"])
+    steps = root.add("steps")
+    for s in t["steps"]:
+        votes = " ".join({1: "+", -1: "-"}.get(v["value"], "?") if v["status"] == "ok" else v["status"][0]
+                         for v in s["votes"])
+        adv = f" A={s['advantage']:+.3f}" if s.get("advantage") is not None else ""
+        node = steps.add(f"{s['step']}. {s['action']!r} -> {s['result'][:60]!r} votes [{votes}]"
+                         f" ref {s['reference_label']} v{s['policy_version']}{adv}")
+        for v in s["votes"]:
+            if v["rationale"]:
+                node.add(f"[dim]{v['rationale'][-160:]}[/]")
+    if t.get("group"):
+        g = t["group"]
+        root.add(f"scored in {g['group_id']}: accuracy {g['accuracy']:.3f}"
+                 + (f" (flagged: {g['flagged']})" if g["flagged"] else ""))
+    if t.get("learner_step"):
+        ls = t["learner_step"]
+        w = root.add(f"trained by learner step -> policy v{ls['version']} (loss {ls['loss']:.4f})")
+        for a in (t.get("weights") or {}).get("applied", []):
+            w.add(f"applied on {a['server']} ({'ok' if a['ok'] else 'FAILED'}, pause {a['pause_ms']:.1f} ms)")
+    return root
+
+
+def _lineage(root: Tree, lineage: list[dict[str, Any]]) -> None:
+    if not lineage:
+        return
+    node = root.add("rewrite lineage")
+    for step in lineage:
+        verdict = {True: "accepted", False: "rejected", None: "pending"}[step["accepted"]]
+        node.add(f"{step['parent_id']} -> {step['task_id']} ({step['direction']}, {step['rewriter']}, {verdict}: "
+                 f"{step.get('reason') or ''})")

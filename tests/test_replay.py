@@ -1,0 +1,109 @@
+"""Debugging a recorded run: export/import, replay into scorer/judge/rewriter, trace, re-judge."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from coevo.agents.replay import normalized, read_export
+from tests.conftest import PYTHON, REPO, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+
+def coevo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([PYTHON, "-m", "coevo", *args], capture_output=True, text=True, env=subprocess_env(),
+                         timeout=600, cwd=REPO)
+    if check:
+        assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, model_cache: Path) -> tuple[Path, str]:
+    """A short real `coevo run`, with rewrites frequent enough that some are accepted."""
+    runs = tmp_path_factory.mktemp("runs")
+    coevo("run", "--steps", "8", "--minutes", "4", "--run-id", "rec", "--run.runs_dir", str(runs),
+          "--env.cache_dir", str(model_cache), "--set", "tasks.band=[0.35,0.65]",
+          "--set", "tasks.min_groups_between_rewrites=0", "--set", "env.n_train=4", "--set", "env.n_heldout=2",
+          "--log.console", "off")
+    summary = json.loads((runs / "rec" / "summary.json").read_text())
+    assert summary["rewrites_accepted"] >= 1, summary
+    return runs, "rec"
+
+
+def test_export_import_export_is_identical(recorded, tmp_path: Path) -> None:
+    runs, run = recorded
+    first = tmp_path / "a.jsonl"
+    coevo("events", "export", str(first), "--run", run, "--runs-dir", str(runs))
+    rows = read_export(first)
+    assert rows and [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
+    coevo("events", "import", str(first), "--run-id", "copy", "--runs-dir", str(tmp_path / "moved"))
+    second = tmp_path / "b.jsonl"
+    coevo("events", "export", str(second), "--run", "copy", "--runs-dir", str(tmp_path / "moved"))
+    again = read_export(second)
+    assert all(r["event"]["run_id"] == "copy" for r in again)
+    assert normalized(again) == normalized(rows)
+
+
+def replay(runs: Path, run: str, into: str, *extra: str) -> tuple[int, dict]:
+    out = coevo("replay", "--run", run, "--into", into, "--runs-dir", str(runs), *extra, check=False)
+    return out.returncode, json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def test_replay_into_the_scorer_reproduces_every_advantage(recorded) -> None:
+    runs, run = recorded
+    rc, report = replay(runs, run, "scorer")
+    assert rc == 0 and report["identical"] and report["compared"] >= 8
+
+
+def test_replay_with_a_changed_reward_weight_reports_the_first_divergence(recorded) -> None:
+    runs, run = recorded
+    rc, report = replay(runs, run, "scorer", "--set", "scorer.lam=0.25")
+    assert rc != 0 and not report["identical"]
+    d = report["first_divergence"]
+    assert d["kind"] == "group.scored" and d["recorded"] != d["replayed"]
+    rc_range, ranged = replay(runs, run, "scorer", "--to", str(d["index"] - 1), "--set", "scorer.lam=0.25")
+    assert rc_range == 0 and ranged["identical"]  # nothing diverges before the first divergence
+
+
+def test_replay_into_judge_and_rewriter(recorded) -> None:
+    runs, run = recorded
+    rc, report = replay(runs, run, "judge")
+    assert rc == 0 and report["identical"] and report["compared"] > 50
+    rc, report = replay(runs, run, "rewriter")
+    assert rc == 0 and report["identical"] and report["compared"] >= 1
+    rc, report = replay(runs, run, "rewriter", "--set", "tasks.band=[0.1,0.9]")
+    assert rc != 0 and report["first_divergence"]["kind"] == "task.decided"
+
+
+def test_trace_of_a_trajectory_shows_the_rewrite_lineage(recorded, tmp_path: Path) -> None:
+    runs, run = recorded
+    export = tmp_path / "e.jsonl"
+    coevo("events", "export", str(export), "--run", run, "--runs-dir", str(runs))
+    events = [r["event"] for r in read_export(export)]
+    accepted = next(e for e in events if e["kind"] == "task.decided" and e["accepted"])
+    traj = next(e for e in events if e["kind"] == "trajectory.completed" and e["task_id"] == accepted["candidate_id"])
+    out = coevo("trace", traj["trajectory_id"], "--run", run, "--runs-dir", str(runs), "--json")
+    t = json.loads(out.stdout[out.stdout.index("{"):])
+    assert t["kind"] == "trajectory" and t["task_id"] == accepted["candidate_id"]
+    first = t["lineage"][0]
+    assert first["task_id"] == accepted["candidate_id"] and first["parent_id"] == accepted["parent_id"]
+    assert first["accepted"] is True and first["reason"] == accepted["reason"]
+    assert len(t["steps"]) == traj["num_steps"] and all(len(s["votes"]) == 3 for s in t["steps"])
+    tree = coevo("trace", traj["trajectory_id"], "--run", run, "--runs-dir", str(runs)).stdout
+    assert "rewrite lineage" in tree and accepted["candidate_id"] in tree
+    w = coevo("trace", "policy:1", "--run", run, "--runs-dir", str(runs), "--json").stdout
+    weights = json.loads(w[w.index("{"):])
+    assert weights["kind"] == "weights" and weights["applied"] and weights["learner_step"]["group_ids"]
+
+
+def test_rejudge_with_the_recorded_responses_agrees_completely(recorded) -> None:
+    runs, run = recorded
+    out = coevo("rejudge", "--run", run, "--runs-dir", str(runs))
+    r = json.loads(out.stdout[out.stdout.index("{"):])
+    assert r["steps"] > 50 and r["agreement"] == 1.0
+    assert r["original"] == r["rejudge"]
