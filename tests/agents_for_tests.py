@@ -14,6 +14,7 @@ class Producer(Agent):
     """Publishes ``COEVO_TEST_N`` scheduled tasks, stops once each has a completed trajectory."""
 
     role = "test-producer"
+    emits = (TaskScheduled,)
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
@@ -38,6 +39,7 @@ class Echo(Agent):
     """Answers every scheduled task with a completed trajectory, after ``COEVO_TEST_DELAY`` s."""
 
     role = "test-echo"
+    emits = (TrajectoryCompleted,)
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)

@@ -226,3 +226,28 @@ async def test_learner_resumes_after_kill_9_without_training_a_group_twice(
     trainable = {g.group_id for g in events if isinstance(g, GroupScored) and g.purpose == "train"
                  and g.policy_samples and not g.flagged}
     assert trainable - consumed == set(), "an acknowledged group was never trained"
+
+
+def test_coevo_run_stops_cleanly_and_resume_continues(tmp_path, model_cache) -> None:
+    """`coevo run` (the README command) ends on --steps, writes summary.json; --resume continues."""
+    runs = tmp_path / "runs"
+    base = [PYTHON, "-m", "coevo", "run", "--steps", "2", "--run.runs_dir", str(runs), "--env.cache_dir",
+            str(model_cache), "--set", "policy.n=4", "--set", "env.n_train=2", "--set", "env.n_heldout=1",
+            "--log.console", "off"]
+    first = subprocess.run([*base, "--run-id", "resumable"], capture_output=True, text=True, env=subprocess_env(),
+                           timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    s1 = json.loads((runs / "resumable" / "summary.json").read_text())
+    assert s1["learner_steps"] >= 2 and s1["run_id"] == "resumable"
+    second = subprocess.run([*base, "--resume", "resumable"], capture_output=True, text=True, env=subprocess_env(),
+                            timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    s2 = json.loads((runs / "resumable" / "summary.json").read_text())
+    assert s2["learner_steps"] >= s1["learner_steps"] + 2  # one stream, one version sequence
+    assert s2["events"]["run.finished"] == 2
+    export = tmp_path / "e.jsonl"
+    subprocess.run([PYTHON, "-m", "coevo", "events", "export", str(export), "--run", "resumable", "--runs-dir",
+                    str(runs)], check=True, env=subprocess_env(), capture_output=True, timeout=120)
+    versions = [json.loads(line)["event"]["version"] for line in export.read_text().splitlines()
+                if '"learner.stepped"' in line and '"role": "policy"' in line]
+    assert versions == list(range(1, len(versions) + 1))

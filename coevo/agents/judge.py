@@ -17,7 +17,7 @@ from coevo.agents.weights import WeightsFollower
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
-from coevo.schemas import BudgetExceeded, StepJudged, StepTaken, Vote
+from coevo.schemas import BudgetExceeded, StepJudged, StepTaken, Vote, WeightsApplied
 
 
 def judged_id(step_event_id: str) -> str:
@@ -26,6 +26,7 @@ def judged_id(step_event_id: str) -> str:
 
 class JudgeAgent(WeightsFollower, Agent):
     role = "judge"
+    emits = (StepJudged, WeightsApplied, BudgetExceeded)
     lane = "judge"
 
     def __init__(self, *a: Any, **kw: Any) -> None:

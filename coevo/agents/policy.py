@@ -20,11 +20,12 @@ from coevo.envs.base import EnvError, Environment
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
-from coevo.schemas import StepTaken, TaskScheduled, TrajectoryCompleted
+from coevo.schemas import StepTaken, TaskScheduled, TrajectoryCompleted, WeightsApplied
 
 
 class PolicyAgent(WeightsFollower, Agent):
     role = "policy"
+    emits = (StepTaken, TrajectoryCompleted, WeightsApplied)
     lane = "policy"
 
     def __init__(self, *a: Any, **kw: Any) -> None:

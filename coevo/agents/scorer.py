@@ -172,6 +172,7 @@ def failure_digest(t: scoring.TrajRec, g: Group) -> FailureDigest:
 
 class ScorerAgent(Agent):
     role = "scorer"
+    emits = (GroupScored,)
     KINDS = (TaskScheduled, StepTaken, TrajectoryCompleted, StepJudged)
 
     def __init__(self, *a: Any, **kw: Any) -> None:

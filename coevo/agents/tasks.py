@@ -62,6 +62,7 @@ class InFlight(BaseModel):
 
 class TasksAgent(Agent):
     role = "tasks"
+    emits = (TaskScheduled, TaskRewritten, TaskDecided)
 
     def __init__(self, *a: Any, rewriter: Rewriter | None = None, **kw: Any) -> None:
         super().__init__(*a, **kw)

@@ -35,6 +35,8 @@ class Agent:
     """Base class. Subclasses set ``role`` and override ``subscriptions()`` and/or ``main()``."""
 
     role: ClassVar[str] = "agent"
+    emits: ClassVar[tuple[type[Event], ...]] = ()
+    """Event types this agent publishes (besides its ``AgentStatus``); ``emit`` enforces it."""
 
     def __init__(self, bus: NatsBus, cfg: CoevoConfig, *, agent_id: str | None = None) -> None:
         self.bus = bus
@@ -72,6 +74,8 @@ class Agent:
         return cls(run_id=self.bus.run_id, source=self.source, **fields)
 
     async def emit(self, event: Event) -> None:
+        if not isinstance(event, self.emits):
+            raise TypeError(f"{self.role} does not declare {type(event).__name__} in its `emits`")
         await self.bus.publish(event)
         self.counters[f"emitted.{event.kind}"] += 1  # type: ignore[attr-defined]
 

@@ -207,14 +207,15 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> fl
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
-                             "--dtype", "float32"], env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = await asyncio.create_subprocess_exec(
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+        "--port", str(port), "--max-model-len", "512", "--dtype", "float32",
+        env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
     try:
         for _ in range(300):
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{port}/v1/models", timeout=2)
                 break
             except OSError:
                 await asyncio.sleep(1)
@@ -225,4 +226,4 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> fl
         return round(statistics.median(pauses), 2)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        await asyncio.wait_for(proc.wait(), 60)

@@ -50,6 +50,7 @@ class LaneQueue:
 
 class LearnerAgent(Agent):
     role = "learner"
+    emits = (LearnerStepped, WeightsPublished)
     flush_after_s = 2.0
 
     def __init__(self, *a: Any, on_step: Callable[[Role, StepMetrics], None] | None = None, **kw: Any) -> None:

@@ -1,0 +1,33 @@
+"""Who publishes and who consumes each event kind: the table in docs/architecture.md, derived
+from the agents' declared ``emits`` and their subscriptions (a test keeps the doc true)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+from typing import Any
+
+from coevo.config import CoevoConfig
+
+EXTRA_PRODUCERS = {"agent.status": {"every agent"}, "dead.lettered": {"every consumer"},
+                   "run.finished": {"coevo run"}}
+
+
+def topology(cfg: CoevoConfig) -> dict[str, dict[str, set[str]]]:
+    from coevo.agents import ROLES, resolve_role
+    from coevo.schemas import KIND_TO_MODEL, kind_of
+
+    producers: dict[str, set[str]] = defaultdict(set)
+    consumers: dict[str, set[str]] = defaultdict(set)
+    bus: Any = SimpleNamespace(run_id="topology")
+    for role in ROLES:
+        cls = resolve_role(role)
+        for e in cls.emits:
+            producers[kind_of(e)].add(role)
+        agent = cls(bus, cfg)
+        for sub in agent.subscriptions():
+            for kind in sub.kinds:
+                consumers[kind].add(f"{role} ({sub.durable}{'' if sub.shared else ', per instance'})")
+    for kind, who in EXTRA_PRODUCERS.items():
+        producers[kind] |= who
+    return {k: {"producers": producers[k], "consumers": consumers[k]} for k in KIND_TO_MODEL}
