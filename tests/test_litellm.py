@@ -68,21 +68,27 @@ async def judge_steps(bus: NatsBus, cfg: CoevoConfig, steps: list[StepTaken]) ->
     return agent, [e for e in await bus.events(["step.judged"]) if isinstance(e, StepJudged)]
 
 
+def won_and_lost_group(run_id: str, steps: list[StepTaken], judged: list[StepJudged]) -> Group:
+    """A group of two one-step trajectories, the first won, the second lost."""
+    g = Group(scheduled=TaskScheduled(run_id=run_id, source=SRC, task=TaskSpec(task_id="t", family="quickgame"),
+                                      group_id="g", n_rollouts=2))
+    for s, outcome in zip(steps, ("won", "lost"), strict=True):
+        g.add(s)
+        g.add(TrajectoryCompleted(run_id=run_id, source=SRC, trajectory_id=s.trajectory_id, task_id="t",
+                                  group_id="g", rollout_index=int(s.trajectory_id[-1]), outcome=outcome,
+                                  num_steps=1, step_event_ids=[s.event_id]))
+    for j in judged:
+        g.add(j)
+    return g
+
+
 async def test_mocked_judge_votes_reach_the_scorer_with_the_right_numbers(bus: NatsBus, cfg: CoevoConfig) -> None:
     jcfg = judge_cfg(cfg, mock_response=r"The agent took the coin, which wins. \boxed{1}")
     steps = [step(bus.run_id, i) for i in range(2)]
     _, judged = await judge_steps(bus, jcfg, steps)
     assert all(v.value == 1 and v.status == "ok" and v.cost_usd > 0 and v.model_version is None
                for j in judged for v in j.votes)
-    g = Group(scheduled=TaskScheduled(run_id=bus.run_id, source=SRC, task=TaskSpec(task_id="t", family="quickgame"),
-                                      group_id="g", n_rollouts=2))
-    for s, won in zip(steps, ("won", "lost"), strict=True):
-        g.add(s)
-        g.add(TrajectoryCompleted(run_id=bus.run_id, source=SRC, trajectory_id=s.trajectory_id, task_id="t",
-                                  group_id="g", rollout_index=int(s.trajectory_id[-1]), outcome=won, num_steps=1,
-                                  step_event_ids=[s.event_id]))
-    for j in judged:
-        g.add(j)
+    g = won_and_lost_group(bus.run_id, steps, judged)
     fields = score_group(g, jcfg, train_judge=False)
     # R = O + mean(votes) = 2 (won) and 0 (lost); one step index: z-scores +1 / -1
     assert sorted(s.advantage for s in fields["policy_samples"]) == pytest.approx([-1.0, 1.0])
@@ -103,15 +109,7 @@ async def test_persistent_failure_gives_error_votes_and_a_flagged_group(bus: Nat
     agent, judged = await judge_steps(bus, jcfg, steps)
     assert all(v.status == "error" and v.value is None for j in judged for v in j.votes)
     assert agent.counters["vote_errors"] == 6
-    g = Group(scheduled=TaskScheduled(run_id=bus.run_id, source=SRC, task=TaskSpec(task_id="t", family="quickgame"),
-                                      group_id="g", n_rollouts=2))
-    for s, won in zip(steps, ("won", "lost"), strict=True):
-        g.add(s)
-        g.add(TrajectoryCompleted(run_id=bus.run_id, source=SRC, trajectory_id=s.trajectory_id, task_id="t",
-                                  group_id="g", rollout_index=int(s.trajectory_id[-1]), outcome=won, num_steps=1,
-                                  step_event_ids=[s.event_id]))
-    for j in judged:
-        g.add(j)
+    g = won_and_lost_group(bus.run_id, steps, judged)
     fields = score_group(g, jcfg, train_judge=False)
     assert fields["flagged"] and "judge errors" in fields["flagged"]
     assert fields["policy_samples"] == []  # kept out of training

@@ -33,6 +33,27 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Prompt token ids as every client and the learner see them: BOS, then the text (no template)."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None else []) + ids
+
+
+def choice_token_ids(tokenizer: Any, choices: list[str], cache: dict[tuple[str, ...], list[int]]) -> list[int]:
+    """The single token of each choice label (constrained sampling needs one token per choice)."""
+    key = tuple(choices)
+    if key not in cache:
+        ids = []
+        for c in choices:
+            toks = tokenizer.encode(c, add_special_tokens=False)
+            if len(toks) != 1:
+                raise ValueError(f"choice {c!r} is not a single token")
+            ids.append(toks[0])
+        cache[key] = ids
+    return cache[key]
+
+
 @dataclass(frozen=True)
 class Completion:
     text: str
@@ -185,16 +206,7 @@ class LocalEngine:
     # ---- the model work (runs in a worker thread) ---------------------------------------------
 
     def choice_token_ids(self, choices: list[str]) -> list[int]:
-        key = tuple(choices)
-        if key not in self._choice_ids:
-            ids = []
-            for c in choices:
-                toks = self.tokenizer.encode(c, add_special_tokens=False)
-                if len(toks) != 1:
-                    raise ValueError(f"choice {c!r} is not a single token for {self.name}")
-                ids.append(toks[0])
-            self._choice_ids[key] = ids
-        return self._choice_ids[key]
+        return choice_token_ids(self.tokenizer, choices, self._choice_ids)
 
     def _run_batch(self, batch: list[_Request]) -> list[Completion]:
         import torch
@@ -211,9 +223,7 @@ class LocalEngine:
             return [out[id(r)] for r in batch]
 
     def _encode(self, prompt: str) -> list[int]:
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        bos = self.tokenizer.bos_token_id
-        return ([bos] if bos is not None else []) + ids
+        return encode_prompt(self.tokenizer, prompt)
 
     def _choose(self, batch: list[_Request]) -> list[Completion]:
         import torch

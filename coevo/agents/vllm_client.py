@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from coevo.agents.inference import Completion, quiet_transformers
+from coevo.agents.inference import Completion, choice_token_ids, encode_prompt, quiet_transformers
 from coevo.runtime.errors import CoevoError
 
 
@@ -128,21 +128,10 @@ class VLLMClient:
     # ---- completions -------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        bos = self.tokenizer.bos_token_id
-        return ([bos] if bos is not None else []) + ids
+        return encode_prompt(self.tokenizer, prompt)
 
     def choice_token_ids(self, choices: list[str]) -> list[int]:
-        key = tuple(choices)
-        if key not in self._choice_ids:
-            ids = []
-            for c in choices:
-                toks = self.tokenizer.encode(c, add_special_tokens=False)
-                if len(toks) != 1:
-                    raise VLLMError(f"choice {c!r} is not a single token")
-                ids.append(toks[0])
-            self._choice_ids[key] = ids
-        return self._choice_ids[key]
+        return choice_token_ids(self.tokenizer, choices, self._choice_ids)
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
                        temperature: float = 1.0, index: int = 0) -> Completion:

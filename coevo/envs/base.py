@@ -91,6 +91,16 @@ class Family(abc.ABC):
     @abc.abstractmethod
     async def precheck(self, task: TaskSpec) -> PrecheckResult: ...
 
+    def knobs_of(self, task: TaskSpec) -> dict[str, int]:
+        """Every knob's value for ``task`` (its low bound when unset); out of bounds is an error."""
+        out = {}
+        for k in self.knobs:
+            v = task.knobs.get(k.name, k.low)
+            if not k.low <= v <= k.high:
+                raise EnvError(f"{self.name}: knob {k.name}={v} outside [{k.low}, {k.high}]")
+            out[k.name] = v
+        return out
+
     def knob(self, name: str) -> Knob:
         for k in self.knobs:
             if k.name == name:

@@ -220,7 +220,7 @@ class QuickGameEnv(Environment):
         self.done = True
 
     async def reset(self, task: TaskSpec) -> Observation:
-        k = QuickGame.knobs_of(task)
+        k = QuickGame().knobs_of(task)
         self.world = build_world(int(task.params.get("seed", 0)), k["steps"], k["distractors"], k["slack"])
         self.state = State()
         self.steps = 0
@@ -277,16 +277,6 @@ class QuickGame(Family):
         Knob("hints", 0, 1, harder=-1),
     )
     max_steps_cap = 9
-
-    @classmethod
-    def knobs_of(cls, task: TaskSpec) -> dict[str, int]:
-        out = {}
-        for k in cls.knobs:
-            v = task.knobs.get(k.name, k.low)
-            if not k.low <= v <= k.high:
-                raise EnvError(f"quickgame: knob {k.name}={v} outside [{k.low}, {k.high}]")
-            out[k.name] = v
-        return out
 
     def make_env(self) -> QuickGameEnv:
         return QuickGameEnv()

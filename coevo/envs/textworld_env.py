@@ -55,15 +55,6 @@ class TextWorld(Family):
         self.max_steps_factor = max_steps_factor
         self.compiled = 0  # games compiled by this process (the rest came from the cache)
 
-    def knobs_of(self, task: TaskSpec) -> dict[str, int]:
-        out = {}
-        for k in self.knobs:
-            v = task.knobs.get(k.name, k.low)
-            if not k.low <= v <= k.high:
-                raise EnvError(f"textworld: knob {k.name}={v} outside [{k.low}, {k.high}]")
-            out[k.name] = v
-        return out
-
     def max_steps(self, task: TaskSpec) -> int:
         return min(self.max_steps_cap, int(self.max_steps_factor * self.knobs_of(task)["quest_length"]) + 2)
 
