@@ -196,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from coevo.runtime.errors import ConfigError
 
+    if args.command not in ("run", "agent", "server"):  # tools: quiet logs, results on stdout
+        from coevo.runtime.logging import configure_logging
+
+        configure_logging(None, level="warning", console="pretty")
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
@@ -355,7 +359,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         elif args.into == "rewriter":
             report = await rp.replay_rewriter(events, cfg)
         else:
-            raise SystemExit("replay --into learner is not implemented yet: see the notes on issue 7")
+            report = await asyncio.to_thread(rp.replay_learner, events, cfg)
         return report.as_dict()
 
     result = asyncio.run(go())

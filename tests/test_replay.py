@@ -80,6 +80,15 @@ def test_replay_into_judge_and_rewriter(recorded) -> None:
     assert rc != 0 and report["first_divergence"]["kind"] == "task.decided"
 
 
+def test_replay_into_the_learner_retrains_the_same_steps(recorded) -> None:
+    runs, run = recorded
+    rc, report = replay(runs, run, "learner")
+    assert rc == 0 and report["identical"] and report["compared"] >= 8
+    rc, report = replay(runs, run, "learner", "--set", "learner.lr=0.003")
+    d = report["first_divergence"]
+    assert rc != 0 and d["kind"] == "learner.stepped" and d["recorded"]["loss"] != d["replayed"]["loss"]
+
+
 def test_trace_of_a_trajectory_shows_the_rewrite_lineage(recorded, tmp_path: Path) -> None:
     runs, run = recorded
     export = tmp_path / "e.jsonl"

@@ -428,6 +428,60 @@ async def replay_rewriter(events: list[tuple[int, Event]], cfg: CoevoConfig) -> 
     return report
 
 
+def replay_learner(events: list[tuple[int, Event]], cfg: CoevoConfig, *, rel_tol: float = 1e-4,
+                   abs_tol: float = 1e-6) -> ReplayReport:
+    """Retrain both lanes from the base models on the recorded batches (the groups each recorded
+    ``LearnerStepped`` used, in order) and compare version, sample count, loss, KL, clip fraction and
+    sampler mismatch. Starts from the beginning of the run (the base weights)."""
+    import math
+    import tempfile
+    from pathlib import Path as _Path
+
+    from coevo.agents.clients import model_dir
+    from coevo.training.lane import Lane
+
+    report = ReplayReport("learner")
+    groups: dict[str, GroupScored] = {}
+    lanes: dict[str, Lane] = {}
+    with tempfile.TemporaryDirectory(prefix="coevo-replay-") as tmp:
+        for seq, e in events:
+            if isinstance(e, GroupScored):
+                groups[e.group_id] = e
+                continue
+            if not isinstance(e, LearnerStepped):
+                continue
+            lane = lanes.get(e.role)
+            if lane is None:
+                temp = cfg.policy.temperature if e.role == "policy" else cfg.judge.temperature
+                lr = cfg.learner.judge_lr if e.role == "judge" else None
+                lane = Lane(e.role, model_dir(cfg, e.role), _Path(tmp), cfg.learner, temperature=temp, lr=lr,
+                            device="cpu")
+                lanes[e.role] = lane
+            if lane.version != e.version - 1:
+                report.notes.append(f"seq {seq}: {e.role} v{e.version} follows v{lane.version}; replay starts "
+                                    "from the base weights, so it needs the run from its first learner step")
+                return report
+            missing = [g for g in e.group_ids if g not in groups]
+            if missing:
+                report.notes.append(f"seq {seq}: groups {missing[:3]} are outside the replayed range")
+                return report
+            samples = [s for g in e.group_ids for s in
+                       (groups[g].policy_samples if e.role == "policy" else groups[g].judge_samples)]
+            m = lane.step(samples, list(e.group_ids))
+            recorded = {"version": e.version, "samples": e.samples, "loss": e.loss, "kl": e.kl,
+                        "clip_fraction": e.clip_fraction, "mismatch_kl": e.mismatch_kl}
+            replayed = {"version": m.version, "samples": m.samples, "loss": m.loss, "kl": m.kl,
+                        "clip_fraction": m.clip_fraction, "mismatch_kl": m.mismatch_kl}
+            report.compared += 1
+            for key, a in recorded.items():
+                b = replayed[key]
+                if not math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=abs_tol):
+                    report.divergence = Divergence(seq, "learner.stepped", f"{e.role} v{e.version}: {key}",
+                                                   recorded, replayed)
+                    return report
+    return report
+
+
 async def load_events(bus: NatsBus, start: int | None = None, end: int | None = None) -> list[tuple[int, Event]]:
     return within([(s, e) async for s, e, _ in bus.history() if e is not None], start, end)
 
