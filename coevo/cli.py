@@ -235,6 +235,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from coevo.agents import resolve_role
 
     cls = resolve_role(args.role)
+    if args.role == "learner":
+        from coevo.training.distributed import init_distributed
+
+        rank, world = init_distributed()
+        if rank > 0:  # torchrun: ranks > 0 follow rank 0, which alone talks to NATS
+            return _learner_follower(cfg)
 
     async def go() -> int:
         from coevo.runtime.agent import run_agents
@@ -246,6 +252,19 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(go())
+
+
+def _learner_follower(cfg: Any) -> int:
+    from types import SimpleNamespace
+
+    from coevo.training.distributed import follow
+    from coevo.training.learner import LearnerAgent
+
+    if not cfg.run.run_id:
+        raise SystemExit("under torchrun, pass --run-id so that every rank writes the same checkpoints")
+    agent = LearnerAgent(SimpleNamespace(run_id=cfg.run.run_id), cfg)
+    follow({role: agent.build_lane(role) for role in agent.roles()})
+    return 0
 
 
 def cmd_server(args: argparse.Namespace) -> int:

@@ -207,8 +207,11 @@ class LearnerConfig(Section):
     max_staleness: int = Field(default=2, ge=0, description="policy versions data may lag (0 = synchronous)")
     correction: Literal["tis", "decoupled"] = Field(default="tis", description="off-policy correction")
     tis_cap: float = Field(default=2.0, ge=1.0, description="truncated importance sampling cap c")
-    checkpoint_every: int = Field(default=20, ge=1, description="learner steps between checkpoints")
     device: str | None = Field(default=None, description="torch device (default: cuda if available)")
+    parallel: Literal["fsdp", "ddp"] = Field(
+        default="fsdp", description="under torchrun: FSDP2 sharding or replicated data parallel")
+    bf16: bool = Field(default=True, description="bf16 autocast on CUDA (ignored on CPU)")
+    gradient_checkpointing: bool = False
 
 
 class LogConfig(Section):

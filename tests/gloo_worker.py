@@ -1,4 +1,5 @@
-"""One rank of the two-process gloo check: a lane step on this rank's half of the batch."""
+"""One rank of the two-process gloo check: a lane step on this rank's half of the batch, then the
+collective checkpoint (FSDP2 gathers the full weights to rank 0)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from coevo.config import LearnerConfig
@@ -15,15 +15,15 @@ from coevo.training.lane import Lane
 
 
 def main() -> None:
-    rank, world, init, model, samples_path, out = sys.argv[1:7]
+    rank, world, init, model, samples_path, ckpt_root, parallel = sys.argv[1:8]
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=int(rank), world_size=int(world))
     samples = [TrainingSample.model_validate(s) for s in json.loads(Path(samples_path).read_text())]
-    shard = samples[int(rank)::int(world)]
-    lane = Lane("policy", Path(model), Path(out).parent / f"ckpt{rank}", LearnerConfig(lr=1e-2), device="cpu")
-    lane.step(shard, [])
+    lane = Lane("policy", Path(model), Path(ckpt_root), LearnerConfig(lr=1e-2, parallel=parallel), device="cpu")
+    assert lane.fsdp == (parallel == "fsdp")
+    lane.step(samples[int(rank)::int(world)], ["g"])
+    path, sha, _ = lane.checkpoint()
     if int(rank) == 0:
-        torch.save({k: v.detach().clone() for k, v in lane.model.state_dict().items()}, out)
-    dist.barrier()
+        print(json.dumps({"path": str(path), "sha": sha}))
     dist.destroy_process_group()
 
 

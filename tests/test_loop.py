@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 from collections import Counter
@@ -251,3 +252,35 @@ def test_coevo_run_stops_cleanly_and_resume_continues(tmp_path, model_cache) -> 
     versions = [json.loads(line)["event"]["version"] for line in export.read_text().splitlines()
                 if '"learner.stepped"' in line and '"role": "policy"' in line]
     assert versions == list(range(1, len(versions) + 1))
+
+
+async def test_learner_under_torchrun_with_two_gloo_ranks(bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str,
+                                                          run_id: str) -> None:
+    """`torchrun --nproc-per-node 2 -m coevo agent learner`: rank 0 consumes, both ranks train (FSDP2)."""
+    from coevo.agents.clients import model_dir
+    from coevo.training.lane import latest_checkpoint
+
+    model_dir(loop_cfg, "policy")
+    model_dir(loop_cfg, "judge")
+    producers = [TasksAgent(bus, loop_cfg), PolicyAgent(bus, loop_cfg), ScorerAgent(bus, loop_cfg),
+                 JudgeAgent(bus, loop_cfg)]
+    stop = asyncio.Event()
+    learner = subprocess.Popen(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "coevo",
+         "agent", "learner", "--nats", nats_url, "--run-id", run_id, *cli_args(loop_cfg)],
+        env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+    async def scenario() -> None:
+        try:
+            await wait_for(bus, lambda ev: sum(isinstance(e, LearnerStepped) and e.role == "policy" for e in ev) >= 2,
+                           timeout=300)
+        finally:
+            stop.set()
+            os.killpg(learner.pid, signal.SIGTERM)
+            await asyncio.to_thread(learner.wait, 60)
+
+    await asyncio.gather(run_agents(producers, handle_signals=False, until=stop), scenario())
+    ckpt = latest_checkpoint(loop_cfg.run.runs_dir / run_id / "checkpoints" / "policy")
+    assert ckpt is not None and (ckpt / "optimizer.rank1.pt").exists()
+    applied = [e for e in await bus.events(["weights.applied"]) if e.ok and e.role == "policy" and e.version >= 1]
+    assert applied, "the policy never served weights trained by the two ranks"

@@ -132,19 +132,23 @@ def test_sampler_and_learner_agree_and_a_step_learns(tiny: Path, tmp_path: Path)
     assert p_before < 1.0
 
 
-def test_two_gloo_processes_match_single_process(tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_gloo_processes_match_single_process(tiny: Path, tmp_path: Path, parallel: str) -> None:
+    """Data parallel (replicated, or FSDP2-sharded) over two gloo processes == one process, full batch."""
+    from transformers import AutoModelForCausalLM
+
     samples = choice_samples(tiny, 8)
     (tmp_path / "samples.json").write_text(json.dumps([s.model_dump() for s in samples]))
     single = Lane("policy", tiny, tmp_path / "single", LearnerConfig(lr=1e-2), device="cpu")
-    single.step(samples, [])
-    init = tmp_path / "init"
-    out = tmp_path / "rank0.pt"
-    procs = [subprocess.Popen([PYTHON, "-m", "tests.gloo_worker", str(r), "2", str(init), str(tiny),
-                               str(tmp_path / "samples.json"), str(out)], env=subprocess_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    for p in procs:
-        output = p.communicate(timeout=240)[0].decode()
+    single.step(samples, ["g"])
+    procs = [subprocess.Popen([PYTHON, "-m", "tests.gloo_worker", str(r), "2", str(tmp_path / "init"), str(tiny),
+                               str(tmp_path / "samples.json"), str(tmp_path / "dist"), parallel],
+                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    outputs = [p.communicate(timeout=240)[0].decode() for p in procs]
+    for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output[-3000:]
-    dist_state = torch.load(out)
+    ckpt = Path(json.loads(outputs[0].strip().splitlines()[-1])["path"])
+    assert (ckpt / "COMPLETE").exists() and (ckpt / "optimizer.rank0.pt").exists() and (ckpt / "optimizer.rank1.pt").exists()
+    gathered = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
     for k, v in single.model.state_dict().items():
-        assert torch.allclose(v, dist_state[k], atol=1e-6), k
+        assert torch.allclose(v, gathered[k], atol=1e-6), k

@@ -80,6 +80,16 @@ class Lane:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         resume = latest_checkpoint(self.root)
         self.model = AutoModelForCausalLM.from_pretrained(resume or self.base_model).to(self.device)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.rank, self.world = _rank_world()
+        self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
+        if self.fsdp:  # FSDP2: every decoder layer, then the root, sharded over the ranks
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in self.model.model.layers:
+                fully_shard(layer)
+            fully_shard(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr or cfg.lr)
         self.version = 0
         self.consumed: deque[str] = deque(maxlen=100_000)
@@ -88,7 +98,9 @@ class Lane:
             state = json.loads((resume / "state.json").read_text())
             self.version = state["version"]
             self.consumed.extend(state["consumed_groups"])
-            self.optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location=self.device))
+            shard = resume / f"optimizer.rank{self.rank}.pt"
+            self.optimizer.load_state_dict(torch.load(shard if shard.exists() else resume / "optimizer.pt",
+                                                      map_location=self.device))
         self.resumed_from = resume
         self._consumed_set = set(self.consumed)
         self.pad_id = int(self.model.config.pad_token_id or 0)
@@ -103,7 +115,9 @@ class Lane:
         self.model.train()
         micro = [to_tensors(mb, self.vocab, self.pad_id).to(self.device)
                  for mb in pack_by_tokens(samples, self.cfg.max_batch_tokens)]
-        with torch.no_grad():
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16,
+                                  enabled=self.cfg.bf16 and str(self.device).startswith("cuda"))
+        with torch.no_grad(), autocast:
             prox = [token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
                                    self.temperature) for t in micro]
         self.optimizer.zero_grad(set_to_none=True)
@@ -111,8 +125,9 @@ class Lane:
         agg: Counter[str] = Counter()
         tokens = 0
         for t, px in zip(micro, prox, strict=True):
-            new = token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
-                                 self.temperature)
+            with autocast:
+                new = token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
+                                     self.temperature)
             out = ppo_loss(new, px, t.behav_logp, t.advantages, t.response_mask, clip_eps=self.cfg.clip_eps,
                            kl_beta=self.cfg.kl_beta, correction=self.cfg.correction, tis_cap=self.cfg.tis_cap)
             weight = t.input_ids.shape[0] / total
@@ -123,7 +138,8 @@ class Lane:
             agg["mismatch_kl"] += out.mismatch_kl * weight
             tokens += int(t.response_mask.sum()) + int(t.attention_mask.sum())
         self.all_reduce_grads()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
         self.version += 1
         self.steps_total += 1
@@ -139,7 +155,7 @@ class Lane:
         """Data parallel (torchrun, gloo or nccl): average gradients over ranks."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if self.world == 1 or self.fsdp:  # FSDP reduce-scatters (averages) gradients itself
             return
         world = dist.get_world_size()
         for p in self.model.parameters():
@@ -154,7 +170,9 @@ class Lane:
         final = self.root / f"v{self.version:06d}"
         if (final / MARKER).exists():
             return final, checkpoint_sha256(final), _size(final)
-        tmp = self.root / f".tmp-v{self.version:06d}-{os.getpid()}"
+        tmp = self.root / f".tmp-v{self.version:06d}"
+        if self.world > 1:
+            return self._checkpoint_distributed(final, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp, safe_serialization=True)
         if getattr(self.model.config, "tie_word_embeddings", False):
@@ -175,10 +193,58 @@ class Lane:
         self._prune()
         return final, checkpoint_sha256(final), _size(final)
 
+    def _checkpoint_distributed(self, final: Path, tmp: Path) -> tuple[Path, str, int]:
+        """Every rank takes part: full weights gathered to rank 0, optimizer shards one file per rank."""
+        import torch.distributed as dist
+        from transformers import AutoModelForCausalLM
+
+        from coevo.agents.weights import checkpoint_sha256
+
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                               cpu_offload=True))
+        else:
+            full = self.model.state_dict()
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            plain = AutoModelForCausalLM.from_config(self.model.config)
+            plain.load_state_dict(full)
+            plain.save_pretrained(tmp, safe_serialization=True)
+            if getattr(self.model.config, "tie_word_embeddings", False):
+                _write_lm_head(tmp)
+            for name in TOKENIZER_FILES:
+                if (self.base_model / name).exists():
+                    shutil.copy2(self.base_model / name, tmp / name)
+            (tmp / "state.json").write_text(json.dumps({"version": self.version, "role": self.role,
+                                                        "consumed_groups": list(self.consumed)}))
+        dist.barrier()
+        torch.save(self.optimizer.state_dict(), tmp / f"optimizer.rank{self.rank}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            (final / MARKER).write_text(str(self.version))
+            _fsync_dir(final)
+            self._prune()
+        dist.barrier()
+        return final, checkpoint_sha256(final), _size(final)
+
     def _prune(self) -> None:
         done = sorted(p for p in self.root.glob("v*") if (p / MARKER).exists())
         for old in done[:-KEEP]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def _write_lm_head(path: Path) -> None:

@@ -66,22 +66,39 @@ class LearnerAgent(Agent):
         return [Subscription("learner", (GroupScored,), self.on_scored, concurrency=256),
                 Subscription("learner-decisions", (TaskDecided,), self.on_decided, concurrency=1)]
 
+    def roles(self) -> list[Role]:
+        return ["policy", "judge"] if self.train_judge else ["policy"]
+
+    def build_lane(self, role: Role) -> Lane:
+        lr = self.cfg.learner.judge_lr if role == "judge" else None
+        temp = self.cfg.policy.temperature if role == "policy" else self.cfg.judge.temperature
+        return Lane(role, model_dir(self.cfg, role), self.ckpt_root, self.cfg.learner, temperature=temp, lr=lr,
+                    device=self.cfg.learner.device)
+
     async def run(self) -> None:
-        roles: list[Role] = ["policy", "judge"] if self.train_judge else ["policy"]
+        from coevo.training.distributed import RankZeroLane, stop_followers
+
+        roles = self.roles()
         if not self.train_judge:
             self.log.info("learner.judge_lane_off", reason="external judge" if self.cfg.judge.backend != "local"
                           else f"loop={self.cfg.loop}")
         for role in roles:
-            lr = self.cfg.learner.judge_lr if role == "judge" else None
-            temp = self.cfg.policy.temperature if role == "policy" else self.cfg.judge.temperature
-            lane = await asyncio.to_thread(Lane, role, model_dir(self.cfg, role), self.ckpt_root, self.cfg.learner,
-                                           temperature=temp, lr=lr, device=self.cfg.learner.device)
+            lane: Any = await asyncio.to_thread(self.build_lane, role)
+            if lane.world > 1:
+                lane = RankZeroLane(lane)
             self.lanes[role] = LaneQueue(lane)
             if lane.resumed_from is not None:
                 self.log.info("learner.resumed", role=role, version=lane.version)
             await self.publish_weights(lane)  # every server starts from this run's current weights
         self.model_version = self.lanes["policy"].lane.version
-        await super().run()
+        try:
+            await super().run()
+        finally:
+            if isinstance(self.lanes["policy"].lane, RankZeroLane):
+                try:
+                    await asyncio.to_thread(stop_followers)
+                except Exception as exc:  # the followers may be gone already (torchrun stops all ranks)
+                    self.log.warning("learner.followers_not_stopped", error=repr(exc)[:200])
 
     async def on_decided(self, event: TaskDecided, _d: Delivery) -> None:
         self.decisions[event.candidate_id] = event.accepted
@@ -161,7 +178,7 @@ class LearnerAgent(Agent):
         if self.on_step is not None:
             self.on_step(role, metrics)
 
-    async def publish_weights(self, lane: Lane) -> None:
+    async def publish_weights(self, lane: Any) -> None:
         path, sha, size = await asyncio.to_thread(lane.checkpoint)
         await self.emit(self.event(WeightsPublished, role=lane.role, version=lane.version, path=str(path),
                                    sha256=sha, bytes=size))

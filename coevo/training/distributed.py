@@ -1,0 +1,84 @@
+"""The learner under ``torchrun``: rank 0 is the agent (it alone talks to NATS); the other ranks
+follow its commands and train their share of every batch.
+
+Invariant: every rank executes the same sequence of collective operations: rank 0 broadcasts each
+command (``step`` with the batch, ``checkpoint``, ``stop``) before doing it itself, and each rank
+trains on ``samples[rank::world]`` (gradients are averaged by FSDP2 or by an all-reduce).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from coevo.schemas import TrainingSample
+from coevo.training.lane import Lane, StepMetrics
+
+
+def world_from_env() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the torchrun group (nccl on CUDA, gloo otherwise); (rank, world)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = world_from_env()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return rank, world
+
+
+def _broadcast(obj: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+_COLLECTIVES = threading.Lock()
+"""Rank 0 trains its lanes from several threads; collectives must reach every rank in one order."""
+
+
+class RankZeroLane:
+    """What the learner agent holds on rank 0: a lane whose every operation the other ranks mirror."""
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lane, name)
+
+    def step(self, samples: list[TrainingSample], groups: list[str]) -> StepMetrics:
+        with _COLLECTIVES:
+            _broadcast(("step", self.lane.role, [s.model_dump() for s in samples], groups))
+            return self.lane.step(samples[0 :: self.lane.world], groups)
+
+    def checkpoint(self) -> Any:
+        with _COLLECTIVES:
+            _broadcast(("checkpoint", self.lane.role, None, None))
+            return self.lane.checkpoint()
+
+
+def stop_followers() -> None:
+    with _COLLECTIVES:
+        _broadcast(("stop", None, None, None))
+
+
+def follow(lanes: dict[str, Lane]) -> None:
+    """Ranks > 0: mirror rank 0's commands until it says stop."""
+    while True:
+        command, role, samples, groups = _broadcast(None)
+        if command == "stop":
+            return
+        lane = lanes[role]
+        if command == "step":
+            batch = [TrainingSample.model_validate(s) for s in samples]
+            lane.step(batch[lane.rank :: lane.world], groups)
+        elif command == "checkpoint":
+            lane.checkpoint()
