@@ -238,7 +238,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if args.role == "learner":
         from coevo.training.distributed import init_distributed
 
-        rank, world = init_distributed()
+        rank, _world = init_distributed()
         if rank > 0:  # torchrun: ranks > 0 follow rank 0, which alone talks to NATS
             return _learner_follower(cfg)
 
