@@ -49,6 +49,14 @@ def test_export_import_export_is_identical(recorded, tmp_path: Path) -> None:
     assert normalized(again) == normalized(rows)
 
 
+def test_parquet_export_matches_jsonl(recorded, tmp_path: Path) -> None:
+    runs, run = recorded
+    coevo("events", "export", str(tmp_path / "a.jsonl"), "--run", run, "--runs-dir", str(runs))
+    coevo("events", "export", str(tmp_path / "a.parquet"), "--run", run, "--runs-dir", str(runs),
+          "--format", "parquet")
+    assert read_export(tmp_path / "a.parquet") == read_export(tmp_path / "a.jsonl")
+
+
 def replay(runs: Path, run: str, into: str, *extra: str) -> tuple[int, dict]:
     out = coevo("replay", "--run", run, "--into", into, "--runs-dir", str(runs), *extra, check=False)
     return out.returncode, json.loads(out.stdout[out.stdout.index("{"):])

@@ -109,8 +109,16 @@ class LiteLLMClient:
             return m[min(self._attempts - 1, len(m) - 1)] if m else None
         return m
 
+    def supports_schema(self) -> bool:
+        import litellm
+
+        try:
+            return bool(litellm.supports_response_schema(model=self.model))
+        except Exception:  # unknown to LiteLLM's model map: validate the JSON ourselves
+            return False
+
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 256,
-                       temperature: float = 1.0, index: int = 0) -> Completion:
+                       temperature: float = 1.0, index: int = 0, response_format: Any = None) -> Completion:
         if choices:
             raise ExternalCallFailed(self.model, "constrained choices need a local model (use a reasoned prompt)")
         key = self.cache_key(prompt, max_tokens, temperature, index)
@@ -123,7 +131,8 @@ class LiteLLMClient:
         async with self._sem:  # checked inside: at most max_concurrency calls can overshoot the cap
             if self.api.max_usd is not None and self.spent_usd >= self.api.max_usd:
                 raise BudgetExceeded(self.model, f"spent ${self.spent_usd:.4f} of max_usd ${self.api.max_usd}")
-            response, latency = await self._call(prompt, max_tokens, temperature)
+            fmt = response_format if response_format is not None and self.supports_schema() else None
+            response, latency = await self._call(prompt, max_tokens, temperature, fmt)
             cost = self._cost(response)
             self.spent_usd += cost
         text = response.choices[0].message.content or ""
@@ -136,12 +145,15 @@ class LiteLLMClient:
         return Completion(text, [], [], [], 0, latency_ms=latency, cost_usd=cost, prompt_tokens=pt,
                           completion_tokens=ct)
 
-    async def _call(self, prompt: str, max_tokens: int, temperature: float) -> tuple[Any, float]:
+    async def _call(self, prompt: str, max_tokens: int, temperature: float,
+                    response_format: Any = None) -> tuple[Any, float]:
         last = "no attempt"
         for attempt in range(self.api.retries + 1):
             kwargs: dict[str, Any] = {"model": "m0", "messages": [{"role": "user", "content": prompt}],
                                       "max_tokens": max_tokens, "temperature": temperature,
                                       "timeout": self.api.timeout_s}
+            if response_format is not None:
+                kwargs["response_format"] = response_format
             mock = self._mock()
             if mock is not None:
                 kwargs["mock_response"] = mock

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from pydantic import BaseModel, Field, create_model
+
 from coevo.envs.base import Family
 from coevo.schemas import FailureDigest, TaskSpec
 
@@ -95,8 +97,10 @@ class LLMRewriter:
         summaries = [critic_summary(f) for f in failures]
         prompt = self.prompt(family, task, direction, summaries)
         error = "no answer"
+        schema = proposal_schema(family)
         for _ in range(self.retries + 1):
-            completion = await self.client.complete(prompt, max_tokens=self.max_tokens)  # type: ignore[attr-defined]
+            kwargs = {"response_format": schema} if hasattr(self.client, "supports_schema") else {}
+            completion = await self.client.complete(prompt, max_tokens=self.max_tokens, **kwargs)  # type: ignore[attr-defined]
             try:
                 candidate = parse_llm_proposal(family, task, direction, completion.text)
             except ValueError as exc:
@@ -105,6 +109,14 @@ class LLMRewriter:
                 continue
             return Proposal(candidate, summaries, self.name)
         return Proposal(None, summaries, self.name, f"invalid rewriter output after {self.retries + 1} tries: {error}")
+
+
+def proposal_schema(family: Family) -> type[BaseModel]:
+    """The JSON the LLM rewriter must return, as a pydantic model (``response_format`` where the
+    provider supports structured output; validated by ``parse_llm_proposal`` in every case)."""
+    knobs = create_model(f"{family.name.title()}Knobs",
+                         **{k.name: (int | None, Field(default=None, ge=k.low, le=k.high)) for k in family.knobs})
+    return create_model("Rewrite", knobs=(knobs, ...), reason=(str, ""))
 
 
 def parse_llm_proposal(family: Family, task: TaskSpec, direction: Direction, text: str) -> TaskSpec:
@@ -118,6 +130,7 @@ def parse_llm_proposal(family: Family, task: TaskSpec, direction: Direction, tex
     knobs = data.get("knobs") if isinstance(data, dict) else None
     if not isinstance(knobs, dict):
         raise ValueError("missing 'knobs' object")
+    knobs = {k: v for k, v in knobs.items() if v is not None}  # structured output sends nulls for the rest
     new = dict(task.knobs)
     for name, value in knobs.items():
         knob = next((k for k in family.knobs if k.name == name), None)
