@@ -202,3 +202,42 @@ def test_run_with_an_unreachable_api_completes_and_never_leaks_the_key(tmp_path:
     leaked = [str(p) for p in runs.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaked == [] and secret not in out.stdout + out.stderr
     assert os.environ.get("COEVO_TEST_JUDGE_KEY") is None
+
+
+async def test_coding_judge_writes_tests_and_runs_them_on_every_program(bus: NatsBus, cfg: CoevoConfig) -> None:
+    from coevo.agents.scorer import coding_judge_samples
+    from coevo.agents.scoring import coding_test_advantages
+    from coevo.envs.coding import Coding, humaneval_problems
+
+    jcfg = load_config(overrides={"run.runs_dir": str(cfg.run.runs_dir), "env.family": "coding",
+                                  "judge.backend": "litellm", "judge.model": MODEL, "judge.m": 3,
+                                  "judge.api.mock_response": ["3.5) == 0.5", "1.25) == 0.25", "nonsense (((("],
+                                  "judge.api.max_concurrency": 1, "log.console": "off", "bus.fetch_timeout_s": 0.2})
+    fam = Coding()
+    task = next(t for t in fam.initial_tasks(200, 0, 0) if t.params["problem"] == "HumanEval/2")
+    env = fam.make_env()
+    obs = await env.reset(task)
+    programs = [humaneval_problems()["HumanEval/2"].solution or "", "    return 0.0\n"]
+    steps = []
+    for i, program in enumerate(programs):
+        result = await _play(fam, task, program)
+        steps.append(StepTaken(run_id=bus.run_id, source=SRC, trajectory_id=f"g-r{i}", task_id=task.task_id,
+                               group_id="g", step_index=0, objective=obs.objective, observation=obs.text,
+                               action_text=program, artifact=result.info["program"], done=True,
+                               policy_version=0))
+    _, judged = await judge_steps(bus, jcfg, steps)
+    by_traj = {j.trajectory_id: j for j in judged}
+    assert [(v.value, v.status) for v in by_traj["g-r0"].votes] == [(1, "ok"), (1, "ok"), (None, "unparseable")]
+    assert [(v.value, v.status) for v in by_traj["g-r1"].votes] == [(-1, "ok"), (-1, "ok"), (None, "unparseable")]
+    assert by_traj["g-r0"].votes[0].rationale == "assert candidate(3.5) == 0.5"
+    # tests 0 and 1: the correct program passes, the incorrect one fails (+1 each); test 2 is garbage (0)
+    assert coding_test_advantages([[(True, True), (False, False)]] * 2 + [[(True, False), (False, False)]]) == \
+        pytest.approx([2 ** -0.5, 2 ** -0.5, -(2 ** 0.5)])
+    g = won_and_lost_group(bus.run_id, steps, judged)
+    assert coding_judge_samples([], g) == []  # no token ids from an external API: nothing to train
+
+
+async def _play(fam, task, program):
+    env = fam.make_env()
+    await env.reset(task)
+    return await env.step(program)

@@ -151,3 +151,17 @@ def test_step_advantages_are_standardised(rs: list[float]) -> None:
     assert abs(sum(vals) / len(vals)) < 1e-6
     if max(rs) - min(rs) > 1e-6:
         assert sum(v * v for v in vals) / len(vals) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_coding_test_rewards_by_hand() -> None:
+    from coevo.agents.scoring import coding_test_advantages
+
+    # programs: A, B correct; C, D, E incorrect.  (correct, passed)
+    t0 = [(True, True), (True, True), (False, False), (False, False), (False, True)]   # all correct pass: +2
+    t1 = [(True, True), (True, False), (False, True), (False, False), (False, False)]  # a correct fails: -1
+    t2 = [(True, False), (True, False), (False, False), (False, False), (False, False)]  # garbage: -0
+    z = coding_test_advantages([t0, t1, t2])
+    mean, std = 1 / 3, math.sqrt(((2 - 1 / 3) ** 2 + (-1 - 1 / 3) ** 2 + (0 - 1 / 3) ** 2) / 3)
+    assert z == pytest.approx([(2 - mean) / std, (-1 - mean) / std, (0 - mean) / std])
+    only_correct = [[(True, True), (True, True)], [(True, True), (True, False)]]  # +1 and -1
+    assert coding_test_advantages(only_correct) == pytest.approx([1.0, -1.0])

@@ -9,6 +9,8 @@ once. A vote is ``ok`` (+1/-1), ``unparseable`` (counted, scored -2 for the judg
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from typing import Any
 
 from coevo.agents.clients import make_client
@@ -32,6 +34,8 @@ class JudgeAgent(WeightsFollower, Agent):
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.client = make_client(self.cfg, "judge", seed=self.cfg.run.seed + 1)
+        self._tests: dict[str, list[dict[str, Any]]] = {}
+        self._test_locks: dict[str, asyncio.Lock] = {}
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("judge", (StepTaken,), self.on_step, concurrency=self.cfg.judge.max_concurrent_steps),
@@ -87,6 +91,9 @@ class JudgeAgent(WeightsFollower, Agent):
                                    spent_usd=getattr(self.client, "spent_usd", 0.0), max_usd=api.max_usd or 0.0))
 
     async def on_step(self, step: StepTaken, _d: Delivery) -> None:
+        if self.cfg.env.family == "coding":
+            await self.on_program(step)
+            return
         prompt = judge_prompt(step.objective, step.observation, step.action_text, step.next_observation,
                               self.cfg.judge.effective_mode)
         votes = await asyncio.gather(*(self.vote(prompt, j) for j in range(self.cfg.judge.m)))
@@ -96,3 +103,93 @@ class JudgeAgent(WeightsFollower, Agent):
             step_event_id=step.event_id, trajectory_id=step.trajectory_id, task_id=step.task_id,
             group_id=step.group_id, step_index=step.step_index, votes=list(votes),
             judge_version=max(versions) if versions else None))
+
+    # ---- coding variant: the judge writes unit tests (ALGORITHM.md §2) --------------------------
+
+    async def group_tests(self, step: StepTaken) -> list[dict[str, Any]]:
+        """The ``m`` tests of this step's group, written once (first writer wins, kept in KV)."""
+        lock = self._test_locks.setdefault(step.group_id, asyncio.Lock())
+        async with lock:
+            if step.group_id in self._tests:
+                return self._tests[step.group_id]
+            kv = await self.bus.kv("judgetests")
+            try:
+                tests = json.loads((await kv.get(step.group_id)).value)
+            except Exception:  # not written yet
+                entry = entry_point(step.objective)
+                prompt = test_prompt(step.observation, entry)
+                tests = []
+                for j in range(self.cfg.judge.m):
+                    try:
+                        c = await self.client.complete(prompt, max_tokens=self.cfg.judge.max_tokens,
+                                                       temperature=self.cfg.judge.temperature, index=j)
+                    except Exception as exc:
+                        tests.append({"index": j, "code": None, "text": "", "error": str(exc)[:300]})
+                        continue
+                    tests.append({"index": j, "code": extract_test(c.text, entry), "text": c.text,
+                                  "prompt_token_ids": c.prompt_token_ids, "response_token_ids": c.response_token_ids,
+                                  "logprobs": c.logprobs, "model_version": c.model_version})
+                try:
+                    await kv.create(step.group_id, json.dumps(tests).encode())
+                except Exception:  # another judge wrote them first: use theirs
+                    tests = json.loads((await kv.get(step.group_id)).value)
+            self._tests[step.group_id] = tests
+            while len(self._tests) > 256:
+                oldest = next(iter(self._tests))
+                self._tests.pop(oldest)
+                self._test_locks.pop(oldest, None)
+            return tests
+
+    async def on_program(self, step: StepTaken) -> None:
+        from coevo.envs.coding import run_tests
+
+        tests = await self.group_tests(step)
+        runnable = [t for t in tests if t["code"]]
+        passed: list[bool] = []
+        if runnable:
+            passed, _ = await run_tests(step.artifact or step.action_text, entry_point(step.objective),
+                                        [t["code"] for t in runnable])
+        verdict = {t["index"]: p for t, p in zip(runnable, passed, strict=True)}
+        votes = []
+        for t in tests:
+            common = {"index": t["index"], "rationale": t.get("code") or t.get("text", ""),
+                      "prompt_token_ids": t.get("prompt_token_ids", []),
+                      "response_token_ids": t.get("response_token_ids", []), "logprobs": t.get("logprobs", []),
+                      "model_version": t.get("model_version")}
+            if t.get("error"):
+                votes.append(Vote(value=None, status="error", **common))
+            elif t["index"] not in verdict:
+                votes.append(Vote(value=None, status="unparseable", **common))
+            else:
+                votes.append(Vote(value=1 if verdict[t["index"]] else -1, status="ok", **common))
+            self.counters[f"votes.{votes[-1].status}"] += 1
+        await self.emit(self.event(
+            StepJudged, cause=step, event_id=judged_id(step.event_id), correlation_id=step.group_id,
+            step_event_id=step.event_id, trajectory_id=step.trajectory_id, task_id=step.task_id,
+            group_id=step.group_id, step_index=step.step_index, votes=votes, judge_version=self.client.version))
+
+
+def entry_point(objective: str) -> str:
+    m = re.search(r"complete the function (\w+)", objective)
+    return m.group(1) if m else "solution"
+
+
+def test_prompt(problem: str, entry: str) -> str:
+    return (f"{problem}\n# One unit test for {entry}, as a single assert:\nassert {entry}(")
+
+
+def extract_test(text: str, entry: str) -> str | None:
+    """The generated assert, rewritten to call ``candidate``; None when it does not parse."""
+    import ast
+
+    line = f"assert {entry}(" + text.strip().splitlines()[0] if text.strip() else ""
+    if not line:
+        return None
+    code = line.replace(f"{entry}(", "candidate(")
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+        return None
+    return code

@@ -90,7 +90,8 @@ class PolicyAgent(WeightsFollower, Agent):
                         logprobs=c.logprobs, allowed_token_ids=c.allowed_token_ids, response_text=c.text,
                         action_index=index_, action_text=action, parse_ok=parse_ok,
                         next_observation=result.observation.text, done=result.done,
-                        reference_label=result.reference_label, policy_version=c.model_version)
+                        reference_label=result.reference_label, policy_version=c.model_version,
+                        artifact=result.info.get("program"))
                     await self.emit(step)
                     step_ids.append(step.event_id)
                     versions.append(c.model_version)

@@ -121,6 +121,9 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, A
     trainable = purpose in ("train", "candidate") and flagged is None
     policy_samples: list[TrainingSample] = []
     judge_samples: list[TrainingSample] = []
+    coding = g.scheduled.task.family == "coding"
+    if coding and trainable and train_judge and judge_ok:
+        judge_samples = coding_judge_samples(trajs, g)
     for t in trajs:
         for s in t.steps:
             st = g.steps[s.step_id]
@@ -132,7 +135,7 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, A
                     allowed_token_ids=st.allowed_token_ids, advantage=a, model_version=st.policy_version,
                     step_event_id=s.step_id))
             judged = g.judged.get(s.step_id)
-            if not (trainable and train_judge and judge_ok and judged):
+            if coding or not (trainable and train_judge and judge_ok and judged):
                 continue
             for vote, va in zip(judged.votes, scoring.consistency_advantages(rewards[s.step_id], s.votes),
                                 strict=True):
@@ -152,6 +155,27 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, A
             "judge_outcome_accuracy": outc, "flagged": flagged, "failures": failures,
             "mean_reward": sum(rewards.values()) / len(rewards) if rewards else 0.0,
             "judge_consistency": sum(consistency) / len(consistency) if consistency else None}
+
+
+def coding_judge_samples(trajs: list[scoring.TrajRec], g: Group) -> list[TrainingSample]:
+    """The judge wrote tests: each test's reward comes from which programs pass it (ALGORITHM.md §2)."""
+    programs = [(t.outcome == "won", g.judged.get(s.step_id)) for t in trajs for s in t.steps]
+    programs = [(ok, j) for ok, j in programs if j is not None]
+    if not programs:
+        return []
+    template = programs[0][1]
+    assert template is not None
+    results = [[(ok, j.votes[k].value == 1) for ok, j in programs if k < len(j.votes)]  # type: ignore[union-attr]
+               for k in range(len(template.votes))]
+    out = []
+    for vote, adv in zip(template.votes, scoring.coding_test_advantages(results), strict=True):
+        if adv != 0.0 and vote.response_token_ids:
+            out.append(TrainingSample(
+                sample_id=f"j-{g.scheduled.group_id if g.scheduled else ''}-test{vote.index}", role="judge",
+                prompt_token_ids=vote.prompt_token_ids, response_token_ids=vote.response_token_ids,
+                logprobs=vote.logprobs, allowed_token_ids=vote.allowed_token_ids, advantage=adv,
+                model_version=vote.model_version or 0, step_event_id=template.step_event_id))
+    return out
 
 
 def failure_digest(t: scoring.TrajRec, g: Group) -> FailureDigest:

@@ -113,6 +113,27 @@ def consistency_advantages(step_reward: float, votes: Sequence[VoteRec], eps: fl
     return [next(z) if r is not None else None for r in rewards]
 
 
+def coding_test_advantages(results: Sequence[Sequence[tuple[bool, bool]]], eps: float = 1e-8) -> list[float]:
+    """Coding variant (ALGORITHM.md §2): ``results[j]`` lists (program correct, program passed test j).
+
+    A test that every correct program passes earns the number of incorrect programs that fail it;
+    any other test earns minus the number of incorrect programs that pass it; with no incorrect
+    program the reward is +1 or -1. Rewards are standardised over the task's tests.
+    """
+    rewards = []
+    for per_program in results:
+        correct = [p for ok, p in per_program if ok]
+        incorrect = [p for ok, p in per_program if not ok]
+        good = all(correct)
+        if not incorrect:
+            rewards.append(1.0 if good else -1.0)
+        elif good:
+            rewards.append(float(sum(not p for p in incorrect)))
+        else:
+            rewards.append(-float(sum(incorrect)))
+    return zscore(rewards, eps) if len(rewards) > 1 else [0.0] * len(rewards)
+
+
 def accuracy(trajs: Sequence[TrajRec]) -> float | None:
     counted = [t for t in trajs if t.outcome != "aborted"]
     if not counted:

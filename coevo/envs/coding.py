@@ -165,7 +165,9 @@ class CodingEnv(Environment):
     async def reset(self, task: TaskSpec) -> Observation:
         self.task = task
         self.done = False
-        return Observation(text=self.family.prompt_for(task), candidates=[], objective="complete the function")
+        entry = self.family.problems(task).entry_point
+        return Observation(text=self.family.prompt_for(task), candidates=[],
+                           objective=f"complete the function {entry}" if entry else "write the program")
 
     async def step(self, action: str) -> StepResult:
         if self.done or self.task is None:
@@ -173,9 +175,11 @@ class CodingEnv(Environment):
         self.done = True
         passed, sandbox = await self.family.evaluate(self.task, action)
         won = bool(passed) and all(passed)
+        problem = self.family.problems(self.task)
         return StepResult(Observation(text=f"{sum(passed)}/{len(passed)} tests passed"), True,
                           "won" if won else "lost", 1 if won else -1,
-                          {"pass_matrix": passed, "sandbox": sandbox.status, "detail": sandbox.detail})
+                          {"pass_matrix": passed, "sandbox": sandbox.status, "detail": sandbox.detail,
+                           "program": Coding.complete(problem, action), "entry_point": problem.entry_point})
 
 
 class Coding(Family):

@@ -105,6 +105,7 @@ class StepTaken(Event):
     action_text: str = ""
     parse_ok: bool = True
     next_observation: str = ""
+    artifact: str | None = Field(default=None, description="the environment's full form of the action (a program)")
     done: bool = False
     reference_label: Literal[1, -1] | None = Field(
         default=None, description="environment's own label of this step (e.g. from a walkthrough)"
