@@ -13,9 +13,11 @@ directory (written to a temporary directory, then renamed into place); a step bu
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +36,20 @@ from coevo.schemas import TaskSpec
 
 # TextWorld's own games are not in jericho's list of known games; the warning says nothing useful.
 warnings.filterwarnings("ignore", message=r".*is not fully supported\. Score, move, change detection")
+
+
+_COMPILE_LOCK = threading.Lock()
+_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+async def _tw(fn: Any, *args: Any) -> Any:
+    """Run a TextWorld call on the one thread that may touch TextWorld in this process: its game
+    generator, its logic parser and jericho's emulator are not thread-safe (concurrent use
+    corrupts parsing and crashes the process)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="textworld")
+    return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, fn, *args)
 
 
 def default_cache_dir() -> Path:
@@ -67,6 +83,13 @@ class TextWorld(Family):
         game = final / "game.z8"
         if game.exists():
             return game
+        with _COMPILE_LOCK:  # TextWorld's generator keeps global state: one compilation at a time
+            if game.exists():
+                return game
+            return self._compile(task, knobs, seed, key, final, game)
+
+    def _compile(self, task: TaskSpec, knobs: dict[str, int], seed: int, key: str, final: Path,
+                 game: Path) -> Path:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=self.cache_dir))
         try:
@@ -114,7 +137,7 @@ class TextWorld(Family):
     async def precheck(self, task: TaskSpec) -> PrecheckResult:
         """Compile the game and replay its walkthrough to a win."""
         try:
-            walkthrough = await asyncio.to_thread(self.walkthrough, task)
+            walkthrough = await _tw(self.walkthrough, task)
             env = self.make_env()
             await env.reset(task)
             result = None
@@ -149,12 +172,12 @@ class TextWorldEnv(Environment):
     async def reset(self, task: TaskSpec) -> Observation:
         import textworld
 
-        path = await asyncio.to_thread(self.family.game_path, task)
+        path = await _tw(self.family.game_path, task)
         await self.close()
         infos = textworld.EnvInfos(admissible_commands=True, objective=True, policy_commands=True, won=True,
                                    lost=True, description=True, inventory=True)
-        self._env = textworld.start(str(path), request_infos=infos)
-        self._state = await asyncio.to_thread(self._env.reset)
+        self._env = await _tw(lambda: textworld.start(str(path), request_infos=infos))
+        self._state = await _tw(self._env.reset)
         self.steps = 0
         self.limit = self.family.max_steps(task)
         self.done = False
@@ -167,7 +190,7 @@ class TextWorldEnv(Environment):
             raise EnvError("step after the episode ended (call reset)")
         policy = list(self._state["policy_commands"] or [])
         label: Literal[1, -1] = 1 if policy and action == policy[0] else -1
-        self._state, _, game_over = await asyncio.to_thread(self._env.step, action)
+        self._state, _, game_over = await _tw(self._env.step, action)
         self.steps += 1
         s = self._state
         outcome: Literal["won", "lost", "truncated"] | None = None
@@ -184,5 +207,5 @@ class TextWorldEnv(Environment):
 
     async def close(self) -> None:
         if self._env is not None:
-            self._env.close()
-            self._env = None
+            env, self._env = self._env, None
+            await _tw(env.close)
