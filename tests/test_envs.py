@@ -261,3 +261,26 @@ async def test_jsonl_problems_with_call_and_io_tests(tmp_path: Path) -> None:
     bad.write_text('{"id": "x"}\n')
     with pytest.raises(EnvError, match=r"bad\.jsonl:1"):
         Coding(bad).initial_tasks(1, 0, 0)
+
+
+async def test_textworld_episodes_run_concurrently_in_one_process(tmp_path: Path) -> None:
+    """Several rollouts of not-yet-compiled games at once (what the policy agent does)."""
+    import asyncio
+
+    fam = TextWorld(tmp_path)
+    tasks = [twtask(40 + i % 2) for i in range(6)]
+
+    async def episode(t: TaskSpec) -> str:
+        env = fam.make_env()
+        obs = await env.reset(t)
+        r = None
+        for _ in range(3):
+            r = await env.step(obs.candidates[0])
+            obs = r.observation
+            if r.done:
+                break
+        await env.close()
+        return r.outcome if r else "none"
+
+    outcomes = await asyncio.gather(*(episode(t) for t in tasks))
+    assert len(outcomes) == 6 and fam.compiled == 2
