@@ -173,17 +173,25 @@ class Lane:
         tmp = self.root / f".tmp-v{self.version:06d}"
         if self.world > 1:
             return self._checkpoint_distributed(final, tmp)
+        self._write_model(self.model, tmp)
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        self._finalize(tmp, final)
+        return final, checkpoint_sha256(final), _size(final)
+
+    def _write_model(self, model: Any, tmp: Path) -> None:
+        """Weights (with an explicit lm_head for tied models), tokenizer files and counters."""
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp, safe_serialization=True)
-        if getattr(self.model.config, "tie_word_embeddings", False):
+        model.save_pretrained(tmp, safe_serialization=True)
+        if getattr(model.config, "tie_word_embeddings", False):
             _write_lm_head(tmp)
         for name in TOKENIZER_FILES:
-            src = self.base_model / name
-            if src.exists():
-                shutil.copy2(src, tmp / name)
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            if (self.base_model / name).exists():
+                shutil.copy2(self.base_model / name, tmp / name)
         (tmp / "state.json").write_text(json.dumps({"version": self.version, "role": self.role,
                                                     "consumed_groups": list(self.consumed)}))
+
+    def _finalize(self, tmp: Path, final: Path) -> None:
+        """fsync, rename into place, then mark complete; older checkpoints beyond KEEP are removed."""
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -191,7 +199,6 @@ class Lane:
         (final / MARKER).write_text(str(self.version))
         _fsync_dir(final)
         self._prune()
-        return final, checkpoint_sha256(final), _size(final)
 
     def _checkpoint_distributed(self, final: Path, tmp: Path) -> tuple[Path, str, int]:
         """Every rank takes part: full weights gathered to rank 0, optimizer shards one file per rank."""
@@ -208,28 +215,14 @@ class Lane:
         else:
             full = self.model.state_dict()
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
             plain = AutoModelForCausalLM.from_config(self.model.config)
             plain.load_state_dict(full)
-            plain.save_pretrained(tmp, safe_serialization=True)
-            if getattr(self.model.config, "tie_word_embeddings", False):
-                _write_lm_head(tmp)
-            for name in TOKENIZER_FILES:
-                if (self.base_model / name).exists():
-                    shutil.copy2(self.base_model / name, tmp / name)
-            (tmp / "state.json").write_text(json.dumps({"version": self.version, "role": self.role,
-                                                        "consumed_groups": list(self.consumed)}))
+            self._write_model(plain, tmp)
         dist.barrier()
         torch.save(self.optimizer.state_dict(), tmp / f"optimizer.rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
-            _fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            (final / MARKER).write_text(str(self.version))
-            _fsync_dir(final)
-            self._prune()
+            self._finalize(tmp, final)
         dist.barrier()
         return final, checkpoint_sha256(final), _size(final)
 
