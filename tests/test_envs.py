@@ -180,11 +180,16 @@ async def test_textworld_operators_measured(tw_cache: Path) -> None:
         env.close()
         game = json.loads((fam.game_path(task).with_suffix(".json")).read_text())
         rooms = sum(1 for _, i in game["infos"] if i["type"] == "r")
+        rarity = -goal_commonness(Game.load(str(fam.game_path(task).with_suffix(".json"))))
         return {"quest_length": len(s["policy_commands"]), "objects": len(s["entities"]), "rooms": rooms,
-                "hints": len(s["objective"])}
+                "hints": len(s["objective"]), "goal": rarity}
+
+    from textworld.generator.game import Game
+
+    from coevo.envs.textworld_env import goal_commonness
 
     seeds = [1, 2, 3]
-    base = [twtask(s, quest_length=3, objects=5, rooms=2, hints=1) for s in seeds]
+    base = [twtask(s, quest_length=3, objects=5, rooms=2, hints=1, goal=1) for s in seeds]
     for op in fam.operators("harder"):
         name = op[:-1]
         children = [fam.apply(t, op) for t in base]

@@ -1,8 +1,8 @@
 """TextWorld games (the engine ALFWorld is built on), compiled offline and cached by spec hash.
 
 Knobs: ``quest_length`` (walkthrough length), ``objects`` (objects in the world, most of them
-distractors), ``rooms`` (world size) and ``hints`` (1: the objective spells out every step; 0:
-only the final goal). Candidates are the admissible commands in sorted order; the reference
+distractors), ``rooms`` (world size), ``hints`` (1: the objective spells out every step; 0:
+only the final goal) and ``goal`` (the same world with a quest about a commoner or rarer object). Candidates are the admissible commands in sorted order; the reference
 label of an action is +1 iff it is the first command of the winning policy from that state.
 
 Invariants: the same spec always compiles to the same game, and compiles only once per cache
@@ -38,6 +38,10 @@ from coevo.schemas import TaskSpec
 warnings.filterwarnings("ignore", message=r".*is not fully supported\. Score, move, change detection")
 
 
+GOAL_CHOICES = 3
+"""The ``goal`` knob picks, in the same world, one of this many quests ranked from the commonest goal
+object (0: the most entities of its type in the world) to the rarest."""
+
 _COMPILE_LOCK = threading.Lock()
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -63,6 +67,7 @@ class TextWorld(Family):
         Knob("objects", 2, 16, harder=1),
         Knob("rooms", 1, 8, harder=1),
         Knob("hints", 0, 1, harder=-1),
+        Knob("goal", 0, GOAL_CHOICES - 1, harder=1),
     )
     max_steps_cap = 50
 
@@ -96,15 +101,21 @@ class TextWorld(Family):
             from textworld import GameOptions
             from textworld.generator import compile_game, make_game
 
-            options = GameOptions()
-            options.seeds = seed
-            options.nb_rooms = knobs["rooms"]
-            options.nb_objects = knobs["objects"]
-            options.quest_length = knobs["quest_length"]
-            options.grammar.only_last_action = not knobs["hints"]
-            options.path = str(tmp / "game.z8")
-            options.force_recompile = True
-            compile_game(make_game(options), options)
+            candidates = []
+            for q in range(GOAL_CHOICES):  # same map, objects and grammar; another quest each time
+                options = GameOptions()
+                options.seeds = {"map": seed, "objects": seed, "grammar": seed, "quest": seed * GOAL_CHOICES + q}
+                options.nb_rooms = knobs["rooms"]
+                options.nb_objects = knobs["objects"]
+                options.quest_length = knobs["quest_length"]
+                options.grammar.only_last_action = not knobs["hints"]
+                options.path = str(tmp / "game.z8")
+                options.force_recompile = True
+                made = make_game(options)
+                candidates.append((-goal_commonness(made), q, made, options))
+            candidates.sort(key=lambda c: (c[0], c[1]))  # commonest goal object first
+            _, _, made, options = candidates[knobs["goal"]]
+            compile_game(made, options)
             self.compiled += 1
             try:
                 os.rename(tmp, final)
@@ -158,6 +169,25 @@ class TextWorld(Family):
             return list(env.reset()["policy_commands"])
         finally:
             env.close()
+
+
+def goal_object(game: Any) -> Any:
+    """The entity the quest's winning command is about (its first argument), or None."""
+    try:
+        action = game.quests[0].win_events[0].actions[-1]
+    except (IndexError, AttributeError):
+        return None
+    things = [v for v in action.variables if v.type not in ("P", "I", "r", "d")]  # not player, rooms, doors
+    portable = [v for v in things if v.type in ("o", "f", "k")]  # the thing carried, eaten or used
+    return (portable or things or [None])[0]
+
+
+def goal_commonness(game: Any) -> int:
+    """How many entities of the goal object's type the world holds (more = easier to confuse less)."""
+    goal = goal_object(game)
+    if goal is None:
+        return 0
+    return sum(1 for info in game.infos.values() if info.type == goal.type)
 
 
 class TextWorldEnv(Environment):
