@@ -235,7 +235,7 @@ async def test_backpressure_keeps_memory_flat(bus: NatsBus, run_id: str, cfg) ->
     async def slow(event, d) -> None:
         nonlocal handled
         handled += 1
-        await asyncio.sleep(0.002)
+        await asyncio.sleep(0.01)  # ~200 events/s with 2 workers: far slower than any producer
 
     c = Consumer(bus, Subscription("slowpoke", (StepTaken,), slow, concurrency=2), SRC)
     stop = asyncio.Event()

@@ -109,7 +109,8 @@ async def test_run_trains_against_vllm_and_its_weight_version_advances(vllm_serv
             while True:
                 applied = [e for e in await bus.events(["weights.applied"]) if isinstance(e, WeightsApplied)
                            and e.role == "policy" and e.ok]
-                if len(applied) >= 2:
+                served = [e for e in await bus.events(["step.taken"]) if e.policy_version >= 1]
+                if len(applied) >= 2 and served:  # trained weights applied, and tokens sampled from them
                     break
                 await asyncio.sleep(1)
         stop.set()
