@@ -255,15 +255,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _learner_follower(cfg: Any) -> int:
-    from types import SimpleNamespace
-
     from coevo.training.distributed import follow
-    from coevo.training.learner import LearnerAgent
+    from coevo.training.learner import build_lane, checkpoint_root, trained_roles
 
     if not cfg.run.run_id:
         raise SystemExit("under torchrun, pass --run-id so that every rank writes the same checkpoints")
-    agent = LearnerAgent(SimpleNamespace(run_id=cfg.run.run_id), cfg)
-    follow({role: agent.build_lane(role) for role in agent.roles()})
+    root = checkpoint_root(cfg, cfg.run.run_id)
+    follow({role: build_lane(cfg, role, root) for role in trained_roles(cfg)})
     return 0
 
 
@@ -396,7 +394,7 @@ def cmd_rejudge(args: argparse.Namespace) -> int:
 
     async def go() -> dict[str, Any]:
         async with rp.open_run(args.run, args.runs_dir, args.nats_url) as bus:
-            return await rp.rejudge(bus, cfg, recorded_cfg, use_recorded)
+            return await rp.rejudge(bus, cfg, use_recorded)
 
     print(json.dumps(asyncio.run(go()), indent=2))
     return 0

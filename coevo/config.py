@@ -253,6 +253,11 @@ class CoevoConfig(BaseSettings):
         default="full", description="ablation: fixed judge and tasks / + judge training / + rewriting")
     log: LogConfig = Field(default_factory=LogConfig)
 
+    @property
+    def trains_judge(self) -> bool:
+        """The judge lane learns unless the ablation fixes it or the judge is an external model."""
+        return self.loop != "policy-only" and self.judge.backend == "local"
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -20,6 +20,7 @@ import structlog
 
 from coevo.config import CoevoConfig
 from coevo.runtime.agent import Agent, run_agents
+from coevo.runtime.aio import wait_event
 from coevo.runtime.app import open_runtime
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import GroupScored, LearnerStepped, RunFinished, StepJudged, TaskDecided
@@ -137,19 +138,12 @@ class Progress:
         if sys.stderr.isatty():
             with console.status(self.line()) as status:
                 while not stop.is_set():
-                    await _wait(stop, 1.0)
+                    await wait_event(stop, 1.0)
                     status.update(self.line())
         else:
             while not stop.is_set():
-                await _wait(stop, 10.0)
+                await wait_event(stop, 10.0)
                 log.info("progress", status=self.line())
-
-
-async def _wait(event: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(event.wait(), seconds)
-    except TimeoutError:
-        pass
 
 
 async def run_main(cfg: CoevoConfig) -> int:
@@ -200,5 +194,5 @@ async def run_main(cfg: CoevoConfig) -> int:
 
 
 async def _deadline(stop: asyncio.Event, seconds: float) -> None:
-    await _wait(stop, seconds)
+    await wait_event(stop, seconds)
     stop.set()

@@ -82,6 +82,7 @@ LOOP_OVERRIDES = {
     "tasks.min_groups_between_rewrites": 0,
     "learner.batch_samples": 16,
     "judge.m": 2,
+    "scorer.vote_timeout_s": 600.0,  # a judge restarted under a loaded CI machine must not race the clock
     "log.console": "off",
 }
 

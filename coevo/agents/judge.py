@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from coevo.agents.clients import make_client
+from coevo.agents.inference import Completion
 from coevo.agents.prompts import VERDICT_LABELS, judge_prompt, parse_vote
 from coevo.agents.weights import WeightsFollower
+from coevo.config import JudgeConfig
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
@@ -24,6 +26,21 @@ from coevo.schemas import BudgetExceeded, StepJudged, StepTaken, Vote, WeightsAp
 
 def judged_id(step_event_id: str) -> str:
     return f"judged-{step_event_id}"
+
+
+def step_prompt(step: StepTaken, mode: Literal["verdict", "reasoned"]) -> str:
+    return judge_prompt(step.objective, step.observation, step.action_text, step.next_observation, mode)
+
+
+async def ask(client: Any, cfg: JudgeConfig, prompt: str, index: int) -> tuple[Completion, Literal[1, -1] | None, str]:
+    """One vote: (completion, value, ``ok`` or ``unparseable``). A failed call raises.
+    Used by the judge agent, and by replay and re-judge with other clients."""
+    if cfg.effective_mode == "verdict":
+        c = await client.complete(prompt, choices=list(VERDICT_LABELS), temperature=cfg.temperature, index=index)
+        return c, (1 if c.choice == 0 else -1), "ok"
+    c = await client.complete(prompt, max_tokens=cfg.max_tokens, temperature=cfg.temperature, index=index)
+    parsed = parse_vote(c.text)
+    return c, parsed, ("ok" if parsed is not None else "unparseable")
 
 
 class JudgeAgent(WeightsFollower, Agent):
@@ -53,16 +70,7 @@ class JudgeAgent(WeightsFollower, Agent):
         cfg = self.cfg.judge
         external = cfg.backend == "litellm"
         try:
-            if cfg.effective_mode == "verdict":
-                c = await self.client.complete(prompt, choices=list(VERDICT_LABELS), temperature=cfg.temperature,
-                                               index=index)
-                value = 1 if c.choice == 0 else -1
-                status = "ok"
-            else:
-                c = await self.client.complete(prompt, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                               index=index)
-                parsed = parse_vote(c.text)
-                value, status = (parsed, "ok") if parsed is not None else (None, "unparseable")
+            c, value, status = await ask(self.client, cfg, prompt, index)
         except OverBudget as exc:
             await self.report_budget(exc)
             return Vote(index=index, value=None, status="error", rationale=str(exc)[:500])
@@ -94,8 +102,7 @@ class JudgeAgent(WeightsFollower, Agent):
         if self.cfg.env.family == "coding":
             await self.on_program(step)
             return
-        prompt = judge_prompt(step.objective, step.observation, step.action_text, step.next_observation,
-                              self.cfg.judge.effective_mode)
+        prompt = step_prompt(step, self.cfg.judge.effective_mode)
         votes = await asyncio.gather(*(self.vote(prompt, j) for j in range(self.cfg.judge.m)))
         versions = [v.model_version for v in votes if v.model_version is not None]
         await self.emit(self.event(

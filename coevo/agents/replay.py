@@ -277,7 +277,7 @@ def replay_scorer(events: list[tuple[int, Event]], cfg: CoevoConfig) -> ReplayRe
 
     report = ReplayReport("scorer")
     groups: dict[str, Group] = {}
-    train_judge = cfg.loop != "policy-only" and cfg.judge.backend == "local"
+    train_judge = cfg.trains_judge
     for seq, e in events:
         if isinstance(e, TaskScheduled | StepTaken | TrajectoryCompleted | StepJudged):
             groups.setdefault(e.group_id, Group()).add(e)
@@ -301,15 +301,14 @@ class RecordedResponses:
     """An inference client that answers from the recorded votes (keyed by prompt and vote index)."""
 
     def __init__(self, judged: Iterable[tuple[StepTaken, StepJudged]], mode: str) -> None:
-        from coevo.agents.prompts import judge_prompt
+        from coevo.agents.judge import step_prompt
 
         self.version = 0
         # identical prompts (the same state and action in two trajectories) were answered in stream
         # order: a FIFO per (prompt, vote index) gives each replayed call the answer its original got
         self.answers: dict[tuple[str, int], deque[Any]] = defaultdict(deque)
         for step, j in judged:
-            prompt = judge_prompt(step.objective, step.observation, step.action_text, step.next_observation,
-                                  mode)  # type: ignore[arg-type]
+            prompt = step_prompt(step, mode)  # type: ignore[arg-type]
             for v in j.votes:
                 self.answers[(_h(prompt), v.index)].append(v)
         self.misses = 0
@@ -340,22 +339,14 @@ def _h(text: str) -> str:
 
 async def judge_votes(client: Any, cfg: CoevoConfig, step: StepTaken) -> list[dict[str, Any]]:
     """The judge agent's voting, as a function of a client (used by replay and re-judge)."""
-    from coevo.agents.prompts import VERDICT_LABELS, judge_prompt, parse_vote
+    from coevo.agents.judge import ask, step_prompt
 
-    mode = cfg.judge.effective_mode
-    prompt = judge_prompt(step.objective, step.observation, step.action_text, step.next_observation, mode)
+    prompt = step_prompt(step, cfg.judge.effective_mode)
     out = []
     for j in range(cfg.judge.m):
         try:
-            if mode == "verdict":
-                c = await client.complete(prompt, choices=list(VERDICT_LABELS), temperature=cfg.judge.temperature,
-                                          index=j)
-                out.append({"index": j, "value": 1 if c.choice == 0 else -1, "status": "ok"})
-            else:
-                c = await client.complete(prompt, max_tokens=cfg.judge.max_tokens, temperature=cfg.judge.temperature,
-                                          index=j)
-                v = parse_vote(c.text)
-                out.append({"index": j, "value": v, "status": "ok" if v is not None else "unparseable"})
+            _, value, status = await ask(client, cfg.judge, prompt, j)
+            out.append({"index": j, "value": value, "status": status})
         except LookupError:
             out.append({"index": j, "value": None, "status": "missing"})
         except Exception:  # the recorded call failed, or the judge failed now
@@ -504,7 +495,7 @@ def run_config(runs_dir: Path, run_id: str, overrides: dict[str, Any]) -> CoevoC
     return load_config(overrides={**flat, **overrides})
 
 
-async def rejudge(bus: NatsBus, cfg: CoevoConfig, recorded_cfg: CoevoConfig, use_recorded: bool) -> dict[str, Any]:
+async def rejudge(bus: NatsBus, cfg: CoevoConfig, use_recorded: bool) -> dict[str, Any]:
     """Another judge over the recorded steps: agreement with the original votes, accuracy of both."""
     from coevo.agents import scoring
     from coevo.agents.clients import make_client

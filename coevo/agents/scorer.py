@@ -146,8 +146,8 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, A
                     response_token_ids=vote.response_token_ids, logprobs=vote.logprobs,
                     allowed_token_ids=vote.allowed_token_ids, advantage=va, model_version=vote.model_version or 0,
                     step_event_id=s.step_id))
-    consistency = [rewards[s.step_id] * (v.value or 0) if v.status == "ok" else -2.0
-                   for t in trajs for s in t.steps for v in s.votes if v.status != "error"]
+    consistency = [r for t in trajs for s in t.steps
+                   for r in scoring.consistency_rewards(rewards[s.step_id], s.votes) if r is not None]
     proc, outc = scoring.judge_accuracies(trajs)
     failures = [failure_digest(t, g) for t in trajs if t.outcome in ("lost", "truncated")]
     return {**fields, "accuracy": acc, "policy_band_ok": policy_ok, "judge_band_ok": judge_ok,
@@ -204,7 +204,7 @@ class ScorerAgent(Agent):
         self.groups: dict[str, Group] = {}
         self.scored: set[str] = set()
         self.need_votes = self.cfg.scorer.reward != "outcome-only"
-        self.train_judge = self.cfg.loop != "policy-only" and self.cfg.judge.backend == "local"
+        self.train_judge = self.cfg.trains_judge
         self._lock = asyncio.Lock()  # the straggler clock and the consumer must not score a group twice
 
     def subscriptions(self) -> list[Subscription]:

@@ -96,8 +96,8 @@ def step_advantages(trajs: Sequence[TrajRec], rewards: dict[str, float], eps: fl
     return out
 
 
-def consistency_advantages(step_reward: float, votes: Sequence[VoteRec], eps: float = 1e-8) -> list[float | None]:
-    """Per vote: the standardised consistency reward, or None (error vote, or a skipped step)."""
+def consistency_rewards(step_reward: float, votes: Sequence[VoteRec]) -> list[float | None]:
+    """Per vote: R·S, -2 for an unparseable vote, None for an error (not a vote)."""
     rewards: list[float | None] = []
     for v in votes:
         if v.status == "error":
@@ -106,6 +106,12 @@ def consistency_advantages(step_reward: float, votes: Sequence[VoteRec], eps: fl
             rewards.append(-2.0)
         else:
             rewards.append(step_reward * v.value)
+    return rewards
+
+
+def consistency_advantages(step_reward: float, votes: Sequence[VoteRec], eps: float = 1e-8) -> list[float | None]:
+    """Per vote: the standardised consistency reward, or None (error vote, or a skipped step)."""
+    rewards = consistency_rewards(step_reward, votes)
     present = [r for r in rewards if r is not None]
     if len(present) < 2 or max(present) - min(present) <= eps:
         return [None] * len(votes)

@@ -23,6 +23,7 @@ from coevo.agents import scoring
 from coevo.agents.rewriter import BuiltinRewriter, Rewriter
 from coevo.envs import make_family
 from coevo.runtime.agent import Agent
+from coevo.runtime.aio import wait_event
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import (
@@ -198,10 +199,7 @@ class TasksAgent(Agent):
             while self.admitted() and not self.stopping.is_set():
                 await self.schedule(*self.next_group())
             self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), 1.0)
-            except TimeoutError:
-                pass
+            await wait_event(self.changed, 1.0)
 
     # ---- reacting to scores ------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, TypeVar
 import structlog
 
 from coevo.config import CoevoConfig
-from coevo.runtime.aio import first_completed
+from coevo.runtime.aio import first_completed, wait_event
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.consumer import Consumer, Subscription
 from coevo.runtime.errors import AgentFailed
@@ -87,11 +87,7 @@ class Agent:
 
     async def sleep(self, seconds: float) -> bool:
         """Sleep unless stopped first; returns False when stopping."""
-        try:
-            await asyncio.wait_for(self.stopping.wait(), seconds)
-        except TimeoutError:
-            return True
-        return False
+        return not await wait_event(self.stopping, seconds)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, e
     from coevo.agents.clients import model_dir
     from coevo.loop import build_agents, summarize
     from coevo.runtime.agent import run_agents
+    from coevo.runtime.aio import wait_event
     from coevo.runtime.app import open_runtime
     from coevo.training.lane import latest_checkpoint
 
@@ -81,10 +82,7 @@ async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, e
                 if t >= seconds:
                     stop.set()
                     return
-                try:
-                    await asyncio.wait_for(stop.wait(), eval_every_s)
-                except TimeoutError:
-                    pass
+                await wait_event(stop, eval_every_s)
 
         await asyncio.gather(run_agents(agents, handle_signals=False, until=stop), evaluator())
         final_ckpt = latest_checkpoint(ckpts) or base

@@ -256,6 +256,3 @@ def _write_lm_head(path: Path) -> None:
 def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
-
-def lane_summary(lane: Lane) -> dict[str, Any]:
-    return {"role": lane.role, "version": lane.version, "resumed_from": str(lane.resumed_from or "")}

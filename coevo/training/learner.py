@@ -17,16 +17,34 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from coevo.agents.clients import model_dir
+from coevo.config import CoevoConfig
 from coevo.runtime.agent import Agent
+from coevo.runtime.aio import wait_event
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import GroupScored, LearnerStepped, TaskDecided, TrainingSample, WeightsPublished
 from coevo.training.lane import Lane, StepMetrics
 
 Role = Literal["policy", "judge"]
+
+
+def checkpoint_root(cfg: CoevoConfig, run_id: str) -> Path:
+    return cfg.run.runs_dir / run_id / "checkpoints"
+
+
+def trained_roles(cfg: CoevoConfig) -> list[Role]:
+    return ["policy", "judge"] if cfg.trains_judge else ["policy"]
+
+
+def build_lane(cfg: CoevoConfig, role: Role, ckpt_root: Path) -> Lane:
+    """A lane as every rank of the learner builds it (same model, lr, temperature, checkpoints)."""
+    lr = cfg.learner.judge_lr if role == "judge" else None
+    temp = cfg.policy.temperature if role == "policy" else cfg.judge.temperature
+    return Lane(role, model_dir(cfg, role), ckpt_root, cfg.learner, temperature=temp, lr=lr, device=cfg.learner.device)
 
 
 @dataclass
@@ -59,31 +77,22 @@ class LearnerAgent(Agent):
         self.lanes: dict[Role, LaneQueue] = {}
         self.decisions: dict[str, bool] = {}
         self.decided = asyncio.Event()
-        self.train_judge = self.cfg.loop != "policy-only" and self.cfg.judge.backend == "local"
-        self.ckpt_root = self.cfg.run.runs_dir / self.bus.run_id / "checkpoints"
+        self.train_judge = self.cfg.trains_judge
+        self.ckpt_root = checkpoint_root(self.cfg, self.bus.run_id)
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("learner", (GroupScored,), self.on_scored, concurrency=256),
                 Subscription("learner-decisions", (TaskDecided,), self.on_decided, concurrency=1)]
 
-    def roles(self) -> list[Role]:
-        return ["policy", "judge"] if self.train_judge else ["policy"]
-
-    def build_lane(self, role: Role) -> Lane:
-        lr = self.cfg.learner.judge_lr if role == "judge" else None
-        temp = self.cfg.policy.temperature if role == "policy" else self.cfg.judge.temperature
-        return Lane(role, model_dir(self.cfg, role), self.ckpt_root, self.cfg.learner, temperature=temp, lr=lr,
-                    device=self.cfg.learner.device)
-
     async def run(self) -> None:
         from coevo.training.distributed import RankZeroLane, stop_followers
 
-        roles = self.roles()
+        roles = trained_roles(self.cfg)
         if not self.train_judge:
             self.log.info("learner.judge_lane_off", reason="external judge" if self.cfg.judge.backend != "local"
                           else f"loop={self.cfg.loop}")
         for role in roles:
-            lane: Any = await asyncio.to_thread(self.build_lane, role)
+            lane: Any = await asyncio.to_thread(build_lane, self.cfg, role, self.ckpt_root)
             if lane.world > 1:
                 lane = RankZeroLane(lane)
             self.lanes[role] = LaneQueue(lane)
@@ -140,11 +149,7 @@ class LearnerAgent(Agent):
                 await self.train(role, q)
                 continue
             q.arrived.clear()
-            timeout = self.flush_after_s if q.held else 1.0
-            try:
-                await asyncio.wait_for(q.arrived.wait(), timeout)
-            except TimeoutError:
-                pass
+            await wait_event(q.arrived, self.flush_after_s if q.held else 1.0)
 
     async def train(self, role: Role, q: LaneQueue) -> None:
         take: list[Pending] = []
