@@ -243,12 +243,19 @@ def cmd_agent(args: argparse.Namespace) -> int:
             return _learner_follower(cfg)
 
     async def go() -> int:
+        import signal
+
         from coevo.runtime.agent import run_agents
         from coevo.runtime.app import open_runtime
 
+        # catch SIGINT/SIGTERM from the first moment: a stop during start-up (model loading) is graceful too
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         async with open_runtime(cfg, name=f"coevo-agent-{cls.role}") as rt:
             agent = cls(rt.bus, cfg, agent_id=args.agent_id)
-            await run_agents([agent])
+            await run_agents([agent], handle_signals=False, until=stop)
         return 0
 
     return asyncio.run(go())
