@@ -83,13 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", help="integrated | outcome-only | steps-only [scorer.reward]")
     p.add_argument("--policy-model", help="local transformers model dir [policy.model]")
     p.add_argument("--policy-url", help="vLLM server serving the policy, http://host:port/v1 [policy.url]")
+    p.add_argument("--weight-sync", choices=("disk", "gloo", "nccl"),
+                   help="how vLLM servers get new weights: reload the checkpoint (disk) or pushed by the learner "
+                   "(gloo on CPU, nccl on GPU) [learner.weight_sync]")
     p.add_argument("--resume", metavar="RUN", help="continue run RUN (same run id and run directory)")
     p.add_argument("--judge", metavar="BACKEND:MODEL",
                    help="e.g. litellm:openai/gpt-4.1-mini, vllm:NAME, local:DIR [judge.backend, judge.model]")
     p.add_argument("--judge-api-base", help="api_base of the judge's API (LiteLLM) or vLLM URL [judge.url]")
     p.set_defaults(_extra_overrides={"minutes": "run.minutes", "steps": "run.steps", "family": "env.family",
                                      "reward": "scorer.reward", "policy_model": "policy.model",
-                                     "policy_url": "policy.url", "resume": "run.run_id"})
+                                     "policy_url": "policy.url", "weight_sync": "learner.weight_sync",
+                                     "resume": "run.run_id"})
     _config_flags(p)
     p.set_defaults(func=cmd_run)
 

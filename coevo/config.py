@@ -212,6 +212,14 @@ class LearnerConfig(Section):
         default="fsdp", description="under torchrun: FSDP2 sharding or replicated data parallel")
     bf16: bool = Field(default=True, description="bf16 autocast on CUDA (ignored on CPU)")
     gradient_checkpointing: bool = False
+    weight_sync: Literal["disk", "gloo", "nccl"] = Field(
+        default="disk", description="how vLLM servers get new weights: reload from the published checkpoint "
+        "path (disk: servers must see the learner's files), or pushed by the learner over a collective "
+        "(gloo on CPU, nccl on GPU: the server runs with --weight-transfer-config '{\"backend\": "
+        "\"coevo_gloo\"}' or '{\"backend\": \"nccl\"}'). Local engines always load the checkpoint")
+    transfer_host: str = Field(default="127.0.0.1", description="address vLLM servers reach the learner at "
+                               "(weight_sync gloo/nccl)")
+    transfer_timeout_s: float = Field(default=120.0, gt=0, description="limit of one pushed transfer")
 
 
 class LogConfig(Section):

@@ -11,4 +11,12 @@ if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm" >/
   # these break vllm's imports on this build (see STACK.md)
   .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
 fi
+# coevo itself (no dependencies): its vllm.general_plugins entry point registers the coevo_gloo
+# weight-transfer backend (weights pushed by the learner over gloo, vLLM's NCCL path on CPU)
+if ! .venv-vllm/bin/python -P -c "
+import sys, importlib.metadata as m, coevo.training.vllm_plugin as p
+sys.exit(not (m.entry_points(group='vllm.general_plugins', name='coevo') and p.__file__.startswith('$(pwd)/')))
+" >/dev/null 2>&1; then
+  .venv-vllm/bin/python -m pip install -q --no-deps -e . >&2
+fi
 echo "$(pwd)/.venv-vllm/bin/python"

@@ -143,7 +143,7 @@ def vllm_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         proc = subprocess.Popen(
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
              "--port", str(port), "--logprobs-mode", "processed_logprobs", "--max-model-len", "512",
-             "--dtype", "float32"], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+             "--dtype", "float32", "--weight-transfer-config", '{"backend": "coevo_gloo"}'], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:

@@ -12,8 +12,18 @@ from coevo.agents.inference import LocalEngine
 from coevo.agents.prompts import INDEX_LABELS, policy_prompt
 from coevo.agents.vllm_client import VLLMClient, VLLMError
 from coevo.config import LearnerConfig, load_config
-from coevo.schemas import LearnerStepped, TrainingSample, WeightsApplied
+from coevo.schemas import (
+    LearnerStepped,
+    TrainingSample,
+    TransferConnect,
+    TransferEndpoint,
+    TransferOffer,
+    TransferRequest,
+    WeightsApplied,
+    transfer_subject,
+)
 from coevo.training.lane import Lane
+from coevo.training.weight_server import WeightServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -93,14 +103,74 @@ async def test_bad_checkpoint_path_is_refused_and_server_survives(vllm_server, t
         assert c.model_version == version
 
 
-async def test_run_trains_against_vllm_and_its_weight_version_advances(vllm_server, bus, loop_cfg) -> None:
+async def test_learner_pushes_weights_into_vllm_over_gloo(vllm_server, bus, tmp_path: Path) -> None:
+    """vLLM's native weight-transfer endpoints, the bytes over gloo (the coevo_gloo backend)."""
+    url, model = vllm_server
+    lane = Lane("policy", model, tmp_path, LearnerConfig(lr=5e-2), device="cpu")
+    base_path, base_sha, _ = lane.checkpoint()
+    server = WeightServer(bus, "gloo", "127.0.0.1", timeout_s=60.0)
+    published: dict[str, tuple[int, Path, str]] = {}
+    await server.serve("policy", lambda: published["policy"])
+    try:
+        async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+            before = await client.complete(PROMPT, choices=CHOICES)
+            good = TrainingSample(sample_id="s", role="policy", prompt_token_ids=before.prompt_token_ids,
+                                  response_token_ids=[before.allowed_token_ids[2]], logprobs=[-1.0],
+                                  allowed_token_ids=before.allowed_token_ids, advantage=1.0, model_version=0,
+                                  step_event_id="e")
+            lane.step([good] * 8, ["g"])
+            path, sha, _ = lane.checkpoint()
+            version = client.version + 11
+            published["policy"] = (version, path, sha)
+            ep = await bus.request(transfer_subject(bus.run_id, "policy", "connect"),
+                                   TransferConnect(server="vllm-test", workers=await client.workers()),
+                                   TransferEndpoint)
+            await client.init_transfer(ep.init_info(), 60.0)
+
+            old = client.version
+            long = asyncio.ensure_future(client.complete(PROMPT, max_tokens=150, temperature=1.0))
+            await asyncio.sleep(0.1)
+            offer = await bus.request(transfer_subject(bus.run_id, "policy", "push"),
+                                      TransferRequest(server="vllm-test", version=version), TransferOffer,
+                                      timeout_s=60.0)
+            assert offer.version == version and offer.sha256 == sha
+            pause_ms = await client.receive_weights(offer, 60.0)
+            done = await long  # in flight during the transfer: finished, on the weights that produced it
+            assert done.response_token_ids and done.model_version == old  # (EOS may end it before 150)
+            assert pause_ms > 0 and await client.weight_version() == str(version) and client.version == version
+            after = await client.complete(PROMPT, choices=CHOICES)
+            assert after.model_version == version
+            expected = local_choice_logprobs(path, client)
+            assert after.logprobs[0] == pytest.approx(expected[after.choice], abs=1e-4)  # every tensor arrived
+            assert expected != pytest.approx(local_choice_logprobs(model, client), abs=1e-3)  # and it moved
+
+            # the same group serves the next version: back to the base weights, exactly
+            published["policy"] = (version + 1, base_path, base_sha)
+            offer = await bus.request(transfer_subject(bus.run_id, "policy", "push"),
+                                      TransferRequest(server="vllm-test", version=version + 1), TransferOffer,
+                                      timeout_s=60.0)
+            await client.receive_weights(offer, 60.0)
+            again = await client.complete(PROMPT, choices=CHOICES)
+            expected = local_choice_logprobs(model, client)
+            assert again.model_version == version + 1
+            assert again.logprobs[0] == pytest.approx(expected[again.choice], abs=1e-4)
+            assert server.sent == {"vllm-test": version + 1}
+    finally:
+        await server.aclose()
+
+
+@pytest.mark.parametrize("weight_sync", ["disk", "gloo"])
+async def test_run_trains_against_vllm_and_its_weight_version_advances(vllm_server, bus, loop_cfg,
+                                                                       weight_sync: str) -> None:
     from coevo.loop import build_agents
     from coevo.runtime.agent import run_agents
 
     url, model = vllm_server
     cfg = load_config(overrides={**{k: v for k, v in _dump(loop_cfg).items()},
-                                 "policy.url": url, "policy.model": str(model), "learner.batch_samples": 8})
-    async with VLLMClient(url, str(model), tokenizer_dir=model) as probe:
+                                 "policy.url": url, "policy.model": str(model), "learner.batch_samples": 8,
+                                 "learner.weight_sync": weight_sync})
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as probe:  # the server is shared by tests
+        await probe._call("POST", "/update_weight_version", json={"new_version": "before-this-run"})
         start = _version(await probe.weight_version())
     stop = asyncio.Event()
 
@@ -122,6 +192,9 @@ async def test_run_trains_against_vllm_and_its_weight_version_advances(vllm_serv
     applied = [e.version for e in await bus.events(["weights.applied"]) if isinstance(e, WeightsApplied)
                and e.role == "policy" and e.ok and e.server.startswith("policy")]
     assert applied == sorted(applied) and len(set(applied)) >= 2  # the server moved through this run's versions
+    transports = {e.transport for e in await bus.events(["weights.applied"]) if isinstance(e, WeightsApplied)
+                  and e.server.startswith("policy")}
+    assert transports == {weight_sync}  # pushed by the learner when asked to, with no fallback to disk
     assert now != start and now == applied[-1] and now in {0} | {s.version for s in steps}
     taken = [e for e in await bus.events(["step.taken"])]
     assert {t.policy_version for t in taken} >= {0} and max(t.policy_version for t in taken) >= 1

@@ -16,6 +16,7 @@ the server with the old weights and raises.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import aiohttp
 
 from coevo.agents.inference import Completion, choice_token_ids, encode_prompt, quiet_transformers
 from coevo.runtime.errors import CoevoError
+from coevo.schemas import TransferOffer
 
 
 class VLLMError(CoevoError):
@@ -105,14 +107,15 @@ class VLLMClient:
     # ---- HTTP --------------------------------------------------------------------------------
 
     async def _call(self, method: str, path: str, *, json: Any = None, params: Any = None,
-                    retry: bool = True) -> dict[str, Any]:
+                    retry: bool = True, timeout_s: float | None = None) -> dict[str, Any]:
         if self._session is None:
             raise VLLMError(f"client {self.name} is not open (use `async with`)")
         url = self.root + path
         last: Exception | None = None
         for attempt in range(self.retries + 1 if retry else 1):
             try:
-                async with self._session.request(method, url, json=json, params=params) as resp:
+                extra = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
+                async with self._session.request(method, url, json=json, params=params, **extra) as resp:
                     body = await resp.json(content_type=None)
                     if resp.status >= 400:
                         raise VLLMError(f"{method} {path} -> {resp.status}: {str(body)[:500]}")
@@ -176,6 +179,43 @@ class VLLMClient:
                 await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
                 await self._call("POST", "/reset_prefix_cache")
                 self._version = version
+            finally:
+                await self._call("POST", "/resume")
+        finally:
+            await self._lock.release_write()
+        return (time.perf_counter() - t0) * 1e3
+
+    async def workers(self) -> int:
+        """The server's worker count across data parallel replicas (its ranks in a transfer group)."""
+        return int((await self._get("/get_world_size")).get("world_size") or 1)
+
+    async def init_transfer(self, init_info: dict[str, Any], timeout_s: float) -> None:
+        """Have the server's workers join the learner's transfer group (blocks until they did)."""
+        await self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info}, retry=False,
+                         timeout_s=timeout_s)
+
+    async def receive_weights(self, offer: TransferOffer, timeout_s: float) -> float:
+        """Take the weights the learner is broadcasting now (vLLM's native weight transfer endpoints);
+        returns the pause in milliseconds. Same lock, pause and version rules as ``swap_weights``; on a
+        failure after the update started, the update is closed and the error raised (the caller
+        reloads a consistent checkpoint: the server may hold part of the new tensors)."""
+        await self._lock.acquire_write()
+        t0 = time.perf_counter()
+        try:
+            await self._call("POST", "/pause", params={"mode": self.pause_mode})
+            try:
+                await self._call("POST", "/start_weight_update", retry=False)
+                try:
+                    await self._call("POST", "/update_weights", json={"update_info": offer.update_info()},
+                                     retry=False, timeout_s=timeout_s)
+                except BaseException:
+                    with contextlib.suppress(VLLMError):
+                        await self._call("POST", "/finish_weight_update", json={}, retry=False)
+                    raise
+                await self._call("POST", "/finish_weight_update", json={"weight_version": str(offer.version)},
+                                 retry=False)
+                await self._call("POST", "/reset_prefix_cache")
+                self._version = offer.version
             finally:
                 await self._call("POST", "/resume")
         finally:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -34,6 +35,7 @@ from coevo.schemas import (
     ControlReply,
     ControlRequest,
     Event,
+    Frozen,
     control_subject,
     decode,
     encode,
@@ -46,6 +48,7 @@ from coevo.schemas import (
 log = structlog.get_logger("coevo.bus")
 
 MSG_ID = "Nats-Msg-Id"
+M = TypeVar("M", bound=Frozen)
 
 
 def stream_name(run_id: str) -> str:
@@ -410,30 +413,56 @@ class NatsBus:
         """Convenience: the decoded events stored so far (undecodable ones skipped)."""
         return [e async for _, e, _ in self.history(kinds) if e is not None]
 
-    # ---- control (request-reply on core NATS) -------------------------------------------------
+    # ---- request-reply on core NATS (control, weight transfers) --------------------------------
+
+    async def serve(self, subject: str, request_type: type[M], handler: Callable[[M], Awaitable[Frozen]]) -> Any:
+        """Answer requests on ``subject``; a malformed request or a failing handler is answered with
+        ``{"error": reason}`` (the requester raises it), never left to time out."""
+
+        async def on_request(msg: Msg) -> None:
+            try:
+                request = request_type.model_validate_json(msg.data)
+            except ValueError as exc:
+                await msg.respond(_error_reply(f"malformed {request_type.__name__}: {exc}"))
+                return
+            try:
+                reply = await handler(request)
+            except Exception as exc:
+                log.warning("bus.request_failed", subject=subject, error=repr(exc)[:500])
+                await msg.respond(_error_reply(str(exc) or repr(exc)))
+                return
+            await msg.respond(reply.model_dump_json().encode())
+
+        return await self.nc.subscribe(subject, cb=on_request)
+
+    async def request(self, subject: str, request: Frozen, reply_type: type[M], timeout_s: float = 5.0) -> M:
+        try:
+            msg = await self.nc.request(subject, request.model_dump_json().encode(), timeout=timeout_s)
+        except nats.errors.NoRespondersError as exc:
+            raise BusError(f"nobody serves {subject}") from exc
+        except nats.errors.TimeoutError as exc:
+            raise BusError(f"no reply on {subject} within {timeout_s}s") from exc
+        if msg.data.startswith(b'{"error"'):
+            raise BusError(f"{subject}: {json.loads(msg.data)['error']}")
+        return reply_type.model_validate_json(msg.data)
 
     async def serve_control(
         self, agent_id: str, handler: Callable[[ControlRequest], Awaitable[ControlReply]]
     ) -> Any:
-        async def on_request(msg: Msg) -> None:
-            try:
-                request = ControlRequest.model_validate_json(msg.data)
-            except ValueError as exc:
-                await msg.respond(f'{{"error": {str(exc)[:500]!r}}}'.encode())
-                return
-            reply = await handler(request)
-            await msg.respond(reply.model_dump_json().encode())
-
-        return await self.nc.subscribe(control_subject(self.run_id, agent_id), cb=on_request)
+        return await self.serve(control_subject(self.run_id, agent_id), ControlRequest, handler)
 
     async def control(self, agent_id: str, command: str, timeout_s: float = 5.0) -> ControlReply:
         request = ControlRequest(command=command)  # type: ignore[arg-type]
         try:
-            msg = await self.nc.request(control_subject(self.run_id, agent_id),
-                                        request.model_dump_json().encode(), timeout=timeout_s)
-        except nats.errors.NoRespondersError as exc:
-            raise BusError(f"no agent {agent_id} in run {self.run_id}") from exc
-        return ControlReply.model_validate_json(msg.data)
+            return await self.request(control_subject(self.run_id, agent_id), request, ControlReply, timeout_s)
+        except BusError as exc:
+            if "nobody serves" in str(exc):
+                raise BusError(f"no agent {agent_id} in run {self.run_id}") from exc
+            raise
+
+
+def _error_reply(reason: str) -> bytes:
+    return json.dumps({"error": reason[:2000]}).encode()
 
 
 HandlerFn = Callable[[Event, "Delivery"], Awaitable[None]]

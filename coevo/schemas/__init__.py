@@ -1,7 +1,14 @@
 """Typed events: the only contract between coevo's agents. Imports pydantic and the stdlib only."""
 
 from coevo.schemas.base import SCHEMA_VERSION, Event, Frozen, Source, new_id
-from coevo.schemas.control import ControlReply, ControlRequest
+from coevo.schemas.control import (
+    ControlReply,
+    ControlRequest,
+    TransferConnect,
+    TransferEndpoint,
+    TransferOffer,
+    TransferRequest,
+)
 from coevo.schemas.events import (
     AgentStatus,
     BudgetExceeded,
@@ -33,6 +40,7 @@ from coevo.schemas.registry import (
     kind_from_subject,
     kind_of,
     subject_for,
+    transfer_subject,
 )
 
 __all__ = [
@@ -59,6 +67,10 @@ __all__ = [
     "TaskSpec",
     "TrainingSample",
     "TrajectoryCompleted",
+    "TransferConnect",
+    "TransferEndpoint",
+    "TransferOffer",
+    "TransferRequest",
     "Vote",
     "WeightsApplied",
     "WeightsPublished",
@@ -71,4 +83,5 @@ __all__ = [
     "kind_of",
     "new_id",
     "subject_for",
+    "transfer_subject",
 ]

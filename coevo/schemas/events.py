@@ -252,6 +252,9 @@ class WeightsApplied(Event):
     pause_ms: float = Field(ge=0.0)
     ok: bool = True
     error: str | None = None
+    transport: Literal["disk", "gloo", "nccl"] = Field(
+        default="disk", description="how the weights got there: loaded from the checkpoint path, or pushed "
+        "by the learner over a collective")
 
 
 # ---- runtime -----------------------------------------------------------------------------------

@@ -91,6 +91,11 @@ def control_subject(run_id: str, agent_id: str) -> str:
     return f"{SUBJECT_ROOT}.{run_id}.ctl.{agent_id}"
 
 
+def transfer_subject(run_id: str, role: str, op: str) -> str:
+    """Request-reply subject where the learner serves weight transfers of ``role`` (op: connect, push)."""
+    return f"{SUBJECT_ROOT}.{run_id}.weights.{role}.{op}"
+
+
 def encode(event: Event) -> bytes:
     return event.__pydantic_serializer__.to_json(event)
 

@@ -187,20 +187,26 @@ async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] =
             entry: dict[str, Any] = {"parameters": params, "bytes": nbytes,
                                      "local_pause_ms_median": round(statistics.median(local), 2)}
             if vllm_python:
-                entry["vllm_pause_ms_median"] = await _vllm_pauses(vllm_python, d, path, repeats)
+                pauses = await _vllm_pauses(vllm_python, d, path, repeats)
+                entry["vllm_pause_ms_median"] = pauses["disk"]  # reload_weights from the checkpoint path
+                entry["vllm_gloo_pause_ms_median"] = pauses["gloo"]  # pushed by the learner (coevo_gloo)
             out["sizes"][size] = entry
     return out
 
 
-async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> float:
+async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> dict[str, float]:
+    """Median pause of a swap into a fresh vLLM server: reloaded from disk, and pushed over gloo."""
     import os
     import signal
     import socket
     import statistics
     import subprocess
+    import threading
     import urllib.request
 
     from coevo.agents.vllm_client import VLLMClient
+    from coevo.schemas import TransferOffer
+    from coevo.training.transfer import GlooGroup, Plan, load_checkpoint_tensors, send
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -208,6 +214,7 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> fl
     proc = await asyncio.create_subprocess_exec(
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
         "--port", str(port), "--max-model-len", "512", "--dtype", "float32",
+        "--weight-transfer-config", '{"backend": "coevo_gloo"}',
         env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True)
     try:
@@ -217,11 +224,24 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> fl
                 break
             except OSError:
                 await asyncio.sleep(1)
-        pauses = []
+        disk, gloo = [], []
         async with VLLMClient(f"http://127.0.0.1:{port}/v1", str(model), tokenizer_dir=model) as client:
             for i in range(repeats):
-                pauses.append(await client.swap_weights(ckpt, i + 1))
-        return round(statistics.median(pauses), 2)
+                disk.append(await client.swap_weights(ckpt, i + 1))
+            store = GlooGroup.host_store("127.0.0.1", 2, 120.0)
+            opening = asyncio.ensure_future(asyncio.to_thread(GlooGroup, store, 0, 2, 120.0))
+            await client.init_transfer({"master_address": "127.0.0.1", "master_port": int(store.port),
+                                        "rank_offset": 1, "world_size": 2, "packed": False}, 120.0)
+            group = await opening
+            tensors = load_checkpoint_tensors(ckpt)
+            plan = Plan.of(tensors)
+            for i in range(repeats):
+                offer = TransferOffer(version=repeats + i + 1, sha256="", **plan.update_info())  # type: ignore[arg-type]
+                sender = threading.Thread(target=send, args=(group, tensors, plan))
+                sender.start()
+                gloo.append(await client.receive_weights(offer, 120.0))
+                await asyncio.to_thread(sender.join)
+        return {"disk": round(statistics.median(disk), 2), "gloo": round(statistics.median(gloo), 2)}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 60)

@@ -79,6 +79,7 @@ class LearnerAgent(Agent):
         self.decided = asyncio.Event()
         self.train_judge = self.cfg.trains_judge
         self.ckpt_root = checkpoint_root(self.cfg, self.bus.run_id)
+        self.published: dict[Role, tuple[int, Path, str]] = {}
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("learner", (GroupScored,), self.on_scored, concurrency=256),
@@ -91,19 +92,23 @@ class LearnerAgent(Agent):
         if not self.train_judge:
             self.log.info("learner.judge_lane_off", reason="external judge" if self.cfg.judge.backend != "local"
                           else f"loop={self.cfg.loop}")
-        for role in roles:
-            lane: Any = await asyncio.to_thread(build_lane, self.cfg, role, self.ckpt_root)
-            if lane.world > 1:
-                lane = RankZeroLane(lane)
-            self.lanes[role] = LaneQueue(lane)
-            if lane.resumed_from is not None:
-                self.log.info("learner.resumed", role=role, version=lane.version)
-            await self.publish_weights(lane)  # every server starts from this run's current weights
-        self.model_version = self.lanes["policy"].lane.version
+        weight_server = await self.serve_weights(roles)  # before the first WeightsPublished: followers ask at once
         try:
+            for role in roles:
+                lane: Any = await asyncio.to_thread(build_lane, self.cfg, role, self.ckpt_root)
+                if lane.world > 1:
+                    lane = RankZeroLane(lane)
+                self.lanes[role] = LaneQueue(lane)
+                if lane.resumed_from is not None:
+                    self.log.info("learner.resumed", role=role, version=lane.version)
+                await self.publish_weights(lane)  # every server starts from this run's current weights
+            self.model_version = self.lanes["policy"].lane.version
             await super().run()
         finally:
-            if isinstance(self.lanes["policy"].lane, RankZeroLane):
+            if weight_server is not None:
+                await weight_server.aclose()
+            policy = self.lanes.get("policy")
+            if policy is not None and isinstance(policy.lane, RankZeroLane):
                 try:
                     await asyncio.to_thread(stop_followers)
                 except Exception as exc:  # the followers may be gone already (torchrun stops all ranks)
@@ -174,8 +179,7 @@ class LearnerAgent(Agent):
             loss=metrics.loss, kl=metrics.kl, clip_fraction=metrics.clip_fraction, mismatch_kl=metrics.mismatch_kl,
             staleness_histogram=metrics.staleness_histogram, tokens_per_second=metrics.tokens_per_second,
             group_ids=[p.group_id for p in take]))
-        await self.emit(self.event(WeightsPublished, role=role, version=metrics.version, path=str(path),
-                                   sha256=sha, bytes=size))
+        await self.announce(role, metrics.version, path, sha, size)
         for p in take:
             if not p.done.done():
                 p.done.set_result(None)
@@ -185,5 +189,21 @@ class LearnerAgent(Agent):
 
     async def publish_weights(self, lane: Any) -> None:
         path, sha, size = await asyncio.to_thread(lane.checkpoint)
-        await self.emit(self.event(WeightsPublished, role=lane.role, version=lane.version, path=str(path),
-                                   sha256=sha, bytes=size))
+        await self.announce(lane.role, lane.version, path, sha, size)
+
+    async def announce(self, role: Role, version: int, path: Path, sha: str, size: int) -> None:
+        self.published[role] = (version, path, sha)
+        await self.emit(self.event(WeightsPublished, role=role, version=version, path=str(path), sha256=sha,
+                                   bytes=size))
+
+    async def serve_weights(self, roles: list[Role]) -> Any:
+        """With ``learner.weight_sync`` gloo or nccl, answer the servers' followers' transfer requests."""
+        lc = self.cfg.learner
+        if lc.weight_sync == "disk":
+            return None
+        from coevo.training.weight_server import WeightServer
+
+        server = WeightServer(self.bus, lc.weight_sync, lc.transfer_host, lc.transfer_timeout_s)
+        for role in roles:
+            await server.serve(role, lambda role=role: self.published[role])
+        return server

@@ -1,0 +1,163 @@
+"""The learner's side of pushed weights: it answers connect and push requests of servers' followers.
+
+A follower (the agent that owns an inference server) asks to ``connect``: the learner opens a group
+as rank 0 (in a thread: the server's workers join it when the follower calls vLLM's
+``/init_weight_transfer_engine``) and answers where. Then, per new version, it asks to ``push``:
+the learner reads that version's checkpoint into memory, answers with the plan (names, dtypes,
+shapes) and broadcasts the tensors while the follower has vLLM receive them (``/update_weights``).
+
+Invariants: one transfer at a time per server (a push waits for the previous send to end); a
+failed or timed-out send closes that server's group, and its next push is refused until the
+follower connects again; only published checkpoints are sent (the newest when the asked one was
+pruned), and the reply names the version actually sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from coevo.runtime.bus import NatsBus
+from coevo.schemas import (
+    TransferConnect,
+    TransferEndpoint,
+    TransferOffer,
+    TransferRequest,
+    transfer_subject,
+)
+from coevo.schemas.control import TransferBackend
+from coevo.training.transfer import GlooGroup, Group, NcclGroup, Plan, load_checkpoint_tensors, send
+
+log = structlog.get_logger("coevo.weights")
+
+Published = Callable[[], tuple[int, Path, str]]  # the newest published (version, path, sha256) of a lane
+
+
+@dataclass
+class _Link:
+    """One server's transfer group, as rank 0 holds it."""
+
+    ready: asyncio.Future[Group]
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    sending: asyncio.Future[None] | None = None
+    broken: str | None = None
+
+    def close(self) -> None:
+        if self.ready.done() and not self.ready.cancelled() and self.ready.exception() is None:
+            with contextlib.suppress(Exception):
+                self.ready.result().close()
+
+
+class WeightServer:
+    def __init__(self, bus: NatsBus, backend: TransferBackend, host: str, timeout_s: float) -> None:
+        self.bus = bus
+        self.backend = backend
+        self.host = host
+        self.timeout_s = timeout_s
+        self.links: dict[tuple[str, str], _Link] = {}
+        self.sent: dict[str, int] = {}
+        self._subs: list[Any] = []
+
+    async def serve(self, role: str, published: Published) -> None:
+        run = self.bus.run_id
+
+        async def on_connect(req: TransferConnect) -> TransferEndpoint:
+            return await self.connect(role, req)
+
+        async def on_push(req: TransferRequest) -> TransferOffer:
+            return await self.push(role, req, published)
+
+        self._subs.append(await self.bus.serve(transfer_subject(run, role, "connect"), TransferConnect, on_connect))
+        self._subs.append(await self.bus.serve(transfer_subject(run, role, "push"), TransferRequest, on_push))
+
+    async def aclose(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        for link in self.links.values():
+            if link.sending is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(link.sending), self.timeout_s)
+            link.close()
+        self.links.clear()
+
+    async def connect(self, role: str, req: TransferConnect) -> TransferEndpoint:
+        key = (role, req.server)
+        if (old := self.links.pop(key, None)) is not None:
+            old.close()
+        world = 1 + req.workers
+        if self.backend == "gloo":
+            store = GlooGroup.host_store(self.host, world, self.timeout_s)
+            port = int(store.port)
+            opening = asyncio.to_thread(GlooGroup, store, 0, world, self.timeout_s)
+        else:
+            port = _free_port(self.host)
+            opening = asyncio.to_thread(NcclGroup, self.host, port, world)
+        link = _Link(asyncio.ensure_future(opening))
+        link.ready.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # retrieved in push
+        self.links[key] = link
+        log.info("weights.transfer_connect", role=role, server=req.server, backend=self.backend, port=port,
+                 world_size=world)
+        return TransferEndpoint(backend=self.backend, master_address=self.host, master_port=port, world_size=world)
+
+    async def push(self, role: str, req: TransferRequest, published: Published) -> TransferOffer:
+        link = self.links.get((role, req.server))
+        if link is None:
+            raise RuntimeError(f"{req.server} has no transfer group for {role}: connect first")
+        async with link.lock:
+            if link.sending is not None:
+                with contextlib.suppress(BaseException):
+                    await link.sending
+            if link.broken:
+                raise RuntimeError(f"transfer group of {req.server} is closed ({link.broken}): connect again")
+            try:
+                group = await asyncio.wait_for(asyncio.shield(link.ready), self.timeout_s)
+            except BaseException as exc:
+                link.broken = f"group did not form: {exc!r}"
+                raise RuntimeError(link.broken) from exc
+            version, tensors, sha = await asyncio.to_thread(self._load, published)
+            plan = Plan.of(tensors)
+            link.sending = asyncio.ensure_future(self._send(role, req.server, link, group, tensors, plan, version))
+            return TransferOffer(version=version, sha256=sha, names=list(plan.names),
+                                 dtype_names=list(plan.dtype_names), shapes=[list(s) for s in plan.shapes])
+
+    def _load(self, published: Published) -> tuple[int, dict[str, Any], str]:
+        """The newest published checkpoint, read whole (retried if pruned while being read)."""
+        device = "cpu"
+        if self.backend == "nccl":
+            import torch
+
+            device = f"cuda:{torch.cuda.current_device()}"
+        for attempt in range(3):
+            version, path, sha = published()
+            try:
+                return version, load_checkpoint_tensors(path, device), sha
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _send(self, role: str, server: str, link: _Link, group: Group, tensors: dict[str, Any], plan: Plan,
+                    version: int) -> None:
+        try:
+            await asyncio.to_thread(send, group, tensors, plan)
+        except Exception as exc:  # the receiver vanished or timed out: this group is unusable now
+            link.broken = repr(exc)[:300]
+            link.close()
+            log.warning("weights.transfer_failed", role=role, server=server, version=version, error=link.broken)
+            return
+        self.sent[server] = version
+        log.info("weights.transferred", role=role, server=server, version=version, bytes=plan.bytes)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
