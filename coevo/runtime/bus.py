@@ -416,10 +416,17 @@ class NatsBus:
     # ---- request-reply on core NATS (control, weight transfers) --------------------------------
 
     async def serve(self, subject: str, request_type: type[M], handler: Callable[[M], Awaitable[Frozen]]) -> Any:
-        """Answer requests on ``subject``; a malformed request or a failing handler is answered with
-        ``{"error": reason}`` (the requester raises it), never left to time out."""
+        """Answer requests on ``subject``, each in its own task (a slow answer holds up no other); a
+        malformed request or a failing handler is answered with ``{"error": reason}`` (the requester
+        raises it), never left to time out."""
+        tasks: set[asyncio.Task[None]] = set()
 
         async def on_request(msg: Msg) -> None:
+            task = asyncio.create_task(answer(msg))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        async def answer(msg: Msg) -> None:
             try:
                 request = request_type.model_validate_json(msg.data)
             except ValueError as exc:

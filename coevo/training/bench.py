@@ -211,18 +211,22 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> di
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    log = tempfile.TemporaryFile()
     proc = await asyncio.create_subprocess_exec(
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
         "--port", str(port), "--max-model-len", "512", "--dtype", "float32",
         "--weight-transfer-config", '{"backend": "coevo_gloo"}',
-        env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True)
+        env=dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1"), stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
     try:
         for _ in range(300):
             try:
                 await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{port}/v1/models", timeout=2)
                 break
             except OSError:
+                if proc.returncode is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"vLLM exited {proc.returncode}:\n{log.read().decode()[-3000:]}") from None
                 await asyncio.sleep(1)
         disk, gloo = [], []
         async with VLLMClient(f"http://127.0.0.1:{port}/v1", str(model), tokenizer_dir=model) as client:
@@ -243,5 +247,7 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> di
                 await asyncio.to_thread(sender.join)
         return {"disk": round(statistics.median(disk), 2), "gloo": round(statistics.median(gloo), 2)}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        await asyncio.wait_for(proc.wait(), 60)
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 60)
+        log.close()
