@@ -53,6 +53,8 @@ async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any
     evals: dict[str, list[float]] = {}
     proc: list[float] = []
     outc: list[float] = []
+    proc_heldout: list[float] = []  # on held-out groups: the same tasks whatever the rewriter did
+    outc_heldout: list[float] = []
     learner_steps = judge_steps = accepted = 0
     judge_errors = judge_calls = judge_cache_hits = 0
     judge_cost = 0.0
@@ -68,8 +70,12 @@ async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any
                 evals.setdefault(event.group_id.split("-")[0], []).append(event.accuracy)
             if event.judge_process_accuracy is not None:
                 proc.append(event.judge_process_accuracy)
+                if event.purpose == "eval":
+                    proc_heldout.append(event.judge_process_accuracy)
             if event.judge_outcome_accuracy is not None:
                 outc.append(event.judge_outcome_accuracy)
+                if event.purpose == "eval":
+                    outc_heldout.append(event.judge_outcome_accuracy)
         elif isinstance(event, LearnerStepped):
             learner_steps += event.role == "policy"
             judge_steps += event.role == "judge"
@@ -97,6 +103,8 @@ async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any
         "heldout_success_end": mean(rounds[-1]) if rounds else None,
         "judge_process_accuracy": mean(proc[-tail:]),
         "judge_outcome_accuracy": mean(outc[-tail:]),
+        "judge_process_accuracy_heldout": mean(proc_heldout[-max(1, len(proc_heldout) // 2):]),
+        "judge_outcome_accuracy_heldout": mean(outc_heldout[-max(1, len(outc_heldout) // 2):]),
         "rewrites_proposed": counts["task.rewritten"],
         "rewrites_accepted": accepted,
         "learner_steps": learner_steps,

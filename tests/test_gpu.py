@@ -62,7 +62,13 @@ async def test_weights_pushed_over_vllm_nccl_equal_the_checkpoint(bus, model_cac
     from coevo.agents.models import ensure_default_model
     from coevo.agents.prompts import INDEX_LABELS, policy_prompt
     from coevo.agents.vllm_client import VLLMClient
-    from coevo.schemas import TransferConnect, TransferEndpoint, TransferOffer, TransferRequest, transfer_subject
+    from coevo.schemas import (
+        TransferConnect,
+        TransferEndpoint,
+        TransferOffer,
+        TransferRequest,
+        transfer_subject,
+    )
     from coevo.training.lane import Lane
     from coevo.training.weight_server import WeightServer
 
@@ -84,7 +90,7 @@ async def test_weights_pushed_over_vllm_nccl_equal_the_checkpoint(bus, model_cac
         deadline = time.monotonic() + 600
         while True:
             try:
-                urllib.request.urlopen(url + "/v1/models", timeout=2)
+                await asyncio.to_thread(urllib.request.urlopen, url + "/v1/models", timeout=2)
                 break
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, "vLLM did not start"

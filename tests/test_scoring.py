@@ -165,3 +165,26 @@ def test_coding_test_rewards_by_hand() -> None:
     assert z == pytest.approx([(2 - mean) / std, (-1 - mean) / std, (0 - mean) / std])
     only_correct = [[(True, True), (True, True)], [(True, True), (True, False)]]  # +1 and -1
     assert coding_test_advantages(only_correct) == pytest.approx([1.0, -1.0])
+
+
+async def test_scorer_memory_of_scored_groups_is_bounded_and_orphans_are_dropped(bus, cfg) -> None:
+    import time
+
+    from coevo.agents.scorer import ScorerAgent
+    from coevo.schemas import StepJudged
+    from tests.samples import sample_events
+
+    scorer = ScorerAgent(bus, cfg)
+    scorer.REMEMBER = 3
+    for gid in ("g1", "g2", "g3", "g4", "g5"):
+        scorer.remember(gid)
+    assert list(scorer.scored) == ["g3", "g4", "g5"]  # the oldest are forgotten first
+    vote = next(e for e in sample_events(bus.run_id) if isinstance(e, StepJudged))
+    await scorer.on_event(vote.model_copy(update={"group_id": "g4"}), None)  # late vote of a scored group
+    assert "g4" not in scorer.groups
+    await scorer.on_event(vote.model_copy(update={"group_id": "g1"}), None)  # late vote of a forgotten group
+    assert scorer.groups["g1"].scheduled is None
+    scorer.drop_orphans(time.monotonic())
+    assert "g1" in scorer.groups  # not before group_timeout_s
+    scorer.drop_orphans(time.monotonic() + cfg.scorer.group_timeout_s + 1)
+    assert "g1" not in scorer.groups and scorer.counters["groups.orphans_dropped"] == 1

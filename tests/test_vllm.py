@@ -159,6 +159,56 @@ async def test_learner_pushes_weights_into_vllm_over_gloo(vllm_server, bus, tmp_
         await server.aclose()
 
 
+async def test_policy_agent_falls_back_to_the_checkpoint_when_no_learner_pushes(vllm_server, bus, loop_cfg,
+                                                                                tmp_path: Path) -> None:
+    """weight_sync gloo: with nobody serving transfers the follower reloads from disk (and says so);
+    once a learner serves, the next version is pushed over the group it connects."""
+    from coevo.agents.policy import PolicyAgent
+    from coevo.runtime.agent import run_agents
+    from coevo.schemas import Source, WeightsPublished
+
+    url, model = vllm_server
+    cfg = load_config(overrides={**_dump(loop_cfg), "policy.url": url, "policy.model": str(model),
+                                 "learner.weight_sync": "gloo", "learner.transfer_timeout_s": 60.0})
+    lane = Lane("policy", model, tmp_path, LearnerConfig(), device="cpu")
+    published: dict[str, tuple[int, Path, str]] = {}
+    src = Source(agent_id="learner-test", role="learner", model_version=0)
+
+    async def publish(version: int) -> WeightsApplied:
+        lane.version = version
+        path, sha, size = lane.checkpoint()
+        published["policy"] = (version, path, sha)
+        await bus.publish_sync(WeightsPublished(run_id=bus.run_id, source=src, role="policy", version=version,
+                                                path=str(path), sha256=sha, bytes=size))
+        async with asyncio.timeout(120):
+            while True:
+                for e in await bus.events(["weights.applied"]):
+                    if isinstance(e, WeightsApplied) and e.version == version and e.server.startswith("policy"):
+                        return e
+                await asyncio.sleep(0.5)
+
+    stop = asyncio.Event()
+    agent = PolicyAgent(bus, cfg)
+    server = WeightServer(bus, "gloo", "127.0.0.1", timeout_s=60.0)
+
+    async def drive() -> None:
+        try:
+            fallback = await publish(101)
+            assert fallback.ok and fallback.transport == "disk" and fallback.error is None
+            await server.serve("policy", lambda: published["policy"])
+            pushed = await publish(102)
+            assert pushed.ok and pushed.transport == "gloo" and server.sent == {agent.agent_id: 102}
+            async with VLLMClient(url, str(model), tokenizer_dir=model) as probe:
+                assert await probe.weight_version() == "102"
+        finally:
+            stop.set()
+
+    try:
+        await asyncio.gather(run_agents([agent], handle_signals=False, until=stop), drive())
+    finally:
+        await server.aclose()
+
+
 @pytest.mark.parametrize("weight_sync", ["disk", "gloo"])
 async def test_run_trains_against_vllm_and_its_weight_version_advances(vllm_server, bus, loop_cfg,
                                                                        weight_sync: str) -> None:

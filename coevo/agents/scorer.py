@@ -197,12 +197,13 @@ def failure_digest(t: scoring.TrajRec, g: Group) -> FailureDigest:
 class ScorerAgent(Agent):
     role = "scorer"
     emits = (GroupScored,)
+    REMEMBER = 100_000  # scored group ids kept to ignore late events (votes after a timeout); oldest go first
     KINDS = (TaskScheduled, StepTaken, TrajectoryCompleted, StepJudged)
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.groups: dict[str, Group] = {}
-        self.scored: set[str] = set()
+        self.scored: dict[str, None] = {}  # ids of scored groups, oldest first, at most REMEMBER
         self.need_votes = self.cfg.scorer.reward != "outcome-only"
         self.train_judge = self.cfg.trains_judge
         self._lock = asyncio.Lock()  # the straggler clock and the consumer must not score a group twice
@@ -231,7 +232,7 @@ class ScorerAgent(Agent):
         n = 0
         async for _, event, _msg in self.bus.history(kinds, end_seq=floor):
             if isinstance(event, GroupScored):
-                self.scored.add(event.group_id)
+                self.remember(event.group_id)
                 self.groups.pop(event.group_id, None)
             elif event is not None and getattr(event, "group_id", None) not in self.scored:
                 self.groups.setdefault(event.group_id, Group()).add(event)  # type: ignore[attr-defined]
@@ -264,11 +265,25 @@ class ScorerAgent(Agent):
         await self.emit(self.event(GroupScored, cause=g.scheduled, event_id=scored_id(gid), correlation_id=gid,
                                    **fields))
         self.counters["groups_scored"] += 1
-        self.scored.add(gid)
+        self.remember(gid)
         del self.groups[gid]
 
+    def remember(self, gid: str) -> None:
+        self.scored[gid] = None
+        while len(self.scored) > self.REMEMBER:
+            del self.scored[next(iter(self.scored))]
+
     async def main(self) -> None:
-        """The straggler clock: re-check waiting groups every second."""
+        """The straggler clock: re-check waiting groups every second; drop orphans (events of a group
+        whose ``TaskScheduled`` this scorer never saw: late events of a long-forgotten group)."""
         while await self.sleep(1.0):
+            self.drop_orphans(time.monotonic())
             for gid, g in list(self.groups.items()):
                 await self.maybe_score(gid, g)
+
+    def drop_orphans(self, now: float) -> None:
+        for gid, g in list(self.groups.items()):
+            if g.scheduled is None and now - g.first_seen > self.cfg.scorer.group_timeout_s:
+                del self.groups[gid]
+                self.counters["groups.orphans_dropped"] += 1
+                self.log.warning("scorer.orphan_dropped", group_id=gid)

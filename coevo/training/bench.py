@@ -93,6 +93,8 @@ async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, e
             "best_success": max(p["success"] for p in curve), "heldout_initial": held0, "heldout_final": held,
             "judge_process_accuracy": summary["judge_process_accuracy"],
             "judge_outcome_accuracy": summary["judge_outcome_accuracy"],
+            "judge_process_accuracy_heldout": summary["judge_process_accuracy_heldout"],
+            "judge_outcome_accuracy_heldout": summary["judge_outcome_accuracy_heldout"],
             "rewrites_accepted": summary["rewrites_accepted"], "learner_steps": summary["learner_steps"],
             "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / seconds, 2)}
 
@@ -144,6 +146,8 @@ async def bench_ladder(minutes: float = 5.0, eval_every_s: float = 30.0, episode
                                   "heldout_success_initial": r["heldout_initial"],
                                   "judge_process_accuracy": r["judge_process_accuracy"],
                                   "judge_outcome_accuracy": r["judge_outcome_accuracy"],
+                                  "judge_process_accuracy_heldout": r["judge_process_accuracy_heldout"],
+                                  "judge_outcome_accuracy_heldout": r["judge_outcome_accuracy_heldout"],
                                   "rewrites_accepted": r["rewrites_accepted"], "learner_steps": r["learner_steps"],
                                   "curve": r["curve"]}
     return out
