@@ -124,3 +124,22 @@ def test_rejudge_with_the_recorded_responses_agrees_completely(recorded) -> None
     r = json.loads(out.stdout[out.stdout.index("{"):])
     assert r["steps"] > 50 and r["agreement"] == 1.0
     assert r["original"] == r["rejudge"]
+
+
+async def test_lineage_of_a_candidate_rejected_then_proposed_again_and_accepted(bus) -> None:
+    """The same candidate id (same parent, same knobs) decided twice: the acceptance made it a task."""
+    from coevo.agents.replay import trace
+    from coevo.schemas import TaskDecided, TaskRewritten
+    from tests.samples import sample_events
+
+    events = sample_events(bus.run_id)
+    rewrite = next(e for e in events if isinstance(e, TaskRewritten))
+    decided = next(e for e in events if isinstance(e, TaskDecided))
+    candidate = rewrite.candidate.task_id
+    await bus.publish_sync(rewrite)
+    await bus.publish_sync(decided.model_copy(update={"event_id": "d-rejected", "accepted": False,
+                                                      "reason": "too easy", "candidate_id": candidate}))
+    await bus.publish_sync(decided.model_copy(update={"event_id": "d-accepted", "accepted": True,
+                                                      "reason": "in band", "candidate_id": candidate}))
+    t = await trace(bus, candidate)
+    assert t["kind"] == "task" and t["lineage"][0]["accepted"] is True and t["lineage"][0]["reason"] == "in band"

@@ -148,7 +148,10 @@ async def trace(bus: NatsBus, ident: str) -> dict[str, Any]:
             rw = next((r for r in rewritten if r.candidate and r.candidate.task_id == current), None)
             if rw is None or rw.candidate is None:
                 break
-            d = next((x for x in decided if x.candidate_id == current), None)
+            # the same candidate (same parent, same knobs: same id) can be proposed again after a
+            # rejection: its acceptance, if any, is what made it a task; else its latest decision
+            tried = [x for x in decided if x.candidate_id == current]
+            d = next((x for x in reversed(tried) if x.accepted), tried[-1] if tried else None)
             chain.append({"task_id": current, "parent_id": rw.parent.task_id, "direction": rw.direction,
                           "knobs": rw.candidate.knobs, "rewriter": rw.rewriter, "summaries": rw.summaries,
                           "accepted": d.accepted if d else None, "reason": d.reason if d else None,
