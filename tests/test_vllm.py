@@ -40,6 +40,16 @@ def local_choice_logprobs(model_dir: Path, client: VLLMClient) -> list[float]:
     return torch.log_softmax(logits[client.choice_token_ids(CHOICES)].float(), -1).tolist()
 
 
+def train_towards(lane: Lane, completion, choice: int) -> tuple[Path, str, int]:
+    """One learner step rewarding ``choice`` at the prompt of ``completion``; its checkpoint."""
+    good = TrainingSample(sample_id="s", role="policy", prompt_token_ids=completion.prompt_token_ids,
+                          response_token_ids=[completion.allowed_token_ids[choice]], logprobs=[-1.0],
+                          allowed_token_ids=completion.allowed_token_ids, advantage=1.0, model_version=0,
+                          step_event_id="e")
+    lane.step([good] * 8, ["g"])
+    return lane.checkpoint()
+
+
 async def test_generation_returns_token_ids_and_sampling_logprobs(vllm_server) -> None:
     url, model = vllm_server
     async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
@@ -59,12 +69,7 @@ async def test_learner_update_is_pushed_and_outputs_change(vllm_server, tmp_path
     async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
         before = await client.complete(PROMPT, choices=CHOICES)
         lane = Lane("policy", model, tmp_path, LearnerConfig(lr=5e-2), device="cpu")
-        good = TrainingSample(sample_id="s", role="policy", prompt_token_ids=before.prompt_token_ids,
-                              response_token_ids=[before.allowed_token_ids[1]], logprobs=[-1.0],
-                              allowed_token_ids=before.allowed_token_ids, advantage=1.0, model_version=0,
-                              step_event_id="e")
-        lane.step([good] * 8, ["g"])
-        path, _, _ = lane.checkpoint()
+        path, _, _ = train_towards(lane, before, 1)
         version = client.version + 7
         pause_ms = await client.swap_weights(path, version)
         assert pause_ms > 0
@@ -114,12 +119,7 @@ async def test_learner_pushes_weights_into_vllm_over_gloo(vllm_server, bus, tmp_
     try:
         async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
             before = await client.complete(PROMPT, choices=CHOICES)
-            good = TrainingSample(sample_id="s", role="policy", prompt_token_ids=before.prompt_token_ids,
-                                  response_token_ids=[before.allowed_token_ids[2]], logprobs=[-1.0],
-                                  allowed_token_ids=before.allowed_token_ids, advantage=1.0, model_version=0,
-                                  step_event_id="e")
-            lane.step([good] * 8, ["g"])
-            path, sha, _ = lane.checkpoint()
+            path, sha, _ = train_towards(lane, before, 2)
             version = client.version + 11
             published["policy"] = (version, path, sha)
             ep = await bus.request(transfer_subject(bus.run_id, "policy", "connect"),

@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from coevo.config import BusConfig, NatsConfig, StreamConfig
-from coevo.runtime.errors import BusError, PublishError
+from coevo.runtime.errors import BusError, NoResponders, PublishError
 from coevo.schemas import (
     ControlReply,
     ControlRequest,
@@ -443,10 +443,11 @@ class NatsBus:
         return await self.nc.subscribe(subject, cb=on_request)
 
     async def request(self, subject: str, request: Frozen, reply_type: type[M], timeout_s: float = 5.0) -> M:
+        """The typed reply; ``BusError`` for an error reply or a timeout, ``NoResponders`` for nobody."""
         try:
             msg = await self.nc.request(subject, request.model_dump_json().encode(), timeout=timeout_s)
         except nats.errors.NoRespondersError as exc:
-            raise BusError(f"nobody serves {subject}") from exc
+            raise NoResponders(f"nobody serves {subject}") from exc
         except nats.errors.TimeoutError as exc:
             raise BusError(f"no reply on {subject} within {timeout_s}s") from exc
         if msg.data.startswith(b'{"error"'):
@@ -462,10 +463,8 @@ class NatsBus:
         request = ControlRequest(command=command)  # type: ignore[arg-type]
         try:
             return await self.request(control_subject(self.run_id, agent_id), request, ControlReply, timeout_s)
-        except BusError as exc:
-            if "nobody serves" in str(exc):
-                raise BusError(f"no agent {agent_id} in run {self.run_id}") from exc
-            raise
+        except NoResponders as exc:
+            raise NoResponders(f"no agent {agent_id} in run {self.run_id}") from exc
 
 
 def _error_reply(reason: str) -> bytes:

@@ -37,6 +37,10 @@ class BusError(CoevoError):
     """The message bus failed (connection, stream setup, publish acknowledgement)."""
 
 
+class NoResponders(BusError):
+    """A request found nobody serving its subject."""
+
+
 class PublishError(BusError):
     def __init__(self, subject: str, event_id: str, reason: str) -> None:
         super().__init__(f"publish of {event_id} on {subject} failed: {reason}")

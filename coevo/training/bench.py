@@ -209,7 +209,7 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> di
     import urllib.request
 
     from coevo.agents.vllm_client import VLLMClient
-    from coevo.schemas import TransferOffer
+    from coevo.schemas import TransferEndpoint, TransferOffer
     from coevo.training.transfer import GlooGroup, Plan, load_checkpoint_tensors, send
 
     with socket.socket() as s:
@@ -238,8 +238,9 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> di
                 disk.append(await client.swap_weights(ckpt, i + 1))
             store = GlooGroup.host_store("127.0.0.1", 2, 120.0)
             opening = asyncio.ensure_future(asyncio.to_thread(GlooGroup, store, 0, 2, 120.0))
-            await client.init_transfer({"master_address": "127.0.0.1", "master_port": int(store.port),
-                                        "rank_offset": 1, "world_size": 2, "packed": False}, 120.0)
+            endpoint = TransferEndpoint(backend="gloo", master_address="127.0.0.1", master_port=int(store.port),
+                                        world_size=2)
+            await client.init_transfer(endpoint.init_info(), 120.0)
             group = await opening
             tensors = load_checkpoint_tensors(ckpt)
             plan = Plan.of(tensors)
