@@ -139,7 +139,8 @@ class ApiConfig(Section):
 
 class JudgeConfig(Section):
     backend: Literal["local", "vllm", "litellm"] = "local"
-    model: str | None = Field(default=None, description="model dir (local), served name (vllm) or provider/name")
+    model: str | None = Field(default=None, description="model dir (local), served name (vllm: a local dir "
+                              "served as is is trained) or provider/name")
     url: str | None = Field(default=None, description="vLLM URL or LiteLLM api_base")
     m: int = Field(default=3, ge=1, le=32, description="votes per step")
     mode: Literal["auto", "verdict", "reasoned"] = Field(
@@ -263,8 +264,13 @@ class CoevoConfig(BaseSettings):
 
     @property
     def trains_judge(self) -> bool:
-        """The judge lane learns unless the ablation fixes it or the judge is an external model."""
-        return self.loop != "policy-only" and self.judge.backend == "local"
+        """The judge lane learns unless the ablation fixes it or the judge is not ours to train: a local
+        model is trained, and so is a vLLM server whose ``judge.model`` is the local directory it serves
+        (its weights follow the learner's like the policy's); an API, or a vLLM model known only by its
+        served name, is not."""
+        j = self.judge
+        ours = j.backend == "local" or (j.backend == "vllm" and j.model is not None and Path(j.model).is_dir())
+        return self.loop != "policy-only" and ours
 
     @classmethod
     def settings_customise_sources(

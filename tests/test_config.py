@@ -83,3 +83,13 @@ def test_help_everywhere_and_fast() -> None:
     heavy = {"torch", "transformers", "nats", "vllm", "litellm"}
     imported = {line.split("|")[-1].strip().split(".")[0] for line in probe.stderr.splitlines() if "|" in line}
     assert not heavy & imported
+
+
+def test_which_judges_the_learner_trains(tmp_path) -> None:
+    def trains(**o: object) -> bool:
+        return load_config(overrides={k.replace("__", "."): v for k, v in o.items()}).trains_judge
+
+    assert trains() and not trains(loop="policy-only")  # the ablation fixes the judge
+    assert trains(judge__backend="vllm", judge__url="http://h:1/v1", judge__model=str(tmp_path))  # a dir we serve
+    assert not trains(judge__backend="vllm", judge__url="http://h:1/v1", judge__model="served-name")
+    assert not trains(judge__backend="litellm", judge__model="openai/gpt-4.1-mini")

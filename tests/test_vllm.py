@@ -261,3 +261,36 @@ def _dump(cfg) -> dict:
             if value is not None:
                 out[f"{section}.{key}"] = value
     return out
+
+
+async def test_a_judge_served_by_vllm_is_trained_and_follows_the_judge_lane(vllm_server, bus, loop_cfg) -> None:
+    """judge.backend vllm with judge.model the directory the server serves: the learner trains a judge
+    lane from it and pushes each version into that server (the policy plays on a local engine)."""
+    from coevo.loop import build_agents
+    from coevo.runtime.agent import run_agents
+
+    url, model = vllm_server
+    cfg = load_config(overrides={**_dump(loop_cfg), "judge.backend": "vllm", "judge.url": url,
+                                 "judge.model": str(model), "judge.mode": "verdict", "learner.batch_samples": 8,
+                                 "learner.weight_sync": "gloo"})
+    assert cfg.trains_judge
+    stop = asyncio.Event()
+
+    def judge_applied(events: list) -> list[WeightsApplied]:
+        return [e for e in events if isinstance(e, WeightsApplied) and e.role == "judge" and e.ok]
+
+    async def until() -> None:
+        try:
+            async with asyncio.timeout(300):
+                while len({e.version for e in judge_applied(await bus.events(["weights.applied"]))}) < 2:
+                    await asyncio.sleep(1)
+        finally:
+            stop.set()
+
+    await asyncio.gather(run_agents(build_agents(bus, cfg), handle_signals=False, until=stop), until())
+    applied = judge_applied(await bus.events(["weights.applied"]))
+    steps = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped) and e.role == "judge"]
+    assert steps and max(e.version for e in applied) >= 1 and {e.transport for e in applied} == {"gloo"}
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as probe:
+        assert _version(await probe.weight_version()) == max(e.version for e in applied)
+

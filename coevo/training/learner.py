@@ -90,8 +90,8 @@ class LearnerAgent(Agent):
 
         roles = trained_roles(self.cfg)
         if not self.train_judge:
-            self.log.info("learner.judge_lane_off", reason="external judge" if self.cfg.judge.backend != "local"
-                          else f"loop={self.cfg.loop}")
+            self.log.info("learner.judge_lane_off", reason=f"loop={self.cfg.loop}" if self.cfg.loop == "policy-only"
+                          else f"{self.cfg.judge.backend} judge {self.cfg.judge.model!r} is not a local model dir")
         weight_server = await self.serve_weights(roles)  # before the first WeightsPublished: followers ask at once
         try:
             for role in roles:
