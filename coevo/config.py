@@ -220,7 +220,8 @@ class LearnerConfig(Section):
         "\"coevo_gloo\"}' or '{\"backend\": \"nccl\"}'). Local engines always load the checkpoint")
     transfer_host: str = Field(default="127.0.0.1", description="address vLLM servers reach the learner at "
                                "(weight_sync gloo/nccl)")
-    transfer_timeout_s: float = Field(default=120.0, gt=0, description="limit of one pushed transfer")
+    transfer_timeout_s: float = Field(default=120.0, gt=0, description="limit of one pushed transfer, from the "
+                                      "offer to the last tensor, including the pause's wait for requests in flight")
 
 
 class LogConfig(Section):
