@@ -7,11 +7,14 @@ native endpoints (``/init_weight_transfer_engine``, ``/start_weight_update``, ``
 ``/finish_weight_update``) exactly as with ``"nccl"``, but the bytes travel over gloo, so the
 whole in-place transfer path runs (and is tested) on CPU. On GPU, use vLLM's own ``"nccl"``.
 
-Runs inside vLLM's workers only; imports nothing of coevo but ``coevo.training.transfer``.
+Runs inside vLLM's workers only; imports nothing of coevo but ``coevo.training.transfer``. The
+workers' collective timeout comes from ``COEVO_TRANSFER_TIMEOUT_S`` in the server's environment
+(default 120 s; keep it at least the learner's ``learner.transfer_timeout_s``).
 """
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from typing import Any
 
@@ -50,8 +53,9 @@ def _engine_class() -> type:
             pc = self.parallel_config
             rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
             self.shutdown()
+            timeout_s = float(os.environ.get("COEVO_TRANSFER_TIMEOUT_S", "120"))  # vLLM's init info has no field
             self.model_update_group = GlooGroup.join(init_info.master_address, init_info.master_port, rank,
-                                                     init_info.world_size, timeout_s=120.0)
+                                                     init_info.world_size, timeout_s=timeout_s)
 
         def receive_weights(self, update_info: Any) -> None:
             if self.model_update_group is None:
