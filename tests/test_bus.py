@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
+import nats.errors
 import pytest
 
 from coevo.runtime.bus import NatsBus
@@ -260,3 +262,40 @@ async def test_backpressure_keeps_memory_flat(bus: NatsBus, run_id: str, cfg) ->
     assert max(s[2] for s in samples) <= cfg.bus.max_inflight_publishes
     growth = samples[-1][1] - samples[1][1]
     assert growth < 3 * 1024 * 1024, f"memory grew by {growth} bytes while the backlog grew"
+
+
+async def test_message_whose_consumer_dies_on_every_delivery_is_dead_lettered(
+        nats_url: str, run_id: str, cfg, bus: NatsBus) -> None:
+    """The gap a consumer cannot close itself: its process dies holding the message on every delivery,
+    so it never sees its last one fail. The server's max-deliveries advisory reaches a live agent."""
+    from coevo.runtime.agent import run_agents
+    from coevo.schemas import DeadLettered
+    from tests.agents_for_tests import Echo
+
+    poison = sched(run_id, 7)
+    await bus.publish_sync(poison)
+    dying = await NatsBus.connect(nats_url, run_id, bus=cfg.bus.model_copy(update={"max_deliver": 1}))
+    stop = asyncio.Event()
+
+    async def die_twice() -> None:
+        try:
+            sub = await dying.pull_subscription("fragile", ["task.scheduled"])
+            for n in (1, 2):  # our max_deliver 1: the server delivers twice, then gives up
+                msgs = await sub.fetch(1, timeout=cfg.bus.ack_wait_s + 5)
+                assert msgs[0].metadata.num_delivered == n  # held, never acked: "the process died"
+            async with asyncio.timeout(cfg.bus.ack_wait_s + 20):
+                while not [e for e in await bus.events(["dead.lettered"]) if e.consumer == "fragile"]:
+                    # the restarted consumer pulls again: the server finds the message out of deliveries
+                    with contextlib.suppress(nats.errors.TimeoutError):
+                        assert not await sub.fetch(1, timeout=0.5)
+        finally:
+            stop.set()
+
+    try:
+        await asyncio.gather(run_agents([Echo(bus, cfg)], handle_signals=False, until=stop), die_twice())
+    finally:
+        await dying.close()
+    lost = [e for e in await bus.events(["dead.lettered"]) if isinstance(e, DeadLettered)]
+    assert len(lost) == 1 and lost[0].consumer == "fragile" and lost[0].delivery_count == 2
+    assert lost[0].raw == encode(poison) and lost[0].original_subject.endswith(".task.scheduled")
+    assert "died or stopped" in lost[0].reason

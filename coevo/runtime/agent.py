@@ -123,6 +123,7 @@ class Agent:
         structlog.contextvars.bind_contextvars(agent_id=self.agent_id, role=self.role)
         self._started = time.monotonic()
         control = await self.bus.serve_control(self.agent_id, self._on_control)
+        lost = await self.bus.watch_lost_deliveries(self.source)
         drain = self.cfg.agent.drain_timeout_s
         self._consumers = [Consumer(self.bus, s, self.source, drain_timeout_s=drain)
                            for s in self.subscriptions()]
@@ -142,6 +143,7 @@ class Agent:
         finally:
             self.state = "failed" if isinstance(failure, Exception) else "stopped"
             await control.unsubscribe()
+            await lost.unsubscribe()
             try:
                 await self._report(detail=repr(failure) if failure else None)
                 await self.bus.flush()

@@ -346,6 +346,40 @@ class NatsBus:
         self.stats.dead_lettered += 1
         log.warning("bus.dead_lettered", subject=msg.subject, consumer=consumer, reason=reason[:200])
 
+    async def watch_lost_deliveries(self, source: Any) -> Any:
+        """Dead-letter what the server stopped redelivering without an outcome.
+
+        A consumer dead-letters a message itself on its last crash (``bus.max_deliver``); the server
+        allows one delivery more, so a message is lost silently only when that last delivery ended
+        with no ack, nak or term at all: its consumer process died (or was stopped) while holding
+        it, every time. JetStream then publishes a max-deliveries advisory (when it finds the message
+        out of deliveries, at the consumer's next pull: a restarted replica's); every agent of the run
+        listens in one queue group, so one of those alive stores the message as ``DeadLettered``
+        (its id derives from consumer and sequence: stored once whoever sends it).
+        """
+        from coevo.schemas import DeadLettered
+
+        async def on_advisory(msg: Msg) -> None:
+            try:
+                advisory = json.loads(msg.data)
+                seq, consumer, n = int(advisory["stream_seq"]), str(advisory["consumer"]), int(advisory["deliveries"])
+                stored = await self.js.get_msg(self.stream, seq)
+            except Exception as exc:  # a malformed advisory, or the message is gone (retention)
+                log.warning("bus.lost_delivery_unrecoverable", error=repr(exc)[:300])
+                return
+            event = DeadLettered(
+                event_id=f"lost-{consumer}-{seq}", run_id=self.run_id, source=source,
+                original_subject=stored.subject or "", consumer=consumer,
+                reason=f"delivered {n} times without an outcome: its consumer died or stopped while handling it",
+                raw=bytes(stored.data or b""), delivery_count=n,
+                headers={k: str(v) for k, v in (stored.headers or {}).items()})
+            await self.publish_sync(event)
+            self.stats.dead_lettered += 1
+            log.warning("bus.dead_lettered", subject=stored.subject, consumer=consumer, reason=event.reason)
+
+        subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream}.*"
+        return await self.nc.subscribe(subject, queue=f"coevo-lost-{self.run_id}", cb=on_advisory)
+
     # ---- key-value state ---------------------------------------------------------------------
 
     async def kv(self, name: str) -> Any:
