@@ -4,7 +4,6 @@ from the agents' declared ``emits`` and their subscriptions (a test keeps the do
 from __future__ import annotations
 
 from collections import defaultdict
-from types import SimpleNamespace
 from typing import Any
 
 from coevo.config import CoevoConfig
@@ -19,12 +18,13 @@ def topology(cfg: CoevoConfig) -> dict[str, dict[str, set[str]]]:
 
     producers: dict[str, set[str]] = defaultdict(set)
     consumers: dict[str, set[str]] = defaultdict(set)
-    bus: Any = SimpleNamespace(run_id="topology")
     for role in ROLES:
         cls = resolve_role(role)
         for e in cls.emits:
             producers[kind_of(e)].add(role)
-        agent = cls(bus, cfg)
+        # subscriptions() reads only the config and bound handlers: no bus, no models to load
+        agent: Any = object.__new__(cls)
+        agent.cfg = cfg
         for sub in agent.subscriptions():
             for kind in sub.kinds:
                 consumers[kind].add(f"{role} ({sub.durable}{'' if sub.shared else ', per instance'})")

@@ -55,6 +55,8 @@ class Agent:
     # ---- to override -------------------------------------------------------------------------
 
     def subscriptions(self) -> list[Subscription]:
+        """What this agent consumes. Reads only ``self.cfg`` and class attributes: the topology
+        (docs/architecture.md's table) calls it on an instance that was never initialised."""
         return []
 
     async def main(self) -> None:
