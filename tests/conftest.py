@@ -129,6 +129,7 @@ def vllm_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     import urllib.request
 
     from coevo.agents.models import ensure_default_model
+    from coevo.agents.vllm_client import SERVER_ENV, server_command
 
     python = os.environ.get("COEVO_VLLM_PYTHON")
     if not python:
@@ -138,12 +139,9 @@ def vllm_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     model = ensure_default_model("policy", model_cache)
     port = _free_port()
     log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-             "--port", str(port), "--logprobs-mode", "processed_logprobs", "--max-model-len", "512",
-             "--dtype", "float32", "--weight-transfer-config", '{"backend": "coevo_gloo"}'], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(server_command(python, model, port), stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **SERVER_ENV}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:

@@ -61,7 +61,7 @@ def test_lane_steps_in_bf16_autocast_on_cuda_like_fp32_on_cpu(model_cache: Path,
 async def test_weights_pushed_over_vllm_nccl_equal_the_checkpoint(bus, model_cache: Path, tmp_path: Path) -> None:
     from coevo.agents.models import ensure_default_model
     from coevo.agents.prompts import INDEX_LABELS, policy_prompt
-    from coevo.agents.vllm_client import VLLMClient
+    from coevo.agents.vllm_client import SERVER_ENV, VLLMClient, server_command
     from coevo.schemas import (
         TransferConnect,
         TransferEndpoint,
@@ -78,11 +78,9 @@ async def test_weights_pushed_over_vllm_nccl_equal_the_checkpoint(bus, model_cac
     lane.step(samples(), ["g"])
     path, sha, _ = lane.checkpoint()
     port = 18000 + os.getpid() % 1000
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES="1")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                             "--port", str(port), "--host", "127.0.0.1", "--logprobs-mode", "processed_logprobs",
-                             "--max-model-len", "512", "--dtype", "float32", "--gpu-memory-utilization", "0.3",
-                             "--weight-transfer-config", '{"backend": "nccl"}'], env=env, start_new_session=True)
+    proc = subprocess.Popen(server_command(sys.executable, model, port, transfer_backend="nccl",
+                                           extra=("--gpu-memory-utilization", "0.3")),
+                            env={**os.environ, **SERVER_ENV, "CUDA_VISIBLE_DEVICES": "1"}, start_new_session=True)
     server = WeightServer(bus, "nccl", "127.0.0.1", timeout_s=120.0)
     await server.serve("policy", lambda: (1, path, sha))
     try:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,19 @@ from coevo.schemas import TransferOffer
 
 class VLLMError(CoevoError):
     pass
+
+
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+"""Environment of the vLLM servers coevo starts: the RL routes (pause, reload, weight transfer) on."""
+
+
+def server_command(python: str, model: Path | str, port: int, *, transfer_backend: str = "coevo_gloo",
+                   extra: Sequence[str] = ()) -> list[str]:
+    """The command line coevo starts vLLM with (tests, benchmarks): log-probs of the distribution
+    actually sampled from, fp32, and pushed weights through ``transfer_backend``."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--logprobs-mode", "processed_logprobs", "--max-model-len", "512",
+            "--dtype", "float32", "--weight-transfer-config", json.dumps({"backend": transfer_backend}), *extra]
 
 
 class _RWLock:
@@ -163,20 +178,15 @@ class VLLMClient:
 
     # ---- weights -----------------------------------------------------------------------------
 
-    async def swap_weights(self, path: Path, version: int) -> float:
-        """Reload the server's weights from ``path``; returns the pause in milliseconds."""
-        path = Path(path)
-        if not path.is_dir() or not list(path.glob("*.safetensors")):
-            # vLLM kills its engine on the *next* request after a reload from a bad path: never send one
-            raise VLLMError(f"refusing to reload from {path}: no *.safetensors there")
+    async def _swap(self, version: int, load: Callable[[], Awaitable[None]]) -> float:
+        """Wait for this client's requests in flight, pause the server, ``load``, reset the prefix
+        cache and stamp ``version``; the server is resumed whatever happened. Returns the pause in ms."""
         await self._lock.acquire_write()
         t0 = time.perf_counter()
         try:
             await self._call("POST", "/pause", params={"mode": self.pause_mode})
             try:
-                await self._call("POST", "/collective_rpc", retry=False,
-                                 json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
-                await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+                await load()
                 await self._call("POST", "/reset_prefix_cache")
                 self._version = version
             finally:
@@ -184,6 +194,20 @@ class VLLMClient:
         finally:
             await self._lock.release_write()
         return (time.perf_counter() - t0) * 1e3
+
+    async def swap_weights(self, path: Path, version: int) -> float:
+        """Reload the server's weights from ``path``; returns the pause in milliseconds."""
+        path = Path(path)
+        if not path.is_dir() or not list(path.glob("*.safetensors")):
+            # vLLM kills its engine on the *next* request after a reload from a bad path: never send one
+            raise VLLMError(f"refusing to reload from {path}: no *.safetensors there")
+
+        async def reload() -> None:
+            await self._call("POST", "/collective_rpc", retry=False,
+                             json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+
+        return await self._swap(version, reload)
 
     async def workers(self) -> int:
         """The server's worker count across data parallel replicas (its ranks in a transfer group)."""
@@ -199,28 +223,20 @@ class VLLMClient:
         returns the pause in milliseconds. Same lock, pause and version rules as ``swap_weights``; on a
         failure after the update started, the update is closed and the error raised (the caller
         reloads a consistent checkpoint: the server may hold part of the new tensors)."""
-        await self._lock.acquire_write()
-        t0 = time.perf_counter()
-        try:
-            await self._call("POST", "/pause", params={"mode": self.pause_mode})
+
+        async def receive() -> None:
+            await self._call("POST", "/start_weight_update", retry=False)
             try:
-                await self._call("POST", "/start_weight_update", retry=False)
-                try:
-                    await self._call("POST", "/update_weights", json={"update_info": offer.update_info()},
-                                     retry=False, timeout_s=timeout_s)
-                except BaseException:
-                    with contextlib.suppress(VLLMError):
-                        await self._call("POST", "/finish_weight_update", json={}, retry=False)
-                    raise
-                await self._call("POST", "/finish_weight_update", json={"weight_version": str(offer.version)},
-                                 retry=False)
-                await self._call("POST", "/reset_prefix_cache")
-                self._version = offer.version
-            finally:
-                await self._call("POST", "/resume")
-        finally:
-            await self._lock.release_write()
-        return (time.perf_counter() - t0) * 1e3
+                await self._call("POST", "/update_weights", json={"update_info": offer.update_info()},
+                                 retry=False, timeout_s=timeout_s)
+            except BaseException:
+                with contextlib.suppress(VLLMError):
+                    await self._call("POST", "/finish_weight_update", json={}, retry=False)
+                raise
+            await self._call("POST", "/finish_weight_update", json={"weight_version": str(offer.version)},
+                             retry=False)
+
+        return await self._swap(offer.version, receive)
 
     async def weight_version(self) -> str:
         return str((await self._get("/weight_info")).get("weight_version"))

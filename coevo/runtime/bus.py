@@ -334,17 +334,23 @@ class NatsBus:
         return await self.js.pull_subscribe_bind(durable=durable, stream=self.stream)
 
     async def dead_letter(self, msg: Msg, consumer: str, reason: str, source: Any) -> None:
+        delivered = msg.metadata.num_delivered if msg.reply else 0
+        await self._store_dead_letter(source, msg.subject, msg.data, msg.headers, consumer, reason, delivered)
+
+    async def _store_dead_letter(self, source: Any, subject: str, data: bytes | None, headers: Any, consumer: str,
+                                 reason: str, delivered: int, event_id: str | None = None) -> None:
+        """A ``DeadLettered`` event holding the message's bytes and the reason, stored before returning."""
         from coevo.schemas import DeadLettered
 
-        delivered = msg.metadata.num_delivered if msg.reply else 0
+        ident = {"event_id": event_id} if event_id else {}
         event = DeadLettered(
-            run_id=self.run_id, source=source, original_subject=msg.subject, consumer=consumer,
-            reason=reason[:4000], raw=bytes(msg.data), delivery_count=delivered,
-            headers={k: str(v) for k, v in (msg.headers or {}).items()},
+            **ident, run_id=self.run_id, source=source, original_subject=subject, consumer=consumer,
+            reason=reason[:4000], raw=bytes(data or b""), delivery_count=delivered,
+            headers={k: str(v) for k, v in (headers or {}).items()},
         )
         await self.publish_sync(event)
         self.stats.dead_lettered += 1
-        log.warning("bus.dead_lettered", subject=msg.subject, consumer=consumer, reason=reason[:200])
+        log.warning("bus.dead_lettered", subject=subject, consumer=consumer, reason=reason[:200])
 
     async def watch_lost_deliveries(self, source: Any) -> Any:
         """Dead-letter what the server stopped redelivering without an outcome.
@@ -357,7 +363,6 @@ class NatsBus:
         listens in one queue group, so one of those alive stores the message as ``DeadLettered``
         (its id derives from consumer and sequence: stored once whoever sends it).
         """
-        from coevo.schemas import DeadLettered
 
         async def on_advisory(msg: Msg) -> None:
             try:
@@ -367,15 +372,10 @@ class NatsBus:
             except Exception as exc:  # a malformed advisory, or the message is gone (retention)
                 log.warning("bus.lost_delivery_unrecoverable", error=repr(exc)[:300])
                 return
-            event = DeadLettered(
-                event_id=f"lost-{consumer}-{seq}", run_id=self.run_id, source=source,
-                original_subject=stored.subject or "", consumer=consumer,
-                reason=f"delivered {n} times without an outcome: its consumer died or stopped while handling it",
-                raw=bytes(stored.data or b""), delivery_count=n,
-                headers={k: str(v) for k, v in (stored.headers or {}).items()})
-            await self.publish_sync(event)
-            self.stats.dead_lettered += 1
-            log.warning("bus.dead_lettered", subject=stored.subject, consumer=consumer, reason=event.reason)
+            await self._store_dead_letter(
+                source, stored.subject or "", stored.data, stored.headers, consumer,
+                f"delivered {n} times without an outcome: its consumer died or stopped while handling it", n,
+                event_id=f"lost-{consumer}-{seq}")
 
         subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream}.*"
         return await self.nc.subscribe(subject, queue=f"coevo-lost-{self.run_id}", cb=on_advisory)

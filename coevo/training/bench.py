@@ -208,7 +208,7 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> di
     import threading
     import urllib.request
 
-    from coevo.agents.vllm_client import VLLMClient
+    from coevo.agents.vllm_client import SERVER_ENV, VLLMClient, server_command
     from coevo.schemas import TransferEndpoint, TransferOffer
     from coevo.training.transfer import GlooGroup, Plan, load_checkpoint_tensors, send
 
@@ -217,10 +217,7 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> di
         port = s.getsockname()[1]
     log = tempfile.TemporaryFile()
     proc = await asyncio.create_subprocess_exec(
-        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-        "--port", str(port), "--max-model-len", "512", "--dtype", "float32",
-        "--weight-transfer-config", '{"backend": "coevo_gloo"}',
-        env=dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1"), stdout=log,
+        *server_command(python, model, port), env={**os.environ, **SERVER_ENV}, stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True)
     try:
         for _ in range(300):
