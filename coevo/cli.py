@@ -232,7 +232,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     return asyncio.run(run_main(cfg))
 
 
+def _exit_on_stop(signum: int, _frame: object) -> None:
+    raise SystemExit(0)  # stopped while starting up: nothing consumed yet, nothing to drain
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
+    import signal
+
+    # a stop while the config, the modules and the models load exits cleanly; go() replaces these
+    # handlers with the event loop's (graceful drain) as soon as the loop runs
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_on_stop)
     cfg = resolve_config(args)
     if _dry_run(args, cfg):
         return 0
@@ -247,12 +257,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
             return _learner_follower(cfg)
 
     async def go() -> int:
-        import signal
-
         from coevo.runtime.agent import run_agents
         from coevo.runtime.app import open_runtime
 
-        # catch SIGINT/SIGTERM from the first moment: a stop during start-up (model loading) is graceful too
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
