@@ -198,7 +198,7 @@ def _run_source(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from coevo.runtime.errors import ConfigError
+    from coevo.errors import ConfigError
 
     if args.command not in ("run", "agent", "server"):  # tools: quiet logs, results on stdout
         from coevo.runtime.logging import configure_logging
@@ -311,7 +311,7 @@ def cmd_schemas_export(args: argparse.Namespace) -> int:
 
 
 def cmd_events_export(args: argparse.Namespace) -> int:
-    from coevo.agents.replay import export_events, open_run
+    from coevo.tools.replay import export_events, open_run
 
     async def go() -> int:
         async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
@@ -323,29 +323,15 @@ def cmd_events_export(args: argparse.Namespace) -> int:
 
 
 def cmd_events_import(args: argparse.Namespace) -> int:
-    from coevo.agents.replay import import_events, read_export
-    from coevo.runtime.app import make_run_id
-    from coevo.runtime.bus import NatsBus
-    from coevo.runtime.server import EmbeddedServer
+    from coevo.runtime.app import make_run_id, open_bus
+    from coevo.tools.replay import import_events, read_export
 
     run_id = args.run_id or make_run_id()
 
     async def go() -> int:
         rows = read_export(args.file)
-        server = None
-        url = args.nats_url
-        if url is None:
-            server = EmbeddedServer(args.runs_dir / run_id / "nats")
-            url = server.start()
-        try:
-            bus = await NatsBus.connect(url, run_id)
-            try:
-                return await import_events(bus, rows)
-            finally:
-                await bus.close()
-        finally:
-            if server is not None:
-                server.stop()
+        async with open_bus(run_id, url=args.nats_url, store=args.runs_dir / run_id / "nats") as bus:
+            return await import_events(bus, rows)
 
     n = asyncio.run(go())
     print(f"imported {n} events as run {run_id}")
@@ -353,7 +339,7 @@ def cmd_events_import(args: argparse.Namespace) -> int:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from coevo.agents.replay import open_run, trace
+    from coevo.tools.replay import open_run, trace
 
     async def go() -> dict[str, Any]:
         async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
@@ -369,14 +355,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
     else:
         from rich import print as rprint
 
-        from coevo.agents.trace_view import tree
+        from coevo.tools.trace_view import tree
 
         rprint(tree(result))
     return 0
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from coevo.agents import replay as rp
+    from coevo.tools import replay as rp
 
     overrides: dict[str, Any] = {}
     for item in args.set:
@@ -403,8 +389,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_rejudge(args: argparse.Namespace) -> int:
-    from coevo.agents import replay as rp
     from coevo.config import load_config
+    from coevo.tools import replay as rp
 
     recorded_cfg = rp.run_config(args.runs_dir, args.run, {})
     use_recorded = args.judge == "recorded"
@@ -419,40 +405,40 @@ def cmd_rejudge(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_bus(args: argparse.Namespace) -> int:
-    from coevo.runtime.bench import bench_bus
+    from coevo.bench.bus import bench_bus
 
     result = asyncio.run(bench_bus(count=args.count, repeats=args.repeats, url=args.nats_url))
     return _emit(result, args.json)
 
 
 def cmd_bench_envs(args: argparse.Namespace) -> int:
-    from coevo.envs.bench import bench_envs
+    from coevo.bench.envs import bench_envs
 
     families = tuple(f.strip() for f in args.families.split(",") if f.strip())
     return _emit(asyncio.run(bench_envs(args.seconds, families)), args.json)
 
 
 def cmd_bench_learn(args: argparse.Namespace) -> int:
-    from coevo.training.bench import bench_learn
+    from coevo.bench.learn import bench_learn
 
     return _emit(asyncio.run(bench_learn(args.minutes, args.eval_every, args.episodes)), args.json)
 
 
 def cmd_bench_ladder(args: argparse.Namespace) -> int:
-    from coevo.training.bench import bench_ladder
+    from coevo.bench.learn import bench_ladder
 
     return _emit(asyncio.run(bench_ladder(args.minutes, args.eval_every, args.episodes)), args.json)
 
 
 def cmd_bench_weights(args: argparse.Namespace) -> int:
-    from coevo.training.bench import bench_weights
+    from coevo.bench.learn import bench_weights
 
     sizes = tuple(s.strip() for s in args.sizes.split(",") if s.strip())
     return _emit(asyncio.run(bench_weights(args.vllm_python, sizes)), args.json)
 
 
 def cmd_bench_codec(args: argparse.Namespace) -> int:
-    from coevo.runtime.bench import bench_codec
+    from coevo.bench.bus import bench_codec
 
     return _emit(bench_codec(), args.json)
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from coevo.runtime.errors import ConfigError
+from coevo.errors import ConfigError
 
 
 class Section(BaseModel):

@@ -155,7 +155,7 @@ class Progress:
 
 
 async def run_main(cfg: CoevoConfig) -> int:
-    from coevo.agents.clients import model_dir
+    from coevo.inference.clients import model_dir
 
     async with open_runtime(cfg, name="coevo-run") as rt:
         (Path(rt.run_dir) / "config.json").write_text(cfg.model_dump_json(indent=2))  # replay reads it back

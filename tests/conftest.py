@@ -128,8 +128,8 @@ def vllm_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     import time
     import urllib.request
 
-    from coevo.agents.models import ensure_default_model
-    from coevo.agents.vllm_client import SERVER_ENV, server_command
+    from coevo.inference.models import ensure_default_model
+    from coevo.inference.vllm_client import SERVER_ENV, server_command
 
     python = os.environ.get("COEVO_VLLM_PYTHON")
     if not python:

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from coevo.errors import AgentFailed
 from coevo.runtime.agent import run_agents
 from coevo.runtime.bus import NatsBus
-from coevo.runtime.errors import AgentFailed
 from coevo.schemas import AgentStatus, TaskScheduled, TaskSpec, TrajectoryCompleted
 from tests.agents_for_tests import Echo, Flaky, Producer
 from tests.conftest import PYTHON, subprocess_env

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from coevo.agents.topology import topology
 from coevo.config import load_config
+from coevo.tools.topology import topology
 from tests.conftest import REPO
 
 

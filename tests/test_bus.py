@@ -8,9 +8,9 @@ import contextlib
 import nats.errors
 import pytest
 
+from coevo.errors import Reject, Retry
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.consumer import Consumer, Subscription
-from coevo.runtime.errors import Reject, Retry
 from coevo.schemas import (
     DeadLettered,
     Source,
@@ -229,7 +229,7 @@ async def test_backpressure_keeps_memory_flat(bus: NatsBus, run_id: str, cfg) ->
     """A producer far faster than its consumer: the backlog stays on the server, not in memory."""
     import tracemalloc
 
-    from coevo.runtime.bench import make_event
+    from coevo.bench.bus import make_event
 
     n = 6000
     handled = 0

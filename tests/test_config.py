@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from coevo.config import load_config
-from coevo.runtime.errors import ConfigError
+from coevo.errors import ConfigError
 from tests.conftest import PYTHON, REPO, subprocess_env
 
 

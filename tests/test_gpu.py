@@ -37,7 +37,7 @@ def samples(n: int = 16) -> list[TrainingSample]:
 
 
 def test_lane_steps_in_bf16_autocast_on_cuda_like_fp32_on_cpu(model_cache: Path, tmp_path: Path) -> None:
-    from coevo.agents.models import ensure_default_model
+    from coevo.inference.models import ensure_default_model
     from coevo.training.lane import Lane
 
     model = ensure_default_model("policy", model_cache)
@@ -59,9 +59,9 @@ def test_lane_steps_in_bf16_autocast_on_cuda_like_fp32_on_cpu(model_cache: Path,
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
                     reason="needs 2 GPUs and vLLM's GPU build")
 async def test_weights_pushed_over_vllm_nccl_equal_the_checkpoint(bus, model_cache: Path, tmp_path: Path) -> None:
-    from coevo.agents.models import ensure_default_model
-    from coevo.agents.prompts import INDEX_LABELS, policy_prompt
-    from coevo.agents.vllm_client import SERVER_ENV, VLLMClient, server_command
+    from coevo.algorithm.prompts import INDEX_LABELS, policy_prompt
+    from coevo.inference.models import ensure_default_model
+    from coevo.inference.vllm_client import SERVER_ENV, VLLMClient, server_command
     from coevo.schemas import (
         TransferConnect,
         TransferEndpoint,

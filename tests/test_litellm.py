@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from coevo.agents.judge import JudgeAgent
-from coevo.agents.litellm_client import BudgetExceeded, ExternalCallFailed, LiteLLMClient
-from coevo.agents.rewriter import LLMRewriter
 from coevo.agents.scorer import Group, score_group
+from coevo.algorithm.rewriter import LLMRewriter
 from coevo.config import ApiConfig, CoevoConfig, load_config
 from coevo.envs.quickgame import QuickGame
+from coevo.inference.litellm_client import BudgetExceeded, ExternalCallFailed, LiteLLMClient
 from coevo.runtime.agent import run_agents
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import (
@@ -206,7 +206,7 @@ def test_run_with_an_unreachable_api_completes_and_never_leaks_the_key(tmp_path:
 
 async def test_coding_judge_writes_tests_and_runs_them_on_every_program(bus: NatsBus, cfg: CoevoConfig) -> None:
     from coevo.agents.scorer import coding_judge_samples
-    from coevo.agents.scoring import coding_test_advantages
+    from coevo.algorithm.scoring import coding_test_advantages
     from coevo.envs.coding import Coding, humaneval_problems
 
     jcfg = load_config(overrides={"run.runs_dir": str(cfg.run.runs_dir), "env.family": "coding",

@@ -122,7 +122,7 @@ async def stop_procs(*procs: subprocess.Popen[bytes]) -> None:
 async def test_agents_as_separate_processes_and_a_judge_killed_mid_run(
         bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str) -> None:
     """Every role in its own OS process; the judge is kill -9'd mid-run and restarted: no vote lost."""
-    from coevo.agents.clients import model_dir
+    from coevo.inference.clients import model_dir
 
     model_dir(loop_cfg, "policy")
     model_dir(loop_cfg, "judge")
@@ -186,7 +186,7 @@ async def test_task_pool_survives_a_restart(bus: NatsBus, loop_cfg: CoevoConfig)
 
 async def test_learner_resumes_after_kill_9_without_training_a_group_twice(
         bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str) -> None:
-    from coevo.agents.clients import model_dir
+    from coevo.inference.clients import model_dir
     from coevo.training.lane import latest_checkpoint
 
     model_dir(loop_cfg, "policy")
@@ -257,7 +257,7 @@ def test_coevo_run_stops_cleanly_and_resume_continues(tmp_path, model_cache) -> 
 async def test_learner_under_torchrun_with_two_gloo_ranks(bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str,
                                                           run_id: str) -> None:
     """`torchrun --nproc-per-node 2 -m coevo agent learner`: rank 0 consumes, both ranks train (FSDP2)."""
-    from coevo.agents.clients import model_dir
+    from coevo.inference.clients import model_dir
     from coevo.training.lane import latest_checkpoint
 
     model_dir(loop_cfg, "policy")

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coevo.agents.prompts import last_boxed, parse_action, parse_vote
-from coevo.agents.scoring import (
+from coevo.algorithm.prompts import last_boxed, parse_action, parse_vote
+from coevo.algorithm.scoring import (
     StepRec,
     TrajRec,
     VoteRec,
@@ -154,7 +154,7 @@ def test_step_advantages_are_standardised(rs: list[float]) -> None:
 
 
 def test_coding_test_rewards_by_hand() -> None:
-    from coevo.agents.scoring import coding_test_advantages
+    from coevo.algorithm.scoring import coding_test_advantages
 
     # programs: A, B correct; C, D, E incorrect.  (correct, passed)
     t0 = [(True, True), (True, True), (False, False), (False, False), (False, True)]   # all correct pass: +2

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from coevo.agents.inference import LocalEngine
-from coevo.agents.models import ensure_default_model
-from coevo.agents.prompts import INDEX_LABELS, policy_prompt
+from coevo.algorithm.prompts import INDEX_LABELS, policy_prompt
 from coevo.config import LearnerConfig
+from coevo.inference.engine import LocalEngine
+from coevo.inference.models import ensure_default_model
 from coevo.schemas import TrainingSample
 from coevo.training.batch import pack_by_tokens
 from coevo.training.lane import Lane, latest_checkpoint

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from coevo.config import LearnerConfig
-from coevo.runtime.errors import BusError
+from coevo.errors import BusError
 from coevo.schemas import TransferConnect, TransferEndpoint, TransferOffer, TransferRequest, transfer_subject
 from coevo.training.lane import Lane
 from coevo.training.transfer import GlooGroup, Plan, load_checkpoint_tensors, receive, send
@@ -71,7 +71,7 @@ def test_send_to_a_peer_that_never_receives_times_out_instead_of_hanging() -> No
 
 async def test_weight_server_connects_pushes_the_newest_checkpoint_and_refuses_clearly(
         bus, model_cache: Path, tmp_path: Path) -> None:
-    from coevo.agents.models import ensure_default_model
+    from coevo.inference.models import ensure_default_model
 
     model = ensure_default_model("policy", model_cache)
     lane = Lane("policy", model, tmp_path, LearnerConfig(), device="cpu")

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from coevo.agents.inference import LocalEngine
-from coevo.agents.prompts import INDEX_LABELS, policy_prompt
-from coevo.agents.vllm_client import VLLMClient, VLLMError
+from coevo.algorithm.prompts import INDEX_LABELS, policy_prompt
 from coevo.config import LearnerConfig, load_config
+from coevo.inference.engine import LocalEngine
+from coevo.inference.vllm_client import VLLMClient, VLLMError
 from coevo.schemas import (
     LearnerStepped,
     TrainingSample,

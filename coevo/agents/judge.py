@@ -13,11 +13,11 @@ import json
 import re
 from typing import Any, Literal
 
-from coevo.agents.clients import make_client
-from coevo.agents.inference import Completion
-from coevo.agents.prompts import VERDICT_LABELS, judge_prompt, parse_vote
-from coevo.agents.weights import WeightsFollower
+from coevo.agents.follower import WeightsFollower
+from coevo.algorithm.prompts import VERDICT_LABELS, judge_prompt, parse_vote
 from coevo.config import JudgeConfig
+from coevo.inference.clients import make_client
+from coevo.inference.engine import Completion
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
@@ -65,7 +65,7 @@ class JudgeAgent(WeightsFollower, Agent):
             await super().run()
 
     async def vote(self, prompt: str, index: int) -> Vote:
-        from coevo.agents.litellm_client import BudgetExceeded as OverBudget
+        from coevo.inference.litellm_client import BudgetExceeded as OverBudget
 
         cfg = self.cfg.judge
         external = cfg.backend == "litellm"

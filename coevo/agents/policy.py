@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from coevo.agents.clients import make_client
-from coevo.agents.prompts import INDEX_LABELS, parse_action, policy_prompt
-from coevo.agents.weights import WeightsFollower
+from coevo.agents.follower import WeightsFollower
+from coevo.algorithm.prompts import INDEX_LABELS, parse_action, policy_prompt
 from coevo.envs import make_family
 from coevo.envs.base import EnvError, Environment
+from coevo.inference.clients import make_client
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription

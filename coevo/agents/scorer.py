@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from coevo.agents import scoring
+from coevo.algorithm import scoring
 from coevo.config import CoevoConfig
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import Delivery

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from coevo.agents import scoring
-from coevo.agents.rewriter import BuiltinRewriter, Rewriter
+from coevo.algorithm import scoring
+from coevo.algorithm.rewriter import BuiltinRewriter, Rewriter
 from coevo.envs import make_family
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
@@ -85,22 +85,22 @@ class TasksAgent(Agent):
         tc = self.cfg.tasks
         if tc.rewriter != "llm":
             return BuiltinRewriter()
-        from coevo.agents.rewriter import LLMRewriter
+        from coevo.algorithm.rewriter import LLMRewriter
 
         if not tc.llm_model:
             raise ValueError("tasks.llm_model is needed when tasks.rewriter = 'llm'")
         if tc.llm_backend == "litellm":
-            from coevo.agents.litellm_client import LiteLLMClient
+            from coevo.inference.litellm_client import LiteLLMClient
 
             self.llm_client = LiteLLMClient(tc.llm_model, tc.api, api_base=tc.llm_url, name="rewriter")
         elif tc.llm_backend == "vllm":
-            from coevo.agents.vllm_client import VLLMClient
+            from coevo.inference.vllm_client import VLLMClient
 
             self.llm_client = VLLMClient(tc.llm_url or "", tc.llm_model, name="rewriter")
         else:
             from pathlib import Path
 
-            from coevo.agents.inference import LocalEngine
+            from coevo.inference.engine import LocalEngine
 
             self.llm_client = LocalEngine(Path(tc.llm_model), name="rewriter")
         return LLMRewriter(self.llm_client, retries=tc.api.retries)

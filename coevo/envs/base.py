@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from coevo.runtime.errors import CoevoError
+from coevo.errors import CoevoError
 from coevo.schemas import TaskSpec
 from coevo.schemas.events import Direction, Outcome
 

@@ -21,10 +21,10 @@ from typing import Any, ClassVar, TypeVar
 import structlog
 
 from coevo.config import CoevoConfig
+from coevo.errors import AgentFailed
 from coevo.runtime.aio import first_completed, wait_event
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.consumer import Consumer, Subscription
-from coevo.runtime.errors import AgentFailed
 from coevo.schemas import AgentStatus, ControlReply, ControlRequest, Event, Source, new_id
 from coevo.schemas.events import AgentState
 

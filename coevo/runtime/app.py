@@ -27,12 +27,47 @@ class Runtime:
     run_id: str
     run_dir: Path
     bus: NatsBus
-    url: str
-    server: EmbeddedServer | None
 
 
 def make_run_id() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + new_id()[:6]
+
+
+@asynccontextmanager
+async def nats_endpoint(url: str | None, store: Path, *, binary: str = "nats-server",
+                        max_payload: int = 8 * 1024 * 1024, existing: bool = False) -> AsyncIterator[str]:
+    """``url`` as given; without one, the URL of an embedded server over ``store``, stopped on exit.
+
+    ``existing``: the store must already hold a JetStream directory (reading a finished run)."""
+    if url is not None:
+        yield url
+        return
+    if existing and not (store / "jetstream").exists():
+        raise FileNotFoundError(f"no event store in {store} (pass --nats URL?)")
+    async with EmbeddedServer(store, binary=binary, max_payload=max_payload) as server:
+        assert server.url is not None
+        structlog.get_logger("coevo.runtime").info("nats.embedded_started", url=server.url, store=str(store))
+        yield server.url
+
+
+@asynccontextmanager
+async def open_bus(run_id: str, *, url: str | None = None, store: Path | None = None,
+                   cfg: CoevoConfig | None = None, name: str = "coevo", existing: bool = False,
+                   ) -> AsyncIterator[NatsBus]:
+    """The one way to reach a run's bus: on ``url``, or on an embedded server over ``store``.
+
+    ``cfg`` supplies the connection, bus and stream settings (defaults otherwise); on exit every
+    publish is flushed, the connection closed and the embedded server (if any) stopped."""
+    cfg = cfg or CoevoConfig()
+    if url is None and store is None:
+        raise ValueError("open_bus needs a NATS url or a store directory for an embedded server")
+    async with nats_endpoint(url, store or Path(), binary=cfg.nats.server_binary, existing=existing,
+                             max_payload=max(cfg.stream.max_msg_size, 1024 * 1024)) as endpoint:
+        bus = await NatsBus.connect(endpoint, run_id, nats_cfg=cfg.nats, bus=cfg.bus, stream=cfg.stream, name=name)
+        try:
+            yield bus
+        finally:
+            await bus.close()
 
 
 @asynccontextmanager
@@ -42,22 +77,5 @@ async def open_runtime(cfg: CoevoConfig, *, name: str = "coevo", log_to_file: bo
     run_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(run_dir if log_to_file else None, level=cfg.log.level, console=cfg.log.console)
     bind(run_id=run_id)
-    log = structlog.get_logger("coevo.runtime")
-    server: EmbeddedServer | None = None
-    url = cfg.nats.url
-    if url is None:
-        server = EmbeddedServer(run_dir / "nats", binary=cfg.nats.server_binary,
-                                max_payload=max(cfg.stream.max_msg_size, 1024 * 1024))
-        await server.__aenter__()
-        assert server.url is not None
-        url = server.url
-        log.info("nats.embedded_started", url=url, store=str(server.store_dir))
-    try:
-        bus = await NatsBus.connect(url, run_id, nats_cfg=cfg.nats, bus=cfg.bus, stream=cfg.stream, name=name)
-        try:
-            yield Runtime(cfg, run_id, run_dir, bus, url, server)
-        finally:
-            await bus.close()
-    finally:
-        if server is not None:
-            await server.__aexit__(None, None, None)
+    async with open_bus(run_id, url=cfg.nats.url, store=run_dir / "nats", cfg=cfg, name=name) as bus:
+        yield Runtime(cfg, run_id, run_dir, bus)

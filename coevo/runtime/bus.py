@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from coevo.config import BusConfig, NatsConfig, StreamConfig
-from coevo.runtime.errors import BusError, NoResponders, PublishError
+from coevo.errors import BusError, NoResponders, PublishError
 from coevo.schemas import (
     ControlReply,
     ControlRequest,

@@ -25,9 +25,9 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from coevo.config import BusConfig
+from coevo.errors import Reject, Retry
 from coevo.runtime.aio import first_completed
 from coevo.runtime.bus import Delivery, NatsBus
-from coevo.runtime.errors import Reject, Retry
 from coevo.schemas import Event, Source, decode, kind_of
 
 log = structlog.get_logger("coevo.consumer")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from coevo.runtime.errors import ServerError
+from coevo.errors import ServerError
 
 _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+):(\d+)")
 

@@ -68,7 +68,7 @@ class Lane:
                  *, temperature: float = 1.0, lr: float | None = None, device: str | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
-        from coevo.agents.inference import quiet_transformers
+        from coevo.inference.engine import quiet_transformers
 
         quiet_transformers()
         self.role = role
@@ -165,7 +165,7 @@ class Lane:
 
     def checkpoint(self) -> tuple[Path, str, int]:
         """Write the current weights, optimiser state and counters atomically; (path, sha256, bytes)."""
-        from coevo.agents.weights import checkpoint_sha256
+        from coevo.inference.checkpoints import checkpoint_sha256
 
         final = self.root / f"v{self.version:06d}"
         if (final / MARKER).exists():
@@ -205,7 +205,7 @@ class Lane:
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM
 
-        from coevo.agents.weights import checkpoint_sha256
+        from coevo.inference.checkpoints import checkpoint_sha256
 
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

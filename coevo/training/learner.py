@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from coevo.agents.clients import model_dir
 from coevo.config import CoevoConfig
+from coevo.inference.clients import model_dir
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
 from coevo.runtime.bus import Delivery

@@ -9,10 +9,10 @@ learner and the trace know which version served which tokens.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
+from coevo.inference.checkpoints import checkpoint_sha256
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import (
@@ -24,17 +24,6 @@ from coevo.schemas import (
     WeightsPublished,
     transfer_subject,
 )
-
-
-def checkpoint_sha256(path: Path) -> str:
-    """sha256 over the checkpoint's safetensors files, in name order."""
-    h = hashlib.sha256()
-    for f in sorted(Path(path).glob("*.safetensors")):
-        h.update(f.name.encode())
-        with f.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 class WeightsFollower:

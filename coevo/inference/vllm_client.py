@@ -25,8 +25,8 @@ from typing import Any
 
 import aiohttp
 
-from coevo.agents.inference import Completion, choice_token_ids, encode_prompt, quiet_transformers
-from coevo.runtime.errors import CoevoError
+from coevo.errors import CoevoError
+from coevo.inference.engine import Completion, choice_token_ids, encode_prompt, quiet_transformers
 from coevo.schemas import TransferOffer
 
 

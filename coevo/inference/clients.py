@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from coevo.agents.inference import InferenceClient, LocalEngine
 from coevo.config import CoevoConfig
+from coevo.inference.engine import InferenceClient, LocalEngine
 
 
 def cache_dir(cfg: CoevoConfig) -> Path:
@@ -17,7 +17,7 @@ def cache_dir(cfg: CoevoConfig) -> Path:
 
 def model_dir(cfg: CoevoConfig, role: Literal["policy", "judge"]) -> Path:
     """The configured local model directory of ``role``, or the tiny default (built on first use)."""
-    from coevo.agents.models import ensure_default_model
+    from coevo.inference.models import ensure_default_model
 
     configured = cfg.policy.model if role == "policy" else cfg.judge.model
     if configured:
@@ -27,18 +27,18 @@ def model_dir(cfg: CoevoConfig, role: Literal["policy", "judge"]) -> Path:
 
 def make_client(cfg: CoevoConfig, role: Literal["policy", "judge"], *, seed: int = 0) -> InferenceClient:
     if role == "policy" and cfg.policy.url:
-        from coevo.agents.vllm_client import VLLMClient
+        from coevo.inference.vllm_client import VLLMClient
 
         local = model_dir(cfg, "policy")
         return VLLMClient(cfg.policy.url, cfg.policy.served_name or str(local), name="policy", tokenizer_dir=local)
     if role == "judge" and cfg.judge.backend == "vllm":
-        from coevo.agents.vllm_client import VLLMClient
+        from coevo.inference.vllm_client import VLLMClient
 
         if not cfg.judge.url:
             raise ValueError("judge.backend = 'vllm' needs judge.url")
         return VLLMClient(cfg.judge.url, cfg.judge.model or "judge", name="judge")
     if role == "judge" and cfg.judge.backend == "litellm":
-        from coevo.agents.litellm_client import LiteLLMClient
+        from coevo.inference.litellm_client import LiteLLMClient
 
         assert cfg.judge.model is not None
         return LiteLLMClient(cfg.judge.model, cfg.judge.api, api_base=cfg.judge.url, name="judge")

@@ -50,38 +50,42 @@ def _program(task: TaskSpec) -> str:
     return "look"
 
 
+async def _family(url: str, cache: Path, fam_name: str, seconds: float, concurrency: int) -> dict[str, Any]:
+    """Random-play steps/s of one family, in process and through two env workers over NATS."""
+    from coevo.envs.service import EnvHost, RemoteEnv
+    from coevo.runtime.agent import run_agents
+    from coevo.runtime.app import open_bus
+
+    cfg = load_config(overrides={"env.family": fam_name, "env.cache_dir": str(cache),
+                                 "log.console": "off", "agent.heartbeat_s": 60})
+    family: Family = make_family(cfg.env)
+    tasks = family.initial_tasks(4, 0, 0)
+    for t in tasks:  # compile / warm caches outside the timing
+        await family.precheck(t)
+    local = await _random_steps(family.make_env, tasks, seconds, concurrency)
+    async with open_bus(f"benchenv{fam_name}", url=url, cfg=cfg) as bus:
+        hosts = [EnvHost(bus, cfg) for _ in range(2)]
+        stop = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(run_agents(hosts, handle_signals=False, until=stop))
+            await asyncio.sleep(0.5)
+            remote = await _random_steps(functools.partial(RemoteEnv, bus.nc, bus.run_id, fam_name),
+                                         tasks, seconds, concurrency)
+            stop.set()
+    return {"in_process_steps_per_s": round(local, 1), "service_steps_per_s": round(remote, 1),
+            "service_over_in_process": round(remote / local, 3) if local else None}
+
+
 async def bench_envs(seconds: float = 5.0, families: tuple[str, ...] = ("quickgame", "textworld", "coding"),
                      concurrency: int = 4) -> dict[str, Any]:
     from coevo.envs.sandbox import run_python
-    from coevo.envs.service import EnvHost, RemoteEnv
-    from coevo.runtime.agent import run_agents
-    from coevo.runtime.bus import NatsBus
-    from coevo.runtime.server import EmbeddedServer
+    from coevo.runtime.app import nats_endpoint
 
     out: dict[str, Any] = {"seconds": seconds, "concurrency": concurrency, "families": {}}
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats") as server:
-        assert server.url is not None
-        for fam_name in families:
-            cfg = load_config(overrides={"env.family": fam_name, "env.cache_dir": str(Path(tmp) / "cache"),
-                                         "log.console": "off", "agent.heartbeat_s": 60})
-            family: Family = make_family(cfg.env)
-            tasks = family.initial_tasks(4, 0, 0)
-            for t in tasks:  # compile / warm caches outside the timing
-                await family.precheck(t)
-            local = await _random_steps(family.make_env, tasks, seconds, concurrency)
-            bus = await NatsBus.connect(server.url, f"benchenv{fam_name}", bus=cfg.bus)
-            hosts = [EnvHost(bus, cfg) for _ in range(2)]
-            stop = asyncio.Event()
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(run_agents(hosts, handle_signals=False, until=stop))
-                await asyncio.sleep(0.5)
-                remote = await _random_steps(functools.partial(RemoteEnv, bus.nc, bus.run_id, fam_name), tasks,
-                                             seconds, concurrency)
-                stop.set()
-            await bus.close()
-            out["families"][fam_name] = {"in_process_steps_per_s": round(local, 1),
-                                         "service_steps_per_s": round(remote, 1),
-                                         "service_over_in_process": round(remote / local, 3) if local else None}
+    with tempfile.TemporaryDirectory() as tmp:
+        async with nats_endpoint(None, Path(tmp) / "nats") as url:
+            for fam_name in families:
+                out["families"][fam_name] = await _family(url, Path(tmp) / "cache", fam_name, seconds, concurrency)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         await run_python("print(sum(range(1000)))")

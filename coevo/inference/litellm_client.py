@@ -19,9 +19,9 @@ import random
 import time
 from typing import Any
 
-from coevo.agents.inference import Completion
 from coevo.config import ApiConfig
-from coevo.runtime.errors import CoevoError
+from coevo.errors import CoevoError
+from coevo.inference.engine import Completion
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-list download at import
 

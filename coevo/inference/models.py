@@ -32,7 +32,7 @@ VERSION = 3  # bump when the recipe changes: the cache key includes it
 
 def _corpus(seed: int = 0, n: int = 400) -> list[str]:
     """Prompts the quick game and the judge produce under random play (synchronous, no event loop)."""
-    from coevo.agents.prompts import judge_prompt, policy_prompt
+    from coevo.algorithm.prompts import judge_prompt, policy_prompt
     from coevo.envs.quickgame import State, build_world, candidates, describe, transition
 
     rng = random.Random(seed)
@@ -82,7 +82,7 @@ def build_model(out_dir: Path, kind: ModelKind, seed: int = 0) -> None:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from coevo.agents.inference import quiet_transformers
+    from coevo.inference.engine import quiet_transformers
 
     quiet_transformers()
     tok = AutoTokenizer.from_pretrained(out_dir)

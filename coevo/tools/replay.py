@@ -43,24 +43,10 @@ ENVELOPE = {"event_id", "run_id", "ts", "source", "causation_id", "correlation_i
 @asynccontextmanager
 async def open_run(run_id: str, runs_dir: Path, url: str | None = None) -> AsyncIterator[NatsBus]:
     """The run's events: on ``url``, or on an embedded server over the run's own store."""
-    from coevo.runtime.server import EmbeddedServer
+    from coevo.runtime.app import open_bus
 
-    server = None
-    if url is None:
-        store = runs_dir / run_id / "nats"
-        if not (store / "jetstream").exists():
-            raise FileNotFoundError(f"no event store for run {run_id} in {store} (pass --nats URL?)")
-        server = EmbeddedServer(store)
-        url = server.start()
-    try:
-        bus = await NatsBus.connect(url, run_id)
-        try:
-            yield bus
-        finally:
-            await bus.close()
-    finally:
-        if server is not None:
-            server.stop()
+    async with open_bus(run_id, url=url, store=runs_dir / run_id / "nats", existing=True) as bus:
+        yield bus
 
 
 # ---- export / import ---------------------------------------------------------------------------
@@ -318,7 +304,7 @@ class RecordedResponses:
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 0,
                        temperature: float = 1.0, index: int = 0) -> Any:
-        from coevo.agents.inference import Completion
+        from coevo.inference.engine import Completion
 
         queue = self.answers.get((_h(prompt), index))
         vote = queue.popleft() if queue else None
@@ -377,8 +363,8 @@ async def replay_judge(events: list[tuple[int, Event]], cfg: CoevoConfig) -> Rep
 async def replay_rewriter(events: list[tuple[int, Event]], cfg: CoevoConfig) -> ReplayReport:
     """Re-propose each built-in rewrite from the recorded failures, and re-decide each rolled-out
     candidate with the acceptance gate on the recorded accuracies."""
-    from coevo.agents import scoring
-    from coevo.agents.rewriter import BuiltinRewriter
+    from coevo.algorithm import scoring
+    from coevo.algorithm.rewriter import BuiltinRewriter
     from coevo.envs import make_family
 
     report = ReplayReport("rewriter")
@@ -431,7 +417,7 @@ def replay_learner(events: list[tuple[int, Event]], cfg: CoevoConfig, *, rel_tol
     import tempfile
     from pathlib import Path as _Path
 
-    from coevo.agents.clients import model_dir
+    from coevo.inference.clients import model_dir
     from coevo.training.lane import Lane
 
     report = ReplayReport("learner")
@@ -500,8 +486,8 @@ def run_config(runs_dir: Path, run_id: str, overrides: dict[str, Any]) -> CoevoC
 
 async def rejudge(bus: NatsBus, cfg: CoevoConfig, use_recorded: bool) -> dict[str, Any]:
     """Another judge over the recorded steps: agreement with the original votes, accuracy of both."""
-    from coevo.agents import scoring
-    from coevo.agents.clients import make_client
+    from coevo.algorithm import scoring
+    from coevo.inference.clients import make_client
 
     events = await load_events(bus)
     steps = {e.event_id: e for _, e in events if isinstance(e, StepTaken)}

@@ -20,9 +20,9 @@ from coevo.schemas import TaskSpec
 
 async def evaluate(model_dir: Path, tasks: list[TaskSpec], episodes: int, seed: int = 0) -> float:
     """Success rate of the policy at ``model_dir`` (sampling, as it acts) on ``tasks``."""
-    from coevo.agents.inference import LocalEngine
-    from coevo.agents.prompts import INDEX_LABELS, policy_prompt
+    from coevo.algorithm.prompts import INDEX_LABELS, policy_prompt
     from coevo.envs.quickgame import QuickGame
+    from coevo.inference.engine import LocalEngine
 
     game = QuickGame()
     rng = random.Random(seed)
@@ -55,7 +55,7 @@ def bench_tasks(cfg: CoevoConfig) -> tuple[list[TaskSpec], list[TaskSpec]]:
 
 async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, episodes: int) -> dict[str, Any]:
     """Run the loop for ``seconds`` and evaluate on the initial train and held-out tasks."""
-    from coevo.agents.clients import model_dir
+    from coevo.inference.clients import model_dir
     from coevo.loop import build_agents, summarize
     from coevo.runtime.agent import run_agents
     from coevo.runtime.aio import wait_event
@@ -161,9 +161,9 @@ async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] =
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from coevo.agents.inference import LocalEngine
-    from coevo.agents.models import build_tokenizer
     from coevo.config import LearnerConfig
+    from coevo.inference.engine import LocalEngine
+    from coevo.inference.models import build_tokenizer
     from coevo.training.lane import Lane
 
     shapes = {"tiny": (2, 128), "small": (4, 256), "medium": (8, 512), "large": (12, 768)}
@@ -208,7 +208,7 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> di
     import threading
     import urllib.request
 
-    from coevo.agents.vllm_client import SERVER_ENV, VLLMClient, server_command
+    from coevo.inference.vllm_client import SERVER_ENV, VLLMClient, server_command
     from coevo.schemas import TransferEndpoint, TransferOffer
     from coevo.training.transfer import GlooGroup, Plan, load_checkpoint_tensors, send
 

@@ -124,15 +124,11 @@ def _best(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 async def bench_bus(count: int = 20_000, repeats: int = 3, url: str | None = None) -> dict[str, Any]:
-    from coevo.runtime.server import EmbeddedServer
+    from coevo.runtime.app import nats_endpoint
 
     cfg = BusConfig()
     with tempfile.TemporaryDirectory() as tmp:
-        server = None
-        if url is None:
-            server = EmbeddedServer(Path(tmp) / "nats", max_payload=8 * 1024 * 1024)
-            url = server.start()
-        try:
+        async with nats_endpoint(url, Path(tmp) / "nats") as endpoint:
             out: dict[str, Any] = {"count": count, "repeats": repeats, "sizes": {}}
             ratios = []
             for label, size in SIZES.items():
@@ -141,9 +137,9 @@ async def bench_bus(count: int = 20_000, repeats: int = 3, url: str | None = Non
                     run_id = f"bench{new_id()[:8]}"
                     events: list[Event] = [make_event(run_id, size, i) for i in range(count)]
                     payloads = [encode(e) for e in events]
-                    plain_runs.append(await _plain_once(url, run_id, payloads, cfg.max_inflight_publishes,
+                    plain_runs.append(await _plain_once(endpoint, run_id, payloads, cfg.max_inflight_publishes,
                                                         cfg.fetch_batch))
-                    coevo_runs.append(await _coevo_once(url, events, cfg))
+                    coevo_runs.append(await _coevo_once(endpoint, events, cfg))
                 c, p = _best(coevo_runs), _best(plain_runs)
                 ratio = c["end_to_end_per_s"] / p["end_to_end_per_s"]
                 ratios.append(ratio)
@@ -152,9 +148,6 @@ async def bench_bus(count: int = 20_000, repeats: int = 3, url: str | None = Non
             out["ratio"] = round(min(ratios), 3)
             out["target_ratio"] = 0.7
             return out
-        finally:
-            if server is not None:
-                server.stop()
 
 
 def bench_codec(n: int = 5000) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""Every benchmark (``coevo bench ...``): each returns a JSON-able dict; speed lives here, not in tests."""
