@@ -15,5 +15,6 @@ bench:
 
 lint:
     .venv/bin/ruff check coevo tests
+    .venv/bin/lint-imports
 
 check: lint test

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,122 +72,28 @@ def resolve_config(args: argparse.Namespace) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser, built from ``COMMANDS`` (one row per command; a row without ``run`` is a group)."""
     parser = argparse.ArgumentParser(
         prog="coevo",
         description="Online RL of LLM agents: policy, judge and environment rewriter co-evolve over NATS.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("run", help="run the closed loop (policy, judge, rewriter, learner)")
-    p.add_argument("--minutes", type=float, help="wall-clock budget (0: until stopped) [run.minutes]")
-    p.add_argument("--steps", type=int, help="stop after this many policy learner steps [run.steps]")
-    p.add_argument("--family", help="quickgame | textworld | coding [env.family]")
-    p.add_argument("--reward", help="integrated | outcome-only | steps-only [scorer.reward]")
-    p.add_argument("--policy-model", help="local transformers model dir [policy.model]")
-    p.add_argument("--policy-url", help="vLLM server serving the policy, http://host:port/v1 [policy.url]")
-    p.add_argument("--weight-sync", choices=("disk", "gloo", "nccl"),
-                   help="how vLLM servers get new weights: reload the checkpoint (disk) or pushed by the learner "
-                   "(gloo on CPU, nccl on GPU) [learner.weight_sync]")
-    p.add_argument("--resume", metavar="RUN", help="continue run RUN (same run id and run directory)")
-    p.add_argument("--judge", metavar="BACKEND:MODEL",
-                   help="e.g. litellm:openai/gpt-4.1-mini, vllm:NAME, local:DIR [judge.backend, judge.model]")
-    p.add_argument("--judge-api-base", help="api_base of the judge's API (LiteLLM) or vLLM URL [judge.url]")
-    p.set_defaults(_extra_overrides={"minutes": "run.minutes", "steps": "run.steps", "family": "env.family",
-                                     "reward": "scorer.reward", "policy_model": "policy.model",
-                                     "policy_url": "policy.url", "weight_sync": "learner.weight_sync",
-                                     "resume": "run.run_id"})
-    _config_flags(p)
-    p.set_defaults(func=cmd_run)
-
-    p = sub.add_parser("agent", help="run one agent (a role, or module:Class) against a server")
-    p.add_argument("role", help="agent role or module:Class")
-    p.add_argument("--agent-id", help="agent id (default: role + random suffix)")
-    p.add_argument("--family", help="environment family (same as --env.family)")
-    p.set_defaults(_extra_overrides={"family": "env.family"})
-    _config_flags(p)
-    p.set_defaults(func=cmd_agent)
-
-    p = sub.add_parser("server", help="run an embedded nats-server with JetStream in the foreground")
-    p.add_argument("--port", type=int, default=4222, help="port (-1: any free port)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--store", type=Path, default=Path("runs/nats"), help="JetStream storage directory")
-    p.set_defaults(func=cmd_server)
-
-    p = sub.add_parser("schemas", help="event schemas")
-    ssub = p.add_subparsers(dest="schemas_command", required=True, metavar="ACTION")
-    e = ssub.add_parser("export", help="write the JSON Schema of every event into DIR")
-    e.add_argument("dir", type=Path)
-    e.set_defaults(func=cmd_schemas_export)
-
-    p = sub.add_parser("events", help="export a run's events, or import an export under a new run id")
-    esub = p.add_subparsers(dest="events_command", required=True, metavar="ACTION")
-    e = esub.add_parser("export", help="write every event of a run, in order, with sequence numbers")
-    e.add_argument("out", type=Path)
-    e.add_argument("--run", required=True, help="run id")
-    e.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
-    _run_source(e)
-    e.set_defaults(func=cmd_events_export)
-    e = esub.add_parser("import", help="load an export into a server under a new run id")
-    e.add_argument("file", type=Path)
-    e.add_argument("--run-id", help="new run id (default: generated)")
-    _run_source(e)
-    e.set_defaults(func=cmd_events_import)
-
-    p = sub.add_parser("trace", help="causal timeline of a trajectory, task, step or weights version")
-    p.add_argument("ident", help="trajectory id, task id, step event id, or a weights version (policy:12)")
-    p.add_argument("--run", required=True)
-    p.add_argument("--json", action="store_true", help="JSON instead of a tree")
-    _run_source(p)
-    p.set_defaults(func=cmd_trace)
-
-    p = sub.add_parser("replay", help="feed recorded events into a fresh agent; report the first divergence")
-    p.add_argument("--run", required=True)
-    p.add_argument("--into", required=True, choices=["scorer", "judge", "rewriter", "learner"])
-    p.add_argument("--from", dest="start", type=int, help="first stream sequence")
-    p.add_argument("--to", dest="end", type=int, help="last stream sequence")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change the config for the replay")
-    _run_source(p)
-    p.set_defaults(func=cmd_replay)
-
-    p = sub.add_parser("rejudge", help="run another judge over a run's steps; agreement and accuracies")
-    p.add_argument("--run", required=True)
-    p.add_argument("--judge", default="recorded", help="'recorded' (the original responses) or a config file")
-    _run_source(p)
-    p.set_defaults(func=cmd_rejudge)
-
-    p = sub.add_parser("bench", help="benchmarks (write JSON)")
-    bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    b = bsub.add_parser("bus", help="typed bus vs plain nats-py: throughput and publish-to-ack latency")
-    b.add_argument("--json", type=Path, help="write results here")
-    b.add_argument("--count", type=int, default=20000, help="events per size and mode")
-    b.add_argument("--repeats", type=int, default=3, help="best of N runs per measurement")
-    b.add_argument("--nats", dest="nats_url", help="use this server instead of an embedded one")
-    b.set_defaults(func=cmd_bench_bus)
-    b = bsub.add_parser("envs", help="environment steps/s in process vs as services; sandbox runs/s")
-    b.add_argument("--json", type=Path)
-    b.add_argument("--seconds", type=float, default=5.0, help="per measurement")
-    b.add_argument("--families", default="quickgame,textworld,coding")
-    b.set_defaults(func=cmd_bench_envs)
-    b = bsub.add_parser("learn", help="policy success over time on the quick game, integrated vs outcome-only")
-    b.add_argument("--json", type=Path)
-    b.add_argument("--minutes", type=float, default=10.0, help="budget per configuration")
-    b.add_argument("--eval-every", type=float, default=30.0, help="seconds between evaluations")
-    b.add_argument("--episodes", type=int, default=64, help="episodes per evaluation")
-    b.set_defaults(func=cmd_bench_learn)
-    b = bsub.add_parser("ladder", help="the paper's ablation ladder at equal wall-clock budget")
-    b.add_argument("--json", type=Path)
-    b.add_argument("--minutes", type=float, default=5.0, help="budget per rung")
-    b.add_argument("--eval-every", type=float, default=30.0)
-    b.add_argument("--episodes", type=int, default=64)
-    b.set_defaults(func=cmd_bench_ladder)
-    b = bsub.add_parser("weights", help="pause of a weight swap (local engine; vLLM with --vllm-python)")
-    b.add_argument("--json", type=Path)
-    b.add_argument("--vllm-python", help="python of a venv with vllm (starts a server per size)")
-    b.add_argument("--sizes", default="tiny,small,medium")
-    b.set_defaults(func=cmd_bench_weights)
-    b = bsub.add_parser("codec", help="wire encodings of the event models: speed and size")
-    b.add_argument("--json", type=Path)
-    b.set_defaults(func=cmd_bench_codec)
+    groups = {"": parser.add_subparsers(dest="command", required=True, metavar="COMMAND")}
+    for command in COMMANDS:
+        parent, _, name = command.path.rpartition(" ")
+        p = groups[parent].add_parser(name, help=command.help)
+        if command.run is None:
+            groups[command.path] = p.add_subparsers(dest=command.path.replace(" ", "_") + "_command",
+                                                    required=True, metavar=command.metavar)
+            continue
+        for a in command.args:
+            p.add_argument(*a.flags, **a.options)
+        if command.overrides:
+            p.set_defaults(_extra_overrides=dict(command.overrides))
+        if command.config:
+            _config_flags(p)
+        if command.source:
+            _run_source(p)
+        p.set_defaults(func=command.run)
     return parser
 
 
@@ -285,16 +193,27 @@ def _learner_follower(cfg: Any) -> int:
 
 def cmd_server(args: argparse.Namespace) -> int:
     import signal
+    import socket
     import threading
 
-    from coevo.runtime.server import EmbeddedServer
+    from coevo.runtime.server import EmbeddedCluster, EmbeddedServer, server_security
 
+    security = server_security(  # ConfigError (exit 2) for a non-loopback bind without authentication
+        args.host, args.store, token_env=args.token_env, generate_token=args.generate_token, user=args.user,
+        password_env=args.password_env, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    with EmbeddedServer(args.store, port=args.port, host=args.host) as server:
-        print(f"nats-server ready at {server.url} (JetStream in {server.store_dir}); Ctrl-C stops it",
-              flush=True)
+    opts: dict[str, Any] = {"port": args.port, "host": args.host, "auth": security.auth, "tls": security.tls}
+    server = EmbeddedCluster(args.store, nodes=args.cluster, **opts) if args.cluster \
+        else EmbeddedServer(args.store, **opts)
+    with server:
+        url = server.url or ""
+        print(f"nats-server ready at {url} (JetStream in {server.store_dir}); Ctrl-C stops it", flush=True)
+        if security.token_file is not None:
+            print(f"the token is in {security.token_file} (mode 0600)", flush=True)
+        public = url.replace("0.0.0.0", socket.gethostname())
+        print(f"agents connect with: {security.agent_command(public)}", flush=True)
         done.wait()
     return 0
 
@@ -311,7 +230,7 @@ def cmd_schemas_export(args: argparse.Namespace) -> int:
 
 
 def cmd_events_export(args: argparse.Namespace) -> int:
-    from coevo.tools.replay import export_events, open_run
+    from coevo.tools.events import export_events, open_run
 
     async def go() -> int:
         async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
@@ -324,7 +243,7 @@ def cmd_events_export(args: argparse.Namespace) -> int:
 
 def cmd_events_import(args: argparse.Namespace) -> int:
     from coevo.runtime.app import make_run_id, open_bus
-    from coevo.tools.replay import import_events, read_export
+    from coevo.tools.events import import_events, read_export
 
     run_id = args.run_id or make_run_id()
 
@@ -339,7 +258,8 @@ def cmd_events_import(args: argparse.Namespace) -> int:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from coevo.tools.replay import open_run, trace
+    from coevo.tools.events import open_run
+    from coevo.tools.trace import trace
 
     async def go() -> dict[str, Any]:
         async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
@@ -363,16 +283,17 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from coevo.tools import replay as rp
+    from coevo.tools.events import load_events, open_run, run_config
 
     overrides: dict[str, Any] = {}
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key.strip()] = _parse_value(value)
-    cfg = rp.run_config(args.runs_dir, args.run, overrides)
+    cfg = run_config(args.runs_dir, args.run, overrides)
 
     async def go() -> dict[str, Any]:
-        async with rp.open_run(args.run, args.runs_dir, args.nats_url) as bus:
-            events = await rp.load_events(bus, args.start, args.end)
+        async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
+            events = await load_events(bus, args.start, args.end)
         if args.into == "scorer":
             report = rp.replay_scorer(events, cfg)
         elif args.into == "judge":
@@ -390,15 +311,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_rejudge(args: argparse.Namespace) -> int:
     from coevo.config import load_config
-    from coevo.tools import replay as rp
+    from coevo.tools.events import open_run, run_config
+    from coevo.tools.rejudge import rejudge
 
-    recorded_cfg = rp.run_config(args.runs_dir, args.run, {})
+    recorded_cfg = run_config(args.runs_dir, args.run, {})
     use_recorded = args.judge == "recorded"
     cfg = recorded_cfg if use_recorded else load_config(Path(args.judge))
 
     async def go() -> dict[str, Any]:
-        async with rp.open_run(args.run, args.runs_dir, args.nats_url) as bus:
-            return await rp.rejudge(bus, cfg, use_recorded)
+        async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
+            return await rejudge(bus, cfg, use_recorded)
 
     print(json.dumps(asyncio.run(go()), indent=2))
     return 0
@@ -431,7 +353,7 @@ def cmd_bench_ladder(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_weights(args: argparse.Namespace) -> int:
-    from coevo.bench.learn import bench_weights
+    from coevo.bench.weights import bench_weights
 
     sizes = tuple(s.strip() for s in args.sizes.split(",") if s.strip())
     return _emit(asyncio.run(bench_weights(args.vllm_python, sizes)), args.json)
@@ -450,6 +372,122 @@ def _emit(result: dict[str, Any], path: Path | None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
     return 0
+
+
+# ---- the command table -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arg:
+    flags: tuple[str, ...]
+    options: dict[str, Any]
+
+
+def arg(*flags: str, **options: Any) -> Arg:
+    return Arg(flags, options)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One row of the CLI: ``path`` is the words typed ("bench learn"); no ``run`` makes it a group."""
+
+    path: str
+    help: str
+    run: Callable[[argparse.Namespace], int] | None = None
+    args: tuple[Arg, ...] = ()
+    config: bool = False
+    """every field of the config tree as a flag, plus --config, --set, --nats, --run-id, --dry-run"""
+    source: bool = False
+    """--nats / --runs-dir: where a recorded run's events are"""
+    overrides: dict[str, str] = field(default_factory=dict)
+    """flag dest -> config field it sets"""
+    metavar: str = "ACTION"
+
+
+_JSON = arg("--json", type=Path, help="write results here")
+
+COMMANDS: tuple[Command, ...] = (
+    Command("run", "run the closed loop (policy, judge, rewriter, learner)", cmd_run, config=True, args=(
+        arg("--minutes", type=float, help="wall-clock budget (0: until stopped) [run.minutes]"),
+        arg("--steps", type=int, help="stop after this many policy learner steps [run.steps]"),
+        arg("--family", help="quickgame | textworld | coding [env.family]"),
+        arg("--reward", help="integrated | outcome-only | steps-only [scorer.reward]"),
+        arg("--policy-model", help="local transformers model dir [policy.model]"),
+        arg("--policy-url", help="vLLM server serving the policy, http://host:port/v1 [policy.url]"),
+        arg("--weight-sync", choices=("disk", "gloo", "nccl"),
+            help="how vLLM servers get new weights: reload the checkpoint (disk) or pushed by the learner "
+            "(gloo on CPU, nccl on GPU) [learner.weight_sync]"),
+        arg("--resume", metavar="RUN", help="continue run RUN (same run id and run directory)"),
+        arg("--judge", metavar="BACKEND:MODEL",
+            help="e.g. litellm:openai/gpt-4.1-mini, vllm:NAME, local:DIR [judge.backend, judge.model]"),
+        arg("--judge-api-base", help="api_base of the judge's API (LiteLLM) or vLLM URL [judge.url]"),
+    ), overrides={"minutes": "run.minutes", "steps": "run.steps", "family": "env.family",
+                  "reward": "scorer.reward", "policy_model": "policy.model", "policy_url": "policy.url",
+                  "weight_sync": "learner.weight_sync", "resume": "run.run_id"}),
+    Command("agent", "run one agent (a role, or module:Class) against a server", cmd_agent, config=True, args=(
+        arg("role", help="agent role or module:Class"),
+        arg("--agent-id", help="agent id (default: role + random suffix)"),
+        arg("--family", help="environment family (same as --env.family)"),
+    ), overrides={"family": "env.family"}),
+    Command("server", "run an embedded nats-server with JetStream in the foreground", cmd_server, args=(
+        arg("--port", type=int, default=4222, help="port (-1: any free port)"),
+        arg("--host", default="127.0.0.1", help="address to listen on; beyond loopback it needs auth"),
+        arg("--store", type=Path, default=Path("runs/nats"), help="JetStream storage directory"),
+        arg("--cluster", type=int, choices=(3, 5), help="start N nodes on this host joined by routes "
+            "(ports PORT..PORT+N-1; stores STORE/n<i>); prints the comma-separated URLs"),
+        arg("--generate-token", action="store_true",
+            help="require a random token, kept in STORE/nats-token (mode 0600)"),
+        arg("--token-env", metavar="NAME", help="require the token held by environment variable NAME"),
+        arg("--user", help="require this user (with --password-env)"),
+        arg("--password-env", metavar="NAME", help="environment variable holding --user's password"),
+        arg("--tls-cert", type=Path, help="server certificate (PEM): clients connect over TLS"),
+        arg("--tls-key", type=Path, help="key of --tls-cert"),
+        arg("--tls-ca", type=Path, help="require client certificates signed by this CA (mutual TLS)"),
+    )),
+    Command("schemas", "event schemas"),
+    Command("schemas export", "write the JSON Schema of every event into DIR", cmd_schemas_export,
+            args=(arg("dir", type=Path),)),
+    Command("events", "export a run's events, or import an export under a new run id"),
+    Command("events export", "write every event of a run, in order, with sequence numbers", cmd_events_export,
+            source=True, args=(arg("out", type=Path), arg("--run", required=True, help="run id"),
+                               arg("--format", choices=["jsonl", "parquet"], default="jsonl"))),
+    Command("events import", "load an export into a server under a new run id", cmd_events_import, source=True,
+            args=(arg("file", type=Path), arg("--run-id", help="new run id (default: generated)"))),
+    Command("trace", "causal timeline of a trajectory, task, step or weights version", cmd_trace, source=True,
+            args=(arg("ident", help="trajectory id, task id, step event id, or a weights version (policy:12)"),
+                  arg("--run", required=True), arg("--json", action="store_true", help="JSON instead of a tree"))),
+    Command("replay", "feed recorded events into a fresh agent; report the first divergence", cmd_replay,
+            source=True, args=(
+                arg("--run", required=True),
+                arg("--into", required=True, choices=["scorer", "judge", "rewriter", "learner"]),
+                arg("--from", dest="start", type=int, help="first stream sequence"),
+                arg("--to", dest="end", type=int, help="last stream sequence"),
+                arg("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="change the config for the replay"))),
+    Command("rejudge", "run another judge over a run's steps; agreement and accuracies", cmd_rejudge, source=True,
+            args=(arg("--run", required=True),
+                  arg("--judge", default="recorded", help="'recorded' (the original responses) or a config file"))),
+    Command("bench", "benchmarks (write JSON)", metavar="BENCH"),
+    Command("bench bus", "typed bus vs plain nats-py: throughput and publish-to-ack latency", cmd_bench_bus, args=(
+        _JSON, arg("--count", type=int, default=20000, help="events per size and mode"),
+        arg("--repeats", type=int, default=3, help="best of N runs per measurement"),
+        arg("--nats", dest="nats_url", help="use this server instead of an embedded one"))),
+    Command("bench envs", "environment steps/s in process vs as services; sandbox runs/s", cmd_bench_envs, args=(
+        _JSON, arg("--seconds", type=float, default=5.0, help="per measurement"),
+        arg("--families", default="quickgame,textworld,coding"))),
+    Command("bench learn", "policy success over time on the quick game, integrated vs outcome-only",
+            cmd_bench_learn, args=(
+                _JSON, arg("--minutes", type=float, default=10.0, help="budget per configuration"),
+                arg("--eval-every", type=float, default=30.0, help="seconds between evaluations"),
+                arg("--episodes", type=int, default=64, help="episodes per evaluation"))),
+    Command("bench ladder", "the paper's ablation ladder at equal wall-clock budget", cmd_bench_ladder, args=(
+        _JSON, arg("--minutes", type=float, default=5.0, help="budget per rung"),
+        arg("--eval-every", type=float, default=30.0), arg("--episodes", type=int, default=64))),
+    Command("bench weights", "pause of a weight swap (local engine; vLLM with --vllm-python)", cmd_bench_weights,
+            args=(_JSON, arg("--vllm-python", help="python of a venv with vllm (starts a server per size)"),
+                  arg("--sizes", default="tiny,small,medium"))),
+    Command("bench codec", "wire encodings of the event models: speed and size", cmd_bench_codec, args=(_JSON,)),
+)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import signal
 import statistics
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from coevo.runtime.agent import Agent, run_agents
 from coevo.runtime.aio import wait_event
 from coevo.runtime.app import open_runtime
 from coevo.runtime.bus import NatsBus
-from coevo.schemas import GroupScored, LearnerStepped, RunFinished, StepJudged, TaskDecided
+from coevo.schemas import Event, GroupScored, LearnerStepped, RunFinished, StepJudged, TaskDecided
 
 log = structlog.get_logger("coevo.loop")
 
@@ -46,78 +47,97 @@ def build_agents(bus: NatsBus, cfg: CoevoConfig, on_step: Any = None) -> list[Ag
     return agents
 
 
-async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any]:
-    """The run's summary, computed from the stored events."""
-    counts: Counter[str] = Counter()
-    train: list[float] = []
-    evals: dict[str, list[float]] = {}
-    proc: list[float] = []
-    outc: list[float] = []
-    proc_heldout: list[float] = []  # on held-out groups: the same tasks whatever the rewriter did
-    outc_heldout: list[float] = []
-    learner_steps = judge_steps = accepted = 0
-    judge_errors = judge_calls = judge_cache_hits = 0
-    judge_cost = 0.0
-    async for _, event, _m in bus.history():
+def _mean(xs: list[float]) -> float | None:
+    return round(statistics.fmean(xs), 4) if xs else None
+
+
+@dataclass
+class RunTally:
+    """What ``summary.json`` reports, accumulated event by event (pure: no I/O)."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    train: list[float] = field(default_factory=list)
+    evals: dict[str, list[float]] = field(default_factory=dict)
+    proc: list[float] = field(default_factory=list)
+    outc: list[float] = field(default_factory=list)
+    proc_heldout: list[float] = field(default_factory=list)  # held-out groups: the same tasks whatever the rewriter did
+    outc_heldout: list[float] = field(default_factory=list)
+    learner_steps: int = 0
+    judge_steps: int = 0
+    accepted: int = 0
+    judge: Counter[str] = field(default_factory=Counter)
+    judge_cost: float = 0.0
+
+    def add(self, event: Event | None) -> None:
         if event is None:
-            counts["undecodable"] += 1
-            continue
-        counts[event.kind] += 1  # type: ignore[attr-defined]
+            self.counts["undecodable"] += 1
+            return
+        self.counts[event.kind] += 1  # type: ignore[attr-defined]
         if isinstance(event, GroupScored):
-            if event.purpose == "train":
-                train.append(event.accuracy)
-            elif event.purpose == "eval":
-                evals.setdefault(event.group_id.split("-")[0], []).append(event.accuracy)
-            if event.judge_process_accuracy is not None:
-                proc.append(event.judge_process_accuracy)
-                if event.purpose == "eval":
-                    proc_heldout.append(event.judge_process_accuracy)
-            if event.judge_outcome_accuracy is not None:
-                outc.append(event.judge_outcome_accuracy)
-                if event.purpose == "eval":
-                    outc_heldout.append(event.judge_outcome_accuracy)
+            self._scored(event)
         elif isinstance(event, LearnerStepped):
-            learner_steps += event.role == "policy"
-            judge_steps += event.role == "judge"
+            self.learner_steps += event.role == "policy"
+            self.judge_steps += event.role == "judge"
         elif isinstance(event, TaskDecided):
-            accepted += event.accepted
+            self.accepted += event.accepted
         elif isinstance(event, StepJudged):
             for v in event.votes:
-                judge_errors += v.status == "error"
-                judge_cache_hits += v.cached
-                judge_calls += v.status != "error" and not v.cached
-                judge_cost += v.cost_usd
-    k = max(1, len(train) // 5)
-    rounds = [v for _, v in sorted(evals.items(), key=lambda kv: int(kv[0][4:] or 0))]
-    tail = max(1, len(proc) // 4)
+                self.judge["errors"] += v.status == "error"
+                self.judge["cache_hits"] += v.cached
+                self.judge["calls"] += v.status != "error" and not v.cached
+                self.judge_cost += v.cost_usd
 
-    def mean(xs: list[float]) -> float | None:
-        return round(statistics.fmean(xs), 4) if xs else None
+    def _scored(self, event: GroupScored) -> None:
+        heldout = event.purpose == "eval"
+        if event.purpose == "train":
+            self.train.append(event.accuracy)
+        elif heldout:
+            self.evals.setdefault(event.group_id.split("-")[0], []).append(event.accuracy)
+        if event.judge_process_accuracy is not None:
+            self.proc.append(event.judge_process_accuracy)
+            if heldout:
+                self.proc_heldout.append(event.judge_process_accuracy)
+        if event.judge_outcome_accuracy is not None:
+            self.outc.append(event.judge_outcome_accuracy)
+            if heldout:
+                self.outc_heldout.append(event.judge_outcome_accuracy)
 
-    seconds = max(ended - started, 1e-9)
-    return {
-        "run_id": bus.run_id,
-        "policy_success_start": mean(train[:k]),
-        "policy_success_end": mean(train[-k:]),
-        "heldout_success_start": mean(rounds[0]) if rounds else None,
-        "heldout_success_end": mean(rounds[-1]) if rounds else None,
-        "judge_process_accuracy": mean(proc[-tail:]),
-        "judge_outcome_accuracy": mean(outc[-tail:]),
-        "judge_process_accuracy_heldout": mean(proc_heldout[-max(1, len(proc_heldout) // 2):]),
-        "judge_outcome_accuracy_heldout": mean(outc_heldout[-max(1, len(outc_heldout) // 2):]),
-        "rewrites_proposed": counts["task.rewritten"],
-        "rewrites_accepted": accepted,
-        "learner_steps": learner_steps,
-        "judge_learner_steps": judge_steps,
-        "events": dict(sorted(counts.items())),
-        "trajectories_per_second": round(counts["trajectory.completed"] / seconds, 3),
-        "judge_errors": judge_errors,
-        "judge_calls": judge_calls,
-        "judge_cache_hits": judge_cache_hits,
-        "judge_cost_usd": round(judge_cost, 6),
-        "seconds": round(seconds, 1),
-        "groups_scored": len(train),
-    }
+    def summary(self, run_id: str, seconds: float) -> dict[str, Any]:
+        k = max(1, len(self.train) // 5)
+        rounds = [v for _, v in sorted(self.evals.items(), key=lambda kv: int(kv[0][4:] or 0))]
+        tail = max(1, len(self.proc) // 4)
+        seconds = max(seconds, 1e-9)
+        return {
+            "run_id": run_id,
+            "policy_success_start": _mean(self.train[:k]),
+            "policy_success_end": _mean(self.train[-k:]),
+            "heldout_success_start": _mean(rounds[0]) if rounds else None,
+            "heldout_success_end": _mean(rounds[-1]) if rounds else None,
+            "judge_process_accuracy": _mean(self.proc[-tail:]),
+            "judge_outcome_accuracy": _mean(self.outc[-tail:]),
+            "judge_process_accuracy_heldout": _mean(self.proc_heldout[-max(1, len(self.proc_heldout) // 2):]),
+            "judge_outcome_accuracy_heldout": _mean(self.outc_heldout[-max(1, len(self.outc_heldout) // 2):]),
+            "rewrites_proposed": self.counts["task.rewritten"],
+            "rewrites_accepted": self.accepted,
+            "learner_steps": self.learner_steps,
+            "judge_learner_steps": self.judge_steps,
+            "events": dict(sorted(self.counts.items())),
+            "trajectories_per_second": round(self.counts["trajectory.completed"] / seconds, 3),
+            "judge_errors": self.judge["errors"],
+            "judge_calls": self.judge["calls"],
+            "judge_cache_hits": self.judge["cache_hits"],
+            "judge_cost_usd": round(self.judge_cost, 6),
+            "seconds": round(seconds, 1),
+            "groups_scored": len(self.train),
+        }
+
+
+async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any]:
+    """The run's summary, computed from the stored events."""
+    tally = RunTally()
+    async for _, event, _m in bus.history():
+        tally.add(event)
+    return tally.summary(bus.run_id, ended - started)
 
 
 class Progress:

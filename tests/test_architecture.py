@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import os
 import re
+import shutil
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
+
+import pytest
 
 from coevo.config import load_config
 from coevo.tools.topology import topology
@@ -19,3 +28,84 @@ def test_subject_table_matches_the_agents(model_cache: Path) -> None:
             split = lambda cell: {c.strip() for c in re.split(r",(?![^(]*\))", cell) if c.strip() not in ("", "—")}  # noqa: E731
             table[m.group(1)] = {"producers": split(m.group(2)), "consumers": split(m.group(3))}
     assert table == topology(cfg)
+
+
+# ---- the layout: contracts, table, and the shape of modules ----------------------------------------
+
+LINT = Path(sys.executable).parent / "lint-imports"
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(LINT), "--no-cache"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_import_contracts_hold() -> None:
+    result = _lint(REPO)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(("module", "line", "contract"), [
+    ("training/loss.py", "import coevo.agents.policy", "Layers"),
+    ("envs/quickgame.py", "import coevo.runtime.bus", "Environments know nothing of NATS"),
+    ("algorithm/scoring.py", "import torch", "The algorithm does no I/O"),
+    ("schemas/base.py", "import nats", "Events stay light"),
+])
+def test_import_contracts_catch_a_violation(tmp_path: Path, module: str, line: str, contract: str) -> None:
+    shutil.copytree(REPO / "coevo", tmp_path / "coevo", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    with (tmp_path / "coevo" / module).open("a") as f:
+        f.write(f"\n{line}  # noqa\n")
+    result = _lint(tmp_path)
+    assert result.returncode != 0
+    broken = result.stdout.split("Broken contracts")[-1]
+    assert contract in broken and line.split()[-1] in broken
+
+
+def _layers() -> list[set[str]]:
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    return [{name.strip() for name in row.split("|")} for row in layers]
+
+
+def test_where_things_are_table_matches_the_contracts() -> None:
+    rows = []
+    for line in (REPO / "docs" / "architecture.md").read_text().splitlines():
+        m = re.match(r"\| (\d+) \| ([^|]+) \|", line)
+        if m:
+            names = re.findall(r"`coevo/([\w/.]+?)(?:\.py)?`", m.group(2))
+            rows.append({"coevo." + n.replace("/", ".") for n in names})
+    assert rows == _layers()
+    top = {p.stem for p in (REPO / "coevo").iterdir()
+           if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))}
+    assert {n.split(".")[1] for row in rows for n in row} == top  # every package has its row
+
+
+def test_agents_holds_only_agents_and_no_library_package_holds_a_benchmark() -> None:
+    from coevo.runtime.agent import Agent
+
+    for path in sorted((REPO / "coevo" / "agents").glob("*.py")):
+        if path.stem in ("__init__", "follower"):  # follower: the weights mixin of policy and judge
+            continue
+        module = importlib.import_module(f"coevo.agents.{path.stem}")
+        agents = [v for v in vars(module).values()
+                  if isinstance(v, type) and issubclass(v, Agent) and v.__module__ == module.__name__]
+        assert agents, f"coevo/agents/{path.name} defines no agent"
+    benches = [p for p in (REPO / "coevo").rglob("*bench*.py") if "bench" not in p.relative_to(REPO / "coevo").parts[:-1]]
+    assert benches == []
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_is_longer_than_60_lines() -> None:
+    long = []
+    for path in sorted((REPO / "coevo").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({length} lines)")
+    assert long == []

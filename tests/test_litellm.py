@@ -151,7 +151,7 @@ async def test_tasks_agent_records_the_rejection_in_a_decision_event(bus: NatsBu
     await bus.flush()
     (decided,) = [e for e in await bus.events(["task.decided"]) if isinstance(e, TaskDecided)]
     assert not decided.accepted and decided.reason.startswith("invalid proposal: invalid rewriter output")
-    assert "no JSON object" in decided.reason and slot.pending is None
+    assert "no JSON object" in decided.reason and slot.candidate is None
 
 
 async def test_cache_hit_on_the_second_identical_call(bus: NatsBus) -> None:

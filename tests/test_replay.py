@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from coevo.tools.replay import normalized, read_export
+from coevo.tools.events import normalized, read_export
 from tests.conftest import PYTHON, REPO, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -129,7 +129,7 @@ def test_rejudge_with_the_recorded_responses_agrees_completely(recorded) -> None
 async def test_lineage_of_a_candidate_rejected_then_proposed_again_and_accepted(bus) -> None:
     """The same candidate id (same parent, same knobs) decided twice: the acceptance made it a task."""
     from coevo.schemas import TaskDecided, TaskRewritten
-    from coevo.tools.replay import trace
+    from coevo.tools.trace import trace
     from tests.samples import sample_events
 
     events = sample_events(bus.run_id)

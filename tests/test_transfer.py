@@ -16,17 +16,17 @@ from coevo.config import LearnerConfig
 from coevo.errors import BusError
 from coevo.schemas import TransferConnect, TransferEndpoint, TransferOffer, TransferRequest, transfer_subject
 from coevo.training.lane import Lane
-from coevo.training.transfer import GlooGroup, Plan, load_checkpoint_tensors, receive, send
+from coevo.training.transfer import GlooCollective, Plan, load_checkpoint_tensors, receive, send
 from coevo.training.weight_server import WeightServer
 
 
-def pair(timeout_s: float = 5.0) -> tuple[GlooGroup, GlooGroup]:
-    store = GlooGroup.host_store("127.0.0.1", 2, timeout_s)
-    box: dict[str, GlooGroup] = {}
-    joiner = threading.Thread(target=lambda: box.setdefault("r", GlooGroup.join("127.0.0.1", store.port, 1, 2,
+def pair(timeout_s: float = 5.0) -> tuple[GlooCollective, GlooCollective]:
+    store = GlooCollective.host_store("127.0.0.1", 2, timeout_s)
+    box: dict[str, GlooCollective] = {}
+    joiner = threading.Thread(target=lambda: box.setdefault("r", GlooCollective.join("127.0.0.1", store.port, 1, 2,
                                                                                   timeout_s)))
     joiner.start()
-    rank0 = GlooGroup(store, 0, 2, timeout_s)
+    rank0 = GlooCollective(store, 0, 2, timeout_s)
     joiner.join()
     return rank0, box["r"]
 
@@ -89,7 +89,7 @@ async def test_weight_server_connects_pushes_the_newest_checkpoint_and_refuses_c
         ep = await bus.request(transfer_subject(bus.run_id, "policy", "connect"),
                                TransferConnect(server="vllm-a", workers=1), TransferEndpoint)
         assert ep.backend == "gloo" and ep.world_size == 2 and ep.init_info()["rank_offset"] == 1
-        worker = await asyncio.to_thread(GlooGroup.join, ep.master_address, ep.master_port, 1, 2, 5.0)
+        worker = await asyncio.to_thread(GlooCollective.join, ep.master_address, ep.master_port, 1, 2, 5.0)
 
         offer = await bus.request(push, TransferRequest(server="vllm-a", version=0), TransferOffer, timeout_s=30)
         plan = Plan(tuple(offer.names), tuple(offer.dtype_names), tuple(tuple(s) for s in offer.shapes))

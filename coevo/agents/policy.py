@@ -32,7 +32,7 @@ class PolicyAgent(WeightsFollower, Agent):
         super().__init__(*a, **kw)
         self.family = make_family(self.cfg.env)
         self.client = make_client(self.cfg, "policy", seed=self.cfg.run.seed)
-        self.slots = asyncio.Semaphore(self.cfg.policy.max_concurrent_trajectories)
+        self.rollout_permits = asyncio.Semaphore(self.cfg.policy.max_concurrent_trajectories)
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16),
@@ -63,7 +63,7 @@ class PolicyAgent(WeightsFollower, Agent):
         step_ids: list[str] = []
         versions: list[int] = []
         outcome, error = "aborted", None
-        async with self.slots:
+        async with self.rollout_permits:
             env = self.make_env()
             try:
                 obs = await env.reset(task_event.task)

@@ -79,10 +79,18 @@ class Group:
         return None
 
 
-def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, Any]:
-    """The fields of ``GroupScored`` for a ready group (pure: no I/O)."""
-    assert g.scheduled is not None
-    sc = cfg.scorer
+def make_sample(sample_id: str, role: str, tokens: Any, advantage: float, model_version: int,
+                step_event_id: str) -> TrainingSample:
+    """The one way to build a training sample: the tokens and sampling log-probs of ``tokens``
+    (a ``StepTaken`` or a judge vote), with its advantage."""
+    return TrainingSample(sample_id=sample_id, role=role, prompt_token_ids=tokens.prompt_token_ids,  # type: ignore[arg-type]
+                          response_token_ids=tokens.response_token_ids, logprobs=tokens.logprobs,
+                          allowed_token_ids=tokens.allowed_token_ids, advantage=advantage,
+                          model_version=model_version, step_event_id=step_event_id)
+
+
+def group_records(g: Group) -> tuple[list[scoring.TrajRec], list[str]]:
+    """The group as the pure scoring functions see it, and the steps still without votes."""
     stragglers: list[str] = []
     trajs: list[scoring.TrajRec] = []
     for t in sorted(g.trajectories.values(), key=lambda t: t.rollout_index):
@@ -90,69 +98,75 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, A
         for sid in t.step_event_ids if t.outcome != "aborted" else []:
             if sid not in g.steps:
                 continue
-            st = g.steps[sid]
             judged = g.judged.get(sid)
             if judged is None:
                 stragglers.append(sid)
             votes = tuple(scoring.VoteRec(v.value, v.status) for v in judged.votes) if judged else ()
-            steps.append(scoring.StepRec(sid, st.step_index, votes, st.reference_label))
+            steps.append(scoring.StepRec(sid, g.steps[sid].step_index, votes, g.steps[sid].reference_label))
         trajs.append(scoring.TrajRec(t.trajectory_id, t.outcome, tuple(steps)))
+    return trajs, stragglers
+
+
+def policy_samples(trajs: list[scoring.TrajRec], g: Group, adv: dict[str, float]) -> list[TrainingSample]:
+    """One sample per step with a nonzero advantage (ALGORITHM.md §1)."""
+    out = []
+    for s in (s for t in trajs for s in t.steps):
+        st, a = g.steps[s.step_id], adv.get(s.step_id, 0.0)
+        if a != 0.0 and st.response_token_ids:
+            out.append(make_sample(f"p-{s.step_id}", "policy", st, a, st.policy_version, s.step_id))
+    return out
+
+
+def judge_vote_samples(trajs: list[scoring.TrajRec], g: Group, rewards: dict[str, float]) -> list[TrainingSample]:
+    """One sample per vote with a nonzero consistency advantage (ALGORITHM.md §2)."""
+    out = []
+    for s in (s for t in trajs for s in t.steps):
+        judged = g.judged.get(s.step_id)
+        if judged is None:
+            continue
+        for vote, va in zip(judged.votes, scoring.consistency_advantages(rewards[s.step_id], s.votes), strict=True):
+            if va is not None and va != 0.0 and vote.response_token_ids:
+                out.append(make_sample(f"j-{s.step_id}-{vote.index}", "judge", vote, va, vote.model_version or 0,
+                                       s.step_id))
+    return out
+
+
+def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, Any]:
+    """The fields of ``GroupScored`` for a ready group (pure: no I/O)."""
+    assert g.scheduled is not None
+    sc = cfg.scorer
+    trajs, stragglers = group_records(g)
     acc = scoring.accuracy(trajs)
-    n_aborted = sum(t.outcome == "aborted" for t in trajs)
-    purpose = g.scheduled.purpose
     fields: dict[str, Any] = {
         "task_id": g.scheduled.task.task_id, "group_id": g.scheduled.group_id, "slot_id": g.scheduled.slot_id,
-        "purpose": purpose, "n_trajectories": len(trajs), "n_aborted": n_aborted,
-        "trajectory_ids": [t.trajectory_id for t in trajs],
+        "purpose": g.scheduled.purpose, "n_trajectories": len(trajs),
+        "n_aborted": sum(t.outcome == "aborted" for t in trajs), "trajectory_ids": [t.trajectory_id for t in trajs],
         "step_event_ids": [s.step_id for t in trajs for s in t.steps], "stragglers": stragglers,
     }
     if acc is None:
         return {**fields, "accuracy": 0.0, "policy_band_ok": False, "judge_band_ok": False,
                 "flagged": "no completed trajectory"}
     rewards = scoring.integrated_rewards(trajs, sc.lam, sc.reward)
-    adv = scoring.step_advantages(trajs, rewards)
-    policy_ok = scoring.in_band(acc, *sc.policy_band)
-    judge_ok = scoring.in_band(acc, *sc.judge_band)
+    policy_ok, judge_ok = scoring.in_band(acc, *sc.policy_band), scoring.in_band(acc, *sc.judge_band)
     errors = sum(v.status == "error" for t in trajs for s in t.steps for v in s.votes)
     total_votes = sum(len(s.votes) for t in trajs for s in t.steps)
     flagged = None
     if total_votes and errors / total_votes > 0.5 and sc.reward != "outcome-only":
         flagged = f"judge errors: {errors}/{total_votes} votes failed"
-    trainable = purpose in ("train", "candidate") and flagged is None
-    policy_samples: list[TrainingSample] = []
+    trainable = g.scheduled.purpose in ("train", "candidate") and flagged is None
     judge_samples: list[TrainingSample] = []
-    coding = g.scheduled.task.family == "coding"
-    if coding and trainable and train_judge and judge_ok:
-        judge_samples = coding_judge_samples(trajs, g)
-    for t in trajs:
-        for s in t.steps:
-            st = g.steps[s.step_id]
-            a = adv.get(s.step_id, 0.0)
-            if trainable and policy_ok and a != 0.0 and st.response_token_ids:
-                policy_samples.append(TrainingSample(
-                    sample_id=f"p-{s.step_id}", role="policy", prompt_token_ids=st.prompt_token_ids,
-                    response_token_ids=st.response_token_ids, logprobs=st.logprobs,
-                    allowed_token_ids=st.allowed_token_ids, advantage=a, model_version=st.policy_version,
-                    step_event_id=s.step_id))
-            judged = g.judged.get(s.step_id)
-            if coding or not (trainable and train_judge and judge_ok and judged):
-                continue
-            for vote, va in zip(judged.votes, scoring.consistency_advantages(rewards[s.step_id], s.votes),
-                                strict=True):
-                if va is None or va == 0.0 or not vote.response_token_ids:
-                    continue
-                judge_samples.append(TrainingSample(
-                    sample_id=f"j-{s.step_id}-{vote.index}", role="judge", prompt_token_ids=vote.prompt_token_ids,
-                    response_token_ids=vote.response_token_ids, logprobs=vote.logprobs,
-                    allowed_token_ids=vote.allowed_token_ids, advantage=va, model_version=vote.model_version or 0,
-                    step_event_id=s.step_id))
+    if trainable and train_judge and judge_ok:
+        coding = g.scheduled.task.family == "coding"
+        judge_samples = coding_judge_samples(trajs, g) if coding else judge_vote_samples(trajs, g, rewards)
     consistency = [r for t in trajs for s in t.steps
                    for r in scoring.consistency_rewards(rewards[s.step_id], s.votes) if r is not None]
     proc, outc = scoring.judge_accuracies(trajs)
-    failures = [failure_digest(t, g) for t in trajs if t.outcome in ("lost", "truncated")]
     return {**fields, "accuracy": acc, "policy_band_ok": policy_ok, "judge_band_ok": judge_ok,
-            "policy_samples": policy_samples, "judge_samples": judge_samples, "judge_process_accuracy": proc,
-            "judge_outcome_accuracy": outc, "flagged": flagged, "failures": failures,
+            "policy_samples": policy_samples(trajs, g, scoring.step_advantages(trajs, rewards))
+            if trainable and policy_ok else [],
+            "judge_samples": judge_samples, "judge_process_accuracy": proc,
+            "judge_outcome_accuracy": outc, "flagged": flagged,
+            "failures": [failure_digest(t, g) for t in trajs if t.outcome in ("lost", "truncated")],
             "mean_reward": sum(rewards.values()) / len(rewards) if rewards else 0.0,
             "judge_consistency": sum(consistency) / len(consistency) if consistency else None}
 
@@ -167,15 +181,11 @@ def coding_judge_samples(trajs: list[scoring.TrajRec], g: Group) -> list[Trainin
     assert template is not None
     results = [[(ok, j.votes[k].value == 1) for ok, j in programs if k < len(j.votes)]  # type: ignore[union-attr]
                for k in range(len(template.votes))]
-    out = []
-    for vote, adv in zip(template.votes, scoring.coding_test_advantages(results), strict=True):
-        if adv != 0.0 and vote.response_token_ids:
-            out.append(TrainingSample(
-                sample_id=f"j-{g.scheduled.group_id if g.scheduled else ''}-test{vote.index}", role="judge",
-                prompt_token_ids=vote.prompt_token_ids, response_token_ids=vote.response_token_ids,
-                logprobs=vote.logprobs, allowed_token_ids=vote.allowed_token_ids, advantage=adv,
-                model_version=vote.model_version or 0, step_event_id=template.step_event_id))
-    return out
+    group_id = g.scheduled.group_id if g.scheduled else ""
+    return [make_sample(f"j-{group_id}-test{vote.index}", "judge", vote, adv, vote.model_version or 0,
+                        template.step_event_id)
+            for vote, adv in zip(template.votes, scoring.coding_test_advantages(results), strict=True)
+            if adv != 0.0 and vote.response_token_ids]
 
 
 def failure_digest(t: scoring.TrajRec, g: Group) -> FailureDigest:

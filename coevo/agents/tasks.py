@@ -1,7 +1,7 @@
 """The task pool and the environment rewriter agent (ALGORITHM.md §4).
 
 Invariants:
-- every slot has one active task, the ids of the tasks it replaced, and at most one pending
+- every slot has one active task, the ids of the tasks it replaced, and at most one candidate
   rewrite; slots live in JetStream KV, so a restarted agent resumes them (and its in-flight groups);
 - held-out slots are never rewritten and their groups (``purpose = eval``) are never trained on;
 - at most ``tasks.max_groups_in_flight`` groups are scheduled and not yet scored, and no new group
@@ -17,7 +17,7 @@ import asyncio
 import itertools
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from coevo.algorithm import scoring
 from coevo.algorithm.rewriter import BuiltinRewriter, Rewriter
@@ -44,9 +44,12 @@ class Slot(BaseModel):
     split: Literal["train", "heldout"]
     active: TaskSpec
     history: list[str] = Field(default_factory=list)
-    pending: TaskSpec | None = None
-    pending_direction: Literal["harder", "easier"] | None = None
-    pending_scheduled: bool = False
+    # the rewrite under measurement (stored as "pending*" by earlier versions: still read)
+    candidate: TaskSpec | None = Field(default=None, validation_alias=AliasChoices("candidate", "pending"))
+    candidate_direction: Literal["harder", "easier"] | None = Field(
+        default=None, validation_alias=AliasChoices("candidate_direction", "pending_direction"))
+    candidate_scheduled: bool = Field(default=False,
+                                      validation_alias=AliasChoices("candidate_scheduled", "pending_scheduled"))
     parent_accuracy: float | None = None
     groups_since_rewrite: int = 0
     last_accuracy: float | None = None
@@ -86,23 +89,9 @@ class TasksAgent(Agent):
         if tc.rewriter != "llm":
             return BuiltinRewriter()
         from coevo.algorithm.rewriter import LLMRewriter
+        from coevo.inference.clients import make_client
 
-        if not tc.llm_model:
-            raise ValueError("tasks.llm_model is needed when tasks.rewriter = 'llm'")
-        if tc.llm_backend == "litellm":
-            from coevo.inference.litellm_client import LiteLLMClient
-
-            self.llm_client = LiteLLMClient(tc.llm_model, tc.api, api_base=tc.llm_url, name="rewriter")
-        elif tc.llm_backend == "vllm":
-            from coevo.inference.vllm_client import VLLMClient
-
-            self.llm_client = VLLMClient(tc.llm_url or "", tc.llm_model, name="rewriter")
-        else:
-            from pathlib import Path
-
-            from coevo.inference.engine import LocalEngine
-
-            self.llm_client = LocalEngine(Path(tc.llm_model), name="rewriter")
+        self.llm_client = make_client(self.cfg, "rewriter")
         return LLMRewriter(self.llm_client, retries=tc.api.retries)
 
     async def run(self) -> None:
@@ -122,11 +111,14 @@ class TasksAgent(Agent):
     # ---- state -------------------------------------------------------------------------------
 
     async def load(self) -> None:
+        """Resume the pool from KV, or seed it when the bucket holds no key. Any other KV error
+        propagates (the supervisor restarts ``main``): seeding over saved slots would lose them."""
+        from nats.js.errors import NoKeysError
+
         self._kv = await self.bus.kv("tasks")
-        keys: list[str] = []
         try:
-            keys = await self._kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            keys: list[str] = await self._kv.keys()
+        except NoKeysError:  # nats-py's answer for an empty bucket, and only for that
             keys = []
         for key in keys:
             raw = (await self._kv.get(key)).value
@@ -162,8 +154,8 @@ class TasksAgent(Agent):
     def next_group(self) -> tuple[Slot, TaskSpec, Literal["train", "candidate", "eval"]]:
         """Candidates first, then a due held-out evaluation round, then train slots round-robin."""
         for slot in self.slots.values():
-            if slot.pending is not None and not slot.pending_scheduled:
-                return slot, slot.pending, "candidate"
+            if slot.candidate is not None and not slot.candidate_scheduled:
+                return slot, slot.candidate, "candidate"
         if self.eval_queue:
             slot = self.slots[self.eval_queue.pop(0)]
             return slot, slot.active, "eval"
@@ -187,7 +179,7 @@ class TasksAgent(Agent):
             if self.inflight.train_groups_scheduled % self.cfg.tasks.eval_every == 0:
                 self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]
         if purpose == "candidate":
-            slot.pending_scheduled = True
+            slot.candidate_scheduled = True
             await self.save(slot)
         await self.save_inflight()
         await self.emit(event)
@@ -230,7 +222,7 @@ class TasksAgent(Agent):
     async def maybe_rewrite(self, slot: Slot, event: GroupScored) -> None:
         low, high = self.cfg.tasks.band
         direction = scoring.rewrite_direction(event.accuracy, low, high)
-        if (self.rewriter is None or slot.split != "train" or direction is None or slot.pending is not None
+        if (self.rewriter is None or slot.split != "train" or direction is None or slot.candidate is not None
                 or slot.groups_since_rewrite < self.cfg.tasks.min_groups_between_rewrites):
             return
         proposal = await self.rewriter.propose(self.family, slot.active, direction, event.failures)
@@ -244,8 +236,8 @@ class TasksAgent(Agent):
                                    rewriter=proposal.rewriter, precheck_ok=ok, precheck_error=why))
         self.counters["rewrites_proposed"] += 1
         if ok and proposal.candidate is not None:
-            slot.pending, slot.pending_direction = proposal.candidate, direction
-            slot.pending_scheduled, slot.parent_accuracy = False, event.accuracy
+            slot.candidate, slot.candidate_direction = proposal.candidate, direction
+            slot.candidate_scheduled, slot.parent_accuracy = False, event.accuracy
         else:  # rejected before any rollout: the decision says why
             slot.groups_since_rewrite = 0  # back off before trying again
             candidate_id = proposal.candidate.task_id if proposal.candidate else f"{slot.active.task_id}__invalid"
@@ -256,25 +248,25 @@ class TasksAgent(Agent):
                 parent_accuracy=event.accuracy, candidate_accuracy=None, rewriter=proposal.rewriter))
 
     async def decide(self, slot: Slot, event: GroupScored) -> None:
-        if slot.pending is None or event.task_id != slot.pending.task_id:
+        if slot.candidate is None or event.task_id != slot.candidate.task_id:
             return  # decided already (redelivery)
-        assert slot.pending_direction is not None
+        assert slot.candidate_direction is not None
         low, high = self.cfg.tasks.band
         parent_acc = slot.parent_accuracy if slot.parent_accuracy is not None else 0.0
         if event.flagged:
             accepted, reason = False, f"candidate group flagged: {event.flagged}"
         else:
-            accepted, reason = scoring.accept_rewrite(slot.pending_direction, parent_acc, event.accuracy, low, high)
+            accepted, reason = scoring.accept_rewrite(slot.candidate_direction, parent_acc, event.accuracy, low, high)
         await self.emit(self.event(
             TaskDecided, cause=event, slot_id=slot.slot_id, parent_id=slot.active.task_id,
-            candidate_id=slot.pending.task_id, direction=slot.pending_direction, accepted=accepted, reason=reason,
+            candidate_id=slot.candidate.task_id, direction=slot.candidate_direction, accepted=accepted, reason=reason,
             parent_accuracy=parent_acc, candidate_accuracy=event.accuracy,
             rewriter=self.rewriter.name if self.rewriter else "none"))
         if accepted:
             slot.history.append(slot.active.task_id)
-            slot.active = slot.pending
+            slot.active = slot.candidate
             slot.rewrites_accepted += 1
             slot.last_accuracy = event.accuracy
             self.counters["rewrites_accepted"] += 1
-        slot.pending, slot.pending_direction, slot.pending_scheduled, slot.parent_accuracy = None, None, False, None
+        slot.candidate, slot.candidate_direction, slot.candidate_scheduled, slot.parent_accuracy = None, None, False, None
         slot.groups_since_rewrite = 0

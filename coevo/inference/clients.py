@@ -25,7 +25,10 @@ def model_dir(cfg: CoevoConfig, role: Literal["policy", "judge"]) -> Path:
     return ensure_default_model(role, cache_dir(cfg), seed=cfg.run.seed)
 
 
-def make_client(cfg: CoevoConfig, role: Literal["policy", "judge"], *, seed: int = 0) -> InferenceClient:
+def make_client(cfg: CoevoConfig, role: Literal["policy", "judge", "rewriter"], *, seed: int = 0) -> InferenceClient:
+    """The client ``role`` uses, from config; the one place a client is chosen."""
+    if role == "rewriter":
+        return _rewriter_client(cfg)
     if role == "policy" and cfg.policy.url:
         from coevo.inference.vllm_client import VLLMClient
 
@@ -43,3 +46,18 @@ def make_client(cfg: CoevoConfig, role: Literal["policy", "judge"], *, seed: int
         assert cfg.judge.model is not None
         return LiteLLMClient(cfg.judge.model, cfg.judge.api, api_base=cfg.judge.url, name="judge")
     return LocalEngine(model_dir(cfg, role), name=role, device=cfg.learner.device, seed=seed)
+
+
+def _rewriter_client(cfg: CoevoConfig) -> InferenceClient:
+    tc = cfg.tasks
+    if not tc.llm_model:
+        raise ValueError("tasks.llm_model is needed when tasks.rewriter = 'llm'")
+    if tc.llm_backend == "litellm":
+        from coevo.inference.litellm_client import LiteLLMClient
+
+        return LiteLLMClient(tc.llm_model, tc.api, api_base=tc.llm_url, name="rewriter")
+    if tc.llm_backend == "vllm":
+        from coevo.inference.vllm_client import VLLMClient
+
+        return VLLMClient(tc.llm_url or "", tc.llm_model, name="rewriter")
+    return LocalEngine(Path(tc.llm_model), name="rewriter")

@@ -58,7 +58,7 @@ def stream_name(run_id: str) -> str:
 async def connect_nats(cfg: NatsConfig, url: str, name: str = "coevo") -> NATS:
     """Connect with credentials and TLS from config; secrets are read from the environment."""
     opts: dict[str, Any] = {
-        "servers": [url],
+        "servers": [u.strip() for u in url.split(",") if u.strip()],  # a cluster: every node's URL
         "name": name,
         "connect_timeout": cfg.connect_timeout_s,
         "max_reconnect_attempts": -1,
@@ -104,7 +104,7 @@ def _secret(env: str) -> str:
 
 
 @dataclass
-class _Pending:
+class _UnackedPublish:
     subject: str
     payload: bytes
     event_id: str
@@ -135,9 +135,9 @@ class NatsBus:
         self.stream_cfg = stream or StreamConfig()
         self.stream = stream_name(run_id)
         self.stats = BusStats()
-        self._slots = asyncio.Semaphore(bus.max_inflight_publishes)
-        self._pending: dict[asyncio.Future[Any], _Pending] = {}
-        self._failed: list[_Pending] = []
+        self._publish_permits = asyncio.Semaphore(bus.max_inflight_publishes)
+        self._unacked: dict[asyncio.Future[Any], _UnackedPublish] = {}
+        self._failed: list[_UnackedPublish] = []
         self._idle = asyncio.Event()
         self._idle.set()
         self._closed = False
@@ -220,21 +220,21 @@ class NatsBus:
     async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> asyncio.Future[Any]:
         if self._failed:
             await self._retry_failed()
-        if self._slots.locked():
+        if self._publish_permits.locked():
             try:
-                await asyncio.wait_for(self._slots.acquire(), self.cfg.publish_ack_timeout_s)
+                await asyncio.wait_for(self._publish_permits.acquire(), self.cfg.publish_ack_timeout_s)
             except TimeoutError:
                 await self._expire_stale()
-                await self._slots.acquire()
+                await self._publish_permits.acquire()
         else:
-            await self._slots.acquire()
-        pending = _Pending(subject, payload, msg_id, time.perf_counter())
+            await self._publish_permits.acquire()
+        pending = _UnackedPublish(subject, payload, msg_id, time.perf_counter())
         try:
             fut = await self.js.publish_async(subject, payload, headers={MSG_ID: msg_id})
         except BaseException:
-            self._slots.release()
+            self._publish_permits.release()
             raise
-        self._pending[fut] = pending
+        self._unacked[fut] = pending
         self._idle.clear()
         fut.add_done_callback(self._on_ack)
         return fut
@@ -242,12 +242,12 @@ class NatsBus:
     async def publish_sync(self, event: Event) -> api.PubAck:
         """Publish and wait for the ack (retried with the same message id)."""
         return await self._publish_with_retry(
-            _Pending(subject_for(self.run_id, kind_of(event)), encode(event), event.event_id,
+            _UnackedPublish(subject_for(self.run_id, kind_of(event)), encode(event), event.event_id,
                      time.perf_counter()))
 
     def _on_ack(self, fut: asyncio.Future[Any]) -> None:
-        pending = self._pending.pop(fut, None)
-        self._slots.release()
+        pending = self._unacked.pop(fut, None)
+        self._publish_permits.release()
         if pending is not None:
             if fut.cancelled() or fut.exception() is not None:
                 self._failed.append(pending)
@@ -258,12 +258,12 @@ class NatsBus:
                     self.stats.duplicates += 1
                 if self.stats.track_latency:
                     self.stats.latencies_ms.append((time.perf_counter() - pending.t0) * 1e3)
-        if not self._pending:
+        if not self._unacked:
             self._idle.set()
 
     async def _expire_stale(self) -> None:
         limit = time.perf_counter() - self.cfg.publish_ack_timeout_s
-        for fut, pending in list(self._pending.items()):
+        for fut, pending in list(self._unacked.items()):
             if pending.t0 < limit:
                 fut.cancel()
         await self._retry_failed()
@@ -274,7 +274,7 @@ class NatsBus:
             self.stats.publish_retries += 1
             await self._publish_with_retry(pending)
 
-    async def _publish_with_retry(self, p: _Pending) -> api.PubAck:
+    async def _publish_with_retry(self, p: _UnackedPublish) -> api.PubAck:
         last: BaseException | None = None
         for attempt in range(self.cfg.publish_retries + 1):
             try:
@@ -296,13 +296,13 @@ class NatsBus:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
-            for fut in list(self._pending):
+            for fut in list(self._unacked):
                 fut.cancel()
         await self._retry_failed()
 
     @property
     def inflight(self) -> int:
-        return len(self._pending)
+        return len(self._unacked)
 
     # ---- consume -----------------------------------------------------------------------------
 

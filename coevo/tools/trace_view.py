@@ -1,4 +1,4 @@
-"""Rendering a trace as a rich tree (the data comes from ``replay.trace``)."""
+"""Rendering a trace as a rich tree (the data comes from ``trace.trace``)."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def build_lane(cfg: CoevoConfig, role: Role, ckpt_root: Path) -> Lane:
 
 
 @dataclass
-class Pending:
+class QueuedGroup:
     group_id: str
     samples: list[TrainingSample]
     done: asyncio.Future[None]
@@ -57,13 +57,13 @@ class Pending:
 @dataclass
 class LaneQueue:
     lane: Lane
-    pending: list[Pending] = field(default_factory=list)
+    queued: list[QueuedGroup] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     last_arrival: float = 0.0
 
     @property
     def held(self) -> int:
-        return sum(len(p.samples) for p in self.pending)
+        return sum(len(p.samples) for p in self.queued)
 
 
 class LearnerAgent(Agent):
@@ -134,7 +134,7 @@ class LearnerAgent(Agent):
             if not samples or q.lane.has_consumed(event.group_id):
                 continue
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            q.pending.append(Pending(event.group_id, list(samples), fut))
+            q.queued.append(QueuedGroup(event.group_id, list(samples), fut))
             q.last_arrival = time.monotonic()
             q.arrived.set()
             waits.append(fut)
@@ -157,10 +157,10 @@ class LearnerAgent(Agent):
             await wait_event(q.arrived, self.flush_after_s if q.held else 1.0)
 
     async def train(self, role: Role, q: LaneQueue) -> None:
-        take: list[Pending] = []
+        take: list[QueuedGroup] = []
         n = 0
-        while q.pending and (n < self.cfg.learner.batch_samples or not take):
-            p = q.pending.pop(0)
+        while q.queued and (n < self.cfg.learner.batch_samples or not take):
+            p = q.queued.pop(0)
             take.append(p)
             n += len(p.samples)
         samples = [s for p in take for s in p.samples]

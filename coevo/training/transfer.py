@@ -78,13 +78,13 @@ def load_checkpoint_tensors(path: Path, device: str = "cpu") -> dict[str, torch.
     return out
 
 
-class Group(Protocol):
+class Collective(Protocol):
     def broadcast(self, tensor: torch.Tensor) -> None: ...
 
     def close(self) -> None: ...
 
 
-class GlooGroup:
+class GlooCollective:
     """A process group of its own (no global torch.distributed state), rank 0 hosting the store."""
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
@@ -104,7 +104,7 @@ class GlooGroup:
                              wait_for_workers=False)
 
     @classmethod
-    def join(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> GlooGroup:
+    def join(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> GlooCollective:
         import torch.distributed as dist
 
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -122,7 +122,7 @@ class GlooGroup:
         self.store = None
 
 
-class NcclGroup:
+class NcclCollective:
     """The sender's end of vLLM's own NCCL transfer group (needs vLLM and CUDA in this process)."""
 
     def __init__(self, host: str, port: int, world_size: int) -> None:
@@ -139,7 +139,7 @@ class NcclGroup:
         self.comm.destroy()
 
 
-def send(group: Group, tensors: dict[str, torch.Tensor], plan: Plan) -> None:
+def send(group: Collective, tensors: dict[str, torch.Tensor], plan: Plan) -> None:
     """Rank 0's side of one transfer: every tensor of ``plan``, in its order."""
     for name in plan.names:
         group.broadcast(tensors[name])
@@ -147,7 +147,7 @@ def send(group: Group, tensors: dict[str, torch.Tensor], plan: Plan) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def receive(group: Group, plan: Plan, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def receive(group: Collective, plan: Plan, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """A worker's side of one transfer: yields ``(name, tensor)`` in the plan's order, as received."""
     for i, name in enumerate(plan.names):
         t = plan.empty(i, device)

@@ -33,7 +33,14 @@ from coevo.schemas import (
     transfer_subject,
 )
 from coevo.schemas.control import TransferBackend
-from coevo.training.transfer import GlooGroup, Group, NcclGroup, Plan, load_checkpoint_tensors, send
+from coevo.training.transfer import (
+    Collective,
+    GlooCollective,
+    NcclCollective,
+    Plan,
+    load_checkpoint_tensors,
+    send,
+)
 
 log = structlog.get_logger("coevo.weights")
 
@@ -44,7 +51,7 @@ Published = Callable[[], tuple[int, Path, str]]  # the newest published (version
 class _Link:
     """One server's transfer group, as rank 0 holds it."""
 
-    ready: asyncio.Future[Group]
+    ready: asyncio.Future[Collective]
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sending: asyncio.Future[None] | None = None
     broken: str | None = None
@@ -94,12 +101,12 @@ class WeightServer:
             old.close()
         world = 1 + req.workers
         if self.backend == "gloo":
-            store = GlooGroup.host_store(self.host, world, self.timeout_s)
+            store = GlooCollective.host_store(self.host, world, self.timeout_s)
             port = int(store.port)
-            opening = asyncio.to_thread(GlooGroup, store, 0, world, self.timeout_s)
+            opening = asyncio.to_thread(GlooCollective, store, 0, world, self.timeout_s)
         else:
             port = _free_port(self.host)
-            opening = asyncio.to_thread(NcclGroup, self.host, port, world)
+            opening = asyncio.to_thread(NcclCollective, self.host, port, world)
         link = _Link(asyncio.ensure_future(opening))
         link.ready.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # retrieved in push
         self.links[key] = link
@@ -144,7 +151,7 @@ class WeightServer:
                     raise
         raise AssertionError("unreachable")
 
-    async def _send(self, role: str, server: str, link: _Link, group: Group, tensors: dict[str, Any], plan: Plan,
+    async def _send(self, role: str, server: str, link: _Link, group: Collective, tensors: dict[str, Any], plan: Plan,
                     version: int) -> None:
         try:
             await asyncio.to_thread(send, group, tensors, plan)

@@ -1,0 +1,110 @@
+"""Pause of a weight swap by model size: local engine, vLLM reload from disk, vLLM pushed over gloo."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] = ("tiny", "small", "medium"),
+                        repeats: int = 5) -> dict[str, Any]:
+    """Pause of a weight swap into the local engine (and a vLLM server when ``vllm_python`` is given)."""
+    import statistics
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from coevo.config import LearnerConfig
+    from coevo.inference.engine import LocalEngine
+    from coevo.inference.models import build_tokenizer
+    from coevo.training.lane import Lane
+
+    shapes = {"tiny": (2, 128), "small": (4, 256), "medium": (8, 512), "large": (12, 768)}
+    out: dict[str, Any] = {"sizes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_dir = Path(tmp) / "tok"
+        build_tokenizer(tok_dir)
+        for size in sizes:
+            layers, width = shapes[size]
+            d = Path(tmp) / size
+            build_tokenizer(d)
+            cfg = Qwen2Config(vocab_size=1024, hidden_size=width, intermediate_size=width * 4,
+                              num_hidden_layers=layers, num_attention_heads=width // 64,
+                              num_key_value_heads=width // 64, max_position_embeddings=1024,
+                              tie_word_embeddings=False)
+            torch.manual_seed(0)
+            Qwen2ForCausalLM(cfg).save_pretrained(d)
+            lane = Lane("policy", d, Path(tmp) / f"ckpt-{size}", LearnerConfig(), device="cpu")
+            path, _, nbytes = lane.checkpoint()
+            params = sum(p.numel() for p in lane.model.parameters())
+            local = []
+            async with LocalEngine(d) as eng:
+                for i in range(repeats):
+                    local.append(await eng.swap_weights(path, i + 1))
+            entry: dict[str, Any] = {"parameters": params, "bytes": nbytes,
+                                     "local_pause_ms_median": round(statistics.median(local), 2)}
+            if vllm_python:
+                pauses = await _vllm_pauses(vllm_python, d, path, repeats)
+                entry["vllm_pause_ms_median"] = pauses["disk"]  # reload_weights from the checkpoint path
+                entry["vllm_gloo_pause_ms_median"] = pauses["gloo"]  # pushed by the learner (coevo_gloo)
+            out["sizes"][size] = entry
+    return out
+
+
+async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> dict[str, float]:
+    """Median pause of a swap into a fresh vLLM server: reloaded from disk, and pushed over gloo."""
+    import os
+    import signal
+    import socket
+    import statistics
+    import subprocess
+    import threading
+    import urllib.request
+
+    from coevo.inference.vllm_client import SERVER_ENV, VLLMClient, server_command
+    from coevo.schemas import TransferEndpoint, TransferOffer
+    from coevo.training.transfer import GlooCollective, Plan, load_checkpoint_tensors, send
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tempfile.TemporaryFile()
+    proc = await asyncio.create_subprocess_exec(
+        *server_command(python, model, port), env={**os.environ, **SERVER_ENV}, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for _ in range(300):
+            try:
+                await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                if proc.returncode is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"vLLM exited {proc.returncode}:\n{log.read().decode()[-3000:]}") from None
+                await asyncio.sleep(1)
+        disk, gloo = [], []
+        async with VLLMClient(f"http://127.0.0.1:{port}/v1", str(model), tokenizer_dir=model) as client:
+            for i in range(repeats):
+                disk.append(await client.swap_weights(ckpt, i + 1))
+            store = GlooCollective.host_store("127.0.0.1", 2, 120.0)
+            opening = asyncio.ensure_future(asyncio.to_thread(GlooCollective, store, 0, 2, 120.0))
+            endpoint = TransferEndpoint(backend="gloo", master_address="127.0.0.1", master_port=int(store.port),
+                                        world_size=2)
+            await client.init_transfer(endpoint.init_info(), 120.0)
+            group = await opening
+            tensors = load_checkpoint_tensors(ckpt)
+            plan = Plan.of(tensors)
+            for i in range(repeats):
+                offer = TransferOffer(version=repeats + i + 1, sha256="", **plan.update_info())  # type: ignore[arg-type]
+                sender = threading.Thread(target=send, args=(group, tensors, plan))
+                sender.start()
+                gloo.append(await client.receive_weights(offer, 120.0))
+                await asyncio.to_thread(sender.join)
+        return {"disk": round(statistics.median(disk), 2), "gloo": round(statistics.median(gloo), 2)}
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 60)
+        log.close()
