@@ -2,6 +2,14 @@
 # Create .venv with everything coevo needs (CPU). Idempotent; safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# bubblewrap isolates the coding environment's programs (docs/security.md)
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq bubblewrap
+  else
+    echo "setup: bubblewrap is missing; install it with: sudo apt-get install -y bubblewrap" >&2
+  fi
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then

@@ -155,7 +155,7 @@ class JudgeAgent(WeightsFollower, Agent):
         passed: list[bool] = []
         if runnable:
             passed, _ = await run_tests(step.artifact or step.action_text, entry_point(step.objective),
-                                        [t["code"] for t in runnable])
+                                        [t["code"] for t in runnable], isolation=self.cfg.env.sandbox)
         verdict = {t["index"]: p for t, p in zip(runnable, passed, strict=True)}
         votes = []
         for t in tests:

@@ -23,5 +23,5 @@ def make_family(cfg: EnvConfig) -> Family:
     if cfg.family == "coding":
         from coevo.envs.coding import Coding
 
-        return Coding(cfg.jsonl)
+        return Coding(cfg.jsonl, sandbox=cfg.sandbox)
     raise ValueError(f"unknown family {cfg.family!r} (known: {', '.join(FAMILIES)})")

@@ -3,10 +3,13 @@
 A task is one problem plus rewrite knobs: ``constraints`` (how many of ``CONSTRAINTS`` apply, each
 stated in the prompt and checked by a matching test) and ``examples`` (1 = the docstring's
 examples are shown, 0 = hidden). An episode is one step: the action is a program; the outcome is
-``won`` iff every test passes in the sandbox. The per-test pass list is in ``info``.
+``won`` iff every test passes. The per-test pass list is in ``info``.
 
-Invariant: tests run only inside ``sandbox.run_python``; a test that hangs is stopped by a
-per-test timer (the rest still run), and a program that breaks the sandbox fails every test.
+Invariant: the program only ever runs in a sandbox (``coevo.envs.sandbox``, isolated as
+``env.sandbox`` says) and every verdict is decided outside it (``coevo.envs.referee``): a test's
+pass is a returned value compared by coevo, or the report of a test process the program cannot
+reach; a stdin/stdout test compares the captured output. A test that hangs is stopped by a
+per-test timer (the rest still run); a program that breaks the sandbox fails every test left.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coevo.envs import referee
 from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult
+from coevo.envs.isolation import ISOLATIONS, Isolation, warn_unisolated
 from coevo.envs.sandbox import SandboxLimits, SandboxResult, run_python
 from coevo.schemas import TaskSpec
 
@@ -98,47 +103,12 @@ def load_jsonl(path: Path) -> dict[str, Problem]:
     return out
 
 
-RUNNER = '''
-import json as _json, signal as _signal, ast as _ast
-_PROGRAM = {program!r}
-_ENTRY = {entry!r}
-exec(compile(_PROGRAM, "solution.py", "exec"))
-{prelude}
-class _TestTimeout(Exception):
-    pass
-def _alarm(*_):
-    raise _TestTimeout()
-_signal.signal(_signal.SIGALRM, _alarm)
-_results = []
-for _src in {tests!r}:
-    _signal.setitimer(_signal.ITIMER_REAL, {per_test_s})
-    try:
-        exec(_src, dict(globals(), candidate=globals().get(_ENTRY)))
-        _results.append(True)
-    except Exception:
-        _results.append(False)
-    finally:
-        _signal.setitimer(_signal.ITIMER_REAL, 0)
-print("COEVO_RESULTS " + _json.dumps(_results))
-'''
-
-
-def parse_results(result: SandboxResult, n: int) -> list[bool]:
-    for line in result.stdout.splitlines():
-        if line.startswith("COEVO_RESULTS "):
-            values = json.loads(line.removeprefix("COEVO_RESULTS "))
-            if len(values) == n:
-                return [bool(v) for v in values]
-    return [False] * n
-
-
-async def run_tests(program: str, entry_point: str, tests: list[str], *, prelude: str = "",
-                    per_test_s: float = 2.0, limits: SandboxLimits | None = None) -> tuple[list[bool], SandboxResult]:
-    """Run ``tests`` (assert code using ``candidate``) against ``program`` in one sandbox process."""
-    code = RUNNER.format(program=program, entry=entry_point, prelude=prelude, tests=tests, per_test_s=per_test_s)
-    wall = max(5.0, per_test_s * len(tests) + 3.0)
-    result = await run_python(code, limits=limits or SandboxLimits(wall_s=wall, cpu_s=int(wall) + 1))
-    return parse_results(result, len(tests)), result
+async def run_tests(program: str, entry_point: str, tests: list[str], *, prelude: str = "", context: str = "",
+                    per_test_s: float = 2.0, limits: SandboxLimits | None = None,
+                    isolation: Isolation = "bwrap") -> tuple[list[bool], SandboxResult]:
+    """Run ``tests`` (assert code using ``candidate``) against ``program``: see ``coevo.envs.referee``."""
+    return await referee.run_tests(program, entry_point, tests, prelude=prelude, context=context,
+                                   per_test_s=per_test_s, limits=limits, isolation=isolation)
 
 
 def strip_examples(prompt: str) -> str:
@@ -187,8 +157,13 @@ class Coding(Family):
     knobs = (Knob("constraints", 0, len(CONSTRAINTS), harder=1), Knob("examples", 0, 1, harder=-1))
     max_steps_cap = 1
 
-    def __init__(self, jsonl: Path | None = None) -> None:
+    def __init__(self, jsonl: Path | None = None, sandbox: Isolation = "bwrap") -> None:
+        if sandbox not in ISOLATIONS:
+            raise EnvError(f"coding: unknown sandbox {sandbox!r} (known: {', '.join(ISOLATIONS)})")
         self.jsonl = jsonl
+        self.sandbox: Isolation = sandbox
+        if sandbox == "process":
+            warn_unisolated()
 
     def problems(self, task: TaskSpec) -> Problem:
         source = task.params.get("source", "humaneval")
@@ -215,9 +190,10 @@ class Coding(Family):
     async def evaluate(self, task: TaskSpec, program: str) -> tuple[list[bool], SandboxResult]:
         p = self.problems(task)
         program = self.complete(p, program)
-        passed, result = await run_tests(program, p.entry_point, self.tests_for(task), prelude=p.prelude)
+        passed, result = await run_tests(program, p.entry_point, self.tests_for(task), prelude=p.prelude,
+                                         context=p.prompt, isolation=self.sandbox)
         for stdin, expected in p.io_tests:
-            r = await run_python(program, stdin=stdin)
+            r = await run_python(program, stdin=stdin, isolation=self.sandbox)
             passed.append(r.ok and r.stdout.strip() == expected.strip())
             result = r if not r.ok else result
         return passed, result
