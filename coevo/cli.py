@@ -136,8 +136,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if _dry_run(args, cfg):
         return 0
     from coevo.loop import run_main
+    from coevo.observe.live import ObserveOptions
+    from coevo.tools.trace import trace
 
-    return asyncio.run(run_main(cfg))
+    opts = ObserveOptions(dashboard=not args.no_dashboard, dashboard_port=args.dashboard_port,
+                          metrics_port=args.metrics_port, report=not args.no_report, trace=trace)
+    return asyncio.run(run_main(cfg, opts))
 
 
 def _exit_on_stop(signum: int, _frame: object) -> None:
@@ -172,9 +176,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        from coevo.observe.live import agent_metrics
+
         async with open_runtime(cfg, name=f"coevo-agent-{cls.role}") as rt:
             agent = cls(rt.bus, cfg, agent_id=args.agent_id)
-            await run_agents([agent], handle_signals=False, until=stop)
+            async with agent_metrics([agent], args.metrics_port, args.metrics_host) as url:
+                if url:
+                    print(f"{agent.agent_id}: Prometheus metrics at {url}", flush=True)
+                await run_agents([agent], handle_signals=False, until=stop)
         return 0
 
     return asyncio.run(go())
@@ -326,6 +335,45 @@ def cmd_rejudge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from coevo.observe.live import ObserveOptions, observe_run
+    from coevo.tools.events import open_run
+    from coevo.tools.trace import trace
+
+    opts = ObserveOptions(dashboard_port=args.port, host=args.host, trace=trace)
+
+    async def go() -> int:
+        import signal
+
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        async with open_run(args.run, args.runs_dir, args.nats_url) as bus, \
+                observe_run(bus, opts, title=f"coevo run {args.run}") as live:
+            print(f"dashboard of run {args.run} at {live.dashboard_url} (Ctrl-C stops it)", flush=True)
+            await stop.wait()
+        return 0
+
+    return asyncio.run(go())
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    if (args.run is None) == (args.bench is None):
+        raise SystemExit("coevo report: give --run RUN or --bench FILE.json")
+    if args.bench is not None:
+        from coevo.observe.report import write_bench_report
+
+        out = args.out or args.bench.with_suffix("")
+        path = write_bench_report(json.loads(args.bench.read_text()), out, name=args.bench.stem)
+    else:
+        from coevo.observe.offline import run_report
+
+        out = args.out or args.runs_dir / args.run / "report"
+        path = asyncio.run(run_report(args.run, args.runs_dir, args.nats_url, out))
+    print(f"wrote {path}")
+    return 0
+
+
 def cmd_bench_bus(args: argparse.Namespace) -> int:
     from coevo.bench.bus import bench_bus
 
@@ -421,6 +469,11 @@ COMMANDS: tuple[Command, ...] = (
         arg("--judge", metavar="BACKEND:MODEL",
             help="e.g. litellm:openai/gpt-4.1-mini, vllm:NAME, local:DIR [judge.backend, judge.model]"),
         arg("--judge-api-base", help="api_base of the judge's API (LiteLLM) or vLLM URL [judge.url]"),
+        arg("--dashboard-port", type=int, default=8765,
+            help="port of the live dashboard on 127.0.0.1 (0: any free port; 8765 falls back to a free one)"),
+        arg("--no-dashboard", action="store_true", help="do not serve the live dashboard"),
+        arg("--metrics-port", type=int, help="also serve Prometheus /metrics and /healthz on this port"),
+        arg("--no-report", action="store_true", help="do not write runs/<id>/report/ at the end"),
     ), overrides={"minutes": "run.minutes", "steps": "run.steps", "family": "env.family",
                   "reward": "scorer.reward", "policy_model": "policy.model", "policy_url": "policy.url",
                   "weight_sync": "learner.weight_sync", "resume": "run.run_id"}),
@@ -428,6 +481,8 @@ COMMANDS: tuple[Command, ...] = (
         arg("role", help="agent role or module:Class"),
         arg("--agent-id", help="agent id (default: role + random suffix)"),
         arg("--family", help="environment family (same as --env.family)"),
+        arg("--metrics-port", type=int, help="serve Prometheus /metrics and /healthz on this port"),
+        arg("--metrics-host", default="127.0.0.1", help="address of --metrics-port (0.0.0.0: every interface)"),
     ), overrides={"family": "env.family"}),
     Command("server", "run an embedded nats-server with JetStream in the foreground", cmd_server, args=(
         arg("--port", type=int, default=4222, help="port (-1: any free port)"),
@@ -467,6 +522,14 @@ COMMANDS: tuple[Command, ...] = (
     Command("rejudge", "run another judge over a run's steps; agreement and accuracies", cmd_rejudge, source=True,
             args=(arg("--run", required=True),
                   arg("--judge", default="recorded", help="'recorded' (the original responses) or a config file"))),
+    Command("dashboard", "serve the dashboard of a running or finished run", cmd_dashboard, source=True, args=(
+        arg("--run", required=True, help="run id"),
+        arg("--port", type=int, default=8765, help="port (0: any free port)"),
+        arg("--host", default="127.0.0.1", help="address to listen on"))),
+    Command("report", "HTML report with plots of a run (--run) or of a bench result (--bench)", cmd_report,
+            source=True, args=(
+                arg("--run", help="run id"), arg("--bench", type=Path, help="a `coevo bench ... --json` file"),
+                arg("--out", type=Path, help="output directory (default: runs/<run>/report, or next to FILE)"))),
     Command("bench", "benchmarks (write JSON)", metavar="BENCH"),
     Command("bench bus", "typed bus vs plain nats-py: throughput and publish-to-ack latency", cmd_bench_bus, args=(
         _JSON, arg("--count", type=int, default=20000, help="events per size and mode"),

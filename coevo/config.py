@@ -34,7 +34,8 @@ class RunConfig(Section):
 
 
 class NatsConfig(Section):
-    url: str | None = Field(default=None, description="NATS URL; none = start an embedded server")
+    url: str | None = Field(default=None, description="NATS URL, or a cluster's URLs comma-separated "
+                            "(nats://h1:4222,nats://h2:4222); none = start an embedded server")
     user: str | None = None
     password_env: str | None = Field(
         default=None, description="name of the environment variable holding the password"
@@ -71,6 +72,9 @@ class BusConfig(Section):
     nak_backoff_s: list[float] = Field(default_factory=lambda: [0.2, 1.0, 5.0], min_length=1)
     handler_concurrency: int = Field(default=8, ge=1)
     in_progress_every_s: float = Field(default=10.0, gt=0, description="heartbeat for long handlers")
+    inline_max_bytes: int = Field(
+        default=256 * 1024, ge=1024, description="an event encoded larger than this is stored in the run's object "
+        "store and the stream holds a claim (key + sha256); always kept below stream.max_msg_size")
 
     @model_validator(mode="after")
     def _in_progress_before_ack_wait(self) -> BusConfig:
@@ -83,7 +87,10 @@ class AgentConfig(Section):
     heartbeat_s: float = Field(default=5.0, gt=0)
     drain_timeout_s: float = Field(default=10.0, gt=0)
     restart_backoff_s: list[float] = Field(default_factory=lambda: [0.1, 0.5, 2.0, 5.0], min_length=1)
-    max_restarts: int = Field(default=20, ge=0, description="then the agent fails")
+    max_restarts: int = Field(default=20, ge=0, description="crashes of one task within "
+                              "agent.restart_window_s it survives; one more and the agent fails")
+    restart_window_s: float = Field(default=3600.0, gt=0, description="crashes older than this no longer "
+                                    "count against agent.max_restarts (rare transient crashes never add up)")
 
 
 class EnvConfig(Section):
@@ -97,6 +104,20 @@ class EnvConfig(Section):
     step_timeout_s: float = Field(default=30.0, gt=0, description="a remote step slower than this fails")
     max_sessions: int = Field(default=64, ge=1, description="episodes one env worker hosts at once")
     session_idle_s: float = Field(default=600.0, gt=0, description="an idle remote episode is closed")
+    sandbox: Literal["bwrap", "process"] = Field(
+        default="bwrap", description="coding: how programs are isolated. bwrap: bubblewrap namespaces (no network, "
+        "no host files, read-only interpreter, unprivileged uid, seccomp); process: an audit hook and rlimits "
+        "only, NOT safe for untrusted (RL-trained) policies, opt in for trusted code (docs/security.md)")
+
+    @model_validator(mode="after")
+    def _coding_needs_isolation(self) -> EnvConfig:
+        import shutil
+
+        if self.family == "coding" and self.sandbox == "bwrap" and shutil.which("bwrap") is None:
+            raise ValueError("env.sandbox = 'bwrap' needs bubblewrap (bwrap), which is not on PATH: install it with "
+                             "apt-get install bubblewrap; or set env.sandbox = 'process' to run programs without "
+                             "isolation (trusted programs only)")
+        return self
 
 
 Band = tuple[float, float]
@@ -190,6 +211,9 @@ class TasksConfig(Section):
     min_groups_between_rewrites: int = Field(default=2, ge=0, description="per slot, against oscillation")
     max_groups_in_flight: int = Field(default=4, ge=1, description="scheduled but not yet scored")
     eval_every: int = Field(default=16, ge=1, description="train groups between held-out evaluations")
+    inflight_timeout_s: float = Field(
+        default=1800.0, gt=0, description="a scheduled group never scored after this (its TaskScheduled or "
+        "GroupScored was lost) stops counting against max_groups_in_flight; a candidate is scheduled again")
 
     @model_validator(mode="after")
     def _band(self) -> TasksConfig:
@@ -206,6 +230,8 @@ class LearnerConfig(Section):
     kl_beta: float = Field(default=0.01, ge=0)
     grad_clip: float = Field(default=1.0, gt=0)
     max_staleness: int = Field(default=2, ge=0, description="policy versions data may lag (0 = synchronous)")
+    verdict_wait_s: float = Field(default=30.0, gt=0, description="how long a candidate group waits for its "
+                                  "TaskDecided before it is redelivered (dropped untrained on its last delivery)")
     correction: Literal["tis", "decoupled"] = Field(default="tis", description="off-policy correction")
     tis_cap: float = Field(default=2.0, ge=1.0, description="truncated importance sampling cap c")
     device: str | None = Field(default=None, description="torch device (default: cuda if available)")
@@ -227,6 +253,10 @@ class LearnerConfig(Section):
 class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     console: Literal["pretty", "json", "off"] = "pretty"
+    tensorboard: bool = Field(default=True, description="write metrics as TensorBoard event files in runs/<id>/tb")
+    wandb: bool = Field(default=False, description="also log metrics to Weights & Biases, offline (needs wandb "
+                        "installed; `wandb sync runs/<id>/wandb/offline-run-*` uploads later)")
+    wandb_project: str = Field(default="coevo", min_length=1, description="W&B project name")
 
 
 _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("coevo_config_file", default=None)

@@ -2,29 +2,36 @@
 
 Invariant: the run ends (budget, ``--steps``, Ctrl-C or SIGTERM) by stopping every agent
 gracefully (in-flight work finishes or is nak'd for the next run), then writes ``summary.json``
-from the event stream itself, so the summary of a run and of its replay agree.
+from the event stream itself, so the summary of a run and of its replay agree. While it runs, an
+observer folds the same stream into metrics (TensorBoard, the dashboard, ``/metrics``); it has read
+every event, ``run.finished`` included, before the report is written and the process exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
-import statistics
+import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from coevo.config import CoevoConfig
+from coevo.observe.aggregate import Aggregator
+from coevo.observe.live import LiveRun, ObserveOptions, observe_run
+from coevo.observe.tally import RunTally
 from coevo.runtime.agent import Agent, run_agents
 from coevo.runtime.aio import wait_event
-from coevo.runtime.app import open_runtime
+from coevo.runtime.app import Runtime, open_runtime
 from coevo.runtime.bus import NatsBus
-from coevo.schemas import Event, GroupScored, LearnerStepped, RunFinished, StepJudged, TaskDecided
+from coevo.schemas import RunFinished
+
+__all__ = ["Progress", "RunTally", "build_agents", "describe", "run_main", "summarize"]
 
 log = structlog.get_logger("coevo.loop")
 
@@ -47,91 +54,6 @@ def build_agents(bus: NatsBus, cfg: CoevoConfig, on_step: Any = None) -> list[Ag
     return agents
 
 
-def _mean(xs: list[float]) -> float | None:
-    return round(statistics.fmean(xs), 4) if xs else None
-
-
-@dataclass
-class RunTally:
-    """What ``summary.json`` reports, accumulated event by event (pure: no I/O)."""
-
-    counts: Counter[str] = field(default_factory=Counter)
-    train: list[float] = field(default_factory=list)
-    evals: dict[str, list[float]] = field(default_factory=dict)
-    proc: list[float] = field(default_factory=list)
-    outc: list[float] = field(default_factory=list)
-    proc_heldout: list[float] = field(default_factory=list)  # held-out groups: the same tasks whatever the rewriter did
-    outc_heldout: list[float] = field(default_factory=list)
-    learner_steps: int = 0
-    judge_steps: int = 0
-    accepted: int = 0
-    judge: Counter[str] = field(default_factory=Counter)
-    judge_cost: float = 0.0
-
-    def add(self, event: Event | None) -> None:
-        if event is None:
-            self.counts["undecodable"] += 1
-            return
-        self.counts[event.kind] += 1  # type: ignore[attr-defined]
-        if isinstance(event, GroupScored):
-            self._scored(event)
-        elif isinstance(event, LearnerStepped):
-            self.learner_steps += event.role == "policy"
-            self.judge_steps += event.role == "judge"
-        elif isinstance(event, TaskDecided):
-            self.accepted += event.accepted
-        elif isinstance(event, StepJudged):
-            for v in event.votes:
-                self.judge["errors"] += v.status == "error"
-                self.judge["cache_hits"] += v.cached
-                self.judge["calls"] += v.status != "error" and not v.cached
-                self.judge_cost += v.cost_usd
-
-    def _scored(self, event: GroupScored) -> None:
-        heldout = event.purpose == "eval"
-        if event.purpose == "train":
-            self.train.append(event.accuracy)
-        elif heldout:
-            self.evals.setdefault(event.group_id.split("-")[0], []).append(event.accuracy)
-        if event.judge_process_accuracy is not None:
-            self.proc.append(event.judge_process_accuracy)
-            if heldout:
-                self.proc_heldout.append(event.judge_process_accuracy)
-        if event.judge_outcome_accuracy is not None:
-            self.outc.append(event.judge_outcome_accuracy)
-            if heldout:
-                self.outc_heldout.append(event.judge_outcome_accuracy)
-
-    def summary(self, run_id: str, seconds: float) -> dict[str, Any]:
-        k = max(1, len(self.train) // 5)
-        rounds = [v for _, v in sorted(self.evals.items(), key=lambda kv: int(kv[0][4:] or 0))]
-        tail = max(1, len(self.proc) // 4)
-        seconds = max(seconds, 1e-9)
-        return {
-            "run_id": run_id,
-            "policy_success_start": _mean(self.train[:k]),
-            "policy_success_end": _mean(self.train[-k:]),
-            "heldout_success_start": _mean(rounds[0]) if rounds else None,
-            "heldout_success_end": _mean(rounds[-1]) if rounds else None,
-            "judge_process_accuracy": _mean(self.proc[-tail:]),
-            "judge_outcome_accuracy": _mean(self.outc[-tail:]),
-            "judge_process_accuracy_heldout": _mean(self.proc_heldout[-max(1, len(self.proc_heldout) // 2):]),
-            "judge_outcome_accuracy_heldout": _mean(self.outc_heldout[-max(1, len(self.outc_heldout) // 2):]),
-            "rewrites_proposed": self.counts["task.rewritten"],
-            "rewrites_accepted": self.accepted,
-            "learner_steps": self.learner_steps,
-            "judge_learner_steps": self.judge_steps,
-            "events": dict(sorted(self.counts.items())),
-            "trajectories_per_second": round(self.counts["trajectory.completed"] / seconds, 3),
-            "judge_errors": self.judge["errors"],
-            "judge_calls": self.judge["calls"],
-            "judge_cache_hits": self.judge["cache_hits"],
-            "judge_cost_usd": round(self.judge_cost, 6),
-            "seconds": round(seconds, 1),
-            "groups_scored": len(self.train),
-        }
-
-
 async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any]:
     """The run's summary, computed from the stored events."""
     tally = RunTally()
@@ -141,10 +63,12 @@ async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any
 
 
 class Progress:
-    """Live progress: a rich status line on a terminal, a log line every 10 s otherwise."""
+    """Live progress: a rich status line on a terminal, a log line every 10 s otherwise. Every number is
+    labelled; the recent train success comes from the observer's aggregator when there is one."""
 
-    def __init__(self, agents: list[Agent]) -> None:
+    def __init__(self, agents: list[Agent], aggregator: Aggregator | None = None) -> None:
         self.agents = agents
+        self.aggregator = aggregator
         self.t0 = time.monotonic()
 
     def line(self) -> str:
@@ -153,13 +77,15 @@ class Progress:
             c.update(a.counters)
         won = c["trajectories.won"]
         done = sum(v for k, v in c.items() if k.startswith("trajectories."))
-        return (f"{time.monotonic() - self.t0:6.0f}s  trajectories {done} (won {won / done if done else 0:.0%})  "
-                f"groups {c['groups_scored']}  learner steps {c['steps.policy']}/{c['steps.judge']}  "
-                f"rewrites {c['rewrites_accepted']}/{c['rewrites_proposed']}")
+        recent = ""
+        if self.aggregator is not None and (train := self.aggregator.tally.train[-20:]):
+            recent = f" | train success, last {len(train)} groups: {sum(train) / len(train):.0%}"
+        return (f"{time.monotonic() - self.t0:5.0f}s | trajectories {done}, {won / done if done else 0:.0%} won "
+                f"(all so far){recent} | groups scored {c['groups_scored']} | learner steps: policy "
+                f"{c['steps.policy']}, judge {c['steps.judge']} | rewrites: {c['rewrites_accepted']} accepted "
+                f"of {c['rewrites_proposed']} proposed")
 
     async def run(self, stop: asyncio.Event) -> None:
-        import sys
-
         from rich.console import Console
 
         console = Console(stderr=True)
@@ -174,10 +100,81 @@ class Progress:
                 log.info("progress", status=self.line())
 
 
-async def run_main(cfg: CoevoConfig) -> int:
+# ---- what a person reads at the end --------------------------------------------------------------
+
+
+def _change(label: str, start: float | None, end: float | None, how: str) -> str | None:
+    if start is None or end is None:
+        return None
+    verb = "improved" if end > start else ("fell" if end < start else "unchanged")
+    return f"  {label}: {start:.2f} -> {end:.2f} ({verb}, {end - start:+.2f}; {how})"
+
+
+def no_learning_reason(summary: dict[str, Any], cfg: CoevoConfig) -> str | None:
+    """Why a run ended before its first policy learner step (None when it took one)."""
+    if summary["learner_steps"]:
+        return None
+    groups, with_samples = summary["groups_scored"], summary["train_groups_with_samples"]
+    samples, batch = summary["policy_samples"], cfg.learner.batch_samples
+    if not groups:
+        why = "no train group was scored (models still loading, or the run was too short to finish a group)"
+    elif not with_samples:
+        why = (f"none of the {groups} train groups carried a learning signal: in each, every rollout won or "
+               "every one lost (the policy band keeps such groups out of training)")
+    else:
+        why = (f"{samples} policy samples from {with_samples} of {groups} train groups, fewer than "
+               f"learner.batch_samples = {batch} (a lane steps once it holds a batch, or after "
+               f"learner.flush_after_s without a new group)")
+    return f"no policy learner step in this run: {why}. Run longer (--minutes) or lower learner.batch_samples."
+
+
+def describe(summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str]) -> str:
+    """A short human summary of a finished run: what improved, by how much, and where to look."""
+    s = summary
+    lines = [f"Run {s['run_id']} finished after {s['seconds'] / 60:.1f} min: {s['learner_steps']} policy and "
+             f"{s['judge_learner_steps']} judge learner steps, {s['events'].get('trajectory.completed', 0)} "
+             f"trajectories, {s['groups_scored']} train groups scored."]
+    lines += [x for x in (
+        _change("policy success on train groups", s["policy_success_start"], s["policy_success_end"],
+                "first vs last fifth of the groups"),
+        _change("held-out success", s["heldout_success_start"], s["heldout_success_end"],
+                "first vs last evaluation round, fixed tasks"),
+        _change("judge process accuracy", s["judge_process_accuracy_start"], s["judge_process_accuracy"],
+                "first vs last quarter of the groups")) if x]
+    lines.append(f"  rewrites: {s['rewrites_accepted']} accepted of {s['rewrites_proposed']} proposed"
+                 + (f"; judge errors: {s['judge_errors']}, cost ${s['judge_cost_usd']:.4f}"
+                    if s["judge_errors"] or s["judge_cost_usd"] else ""))
+    if reason := no_learning_reason(s, cfg):
+        lines.append(f"  warning: {reason}")
+    lines += [f"  {name + ':':<12} {where}" for name, where in links.items()]
+    return "\n".join(lines)
+
+
+class _HideFromConsole(logging.Filter):
+    """Keeps bulky records (the agents' counter dumps) out of the console; the log file has them."""
+
+    EVENTS = frozenset({"agent.stopped"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg
+        return not (isinstance(msg, dict) and msg.get("event") in self.EVENTS)
+
+
+def _quiet_console() -> None:
+    for handler in logging.getLogger().handlers:
+        if type(handler) is logging.StreamHandler:  # the console (the file handler is a subclass)
+            handler.addFilter(_HideFromConsole())
+
+
+# ---- coevo run -----------------------------------------------------------------------------------
+
+
+async def run_main(cfg: CoevoConfig, opts: ObserveOptions | None = None) -> int:
     from coevo.inference.clients import model_dir
 
+    opts = opts or ObserveOptions()
     async with open_runtime(cfg, name="coevo-run") as rt:
+        _quiet_console()
         (Path(rt.run_dir) / "config.json").write_text(cfg.model_dump_json(indent=2))  # replay reads it back
         await asyncio.to_thread(model_dir, cfg, "policy")
         await asyncio.to_thread(model_dir, cfg, "judge")
@@ -192,33 +189,79 @@ async def run_main(cfg: CoevoConfig) -> int:
                     stop.set()
 
         agents = build_agents(rt.bus, cfg, on_step=on_step)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        started = time.time()
-        log.info("run.started", run_id=rt.run_id, family=cfg.env.family, loop=cfg.loop, reward=cfg.scorer.reward,
-                 run_dir=str(rt.run_dir))
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(run_agents(agents, handle_signals=False, until=stop), name="agents")
-                tg.create_task(Progress(agents).run(stop), name="progress")
-                if cfg.run.minutes > 0:
-                    tg.create_task(_deadline(stop, cfg.run.minutes * 60), name="deadline")
-                await stop.wait()
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-        summary = await summarize(rt.bus, started, time.time())
-        src = agents[0]
-        await rt.bus.publish_sync(src.event(RunFinished, summary=summary))
-        summary["events"]["run.finished"] = summary["events"].get("run.finished", 0) + 1
-        path = Path(rt.run_dir) / "summary.json"
-        path.write_text(json.dumps(summary, indent=2) + "\n")
-        log.info("run.finished", summary=str(path), learner_steps=summary["learner_steps"],
-                 policy_success_start=summary["policy_success_start"],
-                 policy_success_end=summary["policy_success_end"])
-        print(json.dumps(summary, indent=2))
+        async with _observe(rt, cfg, opts, agents) as live:
+            started = time.time()
+            _announce(rt, cfg, live)
+            await _run_until_stopped(agents, stop, cfg, live)
+            summary = await _finish(rt, agents, started)
+            await live.drain()
+            links = await _links(rt, live, summary, opts)
+    print(describe(summary, cfg, links), flush=True)
     return 0
+
+
+def _observe(rt: Runtime, cfg: CoevoConfig, opts: ObserveOptions, agents: list[Agent]) -> Any:
+    from coevo.observe.sinks import make_sinks
+
+    lc = cfg.log
+    sinks = make_sinks(rt.run_dir, rt.run_id, tensorboard=lc.tensorboard, wandb=lc.wandb, project=lc.wandb_project,
+                       config=cfg.model_dump(mode="json"))
+    return observe_run(rt.bus, opts, sinks=sinks, marker=rt.run_dir / "tb" / "observed_seq", agents=agents,
+                       title=f"coevo run {rt.run_id}")
+
+
+def _announce(rt: Runtime, cfg: CoevoConfig, live: LiveRun) -> None:
+    log.info("run.started", run_id=rt.run_id, family=cfg.env.family, loop=cfg.loop, reward=cfg.scorer.reward,
+             run_dir=str(rt.run_dir), dashboard=live.dashboard_url, metrics=live.metrics_url)
+    if live.dashboard_url:
+        print(f"coevo run {rt.run_id}: dashboard at {live.dashboard_url}", flush=True)
+    if live.metrics_url:
+        print(f"coevo run {rt.run_id}: Prometheus metrics at {live.metrics_url}", flush=True)
+
+
+async def _run_until_stopped(agents: list[Agent], stop: asyncio.Event, cfg: CoevoConfig, live: LiveRun) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(run_agents(agents, handle_signals=False, until=stop), name="agents")
+            tg.create_task(Progress(agents, live.aggregator).run(stop), name="progress")
+            if cfg.run.minutes > 0:
+                tg.create_task(_deadline(stop, cfg.run.minutes * 60), name="deadline")
+            await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _finish(rt: Runtime, agents: list[Agent], started: float) -> dict[str, Any]:
+    summary = await summarize(rt.bus, started, time.time())
+    await rt.bus.publish_sync(agents[0].event(RunFinished, summary=summary))
+    summary["events"]["run.finished"] = summary["events"].get("run.finished", 0) + 1
+    path = Path(rt.run_dir) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    log.info("run.finished", summary=str(path), learner_steps=summary["learner_steps"],
+             policy_success_start=summary["policy_success_start"],
+             policy_success_end=summary["policy_success_end"])
+    if summary["learner_steps"] == 0:
+        log.warning("run.no_learner_step", groups_scored=summary["groups_scored"],
+                    policy_samples=summary["policy_samples"])
+    return summary
+
+
+async def _links(rt: Runtime, live: LiveRun, summary: dict[str, Any], opts: ObserveOptions) -> dict[str, str]:
+    links = {"summary": f"{rt.run_dir / 'summary.json'} (every field: docs/observability.md)"}
+    if opts.report:
+        from coevo.observe.report import write_report
+
+        report = await asyncio.to_thread(write_report, live.aggregator, rt.run_dir / "report", summary=summary)
+        links["report"] = str(report)
+    if (rt.run_dir / "tb").is_dir():
+        links["tensorboard"] = f"tensorboard --logdir {rt.run_dir / 'tb'}"
+    links["dashboard"] = f"coevo dashboard --run {rt.run_id} --runs-dir {rt.run_dir.parent}" + (
+        f" (the live one at {live.dashboard_url} stopped with the run)" if live.dashboard_url else "")
+    return links
 
 
 async def _deadline(stop: asyncio.Event, seconds: float) -> None:

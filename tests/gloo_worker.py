@@ -1,4 +1,4 @@
-"""One rank of the two-process gloo check: a lane step on this rank's half of the batch, then the
+"""One rank of the two-process gloo check: a lane step on the batch (each rank trains its rows), then the
 collective checkpoint (FSDP2 gathers the full weights to rank 0)."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from coevo.training.lane import Lane
 
 
 def main() -> None:
-    rank, world, init, model, samples_path, ckpt_root, parallel = sys.argv[1:8]
+    rank, world, init, model, samples_path, ckpt_root, parallel, max_tokens = sys.argv[1:9]
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=int(rank), world_size=int(world))
     samples = [TrainingSample.model_validate(s) for s in json.loads(Path(samples_path).read_text())]
-    lane = Lane("policy", Path(model), Path(ckpt_root), LearnerConfig(lr=1e-2, parallel=parallel), device="cpu")
+    lane = Lane("policy", Path(model), Path(ckpt_root), LearnerConfig(lr=1e-2, parallel=parallel, max_batch_tokens=int(max_tokens)), device="cpu")
     assert lane.fsdp == (parallel == "fsdp")
-    lane.step(samples[int(rank)::int(world)], ["g"])
+    lane.step(samples, ["g"])  # the whole batch: the lane takes its rows of the shared plan
     path, sha, _ = lane.checkpoint()
     if int(rank) == 0:
         print(json.dumps({"path": str(path), "sha": sha}))

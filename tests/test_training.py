@@ -132,19 +132,31 @@ def test_sampler_and_learner_agree_and_a_step_learns(tiny: Path, tmp_path: Path)
     assert p_before < 1.0
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_gloo_processes_match_single_process(tiny: Path, tmp_path: Path, parallel: str) -> None:
-    """Data parallel (replicated, or FSDP2-sharded) over two gloo processes == one process, full batch."""
+@pytest.mark.parametrize(("parallel", "n", "max_tokens"), [
+    ("ddp", 8, 32768), ("fsdp", 8, 32768),
+    ("fsdp", 1, 32768),  # fewer samples than ranks
+    ("ddp", 1, 32768),
+    ("fsdp", 5, 64),  # one sample per micro-batch: five micro-batches for two ranks
+])
+def test_two_gloo_processes_match_single_process(tiny: Path, tmp_path: Path, parallel: str, n: int,
+                                                 max_tokens: int) -> None:
+    """Data parallel (replicated, or FSDP2-sharded) over two gloo processes == one process, full batch;
+    whatever the batch, both ranks run the same collectives (no hang)."""
     from transformers import AutoModelForCausalLM
 
-    samples = choice_samples(tiny, 8)
+    samples = choice_samples(tiny, 8)[:n]
     (tmp_path / "samples.json").write_text(json.dumps([s.model_dump() for s in samples]))
-    single = Lane("policy", tiny, tmp_path / "single", LearnerConfig(lr=1e-2), device="cpu")
+    single = Lane("policy", tiny, tmp_path / "single", LearnerConfig(lr=1e-2, max_batch_tokens=max_tokens),
+                  device="cpu")
     single.step(samples, ["g"])
     procs = [subprocess.Popen([PYTHON, "-m", "tests.gloo_worker", str(r), "2", str(tmp_path / "init"), str(tiny),
-                               str(tmp_path / "samples.json"), str(tmp_path / "dist"), parallel],
+                               str(tmp_path / "samples.json"), str(tmp_path / "dist"), parallel, str(max_tokens)],
                               env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    outputs = [p.communicate(timeout=240)[0].decode() for p in procs]
+    try:
+        outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output[-3000:]
     ckpt = Path(json.loads(outputs[0].strip().splitlines()[-1])["path"])

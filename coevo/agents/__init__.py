@@ -15,6 +15,7 @@ ROLES: dict[str, str] = {
     "tasks": "coevo.agents.tasks:TasksAgent",
     "learner": "coevo.training.learner:LearnerAgent",
     "env": "coevo.envs.service:EnvHost",
+    "metrics": "coevo.observe.agent:MetricsAgent",
 }
 """Role name -> ``module:Class``. Any ``module:Class`` path is accepted as a role too."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
@@ -61,7 +62,18 @@ class InFlight(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     groups: dict[str, int] = Field(default_factory=dict, description="group id -> policy version at scheduling")
+    scheduled_at: dict[str, float] = Field(default_factory=dict, description="group id -> unix time scheduled")
+    slot_of: dict[str, str] = Field(default_factory=dict, description="candidate group id -> its slot")
     train_groups_scheduled: int = 0
+
+    def forget(self, group_id: str) -> None:
+        self.groups.pop(group_id, None)
+        self.scheduled_at.pop(group_id, None)
+        self.slot_of.pop(group_id, None)
+
+    def expired(self, now: float, timeout_s: float) -> list[str]:
+        """Groups scheduled more than ``timeout_s`` ago and never scored (pure)."""
+        return [g for g in self.groups if now - self.scheduled_at.get(g, now) > timeout_s]
 
 
 class TasksAgent(Agent):
@@ -111,19 +123,29 @@ class TasksAgent(Agent):
     # ---- state -------------------------------------------------------------------------------
 
     async def load(self) -> None:
-        """Resume the pool from KV, or seed it when the bucket holds no key. Any other KV error
-        propagates (the supervisor restarts ``main``): seeding over saved slots would lose them."""
+        """Resume the pool from KV, or seed it when the bucket holds nothing. Any KV error propagates
+        (the supervisor restarts ``main``): seeding over saved slots would lose them."""
         from nats.js.errors import NoKeysError
+
+        from coevo.errors import BusError
 
         self._kv = await self.bus.kv("tasks")
         try:
             keys: list[str] = await self._kv.keys()
         except NoKeysError:  # nats-py's answer for an empty bucket, and only for that
             keys = []
+            # ... or for a listing served by a replica still catching up after a restart: the stream
+            # leader's count decides (deleted keys count too: delete the bucket to start afresh)
+            status = await self._kv.status()
+            if status.values:
+                raise BusError(f"KV bucket {status.bucket} lists no keys but holds {status.values} entries; "
+                               "not seeding over them (delete the bucket to start a fresh pool)") from None
         for key in keys:
             raw = (await self._kv.get(key)).value
             if key == "inflight":
                 self.inflight = InFlight.model_validate_json(raw)
+                for group_id in self.inflight.groups:  # saved by a version without times: count from now
+                    self.inflight.scheduled_at.setdefault(group_id, time.time())
             elif key.startswith("slot."):
                 slot = Slot.model_validate_json(raw)
                 self.slots[slot.slot_id] = slot
@@ -168,26 +190,45 @@ class TasksAgent(Agent):
         return slot, slot.active, "train"
 
     async def schedule(self, slot: Slot, task: TaskSpec, purpose: Literal["train", "candidate", "eval"]) -> None:
+        """Publish the group (stored before anything records it), then record it in KV: a crash in
+        between leaves a group that is scored but never counted, never one counted but never scored."""
         k = self.inflight.train_groups_scheduled // self.cfg.tasks.eval_every
         prefix = f"eval{k}-" if purpose == "eval" else ("cand-" if purpose == "candidate" else "g-")
         group_id = f"{prefix}{new_id()[:16]}"
         event = self.event(TaskScheduled, task=task, slot_id=slot.slot_id, group_id=group_id,
                            n_rollouts=self.cfg.policy.n, purpose=purpose, correlation_id=group_id)
+        await self.emit(event, confirm=True)
         self.inflight.groups[group_id] = self.policy_version
+        self.inflight.scheduled_at[group_id] = time.time()
         if purpose == "train":
             self.inflight.train_groups_scheduled += 1
             if self.inflight.train_groups_scheduled % self.cfg.tasks.eval_every == 0:
                 self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]
         if purpose == "candidate":
+            self.inflight.slot_of[group_id] = slot.slot_id
             slot.candidate_scheduled = True
             await self.save(slot)
         await self.save_inflight()
-        await self.emit(event)
         self.counters[f"scheduled.{purpose}"] += 1
+
+    async def expire(self) -> None:
+        """Forget groups whose scheduling or score was lost; a lost candidate is scheduled again."""
+        lost = self.inflight.expired(time.time(), self.cfg.tasks.inflight_timeout_s)
+        for group_id in lost:
+            slot = self.slots.get(self.inflight.slot_of.get(group_id, ""))
+            if slot is not None and slot.candidate is not None:
+                slot.candidate_scheduled = False
+                await self.save(slot)
+            self.inflight.forget(group_id)
+            self.counters["groups.expired"] += 1
+            self.log.warning("tasks.group_expired", group_id=group_id)
+        if lost:
+            await self.save_inflight()
 
     async def main(self) -> None:
         await self.load()
         while await self.wait_resumed():
+            await self.expire()
             while self.admitted() and not self.stopping.is_set():
                 await self.schedule(*self.next_group())
             self.changed.clear()
@@ -203,7 +244,7 @@ class TasksAgent(Agent):
     async def on_scored(self, event: GroupScored, _d: Delivery) -> None:
         if self._kv is None:
             raise RuntimeError("task pool not loaded yet")  # nak: redelivered once main() loaded it
-        self.inflight.groups.pop(event.group_id, None)
+        self.inflight.forget(event.group_id)
         slot = self.slots.get(event.slot_id or "")
         if slot is not None:
             if event.purpose == "candidate":
@@ -259,7 +300,8 @@ class TasksAgent(Agent):
             accepted, reason = scoring.accept_rewrite(slot.candidate_direction, parent_acc, event.accuracy, low, high)
         await self.emit(self.event(
             TaskDecided, cause=event, slot_id=slot.slot_id, parent_id=slot.active.task_id,
-            candidate_id=slot.candidate.task_id, direction=slot.candidate_direction, accepted=accepted, reason=reason,
+            candidate_id=slot.candidate.task_id, group_id=event.group_id, direction=slot.candidate_direction,
+            accepted=accepted, reason=reason,
             parent_accuracy=parent_acc, candidate_accuracy=event.accuracy,
             rewriter=self.rewriter.name if self.rewriter else "none"))
         if accepted:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from coevo.config import BusConfig, StreamConfig
+from coevo.observe.progress import tracked
 from coevo.schemas import Event, Source, StepTaken, decode, encode, new_id
 
 SIZES = {"small": 300, "large": 20_000}
@@ -131,7 +132,7 @@ async def bench_bus(count: int = 20_000, repeats: int = 3, url: str | None = Non
         async with nats_endpoint(url, Path(tmp) / "nats") as endpoint:
             out: dict[str, Any] = {"count": count, "repeats": repeats, "sizes": {}}
             ratios = []
-            for label, size in SIZES.items():
+            for label, size in tracked(list(SIZES.items()), f"bench bus: {count} events x {repeats}", unit="sizes"):
                 coevo_runs, plain_runs = [], []
                 for _ in range(repeats):
                     run_id = f"bench{new_id()[:8]}"

@@ -14,6 +14,7 @@ from typing import Any
 from coevo.config import load_config
 from coevo.envs import make_family
 from coevo.envs.base import Environment, Family
+from coevo.observe.progress import tracked
 from coevo.schemas import TaskSpec
 
 
@@ -84,7 +85,7 @@ async def bench_envs(seconds: float = 5.0, families: tuple[str, ...] = ("quickga
     out: dict[str, Any] = {"seconds": seconds, "concurrency": concurrency, "families": {}}
     with tempfile.TemporaryDirectory() as tmp:
         async with nats_endpoint(None, Path(tmp) / "nats") as url:
-            for fam_name in families:
+            for fam_name in tracked(families, "bench envs", unit="families"):
                 out["families"][fam_name] = await _family(url, Path(tmp) / "cache", fam_name, seconds, concurrency)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:

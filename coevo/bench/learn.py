@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from coevo.config import CoevoConfig, load_config
+from coevo.observe.progress import progress_bar, tracked
 from coevo.schemas import TaskSpec
 
 
@@ -79,12 +80,14 @@ async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, e
                 success = await evaluate(ckpt, train, episodes, seed=len(curve))
                 version = int(ckpt.name[1:]) if ckpt != base else 0
                 curve.append({"seconds": round(t, 1), "success": success, "policy_version": version})
+                bar.update(completed=min(t, seconds))
                 if t >= seconds:
                     stop.set()
                     return
                 await wait_event(stop, eval_every_s)
 
-        await asyncio.gather(run_agents(agents, handle_signals=False, until=stop), evaluator())
+        with progress_bar(f"{cfg.loop}, {cfg.scorer.reward} reward", seconds, unit="s") as bar:
+            await asyncio.gather(run_agents(agents, handle_signals=False, until=stop), evaluator())
         final_ckpt = latest_checkpoint(ckpts) or base
         held = await evaluate(final_ckpt, heldout, episodes, seed=999) if heldout else None
         held0 = await evaluate(base, heldout, episodes, seed=999) if heldout else None
@@ -138,7 +141,7 @@ async def bench_ladder(minutes: float = 5.0, eval_every_s: float = 30.0, episode
     out: dict[str, Any] = {"minutes_per_rung": minutes, "rungs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         common = {"env.cache_dir": str(cache_dir or Path(tmp) / "cache")}
-        for name, overrides in rungs.items():
+        for name, overrides in tracked(list(rungs.items()), "bench ladder", unit="rungs"):
             r = await run_budget(bench_config(Path(tmp) / name, {**common, **overrides}), minutes * 60,
                                  eval_every_s=eval_every_s, episodes=episodes)
             out["rungs"][name] = {"train_success": r["final_success"], "heldout_success": r["heldout_final"],

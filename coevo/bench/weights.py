@@ -7,6 +7,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from coevo.observe.progress import tracked
+
 
 async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] = ("tiny", "small", "medium"),
                         repeats: int = 5) -> dict[str, Any]:
@@ -26,7 +28,7 @@ async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] =
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = Path(tmp) / "tok"
         build_tokenizer(tok_dir)
-        for size in sizes:
+        for size in tracked(sizes, "bench weights", unit="sizes"):
             layers, width = shapes[size]
             d = Path(tmp) / size
             build_tokenizer(d)

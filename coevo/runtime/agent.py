@@ -3,8 +3,10 @@
 Invariants:
 - everything an agent starts lives in one ``TaskGroup`` inside ``run()``; when ``run()``
   returns, nothing of the agent is left running and its publishes are acknowledged;
-- a crashed consumer or ``main()`` is restarted with backoff and counted; past
-  ``agent.max_restarts`` the agent reports ``failed`` and ``run()`` raises ``AgentFailed``;
+- a crashed consumer or ``main()`` is restarted with backoff and counted; a task that crashes more
+  than ``agent.max_restarts`` times within ``agent.restart_window_s`` makes the agent report
+  ``failed`` and ``run()`` raise ``AgentFailed`` (older crashes no longer count: rare transient
+  crashes over a long run never add up to a failure);
 - ``stop()`` (SIGINT/SIGTERM, a control message, or the owner) stops fetching, lets in-flight
   handlers finish within ``agent.drain_timeout_s`` and naks the rest, so nothing is lost.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
@@ -22,6 +24,7 @@ import structlog
 
 from coevo.config import CoevoConfig
 from coevo.errors import AgentFailed
+from coevo.runtime import outbox
 from coevo.runtime.aio import first_completed, wait_event
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.consumer import Consumer, Subscription
@@ -29,6 +32,42 @@ from coevo.schemas import AgentStatus, ControlReply, ControlRequest, Event, Sour
 from coevo.schemas.events import AgentState
 
 E = TypeVar("E", bound=Event)
+
+
+class RestartBudget:
+    """At most ``max_restarts`` crashes within any ``window_s``; older crashes no longer count.
+
+    A pure decision (the clock is injectable): ``crash()`` records one and says how many are recent,
+    ``exhausted`` says whether that is one too many, ``backoff()`` grows with the recent crashes
+    only, so a task that crashed long ago restarts as quickly as one that never did.
+    """
+
+    def __init__(self, max_restarts: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.clock = clock
+        self._crashes: deque[float] = deque()
+
+    def crash(self) -> int:
+        """Record a crash now; the number of crashes within the window, this one included."""
+        now = self.clock()
+        self._crashes.append(now)
+        while self._crashes[0] <= now - self.window_s:
+            self._crashes.popleft()
+        return len(self._crashes)
+
+    @property
+    def recent(self) -> int:
+        return len(self._crashes)
+
+    @property
+    def exhausted(self) -> bool:
+        return len(self._crashes) > self.max_restarts
+
+    def backoff(self, delays: list[float]) -> float:
+        """The delay before the next restart: ``delays[k - 1]`` after the k-th recent crash (the last
+        one repeats)."""
+        return delays[min(max(len(self._crashes), 1), len(delays)) - 1]
 
 
 class Agent:
@@ -69,16 +108,28 @@ class Agent:
         return Source(agent_id=self.agent_id, role=self.role, model_version=self.model_version)
 
     def event(self, cls: type[E], *, cause: Event | None = None, **fields: Any) -> E:
-        """Build an event of this run from this agent; ``cause`` sets causation/correlation ids."""
+        """Build an event of this run from this agent; ``cause`` sets causation/correlation ids.
+
+        Built while a delivery is handled (and without an explicit id), its id derives from the
+        input and its content, so a redelivery that produces the same fact stores it once."""
         if cause is not None:
             fields.setdefault("causation_id", cause.event_id)
             fields.setdefault("correlation_id", cause.correlation_id or cause.event_id)
-        return cls(run_id=self.bus.run_id, source=self.source, **fields)
+        event = cls(run_id=self.bus.run_id, source=self.source, **fields)
+        box = outbox.current()
+        if box is not None and "event_id" not in fields:
+            event = event.model_copy(update={"event_id": box.derived_id(event)})
+        return event
 
-    async def emit(self, event: Event) -> None:
+    async def emit(self, event: Event, *, confirm: bool = False) -> None:
+        """Publish ``event``. Inside a handler it is stored before the input is acked (the outbox);
+        elsewhere ``confirm`` waits until it is stored (retried under its id)."""
         if not isinstance(event, self.emits):
             raise TypeError(f"{self.role} does not declare {type(event).__name__} in its `emits`")
-        await self.bus.publish(event)
+        if confirm and outbox.current() is None:
+            await self.bus.publish_sync(event)
+        else:
+            await self.bus.publish(event)
         self.counters[f"emitted.{event.kind}"] += 1  # type: ignore[attr-defined]
 
     async def wait_resumed(self) -> bool:
@@ -158,21 +209,21 @@ class Agent:
         await self.stopping.wait()
 
     async def _supervise(self, name: str, start: Callable[[], Awaitable[None]]) -> None:
-        restarts = 0
-        delays = self.cfg.agent.restart_backoff_s
+        ac = self.cfg.agent
+        budget = RestartBudget(ac.max_restarts, ac.restart_window_s)
         while not self.stopping.is_set():
             try:
                 await start()
                 return
             except Exception as exc:
-                restarts += 1
+                recent = budget.crash()
                 self.counters[f"restarts.{name}"] += 1
-                self.log.error("agent.task_crashed", task=name, restarts=restarts, error=repr(exc),
-                               exc_info=exc)
-                if restarts > self.cfg.agent.max_restarts:
+                self.log.error("agent.task_crashed", task=name, restarts=self.counters[f"restarts.{name}"],
+                               recent=recent, window_s=ac.restart_window_s, error=repr(exc), exc_info=exc)
+                if budget.exhausted:
                     self.stop()
-                    raise AgentFailed(self.agent_id, restarts, exc) from exc
-                if not await self.sleep(delays[min(restarts, len(delays)) - 1]):
+                    raise AgentFailed(self.agent_id, recent, exc) from exc
+                if not await self.sleep(budget.backoff(ac.restart_backoff_s)):
                     return
 
     async def _heartbeat(self) -> None:

@@ -5,8 +5,9 @@ Invariants:
   retried or repeated publish of the same event is stored once (within the duplicate window);
 - at most ``bus.max_inflight_publishes`` publishes await their acknowledgement; ``flush()``
   returns only when every publish was acknowledged (failed ones are retried with the same id);
-- a consumed message is acked only after its handler returned; a payload that is not a valid
-  event is terminated *after* a ``DeadLettered`` event holding its bytes and the reason was stored.
+- a consumed message is acked only after its handler returned and everything it published was
+  stored (``coevo.runtime.outbox``); a payload that is not a valid event is terminated *after* a
+  ``DeadLettered`` event holding its bytes and the reason was stored.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from nats.js import JetStreamContext, api
 
 from coevo.config import BusConfig, NatsConfig, StreamConfig
 from coevo.errors import BusError, NoResponders, PublishError
+from coevo.runtime import claims, outbox
 from coevo.schemas import (
     ControlReply,
     ControlRequest,
@@ -79,7 +81,11 @@ async def connect_nats(cfg: NatsConfig, url: str, name: str = "coevo") -> NATS:
             ctx.load_cert_chain(str(cfg.tls_cert), str(cfg.tls_key) if cfg.tls_key else None)
         opts["tls"] = ctx
 
+    errors: list[Exception] = []
+
     async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+        del errors[:-1]
         log.warning("nats.error", error=repr(exc))
 
     async def on_disconnect() -> None:
@@ -88,10 +94,15 @@ async def connect_nats(cfg: NatsConfig, url: str, name: str = "coevo") -> NATS:
     async def on_reconnect() -> None:
         log.info("nats.reconnected", url=url)
 
+    # the first connection is bounded: nats-py would otherwise retry a refused one (wrong token) for ever
+    first = max(30.0, 6 * cfg.connect_timeout_s)
     try:
-        return await nats.connect(
+        return await asyncio.wait_for(nats.connect(
             error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, **opts
-        )
+        ), first)
+    except TimeoutError:
+        last = f" (last error: {errors[-1]!r})" if errors else ""
+        raise BusError(f"cannot connect to NATS at {url} within {first:.0f} s{last}") from None
     except Exception as exc:
         raise BusError(f"cannot connect to NATS at {url}: {exc!r}") from exc
 
@@ -109,6 +120,7 @@ class _UnackedPublish:
     payload: bytes
     event_id: str
     t0: float
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -141,6 +153,7 @@ class NatsBus:
         self._idle = asyncio.Event()
         self._idle.set()
         self._closed = False
+        self._payloads: Any = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -228,22 +241,58 @@ class NatsBus:
                 await self._publish_permits.acquire()
         else:
             await self._publish_permits.acquire()
-        pending = _UnackedPublish(subject, payload, msg_id, time.perf_counter())
+        pending = await self._unacked_publish(subject, payload, msg_id)
         try:
-            fut = await self.js.publish_async(subject, payload, headers={MSG_ID: msg_id})
+            fut = await self.js.publish_async(subject, pending.payload, headers=pending.headers)
         except BaseException:
             self._publish_permits.release()
             raise
         self._unacked[fut] = pending
         self._idle.clear()
         fut.add_done_callback(self._on_ack)
+        box = outbox.current()
+        if box is not None:
+            box.staged.append((fut, pending))
         return fut
 
     async def publish_sync(self, event: Event) -> api.PubAck:
         """Publish and wait for the ack (retried with the same message id)."""
-        return await self._publish_with_retry(
-            _UnackedPublish(subject_for(self.run_id, kind_of(event)), encode(event), event.event_id,
-                     time.perf_counter()))
+        return await self.republish(
+            await self._unacked_publish(subject_for(self.run_id, kind_of(event)), encode(event), event.event_id))
+
+    async def _unacked_publish(self, subject: str, payload: bytes, msg_id: str) -> _UnackedPublish:
+        """What goes on the wire: the payload, or a claim on it once it is in the object store."""
+        headers = {MSG_ID: msg_id}
+        if len(payload) > self.inline_limit:
+            claim = await claims.put(await self.payload_store(), self.payload_bucket, msg_id, payload)
+            payload, headers[claims.CLAIM_HEADER] = claim.body(), "1"
+        return _UnackedPublish(subject, payload, msg_id, time.perf_counter(), headers)
+
+    @property
+    def inline_limit(self) -> int:
+        return min(self.cfg.inline_max_bytes, self.stream_cfg.max_msg_size - 4096)
+
+    @property
+    def payload_bucket(self) -> str:
+        return f"COEVO_{self.run_id}_payloads"
+
+    async def payload_store(self) -> Any:
+        """The run's object store for large events (created on first use, same retention as the stream)."""
+        if self._payloads is None:
+            try:
+                self._payloads = await self.js.object_store(self.payload_bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._payloads = await self.js.create_object_store(self.payload_bucket, api.ObjectStoreConfig(
+                    ttl=self.stream_cfg.max_age_s, replicas=self.stream_cfg.replicas,
+                    storage=api.StorageType.FILE if self.stream_cfg.storage == "file" else api.StorageType.MEMORY))
+        return self._payloads
+
+    async def decode_msg(self, msg: Msg) -> Event:
+        """The event a stored message holds, following a claim to the object store (``ValueError``
+        subclasses for anything that is not a valid event)."""
+        if claims.is_claim(msg.headers):
+            return decode(await claims.fetch(await self.payload_store(), claims.Claim.parse(msg.data)))
+        return decode(msg.data)
 
     def _on_ack(self, fut: asyncio.Future[Any]) -> None:
         pending = self._unacked.pop(fut, None)
@@ -272,17 +321,18 @@ class NatsBus:
         failed, self._failed = self._failed, []
         for pending in failed:
             self.stats.publish_retries += 1
-            await self._publish_with_retry(pending)
+            await self.republish(pending)
 
-    async def _publish_with_retry(self, p: _UnackedPublish) -> api.PubAck:
+    async def republish(self, p: _UnackedPublish) -> api.PubAck:
+        """Publish ``p`` again under its id and wait for the ack (stored once whatever came before)."""
         last: BaseException | None = None
         for attempt in range(self.cfg.publish_retries + 1):
             try:
-                ack = await self.js.publish(p.subject, p.payload, headers={MSG_ID: p.event_id},
+                ack = await self.js.publish(p.subject, p.payload, headers=p.headers or {MSG_ID: p.event_id},
                                             timeout=self.cfg.publish_ack_timeout_s)
             except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError,
-                    nats.errors.ConnectionReconnectingError) as exc:
-                last = exc
+                    nats.errors.ConnectionReconnectingError, nats.js.errors.APIError) as exc:
+                last = exc  # APIError: refused by the stream (full, message too large): try again, then fail
                 await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
                 continue
             self.stats.published += 1
@@ -388,7 +438,8 @@ class NatsBus:
         try:
             return await self.js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
-            return await self.js.create_key_value(bucket=bucket, storage=api.StorageType.FILE, history=1)
+            return await self.js.create_key_value(bucket=bucket, storage=api.StorageType.FILE, history=1,
+                                                  replicas=self.stream_cfg.replicas)
 
     # ---- reading history ---------------------------------------------------------------------
 
@@ -432,7 +483,7 @@ class NatsBus:
                     if md.sequence.stream > end:
                         return
                     try:
-                        event: Event | None = decode(msg.data)
+                        event: Event | None = await self.decode_msg(msg)
                     except ValueError:
                         event = None
                     yield md.sequence.stream, event, msg

@@ -4,9 +4,10 @@ Invariants:
 - at most about ``fetch_batch`` messages are held at once (each of ``concurrency`` workers
   fetches its share only when it has handled its previous batch), under the server's
   ``max_ack_pending``; memory stays flat whatever the producer does;
-- every fetched message ends in exactly one of: ack (handler returned), nak with delay
-  (``Retry``, a crash below ``max_deliver``, or shutdown), or term after a stored ``DeadLettered``
-  event (invalid payload, ``Reject``, or the last allowed crash);
+- every fetched message ends in exactly one of: ack (handler returned and every event it published
+  is stored: the outbox, ``coevo.runtime.outbox``), nak with delay (``Retry``, a crash below
+  ``max_deliver``, outputs that could not be stored, or shutdown), or term after a stored
+  ``DeadLettered`` event (invalid payload, ``Reject``, or the last allowed crash);
 - handlers that run longer than ``in_progress_every_s`` keep their message with ``in_progress``.
 """
 
@@ -25,10 +26,11 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from coevo.config import BusConfig
-from coevo.errors import Reject, Retry
+from coevo.errors import PublishError, Reject, Retry
 from coevo.runtime.aio import first_completed
 from coevo.runtime.bus import Delivery, NatsBus
-from coevo.schemas import Event, Source, decode, kind_of
+from coevo.runtime.outbox import Outbox, staging
+from coevo.schemas import Event, Source, kind_of
 
 log = structlog.get_logger("coevo.consumer")
 
@@ -42,6 +44,7 @@ class ConsumerStats:
     crashed: int = 0
     dead_lettered: int = 0
     nak_on_shutdown: int = 0
+    unconfirmed: int = 0
     max_inflight: int = 0
 
 
@@ -156,7 +159,7 @@ class Consumer:
 
     async def _handle(self, msg: Msg) -> None:
         try:
-            event = decode(msg.data)
+            event = await self.bus.decode_msg(msg)
         except ValidationError as exc:
             await self._dead_letter(msg, f"invalid payload: {_short(exc)}")
             return
@@ -166,8 +169,11 @@ class Consumer:
         if event.run_id != self.bus.run_id:
             await self._dead_letter(msg, f"event of run {event.run_id} on run {self.bus.run_id}")
             return
+        box = Outbox(event.event_id, self.sub.durable)
         try:
-            await self.sub.handler(event, Delivery(msg))
+            with staging(box):
+                await self.sub.handler(event, Delivery(msg))
+            await box.confirm(self.bus)
         except asyncio.CancelledError:
             self.stats.nak_on_shutdown += 1
             with contextlib.suppress(Exception):
@@ -182,6 +188,11 @@ class Consumer:
                      delivered=delivered)
         except Reject as r:
             await self._dead_letter(msg, f"rejected: {r}")
+        except PublishError as exc:  # outputs not stored: redeliver (reruns dedupe by derived ids)
+            self.stats.unconfirmed += 1
+            log.warning("handler.outputs_not_stored", error=str(exc), event_id=event.event_id,
+                        consumer=self.sub.durable)
+            await msg.nak(delay=backoff(self.cfg.nak_backoff_s, msg.metadata.num_delivered))
         except Exception as exc:
             self.stats.crashed += 1
             delivered = msg.metadata.num_delivered

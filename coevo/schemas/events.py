@@ -72,6 +72,9 @@ class TaskDecided(Event):
     slot_id: Identifier
     parent_id: Identifier
     candidate_id: Identifier
+    group_id: Identifier | None = Field(
+        default=None, description="the candidate's rolled-out group this verdict is about (none: rejected "
+        "before any rollout); a re-proposed candidate has a new group, so verdicts are per proposal")
     direction: Direction
     accepted: bool
     reason: str

@@ -105,19 +105,22 @@ def decode(raw: bytes | str) -> Event:
 
     Fast path: current-version payloads go straight through the Rust JSON validator. Older
     versions are parsed, upcast step by step, then validated.
+    Anything that is not a valid event raises ``ValueError`` (pydantic's ``ValidationError`` is one).
     """
     try:
         return EVENT_ADAPTER.validate_json(raw)
     except Exception:
         import json
 
+        data = json.loads(raw)  # ValueError for what is not JSON
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        if type(version) is not int or version >= SCHEMA_VERSION:
+            raise
         try:
-            data = json.loads(raw)
-        except ValueError:
-            raise
-        if not isinstance(data, dict) or data.get("schema_version", SCHEMA_VERSION) >= SCHEMA_VERSION:
-            raise
-        return EVENT_ADAPTER.validate_python(upcast(data), strict=False)
+            upcasted = upcast(data)
+        except (TypeError, KeyError, AttributeError) as exc:  # an upcaster met a shape it does not know
+            raise ValueError(f"cannot upcast {data.get('kind')!r} from schema_version {version}: {exc!r}") from exc
+        return EVENT_ADAPTER.validate_python(upcasted, strict=False)
 
 
 def upcast(data: dict[str, Any]) -> dict[str, Any]:

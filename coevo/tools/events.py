@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from coevo.config import CoevoConfig, load_config
+from coevo.observe.progress import progress_bar, tracked
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import Event, decode
 
@@ -60,9 +61,11 @@ def run_config(runs_dir: Path, run_id: str, overrides: dict[str, Any]) -> CoevoC
 
 async def export_events(bus: NatsBus, out: Path, fmt: str = "jsonl") -> int:
     rows = []
-    async for seq, event, msg in bus.history():
-        payload: Any = json.loads(msg.data) if event is not None else {"undecodable": msg.data.hex()}
-        rows.append({"seq": seq, "subject": msg.subject, "event": payload})
+    with progress_bar(f"exporting run {bus.run_id}", await bus.last_sequence()) as bar:
+        async for seq, event, msg in bus.history():
+            payload: Any = json.loads(msg.data) if event is not None else {"undecodable": msg.data.hex()}
+            rows.append({"seq": seq, "subject": msg.subject, "event": payload})
+            bar.advance()
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "jsonl":
         with out.open("w") as f:
@@ -95,7 +98,7 @@ def read_export(path: Path) -> list[dict[str, Any]]:
 async def import_events(bus: NatsBus, rows: Iterable[dict[str, Any]]) -> int:
     """Publish an export into ``bus``'s run (events get the new run id), in the recorded order."""
     n = 0
-    for row in rows:
+    for row in tracked(list(rows), f"importing into run {bus.run_id}"):
         data = dict(row["event"])
         if "undecodable" in data:
             continue

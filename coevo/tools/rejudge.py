@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from coevo.config import CoevoConfig
+from coevo.observe.progress import tracked
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import StepJudged, StepTaken, TrajectoryCompleted
 from coevo.tools.events import load_events
@@ -34,7 +35,7 @@ async def rejudge(bus: NatsBus, cfg: CoevoConfig, use_recorded: bool) -> dict[st
     agree = total = 0
     per_traj: dict[str, dict[str, list[scoring.StepRec]]] = {}
     try:
-        for step, j in pairs:
+        for step, j in tracked(pairs, "re-judging", unit="steps"):
             new = await judge_votes(client, cfg, step)
             old_votes = tuple(scoring.VoteRec(v.value, v.status) for v in j.votes)
             new_votes = tuple(scoring.VoteRec(v["value"], v["status"] if v["status"] in ("ok", "unparseable")

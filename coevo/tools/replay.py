@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coevo.config import CoevoConfig
+from coevo.observe.progress import tracked
 from coevo.schemas import (
     Event,
     GroupScored,
@@ -88,7 +89,7 @@ def replay_scorer(events: list[tuple[int, Event]], cfg: CoevoConfig) -> ReplayRe
     report = ReplayReport("scorer")
     groups: dict[str, Group] = {}
     train_judge = cfg.trains_judge
-    for seq, e in events:
+    for seq, e in tracked(events, "replaying into the scorer"):
         if isinstance(e, TaskScheduled | StepTaken | TrajectoryCompleted | StepJudged):
             groups.setdefault(e.group_id, Group()).add(e)
         elif isinstance(e, GroupScored):
@@ -169,7 +170,7 @@ async def replay_judge(events: list[tuple[int, Event]], cfg: CoevoConfig) -> Rep
     steps = {e.event_id: e for _, e in events if isinstance(e, StepTaken)}
     pairs = [(steps[e.step_event_id], e) for _, e in events if isinstance(e, StepJudged) and e.step_event_id in steps]
     client = RecordedResponses(pairs, cfg.judge.effective_mode)
-    for seq, e in events:
+    for seq, e in tracked(events, "replaying into the judge"):
         if not isinstance(e, StepJudged) or e.step_event_id not in steps:
             continue
         replayed = await judge_votes(client, cfg, steps[e.step_event_id])
@@ -194,7 +195,7 @@ async def replay_rewriter(events: list[tuple[int, Event]], cfg: CoevoConfig) -> 
     scored: dict[str, GroupScored] = {}
     pending: dict[str, tuple[TaskRewritten, float]] = {}
     candidate_acc: dict[str, float] = {}
-    for seq, e in events:
+    for seq, e in tracked(events, "replaying into the rewriter"):
         if isinstance(e, GroupScored):
             scored[e.event_id] = e
             if e.purpose == "candidate":
@@ -245,7 +246,7 @@ def replay_learner(events: list[tuple[int, Event]], cfg: CoevoConfig, *, rel_tol
     groups: dict[str, GroupScored] = {}
     lanes: dict[str, Lane] = {}
     with tempfile.TemporaryDirectory(prefix="coevo-replay-") as tmp:
-        for seq, e in events:
+        for seq, e in tracked(events, "replaying into the learner"):
             if isinstance(e, GroupScored):
                 groups[e.group_id] = e
                 continue

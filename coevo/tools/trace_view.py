@@ -13,7 +13,7 @@ def tree(t: dict[str, Any]) -> Tree:
         root = Tree(f"[bold]weights {t['role']} v{t['version']}[/] {t.get('path') or ''}")
         if t.get("learner_step"):
             ls = t["learner_step"]
-            root.add(f"learner step: loss {ls['loss']:.4f} kl {ls['kl']:.4f} samples {ls['samples']} "
+            root.add(f"{t['role']} learner step {t['version']}: loss {ls['loss']:.4f} kl {ls['kl']:.4f} samples {ls['samples']} "
                      f"groups {len(ls['group_ids'])}")
         for a in t["applied"]:
             root.add(f"applied on {a['server']} ({'ok' if a['ok'] else 'FAILED'}, pause {a['pause_ms']:.1f} ms)")
@@ -27,26 +27,37 @@ def tree(t: dict[str, Any]) -> Tree:
         return root
     root = Tree(f"[bold]trajectory {t['trajectory_id']}[/] on task {t['task_id']}: [bold]{t['outcome']}[/]")
     _lineage(root, t["lineage"])
-    steps = root.add("steps")
+    reasons = any(v["rationale"] for s in t["steps"] for v in s["votes"])
+    steps = root.add("steps" + ("" if reasons or not t["steps"] else " [dim](no vote rationales: a judge in "
+                                "'verdict' mode votes with one token; judge.mode = 'reasoned' writes them)[/]"))
     for s in t["steps"]:
         votes = " ".join({1: "+", -1: "-"}.get(v["value"], "?") if v["status"] == "ok" else v["status"][0]
                          for v in s["votes"])
         adv = f" A={s['advantage']:+.3f}" if s.get("advantage") is not None else ""
         node = steps.add(f"{s['step']}. {s['action']!r} -> {s['result'][:60]!r} votes [{votes}]"
                          f" ref {s['reference_label']} v{s['policy_version']}{adv}")
-        for v in s["votes"]:
-            if v["rationale"]:
-                node.add(f"[dim]{v['rationale'][-160:]}[/]")
+        if reasons:
+            _votes(node, s["votes"])
     if t.get("group"):
         g = t["group"]
         root.add(f"scored in {g['group_id']}: accuracy {g['accuracy']:.3f}"
                  + (f" (flagged: {g['flagged']})" if g["flagged"] else ""))
-    if t.get("learner_step"):
+    if not t.get("learner_step"):
+        root.add("[dim]not trained (yet): held-out, flagged, out of the policy band, or still queued[/]")
+    else:
         ls = t["learner_step"]
-        w = root.add(f"trained by learner step -> policy v{ls['version']} (loss {ls['loss']:.4f})")
+        w = root.add(f"trained by policy learner step {ls['version']} -> weights policy v{ls['version']} "
+                     f"(loss {ls['loss']:.4f})")
         for a in (t.get("weights") or {}).get("applied", []):
             w.add(f"applied on {a['server']} ({'ok' if a['ok'] else 'FAILED'}, pause {a['pause_ms']:.1f} ms)")
     return root
+
+
+def _votes(node: Tree, votes: list[dict[str, Any]]) -> None:
+    """Each vote with its rationale (an error vote's rationale is the error)."""
+    for i, v in enumerate(votes):
+        value = {1: "+1", -1: "-1"}.get(v["value"], "?") if v["status"] == "ok" else v["status"]
+        node.add(f"[dim]vote {i}: {value}: {v['rationale'][-160:] or '(none)'}[/]")
 
 
 def _lineage(root: Tree, lineage: list[dict[str, Any]]) -> None:

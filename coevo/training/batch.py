@@ -28,6 +28,43 @@ def pack_by_tokens(samples: Sequence[TrainingSample], max_tokens: int) -> list[l
     return out
 
 
+def padding_row(like: TrainingSample) -> TrainingSample:
+    """A row that runs through the model but weighs nothing: no response tokens, advantage 0."""
+    return like.model_copy(update={"sample_id": f"pad-{like.sample_id}", "response_token_ids": [], "logprobs": [],
+                                   "advantage": 0.0})
+
+
+def rank_plan(samples: Sequence[TrainingSample], rank: int, world: int,
+              max_tokens: int) -> list[list[TrainingSample]]:
+    """This rank's micro-batches of a batch that every rank plans identically.
+
+    The batch is packed once (``pack_by_tokens``) and each micro-batch's rows are dealt round-robin
+    over the ranks; a rank left without a row gets one ``padding_row``. So every rank runs the same
+    number of micro-batches, hence the same collectives, whatever the batch (fewer samples than
+    ranks, uneven micro-batches): data parallel never hangs on the plan."""
+    return [mb[rank::world] or [padding_row(mb[0])] for mb in pack_by_tokens(samples, max_tokens)]
+
+
+def sample_problem(s: TrainingSample, vocab_size: int, max_positions: int) -> str | None:
+    """Why ``s`` cannot be trained on (None: it can). Checked per sample, so one bad sample is
+    rejected alone instead of failing the batch it would be packed into."""
+    import math
+
+    if not s.response_token_ids:
+        return "no response tokens"
+    if len(s.logprobs) != len(s.response_token_ids):
+        return f"{len(s.logprobs)} log-probs for {len(s.response_token_ids)} response tokens"
+    if len(s.prompt_token_ids) + len(s.response_token_ids) > max_positions:
+        return f"{len(s.prompt_token_ids) + len(s.response_token_ids)} tokens exceed the model's {max_positions}"
+    ids = [*s.prompt_token_ids, *s.response_token_ids, *(s.allowed_token_ids or [])]
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"token id {bad} outside the vocabulary (0..{vocab_size - 1})"
+    if not math.isfinite(s.advantage) or not all(math.isfinite(x) for x in s.logprobs):
+        return "non-finite advantage or log-prob"
+    return None
+
+
 @dataclass
 class Tensors:
     input_ids: torch.Tensor

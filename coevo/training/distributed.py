@@ -3,7 +3,8 @@ follow its commands and train their share of every batch.
 
 Invariant: every rank executes the same sequence of collective operations: rank 0 broadcasts each
 command (``step`` with the batch, ``checkpoint``, ``stop``) before doing it itself, and each rank
-trains on ``samples[rank::world]`` (gradients are averaged by FSDP2 or by an all-reduce).
+trains its rows of the batch's shared plan (``batch.rank_plan``: the same number of micro-batches on
+every rank, padded with zero-weight rows), gradients averaged by FSDP2 or by an all-reduce.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class RankZeroLane:
     def step(self, samples: list[TrainingSample], groups: list[str]) -> StepMetrics:
         with _COLLECTIVES:
             _broadcast(("step", self.lane.role, [s.model_dump() for s in samples], groups))
-            return self.lane.step(samples[0 :: self.lane.world], groups)
+            return self.lane.step(samples, groups)
 
     def checkpoint(self) -> Any:
         with _COLLECTIVES:
@@ -79,6 +80,6 @@ def follow(lanes: dict[str, Lane]) -> None:
         lane = lanes[role]
         if command == "step":
             batch = [TrainingSample.model_validate(s) for s in samples]
-            lane.step(batch[lane.rank :: lane.world], groups)
+            lane.step(batch, groups)
         elif command == "checkpoint":
             lane.checkpoint()

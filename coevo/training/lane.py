@@ -23,7 +23,7 @@ import torch
 
 from coevo.config import LearnerConfig
 from coevo.schemas import TrainingSample
-from coevo.training.batch import pack_by_tokens, to_tensors
+from coevo.training.batch import rank_plan, sample_problem, to_tensors
 from coevo.training.loss import ppo_loss, token_logprobs
 
 MARKER = "COMPLETE"
@@ -109,12 +109,16 @@ class Lane:
     def has_consumed(self, group_id: str) -> bool:
         return group_id in self._consumed_set
 
+    def sample_problem(self, s: TrainingSample) -> str | None:
+        return sample_problem(s, self.vocab, int(getattr(self.model.config, "max_position_embeddings", 1 << 30)))
+
     def step(self, samples: list[TrainingSample], groups: list[str]) -> StepMetrics:
-        """One optimiser step on ``samples`` (all groups at once); returns the metrics."""
+        """One optimiser step on the batch ``samples`` (all groups at once, the same list on every
+        rank: each trains its rows of ``rank_plan``); returns this rank's metrics."""
         t0 = time.perf_counter()
         self.model.train()
-        micro = [to_tensors(mb, self.vocab, self.pad_id).to(self.device)
-                 for mb in pack_by_tokens(samples, self.cfg.max_batch_tokens)]
+        plan = rank_plan(samples, self.rank, self.world, self.cfg.max_batch_tokens)
+        micro = [to_tensors(mb, self.vocab, self.pad_id).to(self.device) for mb in plan]
         autocast = torch.autocast("cuda", dtype=torch.bfloat16,
                                   enabled=self.cfg.bf16 and str(self.device).startswith("cuda"))
         with torch.no_grad(), autocast:
@@ -130,9 +134,12 @@ class Lane:
                                      self.temperature)
             out = ppo_loss(new, px, t.behav_logp, t.advantages, t.response_mask, clip_eps=self.cfg.clip_eps,
                            kl_beta=self.cfg.kl_beta, correction=self.cfg.correction, tis_cap=self.cfg.tis_cap)
-            weight = t.input_ids.shape[0] / total
-            (out.loss * weight).backward()
-            agg["loss"] += float(out.loss.detach()) * weight
+            rows, real = t.input_ids.shape[0], int((t.response_mask.sum(-1) > 0).sum())
+            # loss is the mean over rows (padding rows add 0): scaled to this rank's share of the global
+            # mean, times world because gradients are averaged over ranks
+            (out.loss * rows / total * self.world).backward()
+            weight = real / total * self.world
+            agg["loss"] += float(out.loss.detach()) * rows / max(real, 1) * weight
             agg["kl"] += out.kl * weight
             agg["clip_fraction"] += out.clip_fraction * weight
             agg["mismatch_kl"] += out.mismatch_kl * weight

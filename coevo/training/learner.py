@@ -7,20 +7,29 @@ Invariants:
   redelivered group is not trained twice;
 - a lane steps on whole groups: when it holds ``batch_samples`` samples, or holds some and no new
   group arrived for ``flush_after_s``;
-- candidate groups wait for their ``TaskDecided``: accepted ones are trained, rejected ones never;
-  held-out (eval) and flagged groups are never trained.
+- candidate groups wait for the ``TaskDecided`` of *their* group (verdicts are per proposal: a
+  candidate rejected once and re-proposed is trained if its new group is accepted); rejected ones
+  are never trained, and one left without a verdict is retried, then dropped (counted), never held
+  for ever. Verdicts are read from the whole stream at every start, so a restart loses none;
+  held-out (eval) and flagged groups are never trained;
+- the learner cannot hang or double-train: a group redelivered while queued joins its queued entry;
+  a lane that stops fails its queued groups (redelivered); a sample the lane cannot train is
+  dropped alone with its reason; a step that fails on a batch of several groups is retried group
+  by group, and only a group that fails alone is rejected (dead-lettered with the error).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from coevo.config import CoevoConfig
+from coevo.errors import Reject, Retry
 from coevo.inference.clients import model_dir
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
@@ -52,6 +61,32 @@ class QueuedGroup:
     group_id: str
     samples: list[TrainingSample]
     done: asyncio.Future[None]
+    alone: bool = False
+    """train this group in a batch of its own (its batch failed once)"""
+
+
+class Verdicts:
+    """Rewrite verdicts per candidate group (and per candidate id for events that predate
+    ``TaskDecided.group_id``); the oldest are forgotten beyond ``limit`` (bounded memory)."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.by_group: OrderedDict[str, bool] = OrderedDict()
+        self.legacy: OrderedDict[str, bool] = OrderedDict()
+        self.limit = limit
+        self.changed = asyncio.Event()
+
+    def add(self, event: TaskDecided) -> None:
+        table, key = (self.by_group, event.group_id) if event.group_id else (self.legacy, event.candidate_id)
+        table[key] = event.accepted
+        table.move_to_end(key)
+        while len(table) > self.limit:
+            table.popitem(last=False)
+        self.changed.set()
+
+    def of(self, event: GroupScored) -> bool | None:
+        if event.group_id in self.by_group:
+            return self.by_group[event.group_id]
+        return self.legacy.get(event.task_id)
 
 
 @dataclass
@@ -75,15 +110,15 @@ class LearnerAgent(Agent):
         super().__init__(*a, **kw)
         self.on_step = on_step
         self.lanes: dict[Role, LaneQueue] = {}
-        self.decisions: dict[str, bool] = {}
-        self.decided = asyncio.Event()
+        self.verdicts = Verdicts()
         self.train_judge = self.cfg.trains_judge
         self.ckpt_root = checkpoint_root(self.cfg, self.bus.run_id)
         self.published: dict[Role, tuple[int, Path, str]] = {}
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("learner", (GroupScored,), self.on_scored, concurrency=256),
-                Subscription("learner-decisions", (TaskDecided,), self.on_decided, concurrency=1)]
+                # per instance, from the stream's start: every verdict ever given is known after a restart
+                Subscription("learner-decisions", (TaskDecided,), self.on_decided, concurrency=1, shared=False)]
 
     async def run(self) -> None:
         from coevo.training.distributed import RankZeroLane, stop_followers
@@ -115,32 +150,62 @@ class LearnerAgent(Agent):
                     self.log.warning("learner.followers_not_stopped", error=repr(exc)[:200])
 
     async def on_decided(self, event: TaskDecided, _d: Delivery) -> None:
-        self.decisions[event.candidate_id] = event.accepted
-        self.decided.set()
+        self.verdicts.add(event)
 
-    async def on_scored(self, event: GroupScored, _d: Delivery) -> None:
+    async def verdict(self, event: GroupScored, delivery: Delivery) -> bool:
+        """Whether a candidate group is trained; waits a while for its verdict, then lets the
+        group be redelivered, and gives up (not trained) on the last delivery."""
+        deadline = time.monotonic() + self.cfg.learner.verdict_wait_s
+        while (accepted := self.verdicts.of(event)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if delivery.num_delivered + 1 < self.cfg.bus.max_deliver:
+                    raise Retry(f"no verdict yet for candidate group {event.group_id}", self.cfg.learner.verdict_wait_s)
+                self.counters["groups.candidate_without_verdict"] += 1
+                self.log.warning("learner.no_verdict", group_id=event.group_id, candidate_id=event.task_id)
+                return False
+            self.verdicts.changed.clear()
+            await wait_event(self.verdicts.changed, left)
+        return accepted
+
+    async def on_scored(self, event: GroupScored, delivery: Delivery) -> None:
         if event.purpose == "eval" or event.flagged:
             return
-        if event.purpose == "candidate":
-            while event.task_id not in self.decisions:
-                self.decided.clear()
-                await self.decided.wait()
-            if not self.decisions[event.task_id]:
-                self.counters["groups.rejected_candidate"] += 1
-                return
+        if event.purpose == "candidate" and not await self.verdict(event, delivery):
+            self.counters["groups.rejected_candidate"] += 1
+            return
         waits = []
         for role, q in self.lanes.items():
             samples = event.policy_samples if role == "policy" else event.judge_samples
             if not samples or q.lane.has_consumed(event.group_id):
                 continue
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            q.queued.append(QueuedGroup(event.group_id, list(samples), fut))
-            q.last_arrival = time.monotonic()
-            q.arrived.set()
-            waits.append(fut)
+            waits.append(self.enqueue(role, q, event.group_id, samples))
         if waits:
             await asyncio.gather(*waits)
         self.counters["groups.trained"] += 1
+
+    def enqueue(self, role: Role, q: LaneQueue, group_id: str, samples: list[TrainingSample]) -> asyncio.Future[None]:
+        """Queue a group's trainable samples; a group already queued (a redelivery) joins that entry."""
+        for queued in q.queued:
+            if queued.group_id == group_id:
+                return queued.done
+        fine = []
+        for s in samples:
+            problem = q.lane.sample_problem(s)
+            if problem is None:
+                fine.append(s)
+            else:
+                self.counters[f"samples.rejected.{role}"] += 1
+                self.log.warning("learner.sample_rejected", role=role, group_id=group_id, sample_id=s.sample_id,
+                                 reason=problem)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not fine:
+            fut.set_result(None)
+            return fut
+        q.queued.append(QueuedGroup(group_id, fine, fut))
+        q.last_arrival = time.monotonic()
+        q.arrived.set()
+        return fut
 
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -149,23 +214,40 @@ class LearnerAgent(Agent):
 
     async def lane_loop(self, role: Role, q: LaneQueue) -> None:
         batch = self.cfg.learner.batch_samples
-        while not self.stopping.is_set():
-            if q.held >= batch or (q.held and time.monotonic() - q.last_arrival >= self.flush_after_s):
-                await self.train(role, q)
-                continue
-            q.arrived.clear()
-            await wait_event(q.arrived, self.flush_after_s if q.held else 1.0)
+        try:
+            while not self.stopping.is_set():
+                if q.held >= batch or (q.held and time.monotonic() - q.last_arrival >= self.flush_after_s):
+                    await self.train(role, q)
+                    continue
+                q.arrived.clear()
+                await wait_event(q.arrived, self.flush_after_s if q.held else 1.0)
+        finally:  # stopped, crashed or cancelled: the waiting handlers nak, their groups come back
+            stopped, q.queued = q.queued, []
+            for p in stopped:
+                if not p.done.done():
+                    p.done.set_exception(Retry(f"{role} lane stopped before training {p.group_id}"))
 
-    async def train(self, role: Role, q: LaneQueue) -> None:
+    def take(self, q: LaneQueue) -> list[QueuedGroup]:
+        """The next batch: whole groups up to ``batch_samples``; a group marked ``alone`` by itself."""
+        if q.queued[0].alone:
+            return [q.queued.pop(0)]
         take: list[QueuedGroup] = []
         n = 0
-        while q.queued and (n < self.cfg.learner.batch_samples or not take):
+        while q.queued and not q.queued[0].alone and (n < self.cfg.learner.batch_samples or not take):
             p = q.queued.pop(0)
             take.append(p)
             n += len(p.samples)
+        return take
+
+    async def train(self, role: Role, q: LaneQueue) -> None:
+        take = self.take(q)
         samples = [s for p in take for s in p.samples]
         try:
             metrics = await asyncio.to_thread(q.lane.step, samples, [p.group_id for p in take])
+        except Exception as exc:
+            self.step_failed(role, q, take, exc)
+            return
+        try:
             path, sha, size = await asyncio.to_thread(q.lane.checkpoint)
         except Exception as exc:
             for p in take:
@@ -178,7 +260,7 @@ class LearnerAgent(Agent):
             LearnerStepped, role=role, version=metrics.version, samples=metrics.samples, tokens=metrics.tokens,
             loss=metrics.loss, kl=metrics.kl, clip_fraction=metrics.clip_fraction, mismatch_kl=metrics.mismatch_kl,
             staleness_histogram=metrics.staleness_histogram, tokens_per_second=metrics.tokens_per_second,
-            group_ids=[p.group_id for p in take]))
+            group_ids=[p.group_id for p in take]), confirm=True)
         await self.announce(role, metrics.version, path, sha, size)
         for p in take:
             if not p.done.done():
@@ -186,6 +268,18 @@ class LearnerAgent(Agent):
         self.counters[f"steps.{role}"] += 1
         if self.on_step is not None:
             self.on_step(role, metrics)
+
+    def step_failed(self, role: Role, q: LaneQueue, take: list[QueuedGroup], exc: Exception) -> None:
+        """A batch of several groups goes back, each to be tried alone; a group failing alone is rejected."""
+        self.log.warning("learner.step_failed", role=role, groups=[p.group_id for p in take], error=repr(exc)[:500])
+        if all(p.alone for p in take):  # failed again by itself: this group is the problem
+            for p in take:
+                if not p.done.done():
+                    p.done.set_exception(Reject(f"{role} lane cannot train group {p.group_id}: {exc!r}"[:1000]))
+            return
+        for p in reversed(take):
+            p.alone = True
+            q.queued.insert(0, p)
 
     async def publish_weights(self, lane: Any) -> None:
         path, sha, size = await asyncio.to_thread(lane.checkpoint)

@@ -1,0 +1,150 @@
+"""What ``summary.json`` reports, accumulated event by event (pure: events in, a dict out).
+
+Invariant: the summary is a function of the stored events only (and the run's duration), so the
+summary of a run, of its replay and of an offline ``coevo report`` agree. ``SUMMARY_FIELDS`` states
+what every field means; docs/observability.md lists the same fields (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from coevo.schemas import Event, GroupScored, LearnerStepped, StepJudged, TaskDecided, TaskScheduled
+
+SUMMARY_FIELDS: dict[str, str] = {
+    "run_id": "the run's id (its directory under runs/, its stream COEVO_<run_id>)",
+    "policy_success_start": "mean success (fraction of rollouts won) of the first fifth of the train groups",
+    "policy_success_end": "the same over the last fifth of the train groups",
+    "heldout_success_start": "mean success of the first held-out evaluation round (fixed tasks, never trained on)",
+    "heldout_success_end": "the same for the last complete evaluation round (every held-out group of it "
+                           "scored; a round cut short by the end of the run is left out)",
+    "judge_process_accuracy_start": "judge's step votes agreeing with the environment's step labels: the "
+                                    "first quarter of the scored groups",
+    "judge_process_accuracy": "the same over the last quarter of the scored groups",
+    "judge_outcome_accuracy_start": "judge's votes agreeing with the trajectory's outcome: first quarter of groups",
+    "judge_outcome_accuracy": "the same over the last quarter of the scored groups",
+    "judge_process_accuracy_heldout": "judge process accuracy on held-out groups, last half of them",
+    "judge_outcome_accuracy_heldout": "judge outcome accuracy on held-out groups, last half of them",
+    "rewrites_proposed": "task rewrites the rewriter proposed (task.rewritten events)",
+    "rewrites_accepted": "rewrites the acceptance gate accepted (they replaced their slot's task)",
+    "learner_steps": "optimiser steps of the policy lane (= the last policy weights version)",
+    "judge_learner_steps": "optimiser steps of the judge lane",
+    "policy_samples": "policy training samples the scorer produced (one per step of a trainable group)",
+    "train_groups_with_samples": "train groups that produced policy samples (a group where every rollout won, "
+                                 "or every one lost, has no signal and produces none)",
+    "events": "number of stored events of each kind (all purposes, all agents, heartbeats included)",
+    "trajectories_per_second": "completed trajectories (all purposes) per second of the run",
+    "judge_errors": "judge votes that failed (an API error is an error vote, never a -1)",
+    "judge_calls": "judge votes answered by a model call",
+    "judge_cache_hits": "judge votes answered from the response cache",
+    "judge_cost_usd": "cost of the judge's API calls, from LiteLLM's prices",
+    "seconds": "wall-clock duration of the run (this process's part of it after a resume)",
+    "groups_scored": "train groups scored (the groups policy_success_* averages over)",
+    "groups_scored_by_purpose": "scored groups by purpose: train, candidate (a rewrite under measurement), "
+                                "eval (held-out); their sum is events['group.scored']",
+}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(statistics.fmean(xs), 4) if xs else None
+
+
+@dataclass
+class RunTally:
+    """The summary's inputs, accumulated event by event."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    train: list[float] = field(default_factory=list)
+    evals: dict[str, list[float]] = field(default_factory=dict)
+    eval_scheduled: Counter[str] = field(default_factory=Counter)
+    proc: list[float] = field(default_factory=list)
+    outc: list[float] = field(default_factory=list)
+    proc_heldout: list[float] = field(default_factory=list)  # held-out groups: the same tasks whatever the rewriter did
+    outc_heldout: list[float] = field(default_factory=list)
+    purposes: Counter[str] = field(default_factory=Counter)
+    policy_samples: int = 0
+    groups_with_samples: int = 0
+    learner_steps: int = 0
+    judge_steps: int = 0
+    accepted: int = 0
+    judge: Counter[str] = field(default_factory=Counter)
+    judge_cost: float = 0.0
+
+    def add(self, event: Event | None) -> None:
+        if event is None:
+            self.counts["undecodable"] += 1
+            return
+        self.counts[event.kind] += 1  # type: ignore[attr-defined]
+        if isinstance(event, GroupScored):
+            self._scored(event)
+        elif isinstance(event, LearnerStepped):
+            self.learner_steps += event.role == "policy"
+            self.judge_steps += event.role == "judge"
+        elif isinstance(event, TaskDecided):
+            self.accepted += event.accepted
+        elif isinstance(event, TaskScheduled) and event.purpose == "eval":
+            self.eval_scheduled[event.group_id.split("-")[0]] += 1
+        elif isinstance(event, StepJudged):
+            for v in event.votes:
+                self.judge["errors"] += v.status == "error"
+                self.judge["cache_hits"] += v.cached
+                self.judge["calls"] += v.status != "error" and not v.cached
+                self.judge_cost += v.cost_usd
+
+    def _scored(self, event: GroupScored) -> None:
+        heldout = event.purpose == "eval"
+        self.purposes[event.purpose] += 1
+        if event.purpose == "train":
+            self.train.append(event.accuracy)
+            self.policy_samples += len(event.policy_samples)
+            self.groups_with_samples += bool(event.policy_samples)
+        elif heldout:
+            self.evals.setdefault(event.group_id.split("-")[0], []).append(event.accuracy)
+        if event.judge_process_accuracy is not None:
+            self.proc.append(event.judge_process_accuracy)
+            if heldout:
+                self.proc_heldout.append(event.judge_process_accuracy)
+        if event.judge_outcome_accuracy is not None:
+            self.outc.append(event.judge_outcome_accuracy)
+            if heldout:
+                self.outc_heldout.append(event.judge_outcome_accuracy)
+
+    def summary(self, run_id: str, seconds: float) -> dict[str, Any]:
+        k = max(1, len(self.train) // 5)
+        ordered = sorted(self.evals.items(), key=lambda kv: int(kv[0][4:] or 0))
+        complete = [v for name, v in ordered if len(v) >= self.eval_scheduled[name]]
+        rounds = complete or [v for _, v in ordered]
+        tail = max(1, len(self.proc) // 4)
+        otail = max(1, len(self.outc) // 4)
+        seconds = max(seconds, 1e-9)
+        return {
+            "run_id": run_id,
+            "policy_success_start": _mean(self.train[:k]),
+            "policy_success_end": _mean(self.train[-k:]),
+            "heldout_success_start": _mean(rounds[0]) if rounds else None,
+            "heldout_success_end": _mean(rounds[-1]) if rounds else None,
+            "judge_process_accuracy_start": _mean(self.proc[:tail]),
+            "judge_process_accuracy": _mean(self.proc[-tail:]),
+            "judge_outcome_accuracy_start": _mean(self.outc[:otail]),
+            "judge_outcome_accuracy": _mean(self.outc[-otail:]),
+            "judge_process_accuracy_heldout": _mean(self.proc_heldout[-max(1, len(self.proc_heldout) // 2):]),
+            "judge_outcome_accuracy_heldout": _mean(self.outc_heldout[-max(1, len(self.outc_heldout) // 2):]),
+            "rewrites_proposed": self.counts["task.rewritten"],
+            "rewrites_accepted": self.accepted,
+            "learner_steps": self.learner_steps,
+            "judge_learner_steps": self.judge_steps,
+            "policy_samples": self.policy_samples,
+            "train_groups_with_samples": self.groups_with_samples,
+            "events": dict(sorted(self.counts.items())),
+            "trajectories_per_second": round(self.counts["trajectory.completed"] / seconds, 3),
+            "judge_errors": self.judge["errors"],
+            "judge_calls": self.judge["calls"],
+            "judge_cache_hits": self.judge["cache_hits"],
+            "judge_cost_usd": round(self.judge_cost, 6),
+            "seconds": round(seconds, 1),
+            "groups_scored": len(self.train),
+            "groups_scored_by_purpose": dict(sorted(self.purposes.items())),
+        }

@@ -1,0 +1,74 @@
+"""The outbox: what a handler publishes is stored before its input is acknowledged.
+
+While a consumer runs a handler, every publish on the bus (from the handler or from tasks it
+started) is staged in that delivery's ``Outbox``. The consumer acknowledges the input only after
+``confirm`` saw each staged publish acknowledged by JetStream (a failed one is published again
+with the same ``Nats-Msg-Id``); if that cannot be done, the input is nak'd and redelivered.
+
+Invariant (at-least-once, stated here once for every agent): a crash at any point either leaves the
+input unacknowledged (it is redelivered and the handler runs again) or happens after every output
+of the handler is stored. Outputs of a rerun dedupe when they are the same facts: an event built
+while handling has an id derived from the input, the consumer and its content (``derived_id``),
+so the same output of the same input is stored once; a different output (sampling, clocks) is
+stored beside the first, and consumers keep their own first-wins rules (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from coevo.schemas import Event
+
+if TYPE_CHECKING:
+    from coevo.runtime.bus import NatsBus, _UnackedPublish
+
+
+@dataclass
+class Outbox:
+    """The publishes staged while handling one delivery of ``cause_id`` by ``consumer``."""
+
+    cause_id: str
+    consumer: str
+    staged: list[tuple[asyncio.Future[Any], _UnackedPublish]] = field(default_factory=list)
+
+    def derived_id(self, event: Event) -> str:
+        """A deterministic id for an event built while handling this delivery."""
+        body = event.model_dump_json(exclude={"event_id", "ts"})
+        digest = hashlib.sha256(f"{self.cause_id}\0{self.consumer}\0{body}".encode()).hexdigest()
+        return f"o-{digest[:40]}"
+
+    async def confirm(self, bus: NatsBus) -> None:
+        """Return once every staged publish is stored; raise ``PublishError`` if one cannot be."""
+        for fut, unacked in self.staged:
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), bus.cfg.publish_ack_timeout_s)
+                continue
+            except asyncio.CancelledError:
+                if not fut.cancelled():
+                    raise  # we are cancelled, not the publish
+            except Exception:  # timed out or failed: publish again, same id (stored once)
+                pass
+            await bus.republish(unacked)
+
+
+_CURRENT: contextvars.ContextVar[Outbox | None] = contextvars.ContextVar("coevo_outbox", default=None)
+
+
+def current() -> Outbox | None:
+    """The outbox of the delivery being handled in this task (or a task it started), if any."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def staging(box: Outbox) -> Iterator[Outbox]:
+    token = _CURRENT.set(box)
+    try:
+        yield box
+    finally:
+        _CURRENT.reset(token)

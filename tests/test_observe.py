@@ -1,0 +1,335 @@
+"""The aggregator, its sinks and the report, without NATS: events in, series, files and text out."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coevo.config import load_config
+from coevo.loop import _HideFromConsole, describe, no_learning_reason
+from coevo.observe.aggregate import Aggregator, ConsumerInfo
+from coevo.observe.series import CHARTS, SPECS, Point, Series, tb_tag
+from coevo.observe.tally import SUMMARY_FIELDS, RunTally
+from coevo.schemas import (
+    AgentStatus,
+    DeadLettered,
+    Event,
+    GroupScored,
+    LearnerStepped,
+    RunFinished,
+    Source,
+    StepJudged,
+    StepTaken,
+    TaskDecided,
+    TaskRewritten,
+    TaskScheduled,
+    TaskSpec,
+    TrainingSample,
+    TrajectoryCompleted,
+    Vote,
+    WeightsApplied,
+)
+from tests.conftest import REPO
+
+SRC = Source(agent_id="tasks-1", role="tasks")
+TASK = TaskSpec(task_id="qg-t0", family="quickgame", params={"seed": 1}, knobs={"steps": 3, "distractors": 0,
+                                                                               "slack": 1, "hints": 0})
+HELD = TaskSpec(task_id="qg-h0", family="quickgame", params={"seed": 2}, knobs={"steps": 3}, split="heldout")
+
+
+def ev(cls: type[Event], ts: float, **fields: Any) -> Event:
+    return cls(run_id="r1", source=SRC, ts=1000.0 + ts, **fields)
+
+
+def sample(i: int) -> TrainingSample:
+    return TrainingSample(sample_id=f"s{i}", role="policy", prompt_token_ids=[1], response_token_ids=[2],
+                          logprobs=[-0.1], advantage=0.5, model_version=0, step_event_id=f"e{i}")
+
+
+def scored(ts: float, gid: str, acc: float, purpose: str = "train", reward: float = 0.0, **kw: Any) -> Event:
+    return ev(GroupScored, ts, task_id=HELD.task_id if purpose == "eval" else TASK.task_id, group_id=gid,
+              slot_id="heldout-0" if purpose == "eval" else "train-0", purpose=purpose, accuracy=acc,
+              n_trajectories=4, policy_band_ok=True, judge_band_ok=True, mean_reward=reward, **kw)
+
+
+def a_run() -> list[Event]:
+    """A small run: 6 train groups, a 2-group eval round, 2 learner steps, weights, a rewrite, agents."""
+    child = TASK.model_copy(update={"task_id": "qg-t0__v1", "parent_id": "qg-t0", "version": 1,
+                                    "knobs": {**TASK.knobs, "steps": 4}})
+    events: list[Event] = [
+        ev(TaskScheduled, 0, task=TASK, slot_id="train-0", group_id="g-1", n_rollouts=4),
+        ev(StepTaken, 0.5, trajectory_id="g-1-r0", task_id="qg-t0", group_id="g-1", step_index=0, observation="o",
+           action_text="go north", policy_version=0),
+        ev(StepJudged, 0.6, step_event_id="e1", trajectory_id="g-1-r0", task_id="qg-t0", group_id="g-1",
+           step_index=0, votes=[Vote(index=0, value=1, status="ok"),
+                                Vote(index=1, value=None, status="error", rationale="timeout", cost_usd=0.01)]),
+        ev(TrajectoryCompleted, 0.7, trajectory_id="g-1-r0", task_id="qg-t0", group_id="g-1", outcome="won",
+           num_steps=1, policy_versions=[0]),
+    ]
+    for i, acc in enumerate([0.25, 0.5, 0.5, 0.75, 0.75, 1.0]):
+        events.append(scored(1 + i, f"g-{i + 1}", acc, reward=acc - 0.5, judge_process_accuracy=0.5 + i / 20,
+                             judge_outcome_accuracy=0.6, judge_consistency=0.3,
+                             trajectory_ids=["g-1-r0"] if i == 0 else [],
+                             policy_samples=[sample(i)] if acc < 1 else []))
+    events += [
+        ev(TaskScheduled, 7, task=HELD, slot_id="heldout-0", group_id="eval1-a", n_rollouts=4, purpose="eval"),
+        ev(TaskScheduled, 7, task=HELD, slot_id="heldout-0", group_id="eval1-b", n_rollouts=4, purpose="eval"),
+        scored(8, "eval1-a", 0.5, "eval"),
+        scored(9, "eval1-b", 1.0, "eval"),
+        ev(LearnerStepped, 10, role="policy", version=1, samples=3, tokens=30, loss=0.5, kl=0.01, clip_fraction=0.1,
+           mismatch_kl=0.02, staleness_histogram={"0": 2, "1": 1}, tokens_per_second=100.0, group_ids=["g-1"]),
+        ev(WeightsApplied, 11, role="policy", server="policy-a", version=1, pause_ms=12.5),
+        ev(WeightsApplied, 11.5, role="policy", server="vllm-b", version=1, pause_ms=40.0, transport="gloo"),
+        ev(WeightsApplied, 11.6, role="policy", server="vllm-b", version=1, pause_ms=0.0, ok=False, error="x"),
+        ev(TaskRewritten, 12, slot_id="train-0", parent=TASK, candidate=child, direction="harder", rewriter="builtin",
+           precheck_ok=True),
+        ev(TaskDecided, 13, slot_id="train-0", parent_id="qg-t0", candidate_id="qg-t0__v1", direction="harder",
+           accepted=True, reason="in band", parent_accuracy=1.0, candidate_accuracy=0.5, rewriter="builtin"),
+        ev(TaskScheduled, 14, task=child, slot_id="train-0", group_id="g-7", n_rollouts=4),
+        ev(AgentStatus, 15, agent_id="judge-1", role="judge", state="running", uptime_s=15,
+           counters={"restarts.main": 2, "judge.handled": 5}),
+        ev(DeadLettered, 16, original_subject="coevo.r1.ev.step.taken", consumer="judge", reason="bad", raw=b"x",
+           delivery_count=3),
+        ev(LearnerStepped, 20, role="policy", version=2, samples=2, tokens=20, loss=0.25, kl=0.02, clip_fraction=0.0,
+           mismatch_kl=0.01, staleness_histogram={"1": 2}, tokens_per_second=120.0),
+    ]
+    return events
+
+
+def fold(events: list[Event]) -> tuple[Aggregator, list[Point]]:
+    agg = Aggregator(tick_s=5.0)
+    points = [p for i, e in enumerate(events, 1) for p in agg.add(e, i)]
+    return agg, points + agg.finish()
+
+
+def values(points: list[Point], key: str) -> list[float]:
+    return [p.value for p in points if p.key == key]
+
+
+def test_the_aggregator_turns_events_into_every_series() -> None:
+    agg, points = fold(a_run())
+    assert values(points, "success_train") == [0.25, 0.5, 0.5, 0.75, 0.75, 1.0]
+    assert values(points, "success_heldout") == [0.75]  # emitted once its round is complete
+    assert len(values(points, "reward_std")) == 5
+    assert values(points, 'learner_loss{role="policy"}') == [0.5, 0.25]
+    assert [p.step for p in points if p.name == "learner_loss"] == [1, 2]  # the step is the version
+    assert values(points, 'learner_staleness_mean{role="policy"}') == [0.3333, 1.0]
+    assert values(points, 'weights_pause_ms{role="policy",server="vllm-b",transport="gloo"}') == [40.0]
+    assert values(points, 'weights_apply_failures_total{role="policy",server="vllm-b"}') == [1.0]
+    assert values(points, 'task_difficulty{slot="train-0"}')[-1] > values(points, 'task_difficulty{slot="train-0"}')[0]
+    assert values(points, "rewrites_proposed_total")[-1] == 1 and values(points, "rewrites_accepted_total")[-1] == 1
+    assert values(points, "judge_errors_total")[-1] == 1 and values(points, "judge_cost_usd_total")[-1] == 0.01
+    assert values(points, 'dead_letters_total{consumer="judge"}') == [1.0]
+    assert values(points, 'agent_restarts_total{agent="judge-1"}') == [2.0]
+    assert values(points, 'learner_staleness_samples_total{role="policy",staleness="1"}')[-1] == 3
+    assert values(points, "trajectories_per_second") and values(points, "judge_process_accuracy")
+    assert {p.name for p in points} <= set(SPECS) and {s.chart for s in SPECS.values()} <= set(CHARTS)
+    # the views of the pages
+    state = agg.state_json()
+    slot = next(s for s in state["slots"] if s["slot_id"] == "train-0")
+    assert slot["task_id"] == "qg-t0__v1" and slot["accepted"] == 1
+    assert state["rewrites"][0]["accepted"] is True and state["rewrites"][0]["reason"] == "in band"
+    assert state["agents"][0]["restarts"] == 2 and state["dead_letters"][0]["consumer"] == "judge"
+    traj = agg.trajectories.as_list()[0]
+    assert traj["learner_version"] == 1 and traj["accuracy"] == 0.25  # trained by step 1, group accuracy
+
+
+def test_same_events_same_points_and_the_summary_matches_the_tally() -> None:
+    events = a_run()
+    _, first = fold(events)
+    _, again = fold(events)
+    assert first == again
+    agg, _ = fold(events)
+    tally = RunTally()
+    for e in events:
+        tally.add(e)
+    assert agg.summary(20.0) == tally.summary("r1", 20.0)
+    assert agg.summary(20.0)["heldout_success_end"] == 0.75
+
+
+def test_consumer_infos_become_series_and_rows() -> None:
+    agg = Aggregator()
+    agg.add(ev(TaskScheduled, 0, task=TASK, slot_id="train-0", group_id="g-1", n_rollouts=4), 1)
+    points = agg.add_consumers([ConsumerInfo("judge", pending=7, ack_pending=3)], wall=1010.0)
+    assert {p.key: p.value for p in points} == {'consumer_pending{consumer="judge"}': 7.0,
+                                                 'consumer_ack_pending{consumer="judge"}': 3.0}
+    assert points[0].t == 10.0 and agg.state_json()["consumers"][0]["pending"] == 7
+
+
+def test_a_series_stays_bounded_and_keeps_its_latest_point() -> None:
+    s = Series("success_train", (), cap=100)
+    for i in range(10_000):
+        s.append(float(i), float(i))
+    assert len(s.points) < 100 and s.visible()[-1] == (9999.0, 9999.0)
+    assert s.points[0] == (0.0, 0.0) and s.count == 10_000
+
+
+def test_summary_fields_are_documented() -> None:
+    summary = RunTally().summary("r", 1.0)
+    assert set(summary) == set(SUMMARY_FIELDS)
+    doc = (REPO / "docs" / "observability.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z_0-9]+)` \|", doc, re.MULTILINE))
+    assert set(SUMMARY_FIELDS) <= documented, set(SUMMARY_FIELDS) - documented
+    assert set(SPECS) <= documented, set(SPECS) - documented  # and every series
+
+
+def test_the_human_summary_says_what_improved_and_warns_without_a_learner_step() -> None:
+    cfg = load_config()
+    summary = {**RunTally().summary("r1", 90.0), "policy_success_start": 0.25, "policy_success_end": 0.75,
+               "learner_steps": 3, "groups_scored": 6}
+    text = describe(summary, cfg, {"report": "runs/r1/report/index.html"})
+    assert "policy success on train groups: 0.25 -> 0.75 (improved, +0.50" in text
+    assert "report:" in text and "warning" not in text
+    idle = {**RunTally().summary("r1", 30.0), "groups_scored": 4, "policy_samples": 0,
+            "train_groups_with_samples": 0}
+    assert "every rollout won or every one lost" in (no_learning_reason(idle, cfg) or "")
+    few = {**idle, "policy_samples": 5, "train_groups_with_samples": 2}
+    assert f"fewer than learner.batch_samples = {cfg.learner.batch_samples}" in describe(few, cfg, {})
+
+
+def test_counter_dumps_stay_out_of_the_console() -> None:
+    import logging
+
+    record = logging.LogRecord("coevo.agent.judge", logging.INFO, "", 0, {"event": "agent.stopped", "counters": {}},
+                               None, None)
+    assert not _HideFromConsole().filter(record)
+    record.msg = {"event": "run.finished"}
+    assert _HideFromConsole().filter(record)
+
+
+# ---- sinks ----------------------------------------------------------------------------------------
+
+
+def test_tensorboard_files_read_back(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from coevo.observe.sinks import TensorBoardSink
+
+    _, points = fold(a_run())
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write(points)
+    sink.close()
+    sink.close()  # idempotent
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [s.value for s in acc.Scalars("success/success_train")] == [0.25, 0.5, 0.5, 0.75, 0.75, 1.0]
+    assert [s.step for s in acc.Scalars("loss/learner_loss/policy")] == [1, 2]
+    assert tb_tag("weights_pause_ms", (("role", "policy"), ("server", "a/b"), ("transport", "disk"))) == \
+        "weights/weights_pause_ms/policy/a_b/disk"
+
+
+def test_wandb_sink_logs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from coevo.observe import sinks
+
+    calls: dict[str, Any] = {"log": []}
+
+    class FakeRun:
+        def log(self, row: dict[str, float]) -> None:
+            calls["log"].append(row)
+
+        def finish(self) -> None:
+            calls["finished"] = True
+
+    def init(**kw: Any) -> FakeRun:
+        calls["init"] = kw
+        return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    monkeypatch.setattr(sinks, "wandb_available", lambda: True)
+    made = sinks.make_sinks(tmp_path, "r1", tensorboard=False, wandb=True, project="p")
+    _, points = fold(a_run())
+    for s in made:
+        s.write(points[:3])
+        s.close()
+    assert calls["init"]["mode"] == "offline" and calls["init"]["project"] == "p"
+    assert len(calls["log"]) == 3 and calls["finished"]
+    monkeypatch.setattr(sinks, "wandb_available", lambda: False)
+    assert sinks.make_sinks(tmp_path, "r1", tensorboard=False, wandb=True) == []  # warned, not required
+
+
+def test_prometheus_exposition_parses() -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from coevo.observe.exposition import registry_for
+
+    agg, _ = fold(a_run())
+    text = generate_latest(registry_for(aggregator=agg)).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["coevo_success_train"].samples[0].value == 1.0
+    pause = {s.labels["server"]: s.value for s in families["coevo_weights_pause_ms"].samples}
+    assert pause == {"policy-a": 12.5, "vllm-b": 40.0}
+    assert families["coevo_rewrites_accepted"].type == "counter"
+    kinds = {s.labels["kind"] for s in families["coevo_events"].samples}
+    assert {"group.scored", "learner.stepped"} <= kinds
+
+
+# ---- the report -------------------------------------------------------------------------------------
+
+
+def test_report_of_a_run_has_the_plots_and_opens_alone(tmp_path: Path) -> None:
+    from coevo.observe.report import write_report
+
+    events = [*a_run(), ev(RunFinished, 30, summary={"learner_steps": 2})]
+    agg, _ = fold(events)
+    path = write_report(agg, tmp_path / "report")
+    page = path.read_text()
+    for plot in ("success", "reward", "judge", "kl", "weights", "loss", "staleness_hist"):
+        assert f'id="plot-{plot}"' in page
+        assert (tmp_path / "report" / "plots" / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "src=\"http" not in page and "<script" not in page
+    assert "learner_steps" in page and SUMMARY_FIELDS["learner_steps"] in page
+
+
+def test_report_of_bench_results(tmp_path: Path) -> None:
+    from coevo.cli import main
+
+    curve = [{"seconds": 0.0, "success": 0.2, "policy_version": 0}, {"seconds": 60.0, "success": 0.7,
+                                                                    "policy_version": 9}]
+    learn = tmp_path / "learn.json"
+    learn.write_text(json.dumps({"final_success": 0.7, "curves": {"integrated": curve, "outcome_only": curve},
+                                 "integrated": {"learner_steps": 9}}))
+    ladder = tmp_path / "ladder.json"
+    rung = {"train_success": 0.6, "heldout_success": 0.5, "judge_process_accuracy": 0.7, "curve": curve}
+    ladder.write_text(json.dumps({"minutes_per_rung": 1, "rungs": {"policy-only": rung, "full": rung}}))
+    assert main(["report", "--bench", str(learn)]) == 0
+    assert main(["report", "--bench", str(ladder), "--out", str(tmp_path / "lad")]) == 0
+    assert (tmp_path / "learn" / "plots" / "curves.png").exists()
+    page = (tmp_path / "lad" / "index.html").read_text()
+    assert 'id="plot-rungs"' in page and "rungs.full.train_success" in page
+
+
+def test_progress_bar_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    from coevo.observe.progress import progress_bar
+
+    with progress_bar("reading", 3, force=True) as bar:
+        for _ in range(3):
+            bar.advance()
+    with progress_bar("quiet", 3) as bar:  # not a terminal: nothing drawn
+        bar.advance()
+    err = capsys.readouterr().err
+    assert "reading" in err and "3/3" in err and "quiet" not in err
+
+
+def test_trace_tree_shows_rationales_and_the_learner_step_number() -> None:
+    from rich.console import Console
+
+    from coevo.tools.trace_view import tree
+
+    step = {"step": 0, "action": "go north", "result": "ok", "policy_version": 2, "reference_label": 1,
+            "advantage": 0.5, "votes": [{"value": 1, "status": "ok", "rationale": "moves toward the key"},
+                                        {"value": None, "status": "error", "rationale": "timeout"}]}
+    t = {"kind": "trajectory", "trajectory_id": "g-1-r0", "task_id": "qg-t0", "outcome": "won", "lineage": [],
+         "steps": [step], "group": None, "learner_step": {"version": 7, "loss": 0.1, "ts": 0.0},
+         "weights": {"applied": []}}
+    console = Console(width=200, record=True)
+    console.print(tree(t))
+    text = console.export_text()
+    assert "vote 0: +1: moves toward the key" in text and "vote 1: error: timeout" in text
+    assert "trained by policy learner step 7" in text
