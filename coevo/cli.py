@@ -407,6 +407,28 @@ def cmd_bench_weights(args: argparse.Namespace) -> int:
     return _emit(asyncio.run(bench_weights(args.vllm_python, sizes)), args.json)
 
 
+def cmd_bench_learner(args: argparse.Namespace) -> int:
+    from coevo.bench.learner import bench_learner
+
+    return _emit(bench_learner(args.size, args.device, steps=args.steps, samples=args.samples, tokens=args.tokens,
+                               checkpoint_every=args.checkpoint_every), args.json)
+
+
+def cmd_bench_chaos(args: argparse.Namespace) -> int:
+    from coevo.bench.chaos import ChaosPlan, bench_chaos
+
+    plan = ChaosPlan(minutes=args.minutes, kill_every_s=args.kill_every, node_every_s=args.node_every, seed=args.seed)
+    result = asyncio.run(bench_chaos(plan, baseline=not args.no_baseline, workdir=args.workdir))
+    _emit(result, args.json)
+    return 0 if result["ok"] else 1
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from coevo.bench.soak import bench_soak
+
+    return _emit(asyncio.run(bench_soak(args.minutes, args.every)), args.json)
+
+
 def cmd_bench_codec(args: argparse.Namespace) -> int:
     from coevo.bench.bus import bench_codec
 
@@ -549,6 +571,25 @@ COMMANDS: tuple[Command, ...] = (
     Command("bench weights", "pause of a weight swap (local engine; vLLM with --vllm-python)", cmd_bench_weights,
             args=(_JSON, arg("--vllm-python", help="python of a venv with vllm (starts a server per size)"),
                   arg("--sizes", default="tiny,small,medium"))),
+    Command("bench learner", "one learner step by model size: step, publish and checkpoint costs, memory, MFU",
+            cmd_bench_learner, args=(
+                _JSON, arg("--size", default="large", choices=("tiny", "small", "medium", "large", "0.5B", "1.5B")),
+                arg("--device", default="cpu", help="cpu or cuda"),
+                arg("--steps", type=int, help="measured steps (default 3 on CPU, 5 on GPU)"),
+                arg("--samples", type=int, help="samples per step (default 16 on CPU, 64 on GPU)"),
+                arg("--tokens", type=int, help="tokens per sample, a quarter response (default 128 / 512)"),
+                arg("--checkpoint-every", type=int, default=1, help="a resume checkpoint every N steps"))),
+    Command("bench chaos", "the loop as processes on a 3-node cluster under kill -9, node loss and garbage",
+            cmd_bench_chaos, args=(
+                _JSON, arg("--minutes", type=float, default=10.0, help="with faults (and again without)"),
+                arg("--kill-every", type=float, default=5.0, help="seconds between kill -9 of a random agent"),
+                arg("--node-every", type=float, default=60.0, help="seconds between NATS node kills"),
+                arg("--seed", type=int, default=0),
+                arg("--no-baseline", action="store_true", help="skip the fault-free run"),
+                arg("--workdir", type=Path, help="keep stores, runs and agent logs here (default: removed)"))),
+    Command("bench soak", "a long coevo run: RSS slope of every process and growth on disk, per hour", cmd_bench_soak,
+            args=(_JSON, arg("--minutes", type=float, default=30.0),
+                  arg("--every", type=float, default=10.0, help="seconds between samples"))),
     Command("bench codec", "wire encodings of the event models: speed and size", cmd_bench_codec, args=(_JSON,)),
 )
 

@@ -473,11 +473,17 @@ class NatsBus:
         try:
             if (await sub.consumer_info()).num_pending == 0:
                 return
+            stalled_since = time.monotonic()
             while True:
                 try:
                     msgs = await sub.fetch(256, timeout=2.0)
                 except (nats.errors.TimeoutError, TimeoutError):
-                    return
+                    # a slow fetch (a node failing over, a busy server) is not the end of history:
+                    # stop only when the server says nothing is left, never on a timeout alone
+                    if await self._history_done(sub, stalled_since, end):
+                        return
+                    continue
+                stalled_since = time.monotonic()
                 for msg in msgs:
                     md = msg.metadata
                     if md.sequence.stream > end:
@@ -493,6 +499,16 @@ class NatsBus:
             await sub.unsubscribe()
             with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
                 await self.js.delete_consumer(self.stream, config.name)
+
+    async def _history_done(self, sub: Any, stalled_since: float, end: int, stall_s: float = 60.0) -> bool:
+        """After a fetch timeout: True when nothing is left to read; raises if reading stalls for good."""
+        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            info = await sub.consumer_info()
+            if info.num_pending == 0 or info.delivered.stream_seq >= end:
+                return True
+        if time.monotonic() - stalled_since > stall_s:
+            raise BusError(f"reading the history of {self.stream} stalled for {stall_s:.0f} s before sequence {end}")
+        return False
 
     async def events(self, kinds: Iterable[str] | None = None) -> list[Event]:
         """Convenience: the decoded events stored so far (undecodable ones skipped)."""

@@ -1,0 +1,128 @@
+"""``coevo bench soak``: does a long run stay flat? RSS of every process and the growth on disk.
+
+Runs ``coevo run`` (every agent in one process, an embedded nats-server) for ``minutes`` and samples,
+every ``every_s``: the resident memory of the coevo process and of nats-server, the bytes of the
+run's stream, of its KV buckets and object store, and of the run directory (checkpoints, logs,
+NATS store). Slopes are least-squares fits over the samples after a warm-up (the first fifth),
+reported per hour, so a leak shows as a positive slope and bounded retention as a flat one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MB = 1024 * 1024
+
+
+def slope_per_hour(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, value) samples, per hour (0 with fewer than two points)."""
+    if len(samples) < 2:
+        return 0.0
+    n = len(samples)
+    mt = sum(t for t, _ in samples) / n
+    mv = sum(v for _, v in samples) / n
+    var = sum((t - mt) ** 2 for t, _ in samples)
+    if var == 0:
+        return 0.0
+    return sum((t - mt) * (v - mv) for t, v in samples) / var * 3600
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def dir_mb(path: Path) -> float:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total / MB
+
+
+def _proc_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def sample(coevo_pid: int, run_dir: Path) -> dict[str, float]:
+    """One sample: RSS of coevo and nats-server (MB), and MB on disk by kind."""
+    out: dict[str, float] = {}
+    out["rss_coevo_mb"] = rss_mb(coevo_pid) or 0.0
+    nats = [p for p in _descendants(coevo_pid) if _proc_name(p).startswith("nats-server")]
+    out["rss_nats_mb"] = sum(rss_mb(p) or 0.0 for p in nats)
+    js = run_dir / "nats" / "jetstream"
+    streams = [d for d in js.rglob("streams/*") if d.is_dir()] if js.exists() else []
+    out["stream_mb"] = sum(dir_mb(d) for d in streams if d.name.startswith("COEVO_"))
+    out["kv_mb"] = sum(dir_mb(d) for d in streams if d.name.startswith("KV_"))
+    out["objects_mb"] = sum(dir_mb(d) for d in streams if d.name.startswith("OBJ_"))
+    out["checkpoints_mb"] = dir_mb(run_dir / "checkpoints") if (run_dir / "checkpoints").exists() else 0.0
+    out["run_dir_mb"] = dir_mb(run_dir)
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def summarize_samples(samples: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
+    warm = samples[len(samples) // 5:]
+    keys = samples[0][1].keys() if samples else []
+    return {
+        "samples": len(samples),
+        "slope_per_hour": {k: round(slope_per_hour([(t, s[k]) for t, s in warm]), 2) for k in keys},
+        "end": {k: round(v, 1) for k, v in samples[-1][1].items()} if samples else {},
+    }
+
+
+async def bench_soak(minutes: float = 30.0, every_s: float = 10.0, extra: list[str] | None = None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="coevo-soak-") as tmp:
+        run_id = "soak"
+        args = [sys.executable, "-m", "coevo", "run", "--minutes", str(minutes), "--run-id", run_id,
+                "--set", f"run.runs_dir={tmp}", "--set", "log.console=off", *(extra or [])]
+        with (Path(tmp) / "stderr.txt").open("wb") as errf:  # a file, not a pipe: a long run cannot block on it
+            proc = await asyncio.create_subprocess_exec(*args, stdout=subprocess.DEVNULL, stderr=errf)
+        run_dir = Path(tmp) / run_id
+        samples: list[tuple[float, dict[str, float]]] = []
+        t0 = time.monotonic()
+        while proc.returncode is None:
+            try:
+                await asyncio.wait_for(proc.wait(), every_s)
+            except TimeoutError:
+                if run_dir.exists():
+                    samples.append((time.monotonic() - t0, await asyncio.to_thread(sample, proc.pid, run_dir)))
+        err = (Path(tmp) / "stderr.txt").read_bytes()[-2000:].decode(errors="replace")
+        result = {"minutes": minutes, "every_s": every_s, "returncode": proc.returncode,
+                  **summarize_samples(samples), "final_run_dir_mb": round(dir_mb(run_dir), 1)}
+        if proc.returncode != 0:
+            result["stderr_tail"] = err
+        return result
