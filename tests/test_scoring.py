@@ -188,3 +188,41 @@ async def test_scorer_memory_of_scored_groups_is_bounded_and_orphans_are_dropped
     assert "g1" in scorer.groups  # not before group_timeout_s
     scorer.drop_orphans(time.monotonic() + cfg.scorer.group_timeout_s + 1)
     assert "g1" not in scorer.groups and scorer.counters["groups.orphans_dropped"] == 1
+
+
+# ---- the critic (ALGORITHM.md §4.2) ---------------------------------------------------------------------
+
+
+def test_critic_reads_the_judges_reasoning_and_an_unparseable_vote_is_not_a_minus_one() -> None:
+    from coevo.agents.scorer import Group, failure_digest
+    from coevo.algorithm import scoring
+    from coevo.algorithm.rewriter import LLMRewriter, critic_summary
+    from coevo.envs.quickgame import QuickGame
+    from coevo.schemas import Source, StepJudged, StepTaken, TaskSpec, Vote
+
+    src = Source(agent_id="t", role="t")
+    g = Group()
+    steps = []
+    for k, (action, votes) in enumerate([("go north", [(1, "ok"), (-1, "ok")]),
+                                         ("jump into pit", [(-1, "ok"), (-1, "ok")]),
+                                         ("wait", [(-1, "ok"), (None, "unparseable")])]):
+        st = StepTaken(run_id="r", source=src, trajectory_id="tr", task_id="q", group_id="g", step_index=k,
+                       observation="o", candidates=[action], prompt_token_ids=[1], response_token_ids=[2],
+                       logprobs=[-0.1], action_text=action, next_observation=f"You {action}. Then more.",
+                       policy_version=0)
+        g.add(st)
+        g.add(StepJudged(run_id="r", source=src, step_event_id=st.event_id, trajectory_id="tr", task_id="q",
+                         group_id="g", step_index=k, votes=[
+                             Vote(index=i, value=v, status=s, rationale="the pit kills you" if v == -1 else "")
+                             for i, (v, s) in enumerate(votes)]))
+        steps.append(scoring.StepRec(st.event_id, k, tuple(scoring.VoteRec(v, s) for v, s in votes), None))
+    digest = failure_digest(scoring.TrajRec("tr", "lost", tuple(steps)), g)
+    assert digest.steps[1] == "2. jump into pit -> You jump into pit"
+    assert digest.all_negative_steps == [2]  # step 3 had an unparseable vote: not "every vote -1"
+    assert digest.rationales == ["step 2: the pit kills you"]
+    summary = critic_summary(digest)
+    assert summary == ("Went wrong at step 2 (jump into pit -> You jump into pit), which every judge vote called bad."
+                       " The judge: the pit kills you.")
+    prompt = LLMRewriter(client=None).prompt(QuickGame(), TaskSpec(task_id="q", family="quickgame",
+                                             knobs={"steps": 3}), "easier", [summary], [digest])
+    assert "2. jump into pit -> You jump into pit" in prompt and "judge on step 2: the pit kills you" in prompt

@@ -189,17 +189,19 @@ def coding_judge_samples(trajs: list[scoring.TrajRec], g: Group) -> list[Trainin
 
 
 def failure_digest(t: scoring.TrajRec, g: Group) -> FailureDigest:
+    """The numbered ``action -> feedback`` lines of a failed trajectory, the steps where *every*
+    vote was -1 (an unparseable or failed vote is not a -1), and the judge's reasoning there."""
     lines, negative, rationales = [], [], []
     for k, s in enumerate(t.steps, 1):
         st = g.steps[s.step_id]
         feedback = st.next_observation.split(".")[0] if st.next_observation else ""
         lines.append(f"{k}. {st.action_text or '(no valid action)'} -> {feedback}")
-        ok = [v for v in s.votes if v.status == "ok"]
-        if ok and all(v.value == -1 for v in ok):
+        if s.votes and all(v.status == "ok" and v.value == -1 for v in s.votes):
             negative.append(k)
             judged = g.judged.get(s.step_id)
-            if judged:
-                rationales += [v.rationale[-300:] for v in judged.votes if v.rationale][:1]
+            why = next((v.rationale.strip() for v in judged.votes if v.rationale.strip()), "") if judged else ""
+            if why:
+                rationales.append(f"step {k}: {why[-300:]}")
     return FailureDigest(trajectory_id=t.trajectory_id, outcome=t.outcome, steps=lines,  # type: ignore[arg-type]
                          all_negative_steps=negative, rationales=rationales)
 

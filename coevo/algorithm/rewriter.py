@@ -36,7 +36,9 @@ class Rewriter(Protocol):
 
 
 def critic_summary(f: FailureDigest) -> str:
-    """At most two sentences on why a trajectory failed (built-in critic)."""
+    """At most two sentences on why a trajectory failed (built-in critic, ALGORITHM.md §4.2): where it
+    went wrong (the first step every judge vote called bad, else its end), then the judge's reasoning
+    at that step if it wrote one, else whether it ran out of steps."""
     if f.all_negative_steps:
         k = f.all_negative_steps[0]
         line = f.steps[k - 1] if 0 < k <= len(f.steps) else "?"
@@ -45,8 +47,28 @@ def critic_summary(f: FailureDigest) -> str:
         first = f"Ended {f.outcome} after {len(f.steps)} steps; last: {f.steps[-1].split('. ', 1)[-1]}."
     else:
         first = f"Ended {f.outcome} without a valid step."
-    second = " Ran out of steps." if f.outcome == "truncated" else ""
+    why = next((r.split(": ", 1)[-1] for r in f.rationales
+                if f.all_negative_steps and r.startswith(f"step {f.all_negative_steps[0]}:")), "")
+    if why:
+        second = " The judge: " + " ".join(why.split())[:160].rstrip(".") + "."
+    else:
+        second = " Ran out of steps." if f.outcome == "truncated" else ""
     return (first + second).strip()
+
+
+def failure_text(failures: list[FailureDigest], summaries: list[str], most: int = 3, lines: int = 12) -> str:
+    """What the LLM rewriter reads of the failures: each one's summary, its numbered trajectory and
+    the judge's reasoning where every vote was -1 (bounded: ``most`` failures, ``lines`` steps each)."""
+    if not failures:
+        return "(no failures)"
+    out = []
+    for i, (f, summary) in enumerate(zip(failures[:most], summaries, strict=False), 1):
+        steps = f.steps[:lines] + ([f"... {len(f.steps) - lines} more steps"] if len(f.steps) > lines else [])
+        out.append(f"Failure {i} ({f.outcome}): {summary}\n  " + "\n  ".join(steps or ["(no steps)"]))
+        if f.all_negative_steps:
+            out.append(f"  steps every judge vote called bad: {f.all_negative_steps}")
+        out += [f"  judge on {r}" for r in f.rationales[:2]]
+    return "\n".join(out)
 
 
 # keywords in the summaries -> the knob that most likely caused the failure
@@ -85,17 +107,18 @@ class LLMRewriter:
         self.retries = retries
         self.max_tokens = max_tokens
 
-    def prompt(self, family: Family, task: TaskSpec, direction: Direction, summaries: list[str]) -> str:
+    def prompt(self, family: Family, task: TaskSpec, direction: Direction, summaries: list[str],
+               failures: list[FailureDigest] | None = None) -> str:
         bounds = {k.name: [k.low, k.high] for k in family.knobs}
         return (f"You rewrite {family.name} tasks to make them {direction} while keeping their intent.\n"
                 f"Current knobs: {json.dumps(task.knobs)}\nBounds: {json.dumps(bounds)}\n"
-                f"Why recent attempts failed:\n- " + "\n- ".join(summaries or ["(no failures)"]) +
-                '\nAnswer with JSON only: {"knobs": {...}, "reason": "..."}\n')
+                f"Why recent attempts failed:\n{failure_text(failures or [], summaries)}\n"
+                'Answer with JSON only: {"knobs": {...}, "reason": "..."}\n')
 
     async def propose(self, family: Family, task: TaskSpec, direction: Direction,
                       failures: list[FailureDigest]) -> Proposal:
         summaries = [critic_summary(f) for f in failures]
-        prompt = self.prompt(family, task, direction, summaries)
+        prompt = self.prompt(family, task, direction, summaries, failures)
         error = "no answer"
         schema = proposal_schema(family)
         for _ in range(self.retries + 1):
