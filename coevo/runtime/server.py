@@ -31,9 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from coevo.errors import ConfigError, ServerError
 
+_L = TypeVar("_L", bound="_Lifecycle")
 _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+):(\d+)")
 _META_LEADER = re.compile(r"Self is new JetStream cluster metadata leader|JetStream cluster new metadata leader")
 
@@ -147,7 +149,37 @@ def _wait_for_log(path: Path, pattern: re.Pattern[str], proc: subprocess.Popen[b
     return None
 
 
-class EmbeddedServer:
+class _Lifecycle:
+    """``with`` / ``async with`` around ``start()`` and ``stop()`` (the async form off the event loop)."""
+
+    def start(self) -> str:
+        raise NotImplementedError
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _L) -> _L:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def __aenter__(self: _L) -> _L:
+        import asyncio
+
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self.stop)
+
+
+class EmbeddedServer(_Lifecycle):
     """A nats-server (a free loopback port by default) with JetStream storage under ``store_dir``."""
 
     def __init__(
@@ -276,28 +308,9 @@ class EmbeddedServer:
         self._proc = None
         self._close_lifeline()
 
-    def __enter__(self) -> EmbeddedServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> EmbeddedServer:
-        import asyncio
-
-        await asyncio.to_thread(self.start)
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        import asyncio
-
-        await asyncio.to_thread(self.stop)
 
 
-class EmbeddedCluster:
+class EmbeddedCluster(_Lifecycle):
     """``nodes`` JetStream servers on one host joined by routes (for tests and single-host demos).
 
     Node ``i`` keeps its store ``store_dir/n<i>``, name ``n<i>`` and ports across ``kill_node`` /
@@ -377,25 +390,6 @@ class EmbeddedCluster:
                 raise ServerError(f"no JetStream metadata leader after {self.ready_timeout_s}s; "
                                   f"log: {node.log_path}")
 
-    def __enter__(self) -> EmbeddedCluster:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> EmbeddedCluster:
-        import asyncio
-
-        await asyncio.to_thread(self.start)
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        import asyncio
-
-        await asyncio.to_thread(self.stop)
 
 
 # ---- who may connect -------------------------------------------------------------------------------
