@@ -103,9 +103,9 @@ class Progress:
 # ---- what a person reads at the end --------------------------------------------------------------
 
 
-def _change(label: str, start: float | None, end: float | None, how: str) -> str | None:
+def _change(label: str, start: float | None, end: float | None, how: str, missing: str) -> str:
     if start is None or end is None:
-        return None
+        return f"  {label}: not measured ({missing})"
     verb = "improved" if end > start else ("fell" if end < start else "unchanged")
     return f"  {label}: {start:.2f} -> {end:.2f} ({verb}, {end - start:+.2f}; {how})"
 
@@ -134,13 +134,15 @@ def describe(summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str]) -
     lines = [f"Run {s['run_id']} finished after {s['seconds'] / 60:.1f} min: {s['learner_steps']} policy and "
              f"{s['judge_learner_steps']} judge learner steps, {s['events'].get('trajectory.completed', 0)} "
              f"trajectories, {s['groups_scored']} train groups scored."]
-    lines += [x for x in (
+    lines += [
         _change("policy success on train groups", s["policy_success_start"], s["policy_success_end"],
-                "first vs last fifth of the groups"),
+                "first vs last fifth of the groups", "no train group was scored"),
         _change("held-out success", s["heldout_success_start"], s["heldout_success_end"],
-                "first vs last evaluation round, fixed tasks"),
+                "first vs last evaluation round, fixed tasks",
+                f"no evaluation round was scored: one runs after every {cfg.tasks.eval_every} train groups"),
         _change("judge process accuracy", s["judge_process_accuracy_start"], s["judge_process_accuracy"],
-                "first vs last quarter of the groups")) if x]
+                "first vs last quarter of the groups", "no group had both judge votes and the environment's "
+                "step labels: outcome-only reward, or a family without reference labels")]
     lines.append(f"  rewrites: {s['rewrites_accepted']} accepted of {s['rewrites_proposed']} proposed"
                  + (f"; judge errors: {s['judge_errors']}, cost ${s['judge_cost_usd']:.4f}"
                     if s["judge_errors"] or s["judge_cost_usd"] else ""))

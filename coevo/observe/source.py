@@ -19,7 +19,7 @@ from nats.js import api
 
 from coevo.observe.aggregate import ConsumerInfo
 from coevo.runtime.bus import NatsBus
-from coevo.schemas import Event, decode, events_prefix, new_id
+from coevo.schemas import Event, events_prefix, new_id
 
 FETCH = 256
 OBSERVER_PREFIX = "observe_"
@@ -47,7 +47,7 @@ async def tail(bus: NatsBus, stop: asyncio.Event, *, start_seq: int = 1, wait_s:
                 continue
             for msg in msgs:
                 try:
-                    event: Event | None = decode(msg.data)
+                    event: Event | None = await bus.decode_msg(msg)  # follows claims of large events
                 except ValueError:
                     event = None
                 yield msg.metadata.sequence.stream, event

@@ -76,6 +76,15 @@ function niceTicks(lo, hi, n) {
   return out;
 }
 
+const TIME_STEPS = [1, 2, 5, 10, 15, 20, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 28800, 86400];
+
+function timeTicks(lo, hi, n) {
+  const step = TIME_STEPS.find((x) => (hi - lo) / x <= n) || TIME_STEPS[TIME_STEPS.length - 1];
+  const out = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi + 1e-9; v += step) out.push(v);
+  return out;
+}
+
 function ema(points, alpha) {
   let m = null;
   return points.map(([t, v]) => { m = m === null ? v : m + alpha * (v - m); return [t, m]; });
@@ -84,6 +93,13 @@ function ema(points, alpha) {
 function seriesLabel(series, multiName) {
   const labels = Object.values(series.labels || {}).join(" ");
   return [multiName ? series.name : "", labels].filter(Boolean).join(" ") || series.name;
+}
+
+function isSmoothed(sr) { return NOISY.has(sr.name) && sr.points.length > 8; }
+
+function latest(sr) {
+  // a smoothed series shows its moving average (≈), others their last value
+  return isSmoothed(sr) ? "≈" + fmtN(ema(sr.points, 0.15).at(-1)[1]) : fmtN(sr.points[sr.points.length - 1][1]);
 }
 
 function lineChart(svg, list, unit) {
@@ -105,18 +121,19 @@ function lineChart(svg, list, unit) {
     axes.append(s("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), class: "grid" }));
     const lab = s("text", { x: L - 4, y: y(v) + 3, "text-anchor": "end" }); lab.textContent = fmtN(v); axes.append(lab);
   }
-  for (const t of niceTicks(tMin, tMax, 5)) {
+  for (const t of timeTicks(tMin, tMax, 6)) {
     const lab = s("text", { x: x(t), y: H - 8, "text-anchor": "middle" }); lab.textContent = fmtT(t); axes.append(lab);
   }
   svg.append(axes);
   list.forEach((sr, i) => {
     const color = COLORS[i % COLORS.length];
     const g = s("g", { class: "series", "data-key": sr.key });
-    const smooth = NOISY.has(sr.name) && sr.points.length > 8;
+    const smooth = isSmoothed(sr);
     const line = smooth ? ema(sr.points, 0.15) : sr.points;
+    const r = smooth ? 1.6 : sr.points.length > 120 ? 1.3 : 2.2;
     g.append(s("polyline", { class: "line", stroke: color, points: line.map(([t, v]) => `${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" ") }));
     for (const [t, v] of sr.points.slice(-400)) {
-      g.append(s("circle", { class: smooth ? "pt faint" : "pt", cx: x(t).toFixed(1), cy: y(v).toFixed(1), r: smooth ? 1.6 : 2.2, fill: color }));
+      g.append(s("circle", { class: smooth ? "pt faint" : "pt", cx: x(t).toFixed(1), cy: y(v).toFixed(1), r, fill: color }));
     }
     svg.append(g);
   });
@@ -157,7 +174,7 @@ function drawChart(fig) {
   else lineChart(svg, list, chart.unit);
   const legend = h("div", { class: "legend" }, list.map((sr, i) => h("span", { class: "key" },
     h("i", { style: `background:${COLORS[i % COLORS.length]}` }), seriesLabel(sr, names.size > 1),
-    h("b", {}, fmtN(sr.points[sr.points.length - 1][1])))));
+    h("b", {}, latest(sr)))));
   fig.querySelector("svg")?.replaceWith(svg);
   fig.querySelector(".legend")?.replaceWith(legend);
 }
