@@ -127,6 +127,8 @@ class Fleet:
     logs: Path
     procs: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
     starts: Counter[str] = field(default_factory=Counter)
+    exits: Counter[str] = field(default_factory=Counter)
+    """processes that exited on their own (an agent that failed) and were started again"""
 
     async def start(self, role: str) -> None:
         args = [sys.executable, "-m", "coevo", "agent", role, "--nats", self.url, "--run-id", self.run_id]
@@ -137,6 +139,13 @@ class Fleet:
         self.procs[role] = await asyncio.create_subprocess_exec(*args, stdout=log, stderr=log,
                                                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
+
+    async def revive(self) -> list[str]:
+        """Start again every agent whose process exited on its own (what a process manager does)."""
+        gone = [r for r, p in self.procs.items() if p.returncode is not None]
+        for role in gone:
+            await self.start(role)
+        return gone
 
     async def kill(self, role: str) -> None:
         proc = self.procs[role]
@@ -199,6 +208,8 @@ async def _inject(fleet: Fleet, cluster: Any, plan: ChaosPlan, until: float) -> 
     try:
         while time.monotonic() < until:
             await asyncio.sleep(plan.kill_every_s)
+            for gone in await fleet.revive():  # not a fault we injected: reported as agent_exits
+                fleet.exits[gone] += 1
             role = rng.choice(KILLABLE)
             await fleet.kill(role)
             await fleet.start(role)
@@ -253,7 +264,8 @@ async def run_fleet(cluster: Any, workdir: Path, run_id: str, plan: ChaosPlan, *
     async with await NatsBus.connect(cluster.url, run_id) as bus:
         verdict = judge_stream(await bus.events(), seconds)
     return {**verdict, "seconds": round(seconds, 1), "faults_injected": sum(injected.values()),
-            "faults": dict(injected), "agent_starts": dict(fleet.starts)}
+            "faults": dict(injected), "agent_starts": dict(fleet.starts),
+            "agent_exits": dict(fleet.exits)}
 
 
 async def bench_chaos(plan: ChaosPlan, *, cache: Path | None = None, baseline: bool = True,

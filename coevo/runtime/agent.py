@@ -185,7 +185,9 @@ class Agent:
             self.state = "running"
             await self._report()
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._heartbeat(), name=f"{self.agent_id}:heartbeat")
+                # supervised like the rest: a status that cannot be published (NATS failing over) is
+                # retried, it never takes the agent down
+                tg.create_task(self._supervise("heartbeat", self._heartbeat), name=f"{self.agent_id}:heartbeat")
                 for c in self._consumers:
                     tg.create_task(self._supervise(c.sub.durable, lambda c=c: c.run(self.stopping)),
                                    name=f"{self.agent_id}:{c.sub.durable}")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import nats.errors
+import nats.js.errors
 import structlog
 from nats.aio.msg import Msg
 from pydantic import ValidationError
@@ -122,6 +123,9 @@ class Consumer:
             try:
                 msgs = await psub.fetch(batch, timeout=self.cfg.fetch_timeout_s)
             except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
+                await asyncio.sleep(self.cfg.fetch_timeout_s)  # a node failing over: the stream comes back
                 continue
             held = len(self._held) + len(msgs)
             if held > self.stats.max_inflight:
