@@ -480,7 +480,10 @@ COMMANDS: tuple[Command, ...] = (
     Command("run", "run the closed loop (policy, judge, rewriter, learner)", cmd_run, config=True, args=(
         arg("--minutes", type=float, help="wall-clock budget (0: until stopped) [run.minutes]"),
         arg("--steps", type=int, help="stop after this many policy learner steps [run.steps]"),
-        arg("--family", help="quickgame | textworld | coding [env.family]"),
+        arg("--family", help="quickgame | textworld | coding | external | gym:MODULE:ENV | a plugin's name "
+            "[env.family]"),
+        arg("--serve-policy", type=int, metavar="PORT", help="serve the OpenAI-compatible policy endpoint on this "
+            "port (0: any free port; --family external serves on 8000 by default) [policy.serve_port]"),
         arg("--reward", help="integrated | outcome-only | steps-only [scorer.reward]"),
         arg("--policy-model", help="local transformers model dir [policy.model]"),
         arg("--policy-url", help="vLLM server serving the policy, http://host:port/v1 [policy.url]"),
@@ -497,8 +500,8 @@ COMMANDS: tuple[Command, ...] = (
         arg("--metrics-port", type=int, help="also serve Prometheus /metrics and /healthz on this port"),
         arg("--no-report", action="store_true", help="do not write runs/<id>/report/ at the end"),
     ), overrides={"minutes": "run.minutes", "steps": "run.steps", "family": "env.family",
-                  "reward": "scorer.reward", "policy_model": "policy.model", "policy_url": "policy.url",
-                  "weight_sync": "learner.weight_sync", "resume": "run.run_id"}),
+                  "serve_policy": "policy.serve_port", "reward": "scorer.reward", "policy_model": "policy.model",
+                  "policy_url": "policy.url", "weight_sync": "learner.weight_sync", "resume": "run.run_id"}),
     Command("agent", "run one agent (a role, or module:Class) against a server", cmd_agent, config=True, args=(
         arg("role", help="agent role or module:Class"),
         arg("--agent-id", help="agent id (default: role + random suffix)"),

@@ -9,11 +9,12 @@ come from the environment at the point of use.
 from __future__ import annotations
 
 import contextvars
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from coevo.errors import ConfigError
@@ -93,8 +94,52 @@ class AgentConfig(Section):
                                     "count against agent.max_restarts (rare transient crashes never add up)")
 
 
+BUILTIN_FAMILIES = ("quickgame", "textworld", "coding")
+FAMILY_ENTRY_POINTS = "coevo.families"
+"""The entry-point group through which installed packages add task families (``coevo.envs.make_family``)."""
+_GYM_SPEC = re.compile(r"^gym:[A-Za-z_][\w.]*:[A-Za-z_][\w.\-]*$")
+
+
+def plugin_families() -> list[str]:
+    """Names of the families installed packages register under ``coevo.families`` (metadata only)."""
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name for ep in entry_points(group=FAMILY_ENTRY_POINTS)})
+
+
+def family_problem(name: str, *, external: bool = True) -> str | None:
+    """Why ``name`` is not a family coevo can build (None when it is): a built-in, ``external``, a
+    ``gym:<module>:<EnvClass or id>`` spec, or a plugin registered under ``coevo.families``."""
+    if name in BUILTIN_FAMILIES or (external and name == "external") or _GYM_SPEC.match(name):
+        return None
+    if name.startswith("gym:"):
+        return f"{name!r} is not gym:<module>:<EnvClass or registered id> (no '/' and no spaces)"
+    plugins = plugin_families()
+    if name in plugins:
+        return None
+    known = [*BUILTIN_FAMILIES, *(["external"] if external else []), "gym:<module>:<EnvClass or id>", *plugins]
+    return f"unknown family {name!r} (known: {', '.join(known)}; plugins register under the entry-point " \
+           f"group {FAMILY_ENTRY_POINTS!r})"
+
+
 class EnvConfig(Section):
-    family: Literal["quickgame", "textworld", "coding"] = Field(default="quickgame", description="task family")
+    family: str = Field(default="quickgame", description="task family: quickgame | textworld | coding | external "
+                        "(the environment is an outside program talking to the policy endpoint) | "
+                        "gym:<module>:<EnvClass or id> (a Gymnasium env with text observations and actions) | "
+                        "a plugin's name (entry-point group coevo.families)")
+    tasks_from: str | None = Field(
+        default=None, description="family external: the family whose tasks make the pool handed out by POST "
+        "/coevo/v1/episodes (then rewritten like any pool); none: agents bring their own tasks")
+    gym_kwargs: dict[str, Any] = Field(default_factory=dict, description="gym: keyword arguments of the env "
+                                       "constructor or gymnasium.make")
+    gym_observation: str | None = Field(default=None, description="gym: module:function (observation, info) -> "
+                                        "text, for envs whose observations are not text")
+    gym_action: str | None = Field(default=None, description="gym: module:function (text, env) -> action, for "
+                                   "envs whose actions are not text or indices of the candidates")
+    max_steps: int = Field(default=50, ge=1, le=1000, description="gym and external: step cap of an episode "
+                           "(a gym env's own max_episode_steps wins when smaller)")
+    win_threshold: float = Field(default=0.0, description="gym, and external episodes finished with a reward: "
+                                 "an episode is won when its return exceeds this")
     n_train: int = Field(default=8, ge=1, description="training task slots")
     n_heldout: int = Field(default=8, ge=0, description="held-out tasks (never rewritten)")
     seed: int = Field(default=0, description="seed of the initial task set")
@@ -108,6 +153,22 @@ class EnvConfig(Section):
         default="bwrap", description="coding: how programs are isolated. bwrap: bubblewrap namespaces (no network, "
         "no host files, read-only interpreter, unprivileged uid, seccomp); process: an audit hook and rlimits "
         "only, NOT safe for untrusted (RL-trained) policies, opt in for trusted code (docs/security.md)")
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, name: str) -> str:
+        if (problem := family_problem(name)) is not None:
+            raise ValueError(problem)
+        return name
+
+    @model_validator(mode="after")
+    def _tasks_from_a_family(self) -> EnvConfig:
+        if self.tasks_from is not None:
+            if self.family != "external":
+                raise ValueError("env.tasks_from is for env.family = 'external' (other families make their own pool)")
+            if (problem := family_problem(self.tasks_from, external=False)) is not None:
+                raise ValueError(f"env.tasks_from: {problem}")
+        return self
 
     @model_validator(mode="after")
     def _coding_needs_isolation(self) -> EnvConfig:
@@ -135,10 +196,23 @@ class PolicyConfig(Section):
     url: str | None = Field(default=None, description="vLLM server (http://host:port/v1) serving the policy")
     served_name: str | None = Field(default=None, description="model name on the vLLM server")
     n: int = Field(default=8, ge=2, le=256, description="trajectories per task (group size)")
-    mode: Literal["choice", "generate"] = Field(default="choice", description="constrained index or free text")
+    mode: Literal["choice", "generate", "chat"] = Field(
+        default="choice", description="constrained index, free text, or a multi-turn conversation rendered with "
+        "the model's chat template (token-in/token-out across turns)")
     temperature: float = Field(default=1.0, gt=0)
     max_tokens: int = Field(default=64, ge=1)
     max_concurrent_trajectories: int = Field(default=64, ge=1)
+    serve_port: int | None = Field(
+        default=None, ge=0, le=65535, description="serve the OpenAI-compatible policy endpoint (/v1/chat/completions, "
+        "/v1/completions, /coevo/v1/episodes) on this port (0: any free port); env.family = 'external' serves on "
+        "8000 when unset")
+    serve_host: str = Field(default="127.0.0.1", description="address of the policy endpoint; beyond loopback "
+                            "every request needs the key of policy.serve_api_key_env")
+    serve_api_key_env: str = Field(default="COEVO_POLICY_API_KEY", description="environment variable holding the "
+                                   "endpoint's API key (required when it binds beyond loopback; checked when set)")
+    serve_max_tokens: int = Field(default=512, ge=1, description="cap on a request's max_tokens at the endpoint")
+    episode_timeout_s: float = Field(default=600.0, gt=0, description="an endpoint episode idle this long is "
+                                     "reported aborted (its group completes without it)")
 
 
 class ApiConfig(Section):
@@ -240,14 +314,30 @@ class LearnerConfig(Section):
     bf16: bool = Field(default=True, description="bf16 autocast on CUDA (ignored on CPU)")
     gradient_checkpointing: bool = False
     weight_sync: Literal["disk", "gloo", "nccl"] = Field(
-        default="disk", description="how vLLM servers get new weights: reload from the published checkpoint "
+        default="disk", description="how vLLM servers get new weights: reload from the published weights' "
         "path (disk: servers must see the learner's files), or pushed by the learner over a collective "
         "(gloo on CPU, nccl on GPU: the server runs with --weight-transfer-config '{\"backend\": "
-        "\"coevo_gloo\"}' or '{\"backend\": \"nccl\"}'). Local engines always load the checkpoint")
+        "\"coevo_gloo\"}' or '{\"backend\": \"nccl\"}'). Local engines take the published weights from memory in "
+        "the learner's process, from disk elsewhere")
     transfer_host: str = Field(default="127.0.0.1", description="address vLLM servers reach the learner at "
                                "(weight_sync gloo/nccl)")
     transfer_timeout_s: float = Field(default=120.0, gt=0, description="limit of one pushed transfer, from the "
                                       "offer to the last tensor, including the pause's wait for requests in flight")
+    publish_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="dtype of the published weights (what servers load, pushes send and "
+        "WeightsPublished points at): auto = bfloat16 on CUDA, float32 on CPU")
+    publish_every: int = Field(default=1, ge=1, description="publish weights every N optimiser steps")
+    checkpoint_every_steps: int = Field(
+        default=10, ge=1, description="write a resume checkpoint (fp32 weights, optimizer state, consumed groups) "
+        "every N steps, off the critical path. A GroupScored is acknowledged only once a checkpoint that includes "
+        "it is durable, so the learner holds about N steps of groups unacknowledged: bus.max_ack_pending (the "
+        "learner's subscription concurrency) must exceed twice that; a checkpoint is forced when half of it waits")
+    checkpoint_every_s: float = Field(default=30.0, gt=0, description="... or this long after the previous one, "
+                                      "when trained groups wait for one")
+    verify: Literal["manifest", "full"] = Field(
+        default="manifest", description="what followers check before loading published weights: the manifest "
+        "(per-file sizes and sha256 written by the learner) against the announced digest and the files' sizes, "
+        "or full: also re-hash every file")
 
 
 class LogConfig(Section):
@@ -302,6 +392,13 @@ class CoevoConfig(BaseSettings):
         j = self.judge
         ours = j.backend == "local" or (j.backend == "vllm" and j.model is not None and Path(j.model).is_dir())
         return self.loop != "policy-only" and ours
+
+    @property
+    def endpoint_port(self) -> int | None:
+        """The port of the policy endpoint, None when it is off (``policy.serve_port``; 8000 for external)."""
+        if self.policy.serve_port is None and self.env.family == "external":
+            return 8000
+        return self.policy.serve_port
 
     @classmethod
     def settings_customise_sources(

@@ -45,6 +45,8 @@ def build_agents(bus: NatsBus, cfg: CoevoConfig, on_step: Any = None) -> list[Ag
 
     agents: list[Agent] = [TasksAgent(bus, cfg), PolicyAgent(bus, cfg), ScorerAgent(bus, cfg),
                            LearnerAgent(bus, cfg, on_step=on_step)]
+    if cfg.env.family == "external" and cfg.env.tasks_from is None:
+        agents.pop(0)  # no pool: the outside agents bring their own tasks (the policy endpoint groups them)
     if cfg.scorer.reward != "outcome-only":
         agents.append(JudgeAgent(bus, cfg))
     if cfg.env.remote:

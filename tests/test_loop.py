@@ -187,7 +187,6 @@ async def test_task_pool_survives_a_restart(bus: NatsBus, loop_cfg: CoevoConfig)
 async def test_learner_resumes_after_kill_9_without_training_a_group_twice(
         bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str) -> None:
     from coevo.inference.clients import model_dir
-    from coevo.training.lane import latest_checkpoint
 
     model_dir(loop_cfg, "policy")
     model_dir(loop_cfg, "judge")
@@ -213,20 +212,100 @@ async def test_learner_resumes_after_kill_9_without_training_a_group_twice(
             await stop_procs(learner)
 
     await asyncio.gather(run_agents(producers, handle_signals=False, until=stop), scenario())
-    events = await bus.events()
-    steps = policy_steps(events)
-    versions = [s.version for s in steps]
-    assert versions == sorted(set(versions)) and versions[0] == 1, versions  # the sequence continues
-    trained = [g for s in steps for g in s.group_ids]
-    assert len(trained) == len(set(trained)), "a group was trained twice"
-    ckpt = latest_checkpoint(loop_cfg.run.runs_dir / run_id / "checkpoints" / "policy")
+    check_learner_lineage(await bus.events(), loop_cfg.run.runs_dir / run_id / "checkpoints" / "policy")
+
+
+def surviving_lineage(steps: list[LearnerStepped]) -> list[LearnerStepped]:
+    """The steps whose updates are in the final weights. A learner killed between checkpoints
+    resumes from the last one and takes the versions after it again: the surviving step of a
+    version is the last one in the stream, up to the version of the stream's last step."""
+    if not steps:
+        return []
+    last: dict[int, LearnerStepped] = {}
+    for s in steps:
+        last[s.version] = s
+    return [last[v] for v in sorted(last) if v <= steps[-1].version]
+
+
+def check_learner_lineage(events, ckpt_root) -> list[LearnerStepped]:
+    """No group lost, none trained twice into the surviving weights, versions continue, and the
+    final checkpoint (written when the learner stopped) holds exactly the surviving lineage."""
+    from coevo.training.lane import latest_checkpoint
+
+    steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy"]
+    lineage = surviving_lineage(steps)
+    assert [s.version for s in lineage] == list(range(1, len(lineage) + 1)), [s.version for s in steps]
+    trained = [g for s in lineage for g in s.group_ids]
+    assert len(trained) == len(set(trained)), "a group was trained twice into the surviving weights"
+    ckpt = latest_checkpoint(ckpt_root)
     assert ckpt is not None
     state = json.loads((ckpt / "state.json").read_text())
-    assert state["version"] == versions[-1] or state["version"] == versions[-1] + 1
+    assert state["version"] == lineage[-1].version
     consumed = set(state["consumed_groups"])
+    assert consumed == set(trained)
     trainable = {g.group_id for g in events if isinstance(g, GroupScored) and g.purpose == "train"
                  and g.policy_samples and not g.flagged}
     assert trainable - consumed == set(), "an acknowledged group was never trained"
+    return lineage
+
+
+async def test_learner_killed_between_checkpoints_trains_the_lost_groups_again(
+        bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str) -> None:
+    """Checkpoints every 3 steps; kill -9 after a step past the last one: the groups of the lost
+    steps were not acknowledged, come back, and are trained again on the restored weights."""
+    from coevo.inference.clients import model_dir
+    from coevo.training.lane import latest_checkpoint
+
+    model_dir(loop_cfg, "policy")
+    model_dir(loop_cfg, "judge")
+    root = loop_cfg.run.runs_dir / run_id / "checkpoints" / "policy"
+    producers = [TasksAgent(bus, loop_cfg), PolicyAgent(bus, loop_cfg), ScorerAgent(bus, loop_cfg),
+                 JudgeAgent(bus, loop_cfg)]
+    stop = asyncio.Event()
+    every = ["--set", "learner.checkpoint_every_steps=3", "--set", "learner.checkpoint_every_s=600"]
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen([PYTHON, "-m", "coevo", "agent", "learner", "--nats", nats_url, "--run-id", run_id,
+                                 *cli_args(loop_cfg), *every], env=subprocess_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+
+    def last_version(ev) -> int:
+        return max((e.version for e in ev if isinstance(e, LearnerStepped) and e.role == "policy"), default=0)
+
+    def between_checkpoints(ev) -> bool:
+        ckpt = latest_checkpoint(root)
+        return ckpt is not None and last_version(ev) > int(ckpt.name[1:]) >= 3
+
+    killed: dict[str, int] = {}
+
+    async def scenario() -> None:
+        learner = start()
+        try:
+            await wait_for(bus, between_checkpoints, timeout=300, every=0.2)
+            learner.kill()
+            learner.wait()
+            before = await bus.events()
+            killed["version"] = last_version(before)
+            killed["checkpoint"] = int(latest_checkpoint(root).name[1:])
+            first = {e.source.agent_id for e in before if isinstance(e, LearnerStepped)}
+            learner = start()
+            await wait_for(bus, lambda ev: last_version([e for e in ev if isinstance(e, LearnerStepped)
+                                                         and e.source.agent_id not in first])
+                           >= killed["version"] + 2, timeout=300)
+            stop.set()
+            await asyncio.sleep(6)
+        finally:
+            await stop_procs(learner)
+
+    await asyncio.gather(run_agents(producers, handle_signals=False, until=stop), scenario())
+    events = await bus.events()
+    assert killed["checkpoint"] < killed["version"], killed  # the kill fell between two checkpoints
+    lineage = check_learner_lineage(events, root)
+    steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy"]
+    lost = [s for s in steps if s not in lineage]
+    assert lost and {s.version for s in lost} == set(range(killed["checkpoint"] + 1, killed["version"] + 1))
+    again = {g for s in lineage for g in s.group_ids}
+    assert {g for s in lost for g in s.group_ids} <= again, "a group of a lost step was not trained again"
 
 
 def test_coevo_run_stops_cleanly_and_resume_continues(tmp_path, model_cache) -> None:

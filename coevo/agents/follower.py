@@ -1,18 +1,25 @@
 """Following published weights: every local engine or vLLM server takes each new version.
 
-Invariant: within a run a follower applies versions in increasing order only (an older or
-repeated ``WeightsPublished`` is acknowledged and ignored; the first one it sees is always applied,
-so a server left with another run's weights is brought to this run's), verifies the checksum before loading, and
-reports every attempt as ``WeightsApplied`` (ok or not, and how the weights travelled), so the
-learner and the trace know which version served which tokens.
+Invariants: within a run a follower applies weights in stream order: an older or repeated
+``WeightsPublished`` (a redelivery behind one already applied, or the same directory again) is
+acknowledged and ignored, while a lower version published *later* in the stream with other weights (a learner
+restarted from an older checkpoint re-announcing its restored weights) is applied, so servers
+follow the surviving lineage; the first one it sees is always applied, so a server left with
+another run's weights is brought to this run's. Weights are verified before loading (the
+manifest against the announced digest and every file's size; ``learner.verify = "full"`` also
+re-hashes the files); a local engine in the learner's own process takes the published tensors
+from memory (``HELD``), without reading files. Every attempt is reported as ``WeightsApplied``
+(ok or not, and how the weights travelled), so the learner and the trace know which version
+served which tokens.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
-from coevo.inference.checkpoints import checkpoint_sha256
+from coevo.inference.checkpoints import HELD, verify
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import (
@@ -37,19 +44,24 @@ class WeightsFollower:
 
     lane: str
     _applied_version: int | None = None
+    _applied_at: tuple[int, str, str] = (-1, "", "")
+    """stream sequence, path and digest of the event applied last"""
     _endpoint: TransferEndpoint | None = None
 
     def weight_subscriptions(self) -> list[Subscription]:
         return [Subscription(f"{self.lane}-weights", (WeightsPublished,), self.on_weights, concurrency=1,
                              shared=False, deliver="last")]
 
-    async def on_weights(self, event: WeightsPublished, _d: Delivery) -> None:
+    async def on_weights(self, event: WeightsPublished, delivery: Delivery) -> None:
         agent: Any = self
         client = agent.client
         applied = getattr(self, "_applied_version", None)
         if event.role != self.lane or not hasattr(client, "swap_weights"):
             return
-        if applied is not None and event.version <= applied:
+        seq = _stream_seq(delivery)
+        last_seq, last_path, last_digest = self._applied_at
+        if applied is not None and event.version <= applied and (
+                seq <= last_seq or event.path == last_path or event.sha256 == last_digest):
             return  # older or repeated: this run already serves something newer
         transport = agent.cfg.learner.weight_sync if hasattr(client, "receive_weights") else "disk"
         version, pause_ms, error = event.version, 0.0, None
@@ -67,6 +79,7 @@ class WeightsFollower:
         if error is None:
             agent.model_version = version
             self._applied_version = version
+            self._applied_at = (seq, event.path, event.sha256)
         else:
             agent.log.error("weights.apply_failed", version=event.version, error=error)
         await agent.emit(agent.event(WeightsApplied, cause=event, role=event.role, server=agent.agent_id,
@@ -74,14 +87,18 @@ class WeightsFollower:
                                      pause_ms=pause_ms, ok=error is None, error=error, transport=transport))
 
     async def _reload(self, event: WeightsPublished) -> tuple[str | None, float]:
-        """Load the published checkpoint (checksum verified first); (error or None, pause in ms)."""
+        """Load the published weights (from memory in the learner's process, else from disk once
+        verified); (error or None, pause in ms)."""
+        agent: Any = self
         path = Path(event.path)
-        if not path.is_dir():
-            return f"no checkpoint at {path}", 0.0
-        if checkpoint_sha256(path) != event.sha256:
-            return f"checksum mismatch at {path}", 0.0
         try:
-            return None, await self.client.swap_weights(path, event.version)  # type: ignore[attr-defined]
+            held = HELD.get(path, event.sha256)
+            if held is not None and hasattr(agent.client, "swap_tensors"):
+                return None, await agent.client.swap_tensors(held, event.version)
+            problem = await asyncio.to_thread(verify, path, event.sha256, full=agent.cfg.learner.verify == "full")
+            if problem is not None:
+                return problem, 0.0
+            return None, await agent.client.swap_weights(path, event.version)
         except Exception as exc:  # reported, the engine keeps serving the old version
             return repr(exc), 0.0
 
@@ -100,3 +117,10 @@ class WeightsFollower:
                                   TransferRequest(server=agent.agent_id, version=event.version), TransferOffer,
                                   timeout_s=lc.transfer_timeout_s)
         return offer.version, await agent.client.receive_weights(offer, lc.transfer_timeout_s)
+
+
+def _stream_seq(delivery: Delivery | None) -> int:
+    try:
+        return int(delivery.stream_seq) if delivery is not None else 0
+    except Exception:  # a delivery without JetStream metadata (replayed or built by hand)
+        return 0

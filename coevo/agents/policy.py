@@ -5,27 +5,39 @@ Invariants: every trajectory started for a ``TaskScheduled`` ends with exactly o
 ``StepTaken`` events it emitted, in order; each step records the model version that chose it.
 A redelivered task (the agent died mid-group) is played again under new trajectory ids; the
 scorer keeps the first completed trajectory of each rollout index.
+
+With the policy endpoint on (``policy.serve_port``, or ``env.family = "external"``) the agent also
+serves its inference client to agents outside coevo (``coevo.serve``) and publishes their episodes:
+the groups of their own tasks (``TaskScheduled``), each call as a ``StepTaken``, each episode as a
+``TrajectoryCompleted``. With family ``external`` it does not play scheduled tasks itself: it hands
+their rollouts out as episodes and acknowledges a group once every rollout ended.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coevo.agents.follower import WeightsFollower
 from coevo.algorithm.prompts import INDEX_LABELS, parse_action, policy_prompt
 from coevo.envs import make_family
-from coevo.envs.base import EnvError, Environment
+from coevo.envs.base import EnvError, Environment, Observation
+from coevo.inference.chat import ChatTokens, Conversation
 from coevo.inference.clients import make_client
+from coevo.inference.engine import Completion
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
-from coevo.schemas import StepTaken, TaskScheduled, TrajectoryCompleted, WeightsApplied
+from coevo.schemas import StepTaken, TaskScheduled, TaskSpec, TrajectoryCompleted, WeightsApplied, new_id
+from coevo.schemas.events import Outcome
+
+if TYPE_CHECKING:
+    from coevo.serve.episodes import Episode
 
 
 class PolicyAgent(WeightsFollower, Agent):
     role = "policy"
-    emits = (StepTaken, TrajectoryCompleted, WeightsApplied)
+    emits = (StepTaken, TrajectoryCompleted, WeightsApplied, TaskScheduled)
     lane = "policy"
 
     def __init__(self, *a: Any, **kw: Any) -> None:
@@ -33,6 +45,13 @@ class PolicyAgent(WeightsFollower, Agent):
         self.family = make_family(self.cfg.env)
         self.client = make_client(self.cfg, "policy", seed=self.cfg.run.seed)
         self.rollout_permits = asyncio.Semaphore(self.cfg.policy.max_concurrent_trajectories)
+        self._chat_tokens: ChatTokens | None = None
+        self.endpoint: Any = None
+        if self.cfg.endpoint_port is not None:
+            from coevo.serve import Endpoint
+
+            self.endpoint = Endpoint(self.cfg, self.client, self, family=self.family, counters=self.counters,
+                                     log=self.log)
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16),
@@ -40,7 +59,15 @@ class PolicyAgent(WeightsFollower, Agent):
 
     async def run(self) -> None:
         async with self.client:  # type: ignore[attr-defined]
-            await super().run()
+            if self.endpoint is None:
+                await super().run()
+                return
+            async with self.endpoint.serving():
+                await super().run()
+
+    async def main(self) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.expire_idle(self.stopping)
 
     def make_env(self) -> Environment:
         if self.cfg.env.remote:
@@ -52,10 +79,38 @@ class PolicyAgent(WeightsFollower, Agent):
 
     async def on_task(self, event: TaskScheduled, delivery: Delivery) -> None:
         attempt = delivery.num_delivered
+        if event.task.family == "external":  # an outside agent's own task: its episodes come through the endpoint
+            return
+        if self.cfg.env.family == "external":  # played by agents outside coevo, through the endpoint
+            await self.endpoint.pool.offer(event, attempt)
+            self.counters["groups"] += 1
+            return
         async with asyncio.TaskGroup() as tg:
             for i in range(event.n_rollouts):
                 tg.create_task(self.rollout(event, i, attempt), name=f"{event.group_id}-r{i}")
         self.counters["groups"] += 1
+
+    def conversation(self) -> Conversation:
+        if self._chat_tokens is None:
+            self._chat_tokens = ChatTokens(self.client.tokenizer)  # type: ignore[attr-defined]
+        return Conversation(self._chat_tokens)
+
+    async def choose(self, obs: Observation, cands: list[str], conversation: Conversation | None
+                     ) -> tuple[Completion, int | None]:
+        """One model call for ``obs``: the completion and the candidate it names (None: none)."""
+        cfg = self.cfg.policy
+        if conversation is not None:  # chat: the whole episode is one conversation, token-in/token-out
+            c, how = await conversation.ask(self.client, policy_prompt(obs.text, obs.candidates, "generate"),
+                                            max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+            self.counters[f"chat.tokens.{how}"] += 1
+        elif cands and cfg.mode == "choice":
+            c = await self.client.complete(policy_prompt(obs.text, obs.candidates, cfg.mode),
+                                           choices=list(INDEX_LABELS[: len(cands)]), temperature=cfg.temperature)
+            return c, c.choice
+        else:
+            c = await self.client.complete(policy_prompt(obs.text, obs.candidates, cfg.mode), max_tokens=cfg.max_tokens,
+                                           temperature=cfg.temperature)
+        return c, (parse_action(c.text, len(cands)) if cands else None)
 
     async def rollout(self, task_event: TaskScheduled, index: int, attempt: int) -> None:
         cfg = self.cfg.policy
@@ -65,18 +120,12 @@ class PolicyAgent(WeightsFollower, Agent):
         outcome, error = "aborted", None
         async with self.rollout_permits:
             env = self.make_env()
+            conversation = self.conversation() if cfg.mode == "chat" else None
             try:
                 obs = await env.reset(task_event.task)
                 for k in range(self.family.max_steps_cap):
-                    prompt = policy_prompt(obs.text, obs.candidates, cfg.mode)
                     cands = obs.candidates[: len(INDEX_LABELS)]
-                    if cands and cfg.mode == "choice":
-                        c = await self.client.complete(prompt, choices=list(INDEX_LABELS[: len(cands)]),
-                                                       temperature=cfg.temperature)
-                        index_ = c.choice
-                    else:
-                        c = await self.client.complete(prompt, max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-                        index_ = parse_action(c.text, len(cands)) if cands else None
+                    c, index_ = await self.choose(obs, cands, conversation)
                     parse_ok = index_ is not None or not cands
                     if not parse_ok:
                         self.counters["action_parse_failures"] += 1
@@ -114,3 +163,29 @@ class PolicyAgent(WeightsFollower, Agent):
             task_id=task_event.task.task_id, group_id=task_event.group_id, rollout_index=index,
             outcome=outcome, num_steps=len(step_ids), step_event_ids=step_ids, policy_versions=versions,
             error=error))
+
+    # ---- the endpoint's episodes as events (coevo.serve.Sink) ----------------------------------
+
+    async def publish_group(self, task: TaskSpec) -> TaskScheduled:
+        """A group of an outside agent's own task (its next ``n`` episodes fill it)."""
+        group_id = f"ext-{new_id()[:16]}"
+        event = self.event(TaskScheduled, task=task, group_id=group_id, n_rollouts=self.cfg.policy.n,
+                           purpose="train", correlation_id=group_id)
+        await self.emit(event, confirm=True)
+        return event
+
+    async def publish_step(self, episode: Episode, fields: dict[str, Any]) -> str:
+        sched = episode.scheduled
+        step = self.event(StepTaken, cause=sched, correlation_id=sched.group_id, trajectory_id=episode.trajectory_id,
+                          task_id=sched.task.task_id, group_id=sched.group_id, objective=episode.goal, **fields)
+        await self.emit(step, confirm=True)
+        return step.event_id
+
+    async def publish_end(self, episode: Episode, outcome: Outcome, error: str | None) -> None:
+        sched = episode.scheduled
+        self.counters[f"trajectories.{outcome}"] += 1
+        await self.emit(self.event(
+            TrajectoryCompleted, cause=sched, correlation_id=sched.group_id, trajectory_id=episode.trajectory_id,
+            task_id=sched.task.task_id, group_id=sched.group_id, rollout_index=episode.rollout_index,
+            outcome=outcome, num_steps=len(episode.step_ids), step_event_ids=list(episode.step_ids),
+            policy_versions=list(episode.versions), error=error), confirm=True)

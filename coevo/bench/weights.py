@@ -1,4 +1,5 @@
-"""Pause of a weight swap by model size: local engine, vLLM reload from disk, vLLM pushed over gloo."""
+"""Pause of a weight swap by model size: local engine (from disk, from memory), vLLM reload from disk, vLLM
+pushed over gloo."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] =
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from coevo.config import LearnerConfig
+    from coevo.inference.checkpoints import HELD, weights_bytes
     from coevo.inference.engine import LocalEngine
     from coevo.inference.models import build_tokenizer
     from coevo.training.lane import Lane
@@ -39,14 +41,17 @@ async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] =
             torch.manual_seed(0)
             Qwen2ForCausalLM(cfg).save_pretrained(d)
             lane = Lane("policy", d, Path(tmp) / f"ckpt-{size}", LearnerConfig(), device="cpu")
-            path, _, nbytes = lane.checkpoint()
+            path, digest, _ = lane.publish()  # the published weights: what every server loads
             params = sum(p.numel() for p in lane.model.parameters())
-            local = []
+            local, memory = [], []
             async with LocalEngine(d) as eng:
                 for i in range(repeats):
                     local.append(await eng.swap_weights(path, i + 1))
-            entry: dict[str, Any] = {"parameters": params, "bytes": nbytes,
-                                     "local_pause_ms_median": round(statistics.median(local), 2)}
+                    memory.append(await eng.swap_tensors(HELD.get(path, digest) or {}, i + 1))
+            lane.close()
+            entry: dict[str, Any] = {"parameters": params, "bytes": weights_bytes(path),
+                                     "local_pause_ms_median": round(statistics.median(local), 2),
+                                     "local_memory_pause_ms_median": round(statistics.median(memory), 2)}
             if vllm_python:
                 pauses = await _vllm_pauses(vllm_python, d, path, repeats)
                 entry["vllm_pause_ms_median"] = pauses["disk"]  # reload_weights from the checkpoint path

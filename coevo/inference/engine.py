@@ -78,9 +78,15 @@ class InferenceClient(Protocol):
     def version(self) -> int: ...
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
-                       temperature: float = 1.0, index: int = 0) -> Completion: ...
+                       temperature: float = 1.0, index: int = 0,
+                       prompt_ids: list[int] | None = None) -> Completion: ...
+    # prompt_ids (token-in): sample after exactly these tokens; ``prompt`` is then only a label
 
     async def aclose(self) -> None: ...
+
+
+_Swap = tuple[Path | dict[str, Any], int, asyncio.Future[float]]
+"""new weights (a directory, or tensors in memory), their version, the waiter of the pause in ms"""
 
 
 @dataclass
@@ -90,6 +96,8 @@ class _Request:
     max_tokens: int
     temperature: float
     future: asyncio.Future[Completion] = field(repr=False, default=None)  # type: ignore[assignment]
+    prompt_ids: list[int] | None = None
+    """token-in: the exact prompt tokens (``prompt`` is not encoded)"""
 
 
 class LocalEngine:
@@ -106,10 +114,12 @@ class LocalEngine:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir).to(self.device).eval()
+        if str(self.device).startswith("cuda"):
+            self.model = self.model.to(torch.bfloat16)  # serve in bf16 on CUDA (log-probs still in fp32)
         self.max_batch = max_batch
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._version = version
-        self._queue: asyncio.Queue[_Request | tuple[Path, int, asyncio.Future[float]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Request | _Swap] = asyncio.Queue()
         self._server: asyncio.Task[None] | None = None
         self._choice_ids: dict[tuple[str, ...], list[int]] = {}
 
@@ -136,18 +146,26 @@ class LocalEngine:
             raise RuntimeError(f"engine {self.name} is not running (use `async with engine:`)")
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
-                       temperature: float = 1.0, index: int = 0) -> Completion:
+                       temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None) -> Completion:
         self._ensure_started()
-        req = _Request(prompt, choices, max_tokens, temperature)
+        req = _Request(prompt, choices, max_tokens, temperature, prompt_ids=prompt_ids)
         req.future = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(req)
         return await req.future
 
     async def swap_weights(self, path: Path, version: int) -> float:
         """Load safetensors weights from ``path`` between batches; returns the pause in ms."""
+        return await self._enqueue_swap(Path(path), version)
+
+    async def swap_tensors(self, tensors: dict[str, Any], version: int) -> float:
+        """Take weights held in memory (the learner's published copy, never modified) between
+        batches; returns the pause in ms."""
+        return await self._enqueue_swap(tensors, version)
+
+    async def _enqueue_swap(self, source: Path | dict[str, Any], version: int) -> float:
         self._ensure_started()
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((Path(path), version, fut))
+        self._queue.put_nowait((source, version, fut))
         return await fut
 
     async def _serve(self) -> None:
@@ -157,7 +175,7 @@ class LocalEngine:
                 await self._swap(*item)
                 continue
             batch = [item]
-            swaps: list[tuple[Path, int, asyncio.Future[float]]] = []
+            swaps: list[_Swap] = []
             while len(batch) < self.max_batch and not self._queue.empty():
                 nxt = self._queue.get_nowait()
                 if isinstance(nxt, tuple):
@@ -177,31 +195,35 @@ class LocalEngine:
             for s in swaps:
                 await self._swap(*s)
 
-    async def _swap(self, path: Path, version: int, fut: asyncio.Future[float]) -> None:
+    async def _swap(self, source: Path | dict[str, Any], version: int, fut: asyncio.Future[float]) -> None:
         import time
 
         t0 = time.perf_counter()
         try:
-            await asyncio.to_thread(self._load, path)
+            await asyncio.to_thread(self._load, source)
         except Exception as exc:
             fut.set_exception(exc)
             return
         self._version = version
         fut.set_result((time.perf_counter() - t0) * 1e3)
 
-    def _load(self, path: Path) -> None:
+    def _load(self, source: Path | dict[str, Any]) -> None:
+        """Copy the weights into the served model (``load_state_dict`` casts to its dtype and device)."""
         from safetensors.torch import load_file
 
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        state: dict[str, Any] = {}
-        for f in files:
-            state.update(load_file(str(f), device=self.device))
+        if isinstance(source, dict):
+            state, where = source, "in memory"
+        else:
+            files = sorted(Path(source).glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors in {source}")
+            state, where = {}, f"at {source}"
+            for f in files:
+                state.update(load_file(str(f), device=self.device))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         real_missing = [m for m in missing if not m.endswith("lm_head.weight")]
         if real_missing or unexpected:
-            raise ValueError(f"weights at {path} do not fit: missing {real_missing[:3]}, unexpected {unexpected[:3]}")
+            raise ValueError(f"weights {where} do not fit: missing {real_missing[:3]}, unexpected {unexpected[:3]}")
 
     # ---- the model work (runs in a worker thread) ---------------------------------------------
 
@@ -225,10 +247,13 @@ class LocalEngine:
     def _encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
+    def _prompt_ids(self, r: _Request) -> list[int]:
+        return list(r.prompt_ids) if r.prompt_ids is not None else self._encode(r.prompt)
+
     def _choose(self, batch: list[_Request]) -> list[Completion]:
         import torch
 
-        prompts = [self._encode(r.prompt) for r in batch]
+        prompts = [self._prompt_ids(r) for r in batch]
         width = max(map(len, prompts))
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -253,7 +278,7 @@ class LocalEngine:
     def _generate(self, r: _Request) -> Completion:
         import torch
 
-        prompt = self._encode(r.prompt)
+        prompt = self._prompt_ids(r)
         ids = torch.tensor([prompt], device=self.device)
         cache = None
         out_ids: list[int] = []

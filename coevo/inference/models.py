@@ -27,6 +27,14 @@ TINY = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "n
         "num_key_value_heads": 2, "max_position_embeddings": 1024}
 """head_dim 64: vLLM's CPU attention kernel needs it (see STACK.md)."""
 VOCAB = 1024
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ 'assistant:' + (m['content'] or '') + eos_token + '\\n' }}"
+    "{% else %}{{ m['role'] + ': ' + (m['content'] or '') + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+"""The tiny models' chat template (also the fallback of a model without one, ``coevo.inference.chat``):
+``role: content`` lines after BOS; an assistant turn is ``assistant:`` + its content + EOS, so the
+tokens a model generated (ending with EOS) are exactly the turn's tokens in the next prompt."""
 VERSION = 3  # bump when the recipe changes: the cache key includes it
 
 
@@ -75,6 +83,7 @@ def build_tokenizer(out_dir: Path, seed: int = 0) -> None:
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
                                    eos_token="<|eos|>", unk_token="<|unk|>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
 
 

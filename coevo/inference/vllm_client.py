@@ -152,8 +152,8 @@ class VLLMClient:
         return choice_token_ids(self.tokenizer, choices, self._choice_ids)
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
-                       temperature: float = 1.0, index: int = 0) -> Completion:
-        prompt_ids = self.encode(prompt)
+                       temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None) -> Completion:
+        prompt_ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt)
         body: dict[str, Any] = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
                                 "temperature": temperature, "logprobs": 1, "return_token_ids": True}
         allowed = None

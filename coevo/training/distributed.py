@@ -2,7 +2,7 @@
 follow its commands and train their share of every batch.
 
 Invariant: every rank executes the same sequence of collective operations: rank 0 broadcasts each
-command (``step`` with the batch, ``checkpoint``, ``stop``) before doing it itself, and each rank
+command (``step`` with the batch, ``publish``, ``checkpoint``, ``stop``) before doing it itself, and each rank
 trains its rows of the batch's shared plan (``batch.rank_plan``: the same number of micro-batches on
 every rank, padded with zero-weight rows), gradients averaged by FSDP2 or by an all-reduce.
 """
@@ -60,10 +60,18 @@ class RankZeroLane:
             _broadcast(("step", self.lane.role, [s.model_dump() for s in samples], groups))
             return self.lane.step(samples, groups)
 
-    def checkpoint(self) -> Any:
+    def publish(self) -> Any:
+        with _COLLECTIVES:
+            _broadcast(("publish", self.lane.role, None, None))
+            return self.lane.publish()
+
+    def begin_checkpoint(self) -> Any:
         with _COLLECTIVES:
             _broadcast(("checkpoint", self.lane.role, None, None))
-            return self.lane.checkpoint()
+            return self.lane.begin_checkpoint()
+
+    def checkpoint(self) -> Any:
+        return self.begin_checkpoint().result()
 
 
 def stop_followers() -> None:
@@ -72,7 +80,13 @@ def stop_followers() -> None:
 
 
 def follow(lanes: dict[str, Lane]) -> None:
-    """Ranks > 0: mirror rank 0's commands until it says stop."""
+    """Ranks > 0: mirror rank 0's commands until it says stop. SIGINT and SIGTERM are ignored here
+    (torchrun, or a stop of the process group, signals every rank): rank 0 drains, writes the last
+    checkpoint, which needs every rank, and then says stop."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     while True:
         command, role, samples, groups = _broadcast(None)
         if command == "stop":
@@ -81,5 +95,7 @@ def follow(lanes: dict[str, Lane]) -> None:
         if command == "step":
             batch = [TrainingSample.model_validate(s) for s in samples]
             lane.step(batch, groups)
+        elif command == "publish":
+            lane.publish()
         elif command == "checkpoint":
-            lane.checkpoint()
+            lane.begin_checkpoint().result()

@@ -1,20 +1,31 @@
-"""One trainable model (the policy or the judge): optimiser, version counter and checkpoints.
+"""One trainable model (the policy or the judge): optimiser, version counter, published weights and
+resume checkpoints.
+
+Two artefacts, two cadences:
+- *published weights* (``publish``): the model's tensors in the serving dtype, every step or every
+  ``learner.publish_every`` steps, on the critical path (step end → ``WeightsPublished``), written
+  once and held in memory for in-process engines and pushed transfers (``coevo.training.publish``);
+- *resume checkpoints* (``begin_checkpoint``): fp32 weights, optimizer state, counters and the
+  consumed groups, every ``learner.checkpoint_every_steps`` / ``checkpoint_every_s``, written off
+  the critical path (``coevo.training.checkpoint``): the next optimiser step waits only for the
+  snapshot's copy into CPU memory.
 
 Invariants:
-- ``version`` counts optimiser steps since the initial weights (version 0) and survives restarts;
-- a checkpoint is written to a temporary directory, fsynced, renamed into place, then marked
-  ``COMPLETE``; only complete checkpoints are ever loaded or published;
-- a checkpoint records the groups whose samples it has trained, so a resumed learner never trains
-  an acknowledged sample twice.
+- ``version`` counts optimiser steps since the initial weights (version 0) along the lineage of
+  the checkpoint it resumed from, and survives restarts;
+- only complete checkpoints are ever loaded; a checkpoint records the groups whose samples it has
+  trained, and ``is_durable`` answers from the newest *durable* one: a group is acknowledged only
+  once it is durable, so a resumed learner never trains an acknowledged group twice and trains
+  again exactly the groups it lost;
+- under torchrun (world > 1) publishing and checkpoints are collective and synchronous.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from collections import Counter, deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -22,14 +33,14 @@ from typing import Any, Literal
 import torch
 
 from coevo.config import LearnerConfig
+from coevo.inference.checkpoints import HELD, manifest_of
 from coevo.schemas import TrainingSample
 from coevo.training.batch import rank_plan, sample_problem, to_tensors
+from coevo.training.checkpoint import MARKER, Checkpoint, CheckpointJob, CheckpointWriter, latest_checkpoint
 from coevo.training.loss import ppo_loss, token_logprobs
+from coevo.training.publish import clear_partial, serving_dtype, serving_tensors, write_published
 
-MARKER = "COMPLETE"
-KEEP = 3
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json")
+__all__ = ["MARKER", "Lane", "StepMetrics", "latest_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -44,23 +55,12 @@ class StepMetrics:
     staleness_histogram: dict[str, int]
     tokens_per_second: float
     grad_norm: float
+    checkpoint_wait_s: float = 0.0
+    """how long this step's optimiser update waited for a checkpoint's snapshot"""
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    done = sorted(p for p in root.glob("v*") if (p / MARKER).exists())
-    return done[-1] if done else None
-
-
-def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir():
-        if f.is_file():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+Published = tuple[Path, str, int]
+"""(directory, manifest digest, bytes written)"""
 
 
 class Lane:
@@ -75,9 +75,13 @@ class Lane:
         self.cfg = cfg
         self.base_model = Path(base_model)
         self.root = Path(ckpt_root) / role
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.published_root = self.root / "published"
+        self.published_root.mkdir(parents=True, exist_ok=True)
+        clear_partial(self.root)
+        clear_partial(self.published_root)
         self.temperature = temperature
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.publish_dtype = serving_dtype(cfg.publish_dtype, self.device)
         resume = latest_checkpoint(self.root)
         self.model = AutoModelForCausalLM.from_pretrained(resume or self.base_model).to(self.device)
         if cfg.gradient_checkpointing:
@@ -95,19 +99,31 @@ class Lane:
         self.consumed: deque[str] = deque(maxlen=100_000)
         self.steps_total = 0
         if resume is not None:
-            state = json.loads((resume / "state.json").read_text())
-            self.version = state["version"]
-            self.consumed.extend(state["consumed_groups"])
-            shard = resume / f"optimizer.rank{self.rank}.pt"
-            self.optimizer.load_state_dict(torch.load(shard if shard.exists() else resume / "optimizer.pt",
-                                                      map_location=self.device))
+            self._resume(resume)
         self.resumed_from = resume
+        self.checkpointed_version = self.version
         self._consumed_set = set(self.consumed)
+        self._durable = frozenset(self.consumed)
+        self._writer = CheckpointWriter(self.root)
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.vocab = int(self.model.config.vocab_size)
 
+    def _resume(self, resume: Path) -> None:
+        state = json.loads((resume / "state.json").read_text())
+        self.version = state["version"]
+        self.steps_total = int(state.get("steps_total", 0))
+        self.consumed.extend(state["consumed_groups"])
+        shard = resume / f"optimizer.rank{self.rank}.pt"
+        self.optimizer.load_state_dict(torch.load(shard if shard.exists() else resume / "optimizer.pt",
+                                                  map_location=self.device))
+
     def has_consumed(self, group_id: str) -> bool:
+        """Trained into the weights in memory (durable or not)."""
         return group_id in self._consumed_set
+
+    def is_durable(self, group_id: str) -> bool:
+        """Trained into the weights of a complete resume checkpoint (safe to acknowledge)."""
+        return group_id in self._durable
 
     def sample_problem(self, s: TrainingSample) -> str | None:
         return sample_problem(s, self.vocab, int(getattr(self.model.config, "max_position_embeddings", 1 << 30)))
@@ -147,6 +163,7 @@ class Lane:
         self.all_reduce_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        waited = self._writer.wait_copied()  # a checkpoint's snapshot must hold the weights before this step
         self.optimizer.step()
         self.version += 1
         self.steps_total += 1
@@ -156,7 +173,7 @@ class Lane:
         hist = Counter(str(self.version - 1 - s.model_version) for s in samples)
         dt = time.perf_counter() - t0
         return StepMetrics(self.version, total, tokens, agg["loss"], agg["kl"], agg["clip_fraction"],
-                           agg["mismatch_kl"], dict(hist), tokens / dt if dt > 0 else 0.0, grad_norm)
+                           agg["mismatch_kl"], dict(hist), tokens / dt if dt > 0 else 0.0, grad_norm, waited)
 
     def all_reduce_grads(self) -> None:
         """Data parallel (torchrun, gloo or nccl): average gradients over ranks."""
@@ -170,73 +187,96 @@ class Lane:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 p.grad /= world
 
-    def checkpoint(self) -> tuple[Path, str, int]:
-        """Write the current weights, optimiser state and counters atomically; (path, sha256, bytes)."""
-        from coevo.inference.checkpoints import checkpoint_sha256
+    # ---- published weights ---------------------------------------------------------------------
 
-        final = self.root / f"v{self.version:06d}"
-        if (final / MARKER).exists():
-            return final, checkpoint_sha256(final), _size(final)
-        tmp = self.root / f".tmp-v{self.version:06d}"
+    def publish(self) -> Published | None:
+        """The current weights in the serving dtype: written once (hashed while written) and held in
+        memory (``HELD``) for in-process engines and pushed transfers. Call between steps (every
+        rank under torchrun); None on ranks other than 0."""
+        full = self._full_state()  # collective under FSDP: every rank
+        if self.rank != 0:
+            return None
+        tensors = serving_tensors(full, self.publish_dtype)
+        path, digest, size = write_published(self.published_root, self.version, tensors,
+                                             self.model.config.to_json_string(), self.base_model)
+        HELD.put(self.role, path, digest, tensors)
+        return path, digest, size
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        if not self.fsdp:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    # ---- resume checkpoints --------------------------------------------------------------------
+
+    @property
+    def checkpoint_busy(self) -> bool:
+        return self._writer.busy
+
+    def wait_checkpoint(self) -> None:
+        """Block until the checkpoint in flight (if any) is written (or failed)."""
+        if self._writer.in_flight is not None:
+            self._writer.in_flight.exception()
+
+    def begin_checkpoint(self) -> Future[Checkpoint]:
+        """Start a resume checkpoint of the current state (call between steps, none in flight): its
+        snapshot is copied and written on the writer's thread; the future ends when it is durable.
+        Under torchrun it is written at once, by every rank."""
+        self.checkpointed_version = self.version
         if self.world > 1:
-            return self._checkpoint_distributed(final, tmp)
-        self._write_model(self.model, tmp)
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        self._finalize(tmp, final)
-        return final, checkpoint_sha256(final), _size(final)
+            done: Future[Checkpoint] = Future()
+            t0 = time.perf_counter()
+            path, digest, size = self._checkpoint_distributed()
+            done.set_result(Checkpoint(path, digest, size, self.version, tuple(self.consumed),
+                                       time.perf_counter() - t0))
+            self._durable_now(done)
+            return done
+        job = CheckpointJob(self.version, self.role, list(self.consumed), self.steps_total, self.model.state_dict(),
+                            self.optimizer.state_dict(), self.model.config.to_json_string(), self.base_model)
+        fut = self._writer.start(job)
+        fut.add_done_callback(self._durable_now)
+        return fut
 
-    def _write_model(self, model: Any, tmp: Path) -> None:
-        """Weights (with an explicit lm_head for tied models), tokenizer files and counters."""
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, safe_serialization=True)
-        if getattr(model.config, "tie_word_embeddings", False):
-            _write_lm_head(tmp)
-        for name in TOKENIZER_FILES:
-            if (self.base_model / name).exists():
-                shutil.copy2(self.base_model / name, tmp / name)
-        (tmp / "state.json").write_text(json.dumps({"version": self.version, "role": self.role,
-                                                    "consumed_groups": list(self.consumed)}))
+    def _durable_now(self, fut: Future[Checkpoint]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._durable = frozenset(fut.result().consumed)  # checkpoints complete in order
 
-    def _finalize(self, tmp: Path, final: Path) -> None:
-        """fsync, rename into place, then mark complete; older checkpoints beyond KEEP are removed."""
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        (final / MARKER).write_text(str(self.version))
-        _fsync_dir(final)
-        self._prune()
+    def checkpoint(self) -> Published:
+        """A resume checkpoint of the current state, written now (waits for one in flight);
+        (path, manifest digest, bytes). The directory also loads as a model (config, tokenizer)."""
+        self.wait_checkpoint()
+        final = self.root / f"v{self.version:06d}"
+        if (final / MARKER).exists() and (manifest := manifest_of(final)) is not None:
+            return final, manifest["digest"], sum(int(f["bytes"]) for f in manifest["files"].values())
+        ckpt = self.begin_checkpoint().result()
+        return ckpt.path, ckpt.digest, ckpt.bytes
 
-    def _checkpoint_distributed(self, final: Path, tmp: Path) -> tuple[Path, str, int]:
+    def _checkpoint_distributed(self) -> Published:
         """Every rank takes part: full weights gathered to rank 0, optimizer shards one file per rank."""
         import torch.distributed as dist
-        from transformers import AutoModelForCausalLM
 
-        from coevo.inference.checkpoints import checkpoint_sha256
+        from coevo.training.checkpoint import write_checkpoint
 
-        if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                               cpu_offload=True))
-        else:
-            full = self.model.state_dict()
+        full = self._full_state()
+        shard = self.root / f".opt-v{self.version:06d}.rank{self.rank}.pt"
+        torch.save(self.optimizer.state_dict(), shard)
+        dist.barrier()
+        out: list[Any] = [None]
         if self.rank == 0:
-            plain = AutoModelForCausalLM.from_config(self.model.config)
-            plain.load_state_dict(full)
-            self._write_model(plain, tmp)
+            job = CheckpointJob(self.version, self.role, list(self.consumed), self.steps_total, full, {},
+                                self.model.config.to_json_string(), self.base_model)
+            out[0] = write_checkpoint(self.root, job, {k: v.detach().cpu() for k, v in full.items()}, None,
+                                      extra={f"optimizer.rank{r}.pt": self.root / f".opt-v{self.version:06d}.rank{r}.pt"
+                                             for r in range(self.world)})
         dist.barrier()
-        torch.save(self.optimizer.state_dict(), tmp / f"optimizer.rank{self.rank}.pt")
-        dist.barrier()
-        if self.rank == 0:
-            self._finalize(tmp, final)
-        dist.barrier()
-        return final, checkpoint_sha256(final), _size(final)
+        dist.broadcast_object_list(out, src=0)
+        return out[0]
 
-    def _prune(self) -> None:
-        done = sorted(p for p in self.root.glob("v*") if (p / MARKER).exists())
-        for old in done[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
+    def close(self) -> None:
+        """Wait for a checkpoint in flight and stop the writer's thread."""
+        self._writer.close()
 
 
 def _rank_world() -> tuple[int, int]:
@@ -245,21 +285,3 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _write_lm_head(path: Path) -> None:
-    """Store the tied output head explicitly: vLLM's in-place ``reload_weights`` keeps its own copy of
-    ``lm_head`` and would otherwise serve new layers with the old head (transformers ignores it)."""
-    from safetensors.torch import load_file, save_file
-
-    for f in sorted(path.glob("*.safetensors")):
-        state = load_file(str(f))
-        if "model.embed_tokens.weight" in state and "lm_head.weight" not in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-            save_file(state, str(f), metadata={"format": "pt"})
-            return
-
-
-def _size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-

@@ -2,9 +2,17 @@
 
 Invariants:
 - a ``GroupScored`` is acknowledged only after every lane that trains on it has taken an optimiser
-  step on its samples *and* written the checkpoint that includes them (or has nothing to train);
-  so a kill -9 at any point loses no sample, and the checkpoint's consumed-group list makes sure a
-  redelivered group is not trained twice;
+  step on its samples *and* a resume checkpoint that includes them is durable (or has nothing to
+  train); until then its handler waits (the consumer keeps the message with ``in_progress``). So a
+  kill -9 at any point loses no sample: the groups trained since the last checkpoint are redelivered
+  and trained again on the restored weights, and the checkpoint's consumed-group list makes sure
+  an acknowledged group is never trained twice into the surviving weights;
+- checkpoints are written off the critical path every ``learner.checkpoint_every_steps`` steps, or
+  ``checkpoint_every_s`` after the previous one, or when half of ``bus.max_ack_pending`` (the
+  subscription's concurrency) waits for one, and once more when the learner stops: held groups
+  never exhaust the consumer;
+- weights are published (``WeightsPublished``) after every ``learner.publish_every``-th step, in
+  the serving dtype, before the next step starts;
 - a lane steps on whole groups: when it holds ``batch_samples`` samples, or holds some and no new
   group arrived for ``flush_after_s``;
 - candidate groups wait for the ``TaskDecided`` of *their* group (verdicts are per proposal: a
@@ -36,6 +44,7 @@ from coevo.runtime.aio import wait_event
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import GroupScored, LearnerStepped, TaskDecided, TrainingSample, WeightsPublished
+from coevo.training.checkpoint import Checkpoint
 from coevo.training.lane import Lane, StepMetrics
 
 Role = Literal["policy", "judge"]
@@ -95,6 +104,11 @@ class LaneQueue:
     queued: list[QueuedGroup] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     last_arrival: float = 0.0
+    undurable: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    """groups trained into the weights, waiting for a durable checkpoint (their handlers wait on these)"""
+    writes: asyncio.Queue[tuple[asyncio.Future[Checkpoint], dict[str, asyncio.Future[None]]] | None] = field(
+        default_factory=asyncio.Queue)
+    checkpoint_at: float = field(default_factory=time.monotonic)
 
     @property
     def held(self) -> int:
@@ -116,7 +130,8 @@ class LearnerAgent(Agent):
         self.published: dict[Role, tuple[int, Path, str]] = {}
 
     def subscriptions(self) -> list[Subscription]:
-        return [Subscription("learner", (GroupScored,), self.on_scored, concurrency=256),
+        # a handler waits until its group is durable: as many handlers as the server lets us hold
+        return [Subscription("learner", (GroupScored,), self.on_scored, concurrency=self.cfg.bus.max_ack_pending),
                 # per instance, from the stream's start: every verdict ever given is known after a restart
                 Subscription("learner-decisions", (TaskDecided,), self.on_decided, concurrency=1, shared=False)]
 
@@ -142,6 +157,8 @@ class LearnerAgent(Agent):
         finally:
             if weight_server is not None:
                 await weight_server.aclose()
+            for q in self.lanes.values():
+                await asyncio.to_thread(q.lane.close)
             policy = self.lanes.get("policy")
             if policy is not None and isinstance(policy.lane, RankZeroLane):
                 try:
@@ -177,15 +194,19 @@ class LearnerAgent(Agent):
         waits = []
         for role, q in self.lanes.items():
             samples = event.policy_samples if role == "policy" else event.judge_samples
-            if not samples or q.lane.has_consumed(event.group_id):
+            if not samples or q.lane.is_durable(event.group_id):
+                continue
+            if q.lane.has_consumed(event.group_id):  # trained, not durable yet (a redelivery): wait for it
+                waits.append(q.undurable.setdefault(event.group_id, asyncio.get_running_loop().create_future()))
                 continue
             waits.append(self.enqueue(role, q, event.group_id, samples))
-        if waits:
-            await asyncio.gather(*waits)
+        if waits:  # shielded: the futures are shared with redeliveries of the same group
+            await asyncio.gather(*(asyncio.shield(w) for w in waits))
         self.counters["groups.trained"] += 1
 
     def enqueue(self, role: Role, q: LaneQueue, group_id: str, samples: list[TrainingSample]) -> asyncio.Future[None]:
-        """Queue a group's trainable samples; a group already queued (a redelivery) joins that entry."""
+        """Queue a group's trainable samples; a group already queued (a redelivery) joins that entry.
+        The future ends when the group is trained and durable."""
         for queued in q.queued:
             if queued.group_id == group_id:
                 return queued.done
@@ -208,24 +229,75 @@ class LearnerAgent(Agent):
         return fut
 
     async def main(self) -> None:
-        async with asyncio.TaskGroup() as tg:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for role, q in self.lanes.items():
+                    q.writes = asyncio.Queue()
+                    tg.create_task(self.lane_loop(role, q), name=f"learner:{role}")
+                    tg.create_task(self.durability(role, q), name=f"learner:{role}:checkpoints")
+        finally:  # stopped, crashed or cancelled: the waiting handlers nak, their groups come back
             for role, q in self.lanes.items():
-                tg.create_task(self.lane_loop(role, q), name=f"learner:{role}")
+                self.release(role, q)
 
     async def lane_loop(self, role: Role, q: LaneQueue) -> None:
         batch = self.cfg.learner.batch_samples
         try:
             while not self.stopping.is_set():
+                if self.checkpoint_due(q):
+                    await self.start_checkpoint(q)
                 if q.held >= batch or (q.held and time.monotonic() - q.last_arrival >= self.flush_after_s):
                     await self.train(role, q)
-                    continue
-                q.arrived.clear()
-                await wait_event(q.arrived, self.flush_after_s if q.held else 1.0)
-        finally:  # stopped, crashed or cancelled: the waiting handlers nak, their groups come back
-            stopped, q.queued = q.queued, []
-            for p in stopped:
-                if not p.done.done():
-                    p.done.set_exception(Retry(f"{role} lane stopped before training {p.group_id}"))
+                else:
+                    q.arrived.clear()
+                    await wait_event(q.arrived, self.flush_after_s if q.held else 1.0)
+            await self.last_checkpoint(q)
+        finally:
+            q.writes.put_nowait(None)  # the durability task ends after the checkpoints queued before
+
+    def checkpoint_due(self, q: LaneQueue) -> bool:
+        lc = self.cfg.learner
+        if not q.undurable or q.lane.checkpoint_busy:
+            return False
+        return (q.lane.version - q.lane.checkpointed_version >= lc.checkpoint_every_steps
+                or time.monotonic() - q.checkpoint_at >= lc.checkpoint_every_s
+                or len(q.undurable) >= max(1, self.cfg.bus.max_ack_pending // 2))
+
+    async def start_checkpoint(self, q: LaneQueue) -> None:
+        """Start a resume checkpoint of the lane as it is now: it covers every group trained so far."""
+        covered = dict(q.undurable)
+        q.checkpoint_at = time.monotonic()
+        written = await asyncio.to_thread(q.lane.begin_checkpoint)
+        q.writes.put_nowait((asyncio.wrap_future(written), covered))
+
+    async def last_checkpoint(self, q: LaneQueue) -> None:
+        """On stop: one more checkpoint if groups wait for one (their handlers ack within the drain)."""
+        if q.lane.checkpoint_busy:
+            await asyncio.to_thread(q.lane.wait_checkpoint)
+        if any(q.lane.has_consumed(g) for g in q.undurable):
+            await self.start_checkpoint(q)
+
+    async def durability(self, role: Role, q: LaneQueue) -> None:
+        """As each checkpoint becomes durable, the groups it covers are released (acknowledged)."""
+        while (item := await q.writes.get()) is not None:
+            written, covered = item
+            ckpt = await written  # a failed write crashes the lanes: their groups are redelivered
+            for group_id, done in covered.items():
+                if q.undurable.get(group_id) is done:
+                    del q.undurable[group_id]
+                if not done.done():
+                    done.set_result(None)
+            self.counters[f"checkpoints.{role}"] += 1
+            self.log.info("learner.checkpoint", role=role, version=ckpt.version, seconds=round(ckpt.seconds, 3),
+                          bytes=ckpt.bytes, groups=len(covered))
+            q.arrived.set()
+
+    def release(self, role: Role, q: LaneQueue) -> None:
+        """Every group still queued or waiting for a checkpoint is nak'd (redelivered)."""
+        waiting = [p.done for p in q.queued] + list(q.undurable.values())
+        q.queued, q.undurable = [], {}
+        for done in waiting:
+            if not done.done():
+                done.set_exception(Retry(f"{role} lane stopped before the group was trained and durable"))
 
     def take(self, q: LaneQueue) -> list[QueuedGroup]:
         """The next batch: whole groups up to ``batch_samples``; a group marked ``alone`` by itself."""
@@ -247,13 +319,8 @@ class LearnerAgent(Agent):
         except Exception as exc:
             self.step_failed(role, q, take, exc)
             return
-        try:
-            path, sha, size = await asyncio.to_thread(q.lane.checkpoint)
-        except Exception as exc:
-            for p in take:
-                if not p.done.done():
-                    p.done.set_exception(exc)
-            raise
+        for p in take:  # acknowledged once a checkpoint including them is durable
+            q.undurable[p.group_id] = p.done
         if role == "policy":
             self.model_version = metrics.version
         await self.emit(self.event(
@@ -261,10 +328,8 @@ class LearnerAgent(Agent):
             loss=metrics.loss, kl=metrics.kl, clip_fraction=metrics.clip_fraction, mismatch_kl=metrics.mismatch_kl,
             staleness_histogram=metrics.staleness_histogram, tokens_per_second=metrics.tokens_per_second,
             group_ids=[p.group_id for p in take]), confirm=True)
-        await self.announce(role, metrics.version, path, sha, size)
-        for p in take:
-            if not p.done.done():
-                p.done.set_result(None)
+        if metrics.version % self.cfg.learner.publish_every == 0:
+            await self.publish_weights(q.lane)
         self.counters[f"steps.{role}"] += 1
         if self.on_step is not None:
             self.on_step(role, metrics)
@@ -282,8 +347,10 @@ class LearnerAgent(Agent):
             q.queued.insert(0, p)
 
     async def publish_weights(self, lane: Any) -> None:
-        path, sha, size = await asyncio.to_thread(lane.checkpoint)
-        await self.announce(lane.role, lane.version, path, sha, size)
+        """The lane's current weights in the serving dtype, then ``WeightsPublished`` (the digest
+        field carries the manifest's digest)."""
+        path, digest, size = await asyncio.to_thread(lane.publish)
+        await self.announce(lane.role, lane.version, path, digest, size)
 
     async def announce(self, role: Role, version: int, path: Path, sha: str, size: int) -> None:
         self.published[role] = (version, path, sha)

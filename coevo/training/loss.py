@@ -70,20 +70,68 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - 1 - log_ratio
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   response_mask: torch.Tensor, allowed: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
-    """log π(token_t | prefix) for every position (0 where ``response_mask`` is 0).
+LOGPROB_CHUNK_ELEMENTS = 1 << 25
+"""positions per chunk × vocabulary: the largest fp32 logits block alive at once (128 MiB)"""
 
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   response_mask: torch.Tensor, allowed: torch.Tensor | None, temperature: float = 1.0,
+                   chunk_elements: int = LOGPROB_CHUNK_ELEMENTS) -> torch.Tensor:
+    """log π(token_t | prefix) for every position (0 where ``response_mask`` is 0), [batch, tokens].
+
+    Memory-bounded: the model runs without its output head, the head is applied only at the
+    positions that predict a response token, in chunks of ``chunk_elements // vocab`` positions
+    (recomputed in the backward pass), so no [batch, tokens, vocab] tensor ever exists.
     ``allowed`` ([batch, vocab] bool or None per batch) restricts the distribution to the tokens a
     constrained sampler could choose, so the log-probs match what was sampled from.
     """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, :-1, :].float() / max(temperature, 1e-5)
-    targets = input_ids[:, 1:]
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    resp = response_mask[:, 1:].to(logp.dtype)
-    logp = torch.where(resp > 0, logp, torch.zeros_like(logp))
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = _final_hidden(model, input_ids, attention_mask)
+    head = model.get_output_embeddings()
+    rows, cols = response_mask[:, 1:].nonzero(as_tuple=True)  # position cols predicts token cols + 1
+    h = hidden[:, :-1][rows, cols]
+    targets = input_ids[:, 1:][rows, cols]
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    step = max(1, chunk_elements // max(int(head.weight.shape[0]), 1))
+    parts = []
+    for s in range(0, int(rows.numel()), step):
+        args = (h[s:s + step], head.weight, head.bias, targets[s:s + step],
+                None if allowed is None else allowed[rows[s:s + step]], temperature, softcap)
+        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if h.requires_grad
+                     else _chunk_logprobs(*args))
+    values = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    logp = torch.zeros(response_mask[:, 1:].shape, dtype=torch.float32, device=hidden.device)
+    logp = logp.index_put((rows, cols), values)
+    if not parts and hidden.requires_grad:  # no response token (a padding row): every parameter still
+        logp = logp + (hidden.sum() + head.weight.sum()) * 0  # gets a (zero) gradient, as every rank must
     return torch.nn.functional.pad(logp, (1, 0))
+
+
+def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                    allowed: torch.Tensor | None, temperature: float, softcap: float | None) -> torch.Tensor:
+    logits = torch.nn.functional.linear(h, weight, bias).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / max(temperature, 1e-5)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The hidden states the output head would see, [batch, tokens, hidden]: the model runs whole
+    (so FSDP and any wrapping stay in charge) while a pre-hook hands its head an empty slice."""
+    box: dict[str, torch.Tensor] = {}
+
+    def grab(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        box["hidden"] = args[0]
+        return (args[0][:, :0], *args[1:])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(grab)
+    try:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return box["hidden"]

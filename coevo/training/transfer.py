@@ -1,4 +1,4 @@
-"""Checkpoint tensors into inference servers over a collective: gloo on CPU, NCCL on GPU.
+"""Published weights into inference servers over a collective: gloo on CPU, NCCL on GPU.
 
 The learner is rank 0 of one small group per inference server (the server's workers are ranks
 ``1..n``) and hosts its rendezvous store. A transfer is: both sides agree on a ``Plan`` (names,
@@ -6,9 +6,10 @@ dtypes, shapes, in order), then rank 0 broadcasts each tensor in that order and 
 it into its model.
 
 Invariants:
-- the sender sends one immutable checkpoint (a version's safetensors, read whole into memory
-  before the plan is announced), never live parameters, so a transfer never races the next
-  optimiser step nor a checkpoint pruned meanwhile;
+- the sender sends one immutable set of published weights (the serving-dtype copy the learner
+  took between two steps and holds in memory, or a version's safetensors read whole before the
+  plan is announced), never live parameters, so a transfer never races the next optimiser step
+  nor a directory pruned meanwhile;
 - every collective has a timeout; after a failure the group is unusable and is closed (the next
   transfer connects again).
 

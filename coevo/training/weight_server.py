@@ -3,13 +3,15 @@
 A follower (the agent that owns an inference server) asks to ``connect``: the learner opens a group
 as rank 0 (in a thread: the server's workers join it when the follower calls vLLM's
 ``/init_weight_transfer_engine``) and answers where. Then, per new version, it asks to ``push``:
-the learner reads that version's checkpoint into memory, answers with the plan (names, dtypes,
-shapes) and broadcasts the tensors while the follower has vLLM receive them (``/update_weights``).
+the learner takes the newest published weights (the serving-dtype copy it holds in memory,
+``HELD``; read back from the files only when this process does not hold them), answers with the
+plan (names, dtypes, shapes) and broadcasts the tensors while the follower has vLLM receive them
+(``/update_weights``).
 
 Invariants: one transfer at a time per server (a push waits for the previous send to end); a
 failed or timed-out send closes that server's group, and its next push is refused until the
-follower connects again; only published checkpoints are sent (the newest when the asked one was
-pruned), and the reply names the version actually sent.
+follower connects again; only published weights are sent (the newest, whatever version was
+asked), and the reply names the version actually sent.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import structlog
 
+from coevo.inference.checkpoints import HELD
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import (
     TransferConnect,
@@ -44,7 +47,7 @@ from coevo.training.transfer import (
 
 log = structlog.get_logger("coevo.weights")
 
-Published = Callable[[], tuple[int, Path, str]]  # the newest published (version, path, sha256) of a lane
+Published = Callable[[], tuple[int, Path, str]]  # the newest published (version, path, digest) of a lane
 
 
 @dataclass
@@ -136,7 +139,7 @@ class WeightServer:
                                  dtype_names=list(plan.dtype_names), shapes=[list(s) for s in plan.shapes])
 
     def _load(self, published: Published) -> tuple[int, dict[str, Any], str]:
-        """The newest published checkpoint, read whole (retried if pruned while being read)."""
+        """The newest published weights: from memory, else read whole (retried if pruned meanwhile)."""
         device = "cpu"
         if self.backend == "nccl":
             import torch
@@ -144,6 +147,9 @@ class WeightServer:
             device = f"cuda:{torch.cuda.current_device()}"
         for attempt in range(3):
             version, path, sha = published()
+            held = HELD.get(path, sha)
+            if held is not None:
+                return version, held if device == "cpu" else {k: v.to(device) for k, v in held.items()}, sha
             try:
                 return version, load_checkpoint_tensors(path, device), sha
             except FileNotFoundError:

@@ -1,0 +1,151 @@
+"""An agent that exists on its own, trained by coevo through its OpenAI-compatible policy endpoint.
+
+It knows nothing of coevo's code: it plays its own small text game (a copy of the quick game's
+idea: walk a corridor of rooms to the coin, pits lose) and asks the model for each move with the
+official ``openai`` SDK. Pointing ``OPENAI_BASE_URL`` at coevo is all it takes to train that model:
+
+    coevo run --family external                       # serves http://127.0.0.1:8000/v1
+    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 python examples/openai_agent.py
+
+Two extra calls tell coevo where episodes start and end (plain HTTP, next to the OpenAI routes):
+``POST /coevo/v1/episodes {"task_id", "goal"}`` returns an ``episode_id``, which every completion
+of the episode carries as the OpenAI ``user`` field; ``POST /coevo/v1/episodes/{id}/finish
+{"outcome": "won" | "lost"}`` ends it. coevo groups the episodes of one task id, has its judge vote
+on every call, scores, trains, and the next calls are served by the new weights.
+
+A reply that names no action is still a move: the agent then picks one at random (an untrained
+model rarely answers well; its reply is what gets trained either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from openai import APIConnectionError, AsyncOpenAI
+
+DIRECTIONS = ("north", "south", "east", "west")
+ROOMS = ("hall", "kitchen", "cellar", "attic", "garden", "library", "study", "pantry")
+SYSTEM = "You play a text adventure. Answer with the number of one action."
+
+
+class Corridor:
+    """Rooms in a row; the right exit of each leads on, a wrong one is blocked or a pit; the coin waits
+    in the last room. The same seed always builds the same corridor."""
+
+    def __init__(self, seed: int, length: int) -> None:
+        rng = random.Random(seed)
+        self.rooms = rng.sample(ROOMS, length)
+        self.exits = []
+        for _ in range(length - 1):
+            good, bad = rng.sample(DIRECTIONS, 2)
+            self.exits.append({good: "on", bad: "pit" if rng.random() < 0.5 else "blocked"})
+        self.exits.append({})
+        self.room, self.steps_left = 0, length + 2
+
+    def actions(self) -> list[str]:
+        here = [f"go {d}" for d in sorted(self.exits[self.room])]
+        return here + (["take coin"] if self.room == len(self.rooms) - 1 else [])
+
+    def describe(self) -> str:
+        coin = " a coin lies here." if self.room == len(self.rooms) - 1 else ""
+        return f"room: {self.rooms[self.room]}.{coin} steps left: {self.steps_left}."
+
+    def step(self, action: str) -> tuple[str, str | None]:
+        """Feedback, and the outcome once the game ended."""
+        self.steps_left -= 1
+        if action == "take coin" and self.room == len(self.rooms) - 1:
+            return "you take the coin.", "won"
+        where = self.exits[self.room].get(action.removeprefix("go "))
+        if where == "pit":
+            return "you fall into a pit.", "lost"
+        if where == "on":
+            self.room += 1
+            feedback = "you walk on."
+        else:
+            feedback = "the way is blocked."
+        return feedback, ("lost" if self.steps_left <= 0 else None)
+
+
+def coevo_root(base_url: str) -> str:
+    return base_url.rstrip("/").removesuffix("/v1")
+
+
+def post(url: str, body: dict, key: str) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+async def play(client: AsyncOpenAI, root: str, key: str, seed: int, rng: random.Random) -> str:
+    """One episode of the corridor built from ``seed``; returns its outcome."""
+    game = Corridor(seed, length=2 + seed % 2)
+    goal = "take the coin at the end of the corridor"
+    episode = await asyncio.to_thread(post, f"{root}/coevo/v1/episodes", {"task_id": f"corridor-{seed}",
+                                                                           "goal": goal}, key)
+    messages = [{"role": "system", "content": SYSTEM}]
+    feedback, outcome = "", None
+    while outcome is None:
+        actions = game.actions()
+        listing = " | ".join(f"{i} {a}" for i, a in enumerate(actions))
+        messages.append({"role": "user", "content": f"{feedback} {game.describe()} actions: {listing}".strip()})
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3,
+                                                     user=episode["episode_id"])
+        text = reply.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": text})  # the reply as given: coevo reuses its tokens
+        digits = [int(c) for c in text if c.isdigit() and int(c) < len(actions)]
+        action = actions[digits[0]] if digits else rng.choice(actions)
+        feedback, outcome = game.step(action)
+    await asyncio.to_thread(post, f"{root}/coevo/v1/episodes/{episode['episode_id']}/finish",
+                            {"outcome": outcome, "observation": feedback}, key)
+    return outcome
+
+
+async def wait_for_endpoint(client: AsyncOpenAI, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await client.models.list()
+            return
+        except APIConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", type=int, default=4, help="corridors (task ids) to cycle through")
+    parser.add_argument("--group", type=int, default=4, help="episodes per corridor in a row (coevo's policy.n)")
+    parser.add_argument("--rounds", type=int, default=0, help="passes over the corridors (0: until coevo stops)")
+    parser.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the endpoint to come up")
+    args = parser.parse_args()
+    key = os.environ.get("OPENAI_API_KEY", "unused")  # coevo asks for a key only beyond loopback
+    client = AsyncOpenAI(api_key=key, max_retries=0)  # OPENAI_BASE_URL points it at coevo
+    root = coevo_root(str(client.base_url))
+    rng = random.Random(0)
+    await wait_for_endpoint(client, args.wait)
+    done = 0
+    try:
+        while args.rounds == 0 or done < args.rounds * args.tasks:
+            seed = done % args.tasks
+            outcomes = await asyncio.gather(*(play(client, root, key, seed, rng) for _ in range(args.group)))
+            print(f"corridor-{seed}: {' '.join(outcomes)}", flush=True)
+            done += 1
+    except (APIConnectionError, urllib.error.URLError, ConnectionError) as exc:
+        print(f"coevo went away ({exc!r}): stopping", flush=True)
+    finally:
+        await client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,151 @@
+"""The learner's delivery invariant with checkpoints off the critical path, on a real nats-server:
+a group is acknowledged only once a checkpoint including it is durable; and followers apply weights
+in stream order (a restored learner's lower version included)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import structlog
+import torch
+
+from coevo.agents.follower import WeightsFollower
+from coevo.config import CoevoConfig, LearnerConfig
+from coevo.runtime.agent import run_agents
+from coevo.runtime.bus import NatsBus
+from coevo.schemas import LearnerStepped, Source, WeightsPublished
+from coevo.training.lane import Lane, latest_checkpoint
+from coevo.training.learner import LearnerAgent
+from tests.test_delivery import _learner_cfg, _samples, _scored
+
+
+async def _until(predicate, timeout: float = 90.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not await predicate():
+            await asyncio.sleep(0.2)
+
+
+async def _steps(bus: NatsBus) -> list[LearnerStepped]:
+    return [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped)]
+
+
+async def test_groups_stay_unacknowledged_until_a_checkpoint_including_them_is_durable(
+        bus: NatsBus, loop_cfg: CoevoConfig) -> None:
+    cfg = _learner_cfg(loop_cfg, **{"learner.checkpoint_every_steps": 1000, "learner.checkpoint_every_s": 1000.0})
+    for g in ("g1", "g2"):
+        await bus.publish_sync(_scored(bus.run_id, g, f"t-{g}", policy_samples=_samples(g)))
+    learner = LearnerAgent(bus, cfg)
+    stop = asyncio.Event()
+
+    async def scenario() -> None:
+        try:
+            await _until(lambda: _covered(bus, {"g1", "g2"}))
+            await asyncio.sleep(3.0)  # longer than bus.ack_wait_s: held with in_progress, not redelivered
+            held = await bus.js.consumer_info(bus.stream, "learner")
+            assert held.num_ack_pending == 2 and held.num_redelivered == 0
+            root = cfg.run.runs_dir / bus.run_id / "checkpoints" / "policy"
+            assert latest_checkpoint(root) is None  # trained, published, not durable yet
+            published = [e for e in await bus.events(["weights.published"]) if isinstance(e, WeightsPublished)]
+            assert [e.version for e in published] == [0, 1]
+        finally:
+            stop.set()
+
+    await asyncio.gather(run_agents([learner], handle_signals=False, until=stop), scenario())
+    info = await bus.js.consumer_info(bus.stream, "learner")
+    assert info.num_ack_pending == 0 and info.num_pending == 0  # the stop's checkpoint made them durable
+    ckpt = latest_checkpoint(cfg.run.runs_dir / bus.run_id / "checkpoints" / "policy")
+    assert ckpt is not None and ckpt.name == "v000001"
+    assert learner.counters["checkpoints.policy"] == 1
+
+
+async def test_groups_held_up_to_half_of_max_ack_pending_force_a_checkpoint(
+        bus: NatsBus, loop_cfg: CoevoConfig) -> None:
+    cfg = _learner_cfg(loop_cfg, **{"learner.checkpoint_every_steps": 1000, "learner.checkpoint_every_s": 1000.0,
+                                    "bus.max_ack_pending": 4})
+    for g in ("p1", "p2", "p3"):
+        await bus.publish_sync(_scored(bus.run_id, g, f"t-{g}", policy_samples=_samples(g)))
+    learner = LearnerAgent(bus, cfg)
+    stop = asyncio.Event()
+
+    async def scenario() -> None:
+        try:
+            async def acked() -> bool:
+                if not await _covered(bus, {"p1", "p2"}):
+                    return False
+                return (await bus.js.consumer_info(bus.stream, "learner")).ack_floor.stream_seq >= 2
+            await _until(acked)
+        finally:
+            stop.set()
+
+    await asyncio.gather(run_agents([learner], handle_signals=False, until=stop), scenario())
+    assert learner.counters["checkpoints.policy"] >= 1
+
+
+async def _covered(bus: NatsBus, groups: set[str]) -> bool:
+    return groups <= {g for s in await _steps(bus) for g in s.group_ids}
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.version = 0
+        self.loaded: list[tuple[str, int]] = []
+
+    async def swap_weights(self, path: Path, version: int) -> float:
+        self.loaded.append((Path(path).name, version))
+        self.version = version
+        return 1.0
+
+
+class _Follower(WeightsFollower):
+    lane = "policy"
+
+    def __init__(self, cfg: LearnerConfig) -> None:
+        self.client = _Client()
+        self.cfg = SimpleNamespace(learner=cfg)
+        self.log = structlog.get_logger("test")
+        self.agent_id = "policy-test"
+        self.model_version = None
+        self.applied: list[tuple[int, bool, str | None]] = []
+
+    def event(self, _cls, **fields):
+        return fields
+
+    async def emit(self, fields) -> None:
+        self.applied.append((fields["version"], fields["ok"], fields["error"]))
+
+
+async def test_followers_apply_in_stream_order_verified_and_follow_a_restored_learner(
+        tmp_path: Path, model_cache: Path) -> None:
+    from coevo.inference.checkpoints import HELD
+    from coevo.inference.models import ensure_default_model
+
+    lane = Lane("policy", ensure_default_model("policy", model_cache), tmp_path, LearnerConfig(), device="cpu")
+    src = Source(agent_id="learner", role="learner")
+    published = {}
+    for version in (1, 2):
+        lane.version = version
+        with torch.no_grad():
+            next(lane.model.parameters()).add_(1.0)  # other weights (the same weights have the same digest)
+        path, digest, size = lane.publish()
+        published[version] = WeightsPublished(run_id="r", source=src, role="policy", version=version, path=str(path),
+                                              sha256=digest, bytes=size)
+    HELD.clear()  # a follower in another process: from disk, verified
+    follower = _Follower(LearnerConfig(verify="full"))
+
+    async def deliver(event: WeightsPublished, seq: int) -> None:
+        await follower.on_weights(event, SimpleNamespace(stream_seq=seq))
+
+    await deliver(published[2], 10)
+    await deliver(published[1], 5)  # an older event redelivered behind a newer one: ignored
+    await deliver(published[2], 11)  # the same weights again: ignored
+    assert [v for v, _, _ in follower.applied] == [2]
+    await deliver(published[1], 12)  # a restored learner announces its older weights later: followed
+    assert [v for v, ok, _ in follower.applied] == [2, 1] and follower.model_version == 1
+    lane.version = 3
+    path, digest, size = lane.publish()
+    (path / "model.safetensors").write_bytes(b"garbage")
+    await deliver(published[1].model_copy(update={"version": 3, "path": str(path), "sha256": digest}), 13)
+    assert follower.applied[-1][:2] == (1, False) and "manifest says" in follower.applied[-1][2]
+    assert follower.client.loaded == [(Path(published[2].path).name, 2), (Path(published[1].path).name, 1)]
