@@ -270,8 +270,8 @@ class Lane:
             out[0] = write_checkpoint(self.root, job, {k: v.detach().cpu() for k, v in full.items()}, None,
                                       extra={f"optimizer.rank{r}.pt": self.root / f".opt-v{self.version:06d}.rank{r}.pt"
                                              for r in range(self.world)})
-        dist.barrier()
         dist.broadcast_object_list(out, src=0)
+        dist.barrier()  # every rank has it before any goes on (a broadcast alone does not wait for the receivers)
         return out[0]
 
     def close(self) -> None:
