@@ -298,12 +298,28 @@ class TasksConfig(Section):
 class LearnerConfig(Section):
     lr: float = Field(default=1e-3, gt=0, description="AdamW lr (1e-3 for tiny models; ~1e-6 for 7B)")
     judge_lr: float | None = Field(default=None, description="judge lane lr (default: lr)")
-    batch_samples: int = Field(default=64, ge=1, description="samples per optimiser step")
+    batch_samples: int = Field(default=64, ge=1, description="samples per batch: one model version, "
+                               "minibatches × epochs optimiser steps")
     max_batch_tokens: int = Field(default=32768, ge=64)
     clip_eps: float = Field(default=0.2, gt=0)
-    kl_beta: float = Field(default=0.01, ge=0)
+    kl_beta: float = Field(default=0.01, ge=0, description="weight of the k3 KL penalty against kl_reference")
     grad_clip: float = Field(default=1.0, gt=0)
-    max_staleness: int = Field(default=2, ge=0, description="policy versions data may lag (0 = synchronous)")
+    max_staleness: int = Field(default=2, ge=0, description="versions data may lag (0 = synchronous): gates "
+                               "scheduling, and at the learner a sample older than this (lane version at step time "
+                               "- sample.model_version; the judge lane counts judge versions) is handled per `stale`")
+    stale: Literal["drop", "correct"] = Field(
+        default="drop", description="samples beyond max_staleness at the learner: drop them (counted, "
+        "LearnerStepped.stale_dropped) or keep them with truncated importance sampling (weight capped at tis_cap, "
+        "whatever `correction` says)")
+    kl_reference: Literal["behavior", "initial"] = Field(
+        default="behavior", description="the KL penalty's reference: the sampling log-probs recorded in the "
+        "samples (behavior), or a frozen copy of the starting weights (initial: one more model in memory, bf16 on "
+        "CUDA, fp32 on CPU)")
+    minibatches: int = Field(default=1, ge=1, description="optimiser steps per epoch: the batch is split into this "
+                             "many minibatches (one optimiser step each); 1 = one step per batch")
+    epochs: int = Field(default=1, ge=1, description="passes over the batch; proximal log-probs are taken once per "
+                        "batch (decoupled PPO), so with epochs or minibatches > 1 the PPO clip acts. The model "
+                        "version advances once per batch, whatever the number of optimiser steps")
     verdict_wait_s: float = Field(default=30.0, gt=0, description="how long a candidate group waits for its "
                                   "TaskDecided before it is redelivered (dropped untrained on its last delivery)")
     correction: Literal["tis", "decoupled"] = Field(default="tis", description="off-policy correction")

@@ -232,6 +232,8 @@ class LearnerStepped(Event):
     staleness_histogram: dict[str, int] = Field(default_factory=dict)
     tokens_per_second: float
     group_ids: list[str] = Field(default_factory=list)
+    stale_dropped: int = Field(default=0, ge=0, description="samples dropped as older than learner.max_staleness "
+                               "since this lane's previous LearnerStepped")
 
 
 class WeightsPublished(Event):

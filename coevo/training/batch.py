@@ -1,4 +1,10 @@
-"""Turning training samples into padded tensors, and batches into token-bounded micro-batches."""
+"""Turning training samples into padded tensors, and batches into minibatches (one optimiser step
+each) and token-bounded micro-batches; the learner's staleness bound.
+
+Every function here is deterministic in its arguments: under data parallel every rank gets the same
+batch and the same lane version, so every rank plans the same minibatches and the same number of
+micro-batches per minibatch (``rank_plan``).
+"""
 
 from __future__ import annotations
 
@@ -43,6 +49,39 @@ def rank_plan(samples: Sequence[TrainingSample], rank: int, world: int,
     number of micro-batches, hence the same collectives, whatever the batch (fewer samples than
     ranks, uneven micro-batches): data parallel never hangs on the plan."""
     return [mb[rank::world] or [padding_row(mb[0])] for mb in pack_by_tokens(samples, max_tokens)]
+
+
+def staleness(s: TrainingSample, version: int) -> int:
+    """Versions ``s`` lags behind a lane at ``version`` (the version being trained from)."""
+    return version - s.model_version
+
+
+def split_stale(samples: Sequence[TrainingSample], version: int,
+                max_staleness: int) -> tuple[list[TrainingSample], list[TrainingSample]]:
+    """(fresh, stale): stale samples lag more than ``max_staleness`` versions behind ``version``."""
+    fresh = [s for s in samples if staleness(s, version) <= max_staleness]
+    return fresh, [s for s in samples if staleness(s, version) > max_staleness]
+
+
+def minibatches(samples: Sequence[TrainingSample], count: int, seed: int) -> list[list[TrainingSample]]:
+    """The batch split into ``count`` minibatches of near-equal size (fewer if there are fewer
+    samples): with ``count`` > 1 the samples are shuffled first, deterministically in ``seed``, so
+    a minibatch mixes groups; ``count`` = 1 keeps the batch whole and in order."""
+    import random
+
+    order = list(samples)
+    if count > 1:
+        random.Random(seed).shuffle(order)
+    n = min(count, len(order))
+    if n <= 1:
+        return [order] if order else []
+    size, extra = divmod(len(order), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        out.append(order[start:end])
+        start = end
+    return out
 
 
 def sample_problem(s: TrainingSample, vocab_size: int, max_positions: int) -> str | None:

@@ -10,9 +10,18 @@ Two artefacts, two cadences:
   the critical path (``coevo.training.checkpoint``): the next optimiser step waits only for the
   snapshot's copy into CPU memory.
 
+A step trains one batch (``Lane.step``): samples older than ``learner.max_staleness`` versions are
+dropped or kept with truncated IS (``learner.stale``), the proximal log-probs (and, with
+``learner.kl_reference = "initial"``, those of a frozen copy of the starting weights) are taken once,
+then ``learner.epochs`` passes over ``learner.minibatches`` minibatches take one optimiser step each.
+
 Invariants:
-- ``version`` counts optimiser steps since the initial weights (version 0) along the lineage of
-  the checkpoint it resumed from, and survives restarts;
+- ``version`` counts trained batches since the initial weights (version 0) along the lineage of
+  the checkpoint it resumed from, and survives restarts: one version per batch however many
+  optimiser steps it took (``steps_total`` counts those), so published weights, ``LearnerStepped.version``
+  and what followers load agree;
+- every rank plans the same minibatches and, per minibatch, the same number of micro-batches
+  (``rank_plan``): the same number of optimiser steps and collectives on every rank;
 - only complete checkpoints are ever loaded; a checkpoint records the groups whose samples it has
   trained, and ``is_durable`` answers from the newest *durable* one: a group is acknowledged only
   once it is durable, so a resumed learner never trains an acknowledged group twice and trains
@@ -23,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import Future
@@ -35,9 +45,17 @@ import torch
 from coevo.config import LearnerConfig
 from coevo.inference.checkpoints import HELD, manifest_of
 from coevo.schemas import TrainingSample
-from coevo.training.batch import rank_plan, sample_problem, to_tensors
+from coevo.training.batch import (
+    Tensors,
+    minibatches,
+    rank_plan,
+    sample_problem,
+    split_stale,
+    staleness,
+    to_tensors,
+)
 from coevo.training.checkpoint import MARKER, Checkpoint, CheckpointJob, CheckpointWriter, latest_checkpoint
-from coevo.training.loss import ppo_loss, token_logprobs
+from coevo.training.loss import DECOUPLED_CAP, ppo_loss, token_logprobs
 from coevo.training.publish import clear_partial, serving_dtype, serving_tensors, write_published
 
 __all__ = ["MARKER", "Lane", "StepMetrics", "latest_checkpoint"]
@@ -57,6 +75,10 @@ class StepMetrics:
     grad_norm: float
     checkpoint_wait_s: float = 0.0
     """how long this step's optimiser update waited for a checkpoint's snapshot"""
+    stale_dropped: int = 0
+    """samples of the batch dropped as older than ``max_staleness`` (``learner.stale = "drop"``)"""
+    optimizer_steps: int = 1
+    """optimiser steps this batch took (``minibatches`` × ``epochs``; 0 when nothing was left to train)"""
 
 
 Published = tuple[Path, str, int]
@@ -95,6 +117,7 @@ class Lane:
                 fully_shard(layer)
             fully_shard(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr or cfg.lr)
+        self.reference = self._reference_model() if cfg.kl_reference == "initial" else None
         self.version = 0
         self.consumed: deque[str] = deque(maxlen=100_000)
         self.steps_total = 0
@@ -105,8 +128,20 @@ class Lane:
         self._consumed_set = set(self.consumed)
         self._durable = frozenset(self.consumed)
         self._writer = CheckpointWriter(self.root)
+        self._lock = threading.RLock()  # steps and publications of this lane never overlap
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.vocab = int(self.model.config.vocab_size)
+
+    def _reference_model(self) -> torch.nn.Module:
+        """The KL's frozen reference (``kl_reference = "initial"``): the starting weights (version 0,
+        whatever checkpoint the lane resumed from), bf16 on CUDA, fp32 on CPU, replicated on every rank."""
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if str(self.device).startswith("cuda") else torch.float32
+        ref = AutoModelForCausalLM.from_pretrained(self.base_model, dtype=dtype).to(self.device)
+        ref.eval()
+        ref.requires_grad_(False)
+        return ref
 
     def _resume(self, resume: Path) -> None:
         state = json.loads((resume / "state.json").read_text())
@@ -129,27 +164,88 @@ class Lane:
         return sample_problem(s, self.vocab, int(getattr(self.model.config, "max_position_embeddings", 1 << 30)))
 
     def step(self, samples: list[TrainingSample], groups: list[str]) -> StepMetrics:
-        """One optimiser step on the batch ``samples`` (all groups at once, the same list on every
-        rank: each trains its rows of ``rank_plan``); returns this rank's metrics."""
+        """``_step`` under the lane's lock: one step at a time, whatever calls it (a restarted learner
+        task can start a step while the thread of a cancelled one still runs)."""
+        with self._lock:
+            return self._step(samples, groups)
+
+    def _step(self, samples: list[TrainingSample], groups: list[str]) -> StepMetrics:
+        """One batch ``samples`` (all groups at once, the same list on every rank: each trains its rows
+        of ``rank_plan``, minibatch by minibatch); returns this rank's metrics.
+
+        Samples beyond ``max_staleness`` are dropped or kept with truncated IS (``learner.stale``);
+        the proximal (and ``initial`` reference) log-probs are taken once, then ``epochs`` passes over
+        ``minibatches`` minibatches take one optimiser step each; the version advances by one. A batch
+        the staleness bound leaves empty takes no step: version unchanged, groups not consumed,
+        ``samples`` 0."""
         t0 = time.perf_counter()
+        fresh, stale = split_stale(samples, self.version, self.cfg.max_staleness)
+        dropping = self.cfg.stale == "drop"
+        kept = fresh if dropping else list(samples)
+        dropped = len(stale) if dropping else 0
+        if not kept:
+            return StepMetrics(self.version, 0, 0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, 0.0, stale_dropped=dropped,
+                               optimizer_steps=0)
         self.model.train()
-        plan = rank_plan(samples, self.rank, self.world, self.cfg.max_batch_tokens)
-        micro = [to_tensors(mb, self.vocab, self.pad_id).to(self.device) for mb in plan]
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16,
-                                  enabled=self.cfg.bf16 and str(self.device).startswith("cuda"))
-        with torch.no_grad(), autocast:
-            prox = [token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
-                                   self.temperature) for t in micro]
-        self.optimizer.zero_grad(set_to_none=True)
-        total = len(samples)
+        parts = minibatches(kept, self.cfg.minibatches, self.version)
+        plans = [[to_tensors(mb, self.vocab, self.pad_id).to(self.device)
+                  for mb in rank_plan(part, self.rank, self.world, self.cfg.max_batch_tokens)] for part in parts]
+        fixed = self._fixed_logprobs(plans)
         agg: Counter[str] = Counter()
-        tokens = 0
-        for t, px in zip(micro, prox, strict=True):
-            with autocast:
+        steps = 0
+        for _epoch in range(self.cfg.epochs):
+            for part, micro, fx in zip(parts, plans, fixed, strict=True):
+                agg.update(self._optimizer_step(micro, fx, len(part)))
+                steps += 1
+        tokens = sum(int(t.response_mask.sum()) + int(t.attention_mask.sum()) for micro in plans for t in micro)
+        hist = Counter(str(staleness(s, self.version)) for s in kept)
+        self.version += 1
+        for g in groups:
+            self.consumed.append(g)
+            self._consumed_set.add(g)
+        dt = time.perf_counter() - t0
+        return StepMetrics(self.version, len(kept), tokens, agg["loss"] / steps, agg["kl"] / steps,
+                           agg["clip_fraction"] / steps, agg["mismatch_kl"] / steps, dict(hist),
+                           tokens / dt if dt > 0 else 0.0, agg["grad_norm"] / steps, agg["waited"],
+                           stale_dropped=dropped, optimizer_steps=steps)
+
+    def _autocast(self) -> Any:
+        return torch.autocast("cuda", dtype=torch.bfloat16,
+                              enabled=self.cfg.bf16 and str(self.device).startswith("cuda"))
+
+    def _fixed_logprobs(self, plans: list[list[Tensors]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per minibatch, per micro-batch: (proximal log-probs, the KL's reference log-probs), taken
+        once per batch before its first optimiser step."""
+        def logp(model: torch.nn.Module, t: Tensors) -> torch.Tensor:
+            return token_logprobs(model, t.input_ids, t.attention_mask, t.response_mask, t.allowed, self.temperature)
+
+        with torch.no_grad(), self._autocast():
+            return [[(logp(self.model, t), t.behav_logp if self.reference is None else logp(self.reference, t))
+                     for t in micro] for micro in plans]
+
+    def _row_cap(self, t: Tensors) -> torch.Tensor | None:
+        """Under ``stale = "correct"``: the truncated-IS cap for rows beyond ``max_staleness`` (the
+        others keep ``correction``'s cap); None when no row is stale."""
+        lc = self.cfg
+        if lc.stale != "correct" or all(self.version - v <= lc.max_staleness for v in t.versions):
+            return None
+        usual = lc.tis_cap if lc.correction == "tis" else DECOUPLED_CAP
+        return torch.tensor([lc.tis_cap if self.version - v > lc.max_staleness else usual for v in t.versions],
+                            device=t.advantages.device)
+
+    def _optimizer_step(self, micro: list[Tensors], fixed: list[tuple[torch.Tensor, torch.Tensor]],
+                        total: int) -> Counter[str]:
+        """One optimiser step on one minibatch of ``total`` samples (this rank's micro-batches)."""
+        lc = self.cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        agg: Counter[str] = Counter()
+        for t, (px, ref) in zip(micro, fixed, strict=True):
+            with self._autocast():
                 new = token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
                                      self.temperature)
-            out = ppo_loss(new, px, t.behav_logp, t.advantages, t.response_mask, clip_eps=self.cfg.clip_eps,
-                           kl_beta=self.cfg.kl_beta, correction=self.cfg.correction, tis_cap=self.cfg.tis_cap)
+            out = ppo_loss(new, px, t.behav_logp, t.advantages, t.response_mask, clip_eps=lc.clip_eps,
+                           kl_beta=lc.kl_beta, correction=lc.correction, tis_cap=lc.tis_cap, ref_logp=ref,
+                           row_cap=self._row_cap(t))
             rows, real = t.input_ids.shape[0], int((t.response_mask.sum(-1) > 0).sum())
             # loss is the mean over rows (padding rows add 0): scaled to this rank's share of the global
             # mean, times world because gradients are averaged over ranks
@@ -159,21 +255,13 @@ class Lane:
             agg["kl"] += out.kl * weight
             agg["clip_fraction"] += out.clip_fraction * weight
             agg["mismatch_kl"] += out.mismatch_kl * weight
-            tokens += int(t.response_mask.sum()) + int(t.attention_mask.sum())
         self.all_reduce_grads()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        waited = self._writer.wait_copied()  # a checkpoint's snapshot must hold the weights before this step
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip)
+        agg["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        agg["waited"] += self._writer.wait_copied()  # a checkpoint's snapshot must hold the weights before a step
         self.optimizer.step()
-        self.version += 1
         self.steps_total += 1
-        for g in groups:
-            self.consumed.append(g)
-            self._consumed_set.add(g)
-        hist = Counter(str(self.version - 1 - s.model_version) for s in samples)
-        dt = time.perf_counter() - t0
-        return StepMetrics(self.version, total, tokens, agg["loss"], agg["kl"], agg["clip_fraction"],
-                           agg["mismatch_kl"], dict(hist), tokens / dt if dt > 0 else 0.0, grad_norm, waited)
+        return agg
 
     def all_reduce_grads(self) -> None:
         """Data parallel (torchrun, gloo or nccl): average gradients over ranks."""
@@ -190,6 +278,10 @@ class Lane:
     # ---- published weights ---------------------------------------------------------------------
 
     def publish(self) -> Published | None:
+        with self._lock:
+            return self._publish()
+
+    def _publish(self) -> Published | None:
         """The current weights in the serving dtype: written once (hashed while written) and held in
         memory (``HELD``) for in-process engines and pushed transfers. Call between steps (every
         rank under torchrun); None on ranks other than 0."""

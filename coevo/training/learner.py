@@ -14,7 +14,13 @@ Invariants:
 - weights are published (``WeightsPublished``) after every ``learner.publish_every``-th step, in
   the serving dtype, before the next step starts;
 - a lane steps on whole groups: when it holds ``batch_samples`` samples, or holds some and no new
-  group arrived for ``flush_after_s``;
+  group arrived for ``flush_after_s``; one batch is one version (``learner.minibatches`` ×
+  ``learner.epochs`` optimiser steps) and one ``LearnerStepped``;
+- staleness is bounded at the learner too, per lane (``Lane.step``): samples more than
+  ``learner.max_staleness`` versions behind are dropped (``learner.stale = "drop"``: counted, and
+  reported in ``LearnerStepped.stale_dropped``) or kept with truncated IS (``"correct"``); a batch
+  left with no sample takes no step, its groups are done untrained and its count rides on the lane's
+  next ``LearnerStepped``;
 - candidate groups wait for the ``TaskDecided`` of *their* group (verdicts are per proposal: a
   candidate rejected once and re-proposed is trained if its new group is accepted); rejected ones
   are never trained, and one left without a verdict is retried, then dropped (counted), never held
@@ -109,6 +115,8 @@ class LaneQueue:
     writes: asyncio.Queue[tuple[asyncio.Future[Checkpoint], dict[str, asyncio.Future[None]]] | None] = field(
         default_factory=asyncio.Queue)
     checkpoint_at: float = field(default_factory=time.monotonic)
+    stale_pending: int = 0
+    """samples dropped as stale in batches that took no step, not yet reported by a ``LearnerStepped``"""
 
     @property
     def held(self) -> int:
@@ -319,6 +327,17 @@ class LearnerAgent(Agent):
         except Exception as exc:
             self.step_failed(role, q, take, exc)
             return
+        if metrics.stale_dropped:
+            self.counters[f"samples.stale_dropped.{role}"] += metrics.stale_dropped
+            self.log.info("learner.stale_dropped", role=role, samples=metrics.stale_dropped, version=q.lane.version,
+                          max_staleness=self.cfg.learner.max_staleness)
+        if metrics.samples == 0:  # every sample was stale: no step; the groups are done (nothing to train)
+            q.stale_pending += metrics.stale_dropped  # reported by the lane's next LearnerStepped
+            for p in take:
+                if not p.done.done():
+                    p.done.set_result(None)
+            return
+        stale_dropped, q.stale_pending = q.stale_pending + metrics.stale_dropped, 0
         for p in take:  # acknowledged once a checkpoint including them is durable
             q.undurable[p.group_id] = p.done
         if role == "policy":
@@ -327,7 +346,7 @@ class LearnerAgent(Agent):
             LearnerStepped, role=role, version=metrics.version, samples=metrics.samples, tokens=metrics.tokens,
             loss=metrics.loss, kl=metrics.kl, clip_fraction=metrics.clip_fraction, mismatch_kl=metrics.mismatch_kl,
             staleness_histogram=metrics.staleness_histogram, tokens_per_second=metrics.tokens_per_second,
-            group_ids=[p.group_id for p in take]), confirm=True)
+            group_ids=[p.group_id for p in take], stale_dropped=stale_dropped), confirm=True)
         if metrics.version % self.cfg.learner.publish_every == 0:
             await self.publish_weights(q.lane)
         self.counters[f"steps.{role}"] += 1

@@ -1,12 +1,18 @@
 """The policy-gradient loss shared by both lanes (ALGORITHM.md §3), with off-policy correction.
 
 Per response token t of a sample with advantage A:
-    r_t   = exp(logπ_θ − logπ_prox)                         (π_prox: the learner before this step)
+    r_t   = exp(logπ_θ − logπ_prox)                         (π_prox: the learner before this batch)
     w_t   = exp(logπ_prox − logπ_behav)                      (π_behav: the sampler, recorded)
-            truncated at ``tis_cap`` ("tis"), or capped at a large bound ("decoupled")
+            truncated at ``tis_cap`` ("tis"), or capped at a large bound ("decoupled"); a per-row
+            ``row_cap`` overrides the cap (the lane truncates samples kept beyond ``max_staleness``)
     pg_t  = −w_t · min(r_t·A, clip(r_t, 1−ε, 1+ε)·A)
-    kl_t  = exp(−d) − 1 + d,  d = logπ_θ − logπ_prox         (k3, weighted by β)
+    kl_t  = exp(−d) − 1 + d,  d = logπ_θ − logπ_ref          (k3, weighted by β)
 loss = mean over samples of (token-mean of pg_t + β·kl_t).
+
+π_prox is taken once per batch (decoupled PPO): with several minibatches or epochs per batch the
+ratio r_t leaves 1 after the first optimiser step and the clip acts. π_ref is the lane's
+``learner.kl_reference``: the sampler (behaviour log-probs) or the frozen starting weights; when
+``ref_logp`` is not given it is π_prox (a KL that is 0, with no gradient, on a batch's first step).
 
 When the sampler and the learner agree (zero staleness, identical log-probs) every w_t is 1 and
 the loss is plain PPO: the correction is a no-op.
@@ -34,20 +40,25 @@ class LossOut:
 
 def ppo_loss(new_logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, *, clip_eps: float = 0.2, kl_beta: float = 0.01,
-             correction: Literal["tis", "decoupled", "none"] = "tis", tis_cap: float = 2.0) -> LossOut:
-    """All tensors are [batch, tokens] except ``advantages`` [batch]; ``mask`` marks response tokens."""
+             correction: Literal["tis", "decoupled", "none"] = "tis", tis_cap: float = 2.0,
+             ref_logp: torch.Tensor | None = None, row_cap: torch.Tensor | None = None) -> LossOut:
+    """All tensors are [batch, tokens] except ``advantages`` and ``row_cap`` [batch]; ``mask`` marks
+    response tokens. ``ref_logp``: the KL's reference (default ``prox_logp``); ``row_cap``: the
+    importance weight's cap per row (default: by ``correction``)."""
     mask = mask.to(new_logp.dtype)
     adv = advantages.to(new_logp.dtype).unsqueeze(-1)
     ratio = torch.exp(new_logp - prox_logp)
-    if correction == "none":
+    if correction == "none" and row_cap is None:
         weight = torch.ones_like(ratio)
     else:
-        cap = tis_cap if correction == "tis" else DECOUPLED_CAP
+        cap: float | torch.Tensor = tis_cap if correction == "tis" else DECOUPLED_CAP
+        if row_cap is not None:
+            cap = row_cap.to(new_logp.dtype).unsqueeze(-1)
         weight = torch.exp(prox_logp - behav_logp).clamp(max=cap).detach()
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
     pg = -weight * torch.minimum(unclipped, clipped)
-    d = new_logp - prox_logp
+    d = new_logp - (prox_logp if ref_logp is None else ref_logp)
     kl = torch.exp(-d) - 1 + d
     per_token = pg + kl_beta * kl
     tokens = mask.sum(-1).clamp(min=1)

@@ -1,0 +1,191 @@
+"""The learner's options (issue 13, items 1-3): the staleness bound at the learner, a KL against the
+sampler or the initial weights that acts, and PPO with minibatches and epochs whose clip acts."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coevo.config import CoevoConfig, LearnerConfig
+from coevo.schemas import LearnerStepped, TrainingSample
+from coevo.training.batch import minibatches, split_stale, to_tensors
+from coevo.training.lane import Lane, StepMetrics
+from coevo.training.learner import LaneQueue, LearnerAgent
+from coevo.training.loss import ppo_loss, token_logprobs
+from tests.test_training import choice_samples, tiny  # noqa: F401  (the module-scoped model fixture)
+
+
+def _sample(i: int, version: int) -> TrainingSample:
+    return TrainingSample(sample_id=f"s{i}", role="policy", prompt_token_ids=[1, 2], response_token_ids=[3],
+                          logprobs=[-1.0], advantage=1.0, model_version=version, step_event_id=f"e{i}")
+
+
+# ---- pure functions ------------------------------------------------------------------------------
+
+def test_split_stale_bounds_the_lag() -> None:
+    samples = [_sample(0, 0), _sample(1, 3), _sample(2, 5), _sample(3, 2)]
+    fresh, stale = split_stale(samples, version=5, max_staleness=2)
+    assert [s.sample_id for s in fresh] == ["s1", "s2"] and [s.sample_id for s in stale] == ["s0", "s3"]
+
+
+def test_minibatches_partition_the_batch_deterministically() -> None:
+    samples = [_sample(i, 0) for i in range(10)]
+    assert minibatches(samples, 1, seed=7) == [samples]  # the default keeps the batch whole and in order
+    parts = minibatches(samples, 3, seed=7)
+    assert [len(p) for p in parts] == [4, 3, 3] and parts == minibatches(samples, 3, seed=7)  # same on every rank
+    assert sorted(s.sample_id for p in parts for s in p) == sorted(s.sample_id for s in samples)
+    assert len(minibatches(samples[:2], 4, seed=0)) == 2 and minibatches([], 3, seed=0) == []
+
+
+def test_loss_reference_and_row_cap() -> None:
+    new = torch.tensor([[-1.0, -0.5]], requires_grad=True)
+    prox = new.detach().clone()
+    ref = torch.tensor([[-1.5, -0.5]])
+    # the KL against the proximal log-probs is 0 with no gradient; against another reference it acts
+    at_prox = ppo_loss(new, prox, prox, torch.tensor([0.0]), torch.ones(1, 2), kl_beta=1.0)
+    (g_prox,) = torch.autograd.grad(at_prox.loss, new)
+    assert at_prox.kl == 0.0 and float(g_prox.abs().sum()) == 0.0
+    at_ref = ppo_loss(new, prox, prox, torch.tensor([0.0]), torch.ones(1, 2), kl_beta=1.0, ref_logp=ref)
+    (g_ref,) = torch.autograd.grad(at_ref.loss, new)
+    assert at_ref.kl == pytest.approx((math.exp(-0.5) - 1 + 0.5) / 2) and float(g_ref[0, 0]) != 0.0
+    # a row cap truncates the importance weight of that row whatever the correction says
+    behav = prox - math.log(5.0)
+    capped = ppo_loss(new, prox, behav, torch.tensor([1.0]), torch.ones(1, 2), kl_beta=0.0, correction="decoupled",
+                      row_cap=torch.tensor([2.0]))
+    assert capped.mean_is_weight == pytest.approx(2.0)
+    assert ppo_loss(new, prox, behav, torch.tensor([1.0]), torch.ones(1, 2), kl_beta=0.0,
+                    correction="decoupled").mean_is_weight == pytest.approx(5.0)
+
+
+# ---- the lane ------------------------------------------------------------------------------------
+
+def _lane(tiny: Path, root: Path, **kw: Any) -> Lane:  # noqa: F811
+    return Lane("policy", tiny, root, LearnerConfig(**{"lr": 1e-2, **kw}), device="cpu")
+
+
+def test_a_slow_group_is_dropped_or_corrected(tiny: Path, tmp_path: Path) -> None:  # noqa: F811
+    slow = choice_samples(tiny, 8)  # sampled at version 0
+    drop = _lane(tiny, tmp_path / "drop", max_staleness=1, stale="drop")
+    drop.version = 3  # the lane has moved on: the slow group lags 3 > 1 versions
+    m = drop.step(slow, ["slow"])
+    assert (m.samples, m.stale_dropped, m.optimizer_steps, m.version) == (0, 8, 0, 3)
+    assert not drop.has_consumed("slow")  # nothing trained: the learner releases the group untrained
+    fresh = [s.model_copy(update={"model_version": 2}) for s in slow[:4]]
+    mixed = drop.step(slow[4:] + fresh, ["slow", "fresh"])
+    assert (mixed.samples, mixed.stale_dropped, mixed.version) == (4, 4, 4)
+    assert mixed.staleness_histogram == {"1": 4}
+
+    keep = _lane(tiny, tmp_path / "correct", max_staleness=1, stale="correct", correction="decoupled")
+    keep.version = 3
+    row_cap = keep._row_cap(to_tensors(slow, keep.vocab, keep.pad_id))
+    assert row_cap is not None and torch.all(row_cap == keep.cfg.tis_cap)  # truncated IS, not the decoupled cap
+    m = keep.step(slow, ["slow"])
+    assert (m.samples, m.stale_dropped, m.version) == (8, 0, 4) and m.staleness_histogram == {"3": 8}
+    assert keep.has_consumed("slow")
+
+
+@pytest.mark.parametrize("reference", ["behavior", "initial"])
+def test_the_kl_acts_once_the_policy_has_moved(tiny: Path, tmp_path: Path, reference: str) -> None:  # noqa: F811
+    samples = choice_samples(tiny, 8)
+    lane = _lane(tiny, tmp_path, kl_beta=1.0, kl_reference=reference)
+    assert (lane.reference is None) == (reference == "behavior")
+    first = lane.step(samples, ["g1"])
+    assert first.kl < 1e-6  # before the first update the reference and the policy agree
+    second = lane.step(samples, ["g2"])
+    assert second.kl > 1e-6, second
+    # the KL term's gradient on the moved policy: the loss with β > 0 and with β = 0 differ in gradient
+    t = to_tensors(samples, lane.vocab, lane.pad_id)
+    with torch.no_grad():
+        prox = token_logprobs(lane.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed)
+        ref = t.behav_logp if lane.reference is None else token_logprobs(
+            lane.reference, t.input_ids, t.attention_mask, t.response_mask, t.allowed)
+    grads = []
+    for beta in (0.0, 1.0):
+        lane.model.zero_grad(set_to_none=True)
+        new = token_logprobs(lane.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed)
+        out = ppo_loss(new, prox, t.behav_logp, t.advantages, t.response_mask, kl_beta=beta, ref_logp=ref)
+        out.loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in lane.model.parameters() if p.grad is not None]))
+    assert out.kl > 1e-6 and float((grads[1] - grads[0]).norm()) > 1e-6
+
+
+def test_epochs_and_minibatches_make_the_clip_act(tiny: Path, tmp_path: Path) -> None:  # noqa: F811
+    samples = choice_samples(tiny, 8)
+    one = _lane(tiny, tmp_path / "one")
+    m1 = one.step(samples, ["g"])
+    assert (m1.optimizer_steps, m1.clip_fraction, m1.version, one.steps_total) == (1, 0.0, 1, 1)
+    ppo = _lane(tiny, tmp_path / "ppo", minibatches=2, epochs=2)
+    m = ppo.step(samples, ["g"])
+    assert m.optimizer_steps == 4 and ppo.steps_total == 4
+    assert m.version == 1 and ppo.version == 1  # one version per batch, whatever the optimiser steps
+    assert m.clip_fraction > 0.0, m  # proximal log-probs fixed for the batch: later steps leave the trust region
+
+
+# ---- the learner ---------------------------------------------------------------------------------
+
+class _Bus:
+    run_id = "r-options"
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    async def publish_sync(self, event: Any) -> None:
+        self.events.append(event)
+
+    async def publish(self, event: Any) -> None:
+        self.events.append(event)
+
+
+class _Lane:
+    """Steps as a lane whose staleness bound dropped samples: first nothing left, then part."""
+
+    role = "policy"
+
+    def __init__(self, results: list[StepMetrics]) -> None:
+        self.results = results
+        self.version = 0
+
+    def step(self, samples: list[TrainingSample], groups: list[str]) -> StepMetrics:
+        m = self.results.pop(0)
+        self.version = m.version
+        return m
+
+    def publish(self) -> tuple[Path, str, int]:
+        return Path("/nonexistent"), "0" * 64, 1
+
+    def sample_problem(self, s: TrainingSample) -> str | None:
+        return None
+
+
+def test_the_learner_counts_and_reports_stale_drops(tmp_path: Path) -> None:
+    async def go() -> tuple[_Bus, LearnerAgent, list[asyncio.Future[None]]]:
+        cfg = CoevoConfig(run={"runs_dir": tmp_path})
+        bus = _Bus()
+        learner = LearnerAgent(bus, cfg)  # type: ignore[arg-type]
+        lane = _Lane([StepMetrics(0, 0, 0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, 0.0, stale_dropped=3, optimizer_steps=0),
+                      StepMetrics(1, 2, 10, 0.1, 0.0, 0.0, 0.0, {"0": 2}, 1.0, 0.1, stale_dropped=1)])
+        q = LaneQueue(lane)  # type: ignore[arg-type]
+        learner.lanes["policy"] = q
+        futures = [learner.enqueue("policy", q, "old", [_sample(i, 0) for i in range(3)])]
+        await learner.train("policy", q)
+        futures.append(learner.enqueue("policy", q, "new", [_sample(i, 0) for i in range(3)]))
+        await learner.train("policy", q)
+        return bus, learner, futures
+
+    bus, learner, futures = asyncio.run(go())
+    assert futures[0].done() and futures[0].exception() is None  # all stale: released untrained
+    assert not futures[1].done()  # trained: waits for a durable checkpoint
+    stepped = [e for e in bus.events if isinstance(e, LearnerStepped)]
+    assert len(stepped) == 1 and stepped[0].stale_dropped == 4 and stepped[0].version == 1
+    assert learner.counters["samples.stale_dropped.policy"] == 4
+
+
+def test_learner_stepped_decodes_without_the_count() -> None:
+    fields = dict(run_id="r", source={"agent_id": "a", "role": "learner"}, role="policy", version=1, samples=1,
+                  tokens=1, loss=0.0, kl=0.0, clip_fraction=0.0, mismatch_kl=0.0, tokens_per_second=1.0)
+    assert LearnerStepped.model_validate(fields).stale_dropped == 0
