@@ -45,10 +45,18 @@ def rss_mb(pid: int) -> float | None:
 
 
 def children(pid: int) -> list[int]:
+    """Children of every thread of ``pid`` (a process started from a worker thread is listed there)."""
+    out: list[int] = []
     try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
-        return []
+        return out
+    for task in tasks:
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
 
 
 def dir_mb(path: Path) -> float:
