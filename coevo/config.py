@@ -308,9 +308,9 @@ class LearnerConfig(Section):
                                "scheduling, and at the learner a sample older than this (lane version at step time "
                                "- sample.model_version; the judge lane counts judge versions) is handled per `stale`")
     stale: Literal["drop", "correct"] = Field(
-        default="drop", description="samples beyond max_staleness at the learner: drop them (counted, "
-        "LearnerStepped.stale_dropped) or keep them with truncated importance sampling (weight capped at tis_cap, "
-        "whatever `correction` says)")
+        default="correct", description="samples beyond max_staleness at the learner: keep them with truncated "
+        "importance sampling (weight capped at tis_cap, whatever `correction` says; the default: a fast learner "
+        "ahead of its samplers loses no data) or drop them (counted, LearnerStepped.stale_dropped)")
     kl_reference: Literal["behavior", "initial"] = Field(
         default="behavior", description="the KL penalty's reference: the sampling log-probs recorded in the "
         "samples (behavior), or a frozen copy of the starting weights (initial: one more model in memory, bf16 on "
