@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from coevo.config import CoevoConfig, LearnerConfig
+from coevo.runtime.bus import NatsBus
 from coevo.schemas import LearnerStepped, TrainingSample
 from coevo.training.batch import minibatches, split_stale, to_tensors
-from coevo.training.lane import Lane, StepMetrics
+from coevo.training.lane import Lane
 from coevo.training.learner import LaneQueue, LearnerAgent
 from coevo.training.loss import ppo_loss, token_logprobs
 from tests.test_training import choice_samples, tiny  # noqa: F401  (the module-scoped model fixture)
@@ -128,61 +129,31 @@ def test_epochs_and_minibatches_make_the_clip_act(tiny: Path, tmp_path: Path) ->
 
 # ---- the learner ---------------------------------------------------------------------------------
 
-class _Bus:
-    run_id = "r-options"
+async def test_the_learner_counts_and_reports_stale_drops(bus: NatsBus, tiny: Path, tmp_path: Path) -> None:  # noqa: F811
+    """A real lane behind the learner agent, on the real server: a group sampled too long ago is
+    released untrained, and the count rides on the next LearnerStepped."""
+    cfg = CoevoConfig(run={"runs_dir": tmp_path}, learner={"max_staleness": 1, "stale": "drop"})
+    learner = LearnerAgent(bus, cfg)
+    q = LaneQueue(_lane(tiny, tmp_path / "ckpt", max_staleness=1, stale="drop"))
+    learner.lanes["policy"] = q
+    base = await asyncio.to_thread(choice_samples, tiny, 6)  # sampled at version 0
 
-    def __init__(self) -> None:
-        self.events: list[Any] = []
+    def at(version: int, group: str, rows: list[TrainingSample]) -> list[TrainingSample]:
+        return [r.model_copy(update={"model_version": version, "sample_id": f"{group}-{i}"}) for i, r in enumerate(rows)]
 
-    async def publish_sync(self, event: Any) -> None:
-        self.events.append(event)
-
-    async def publish(self, event: Any) -> None:
-        self.events.append(event)
-
-
-class _Lane:
-    """Steps as a lane whose staleness bound dropped samples: first nothing left, then part."""
-
-    role = "policy"
-
-    def __init__(self, results: list[StepMetrics]) -> None:
-        self.results = results
-        self.version = 0
-
-    def step(self, samples: list[TrainingSample], groups: list[str]) -> StepMetrics:
-        m = self.results.pop(0)
-        self.version = m.version
-        return m
-
-    def publish(self) -> tuple[Path, str, int]:
-        return Path("/nonexistent"), "0" * 64, 1
-
-    def sample_problem(self, s: TrainingSample) -> str | None:
-        return None
-
-
-def test_the_learner_counts_and_reports_stale_drops(tmp_path: Path) -> None:
-    async def go() -> tuple[_Bus, LearnerAgent, list[asyncio.Future[None]]]:
-        cfg = CoevoConfig(run={"runs_dir": tmp_path})
-        bus = _Bus()
-        learner = LearnerAgent(bus, cfg)  # type: ignore[arg-type]
-        lane = _Lane([StepMetrics(0, 0, 0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, 0.0, stale_dropped=3, optimizer_steps=0),
-                      StepMetrics(1, 2, 10, 0.1, 0.0, 0.0, 0.0, {"0": 2}, 1.0, 0.1, stale_dropped=1)])
-        q = LaneQueue(lane)  # type: ignore[arg-type]
-        learner.lanes["policy"] = q
-        futures = [learner.enqueue("policy", q, "old", [_sample(i, 0) for i in range(3)])]
+    for warm in ("w0", "w1"):  # the lane moves to version 2
+        learner.enqueue("policy", q, warm, at(q.lane.version, warm, base[:2]))
         await learner.train("policy", q)
-        futures.append(learner.enqueue("policy", q, "new", [_sample(i, 0) for i in range(3)]))
-        await learner.train("policy", q)
-        return bus, learner, futures
-
-    bus, learner, futures = asyncio.run(go())
-    assert futures[0].done() and futures[0].exception() is None  # all stale: released untrained
-    assert not futures[1].done()  # trained: waits for a durable checkpoint
-    stepped = [e for e in bus.events if isinstance(e, LearnerStepped)]
-    assert len(stepped) == 1 and stepped[0].stale_dropped == 4 and stepped[0].version == 1
+    old = learner.enqueue("policy", q, "old", at(0, "old", base[:3]))  # lag 2 > 1: every sample stale
+    await learner.train("policy", q)
+    new = learner.enqueue("policy", q, "new", at(2, "new", base[:2]) + at(0, "new-old", base[2:3]))
+    await learner.train("policy", q)
+    assert old.done() and old.exception() is None  # all stale: released untrained
+    assert not new.done()  # trained: waits for a durable checkpoint
+    stepped = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped)]
+    assert [(e.version, e.samples, e.stale_dropped) for e in stepped] == [(1, 2, 0), (2, 2, 0), (3, 2, 4)]
     assert learner.counters["samples.stale_dropped.policy"] == 4
+    assert not q.lane.has_consumed("old") and q.lane.has_consumed("new")
 
 
 def test_learner_stepped_decodes_without_the_count() -> None:
