@@ -133,9 +133,12 @@ async def test_agents_as_separate_processes_and_a_judge_killed_mid_run(
         judge.kill()  # kill -9: whatever it held unacked must be redelivered
         judge.wait()
         await asyncio.sleep(1.0)
+        judged_before = kinds(await bus.events())["step.judged"]
         judge = spawn("judge", nats_url, run_id, loop_cfg)
-        await wait_for(bus, lambda ev: kinds(ev)["group.scored"] >= 6 and kinds(ev)["learner.stepped"] >= 2,
-                       timeout=240)
+        # the restarted judge must itself vote (a SIGTERM while it is still starting up would be a
+        # plain -15 and prove nothing), and the loop must go on past the kill
+        await wait_for(bus, lambda ev: kinds(ev)["step.judged"] > judged_before
+                       and kinds(ev)["group.scored"] >= 6 and kinds(ev)["learner.stepped"] >= 2, timeout=240)
     finally:
         await stop_procs(*procs.values(), judge)
     # let a final judge finish what is pending, so that every step has its votes
