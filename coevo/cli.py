@@ -426,7 +426,8 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
 def cmd_bench_soak(args: argparse.Namespace) -> int:
     from coevo.bench.soak import bench_soak
 
-    return _emit(asyncio.run(bench_soak(args.minutes, args.every)), args.json)
+    extra = [a for kv in args.set for a in ("--set", kv)]
+    return _emit(asyncio.run(bench_soak(args.minutes, args.every, extra)), args.json)
 
 
 def cmd_bench_codec(args: argparse.Namespace) -> int:
@@ -592,7 +593,9 @@ COMMANDS: tuple[Command, ...] = (
                 arg("--workdir", type=Path, help="keep stores, runs and agent logs here (default: removed)"))),
     Command("bench soak", "a long coevo run: RSS slope of every process and growth on disk, per hour", cmd_bench_soak,
             args=(_JSON, arg("--minutes", type=float, default=30.0),
-                  arg("--every", type=float, default=10.0, help="seconds between samples"))),
+                  arg("--every", type=float, default=10.0, help="seconds between samples"),
+                  arg("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="config override for the run (repeatable), e.g. stream.retain_bytes=200000000"))),
     Command("bench codec", "wire encodings of the event models: speed and size", cmd_bench_codec, args=(_JSON,)),
 )
 

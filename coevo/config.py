@@ -56,6 +56,15 @@ class StreamConfig(Section):
         default=-1, ge=-1, description="stream size limit in bytes (-1: none; JetStream reserves it up front)"
     )
     max_msg_size: int = Field(default=8 * 1024**2, ge=1024)
+    retain_bytes: int = Field(
+        default=16 * 1024**3, ge=0, description="coevo purges the oldest events, once every consumer has "
+        "acknowledged them, to keep the stream under this (0: keep everything until max_age_s)")
+    retain_min_age_s: float = Field(
+        default=7200.0, gt=0, description="never purge events younger than this (longer than "
+        "tasks.inflight_timeout_s and scorer.group_timeout_s)")
+    retain_check_s: float = Field(default=60.0, gt=0, description="how often the retention keeper looks")
+    retain_headroom: float = Field(default=0.8, gt=0, le=1, description="a purge leaves this share of "
+                                   "retain_bytes")
     duplicate_window_s: float = Field(default=120.0, gt=0, description="Nats-Msg-Id dedupe window")
     storage: Literal["file", "memory"] = "file"
     replicas: int = Field(default=1, ge=1, le=5)
@@ -398,6 +407,15 @@ class CoevoConfig(BaseSettings):
     loop: Literal["policy-only", "policy+judge", "full"] = Field(
         default="full", description="ablation: fixed judge and tasks / + judge training / + rewriting")
     log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _retention_outlives_timeouts(self) -> CoevoConfig:
+        needed = max(self.tasks.inflight_timeout_s, self.scorer.group_timeout_s)
+        if self.stream.retain_bytes and self.stream.retain_min_age_s < needed:
+            raise ValueError(f"stream.retain_min_age_s ({self.stream.retain_min_age_s:g}) must be at least "
+                             f"tasks.inflight_timeout_s and scorer.group_timeout_s ({needed:g}): an unfinished "
+                             "group's events must outlive its timeouts")
+        return self
 
     @property
     def trains_judge(self) -> bool:

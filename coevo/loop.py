@@ -53,6 +53,10 @@ def build_agents(bus: NatsBus, cfg: CoevoConfig, on_step: Any = None) -> list[Ag
         from coevo.envs.service import EnvHost
 
         agents.append(EnvHost(bus, cfg))
+    if cfg.stream.retain_bytes:
+        from coevo.runtime.retention import RetentionAgent
+
+        agents.append(RetentionAgent(bus, cfg))
     return agents
 
 

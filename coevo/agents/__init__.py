@@ -16,6 +16,7 @@ ROLES: dict[str, str] = {
     "learner": "coevo.training.learner:LearnerAgent",
     "env": "coevo.envs.service:EnvHost",
     "metrics": "coevo.observe.agent:MetricsAgent",
+    "retention": "coevo.runtime.retention:RetentionAgent",
 }
 """Role name -> ``module:Class``. Any ``module:Class`` path is accepted as a role too."""
 
