@@ -29,6 +29,7 @@ from coevo.schemas.events import (
     WeightsApplied,
     WeightsPublished,
 )
+from coevo.schemas.packed import Floats, TokenIds
 from coevo.schemas.registry import (
     EVENT_TYPES,
     KIND_TO_MODEL,
@@ -54,6 +55,7 @@ __all__ = [
     "DeadLettered",
     "Event",
     "FailureDigest",
+    "Floats",
     "Frozen",
     "GroupScored",
     "LearnerStepped",
@@ -65,6 +67,7 @@ __all__ = [
     "TaskRewritten",
     "TaskScheduled",
     "TaskSpec",
+    "TokenIds",
     "TrainingSample",
     "TrajectoryCompleted",
     "TransferConnect",

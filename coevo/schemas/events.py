@@ -3,6 +3,8 @@
 Invariant: these models are the only contract between agents; each has a unique ``kind`` literal,
 which the registry maps to a subject. Adding a field needs a default (old events stay decodable);
 changing a field's meaning bumps ``SCHEMA_VERSION`` and adds an upcaster in the registry.
+Token ids and log-probs are ``TokenIds`` / ``Floats``: plain lists in Python, packed arrays on the
+wire (``coevo.schemas.packed``), plain JSON lists still read.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from coevo.schemas.base import Event, Frozen, Identifier
+from coevo.schemas.packed import Floats, TokenIds
 
 Role = Literal["policy", "judge"]
 Outcome = Literal["won", "lost", "truncated", "aborted"]
@@ -97,10 +100,10 @@ class StepTaken(Event):
     objective: str = ""
     observation: str
     candidates: list[str] = Field(default_factory=list)
-    prompt_token_ids: list[int] = Field(default_factory=list)
-    response_token_ids: list[int] = Field(default_factory=list)
-    logprobs: list[float] = Field(default_factory=list, description="sampling log-prob per response token")
-    allowed_token_ids: list[int] | None = Field(
+    prompt_token_ids: TokenIds = Field(default_factory=list)
+    response_token_ids: TokenIds = Field(default_factory=list)
+    logprobs: Floats = Field(default_factory=list, description="sampling log-prob per response token")
+    allowed_token_ids: TokenIds | None = Field(
         default=None, description="choice mode: the tokens sampling was restricted to (log-probs are of that)"
     )
     response_text: str = ""
@@ -138,10 +141,10 @@ class Vote(Frozen):
     value: Literal[1, -1] | None
     status: Literal["ok", "unparseable", "error"]
     rationale: str = ""
-    prompt_token_ids: list[int] = Field(default_factory=list)
-    response_token_ids: list[int] = Field(default_factory=list)
-    logprobs: list[float] = Field(default_factory=list)
-    allowed_token_ids: list[int] | None = None
+    prompt_token_ids: TokenIds = Field(default_factory=list)
+    response_token_ids: TokenIds = Field(default_factory=list)
+    logprobs: Floats = Field(default_factory=list)
+    allowed_token_ids: TokenIds | None = None
     model_version: int | None = None
     cost_usd: float = Field(default=0.0, ge=0.0)
     prompt_tokens: int = Field(default=0, ge=0)
@@ -168,10 +171,10 @@ class TrainingSample(Frozen):
 
     sample_id: str
     role: Role
-    prompt_token_ids: list[int]
-    response_token_ids: list[int]
-    logprobs: list[float]
-    allowed_token_ids: list[int] | None = None
+    prompt_token_ids: TokenIds
+    response_token_ids: TokenIds
+    logprobs: Floats
+    allowed_token_ids: TokenIds | None = None
     advantage: float
     model_version: int = Field(ge=0)
     step_event_id: str

@@ -57,7 +57,8 @@ MODEL_TO_KIND: dict[type[Event], str] = {m: k for k, m in KIND_TO_MODEL.items()}
 
 SUBJECT_ROOT = "coevo"
 CONTENT_TYPE = "application/json"
-"""Wire encoding: pydantic-core JSON (measured in ``coevo bench codec``; see README)."""
+"""Wire encoding: pydantic-core JSON, token ids and log-probs packed as base64 arrays
+(``coevo.schemas.packed``; measured in ``coevo bench codec``; see README)."""
 
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 UPCASTERS: dict[tuple[str, int], Upcaster] = {}
