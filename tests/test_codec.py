@@ -98,6 +98,14 @@ def test_the_wire_holds_packed_little_endian_arrays() -> None:
     assert decode(encode(wide)) == wide
 
 
+def test_exports_for_people_hold_plain_lists_and_decode_back() -> None:
+    step = SAMPLES["step.taken"].model_copy(update={"prompt_token_ids": [1, 258], "logprobs": [-0.5]})
+    readable = step.model_dump(mode="json", context={"lists": True})
+    assert readable["prompt_token_ids"] == [1, 258] and readable["logprobs"] == [-0.5]
+    assert decode(json.dumps(readable)) == step
+    assert isinstance(json.loads(encode(step))["prompt_token_ids"], str), "the wire itself stays packed"
+
+
 def test_packed_is_smaller_than_plain_lists_for_real_token_ids() -> None:
     step = SAMPLES["step.taken"].model_copy(update={
         "prompt_token_ids": [(k * 2_654_435_761) % 151_936 for k in range(2000)],

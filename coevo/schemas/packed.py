@@ -40,8 +40,8 @@ class PackedArray:
     def __init__(self, typecode: str, item: str) -> None:
         self.typecode, self.item, self.width = typecode, item, struct.calcsize(typecode)
 
-    def pack(self, value: list[Any]) -> bytes | list[Any]:
-        if not value:
+    def pack(self, value: list[Any], info: core_schema.SerializationInfo) -> bytes | list[Any]:
+        if not value or (info.context and info.context.get("lists")):  # exports for people: plain lists
             return value  # ``[]``: no shorter packed, and read back without a call into Python
         try:
             return struct.pack(f"<{len(value)}{self.typecode}", *value)
@@ -66,7 +66,8 @@ class PackedArray:
             json_schema=core_schema.union_schema([(plain, "list"), (packed, f"packed {self.item}")],
                                                   mode="left_to_right"),
             python_schema=plain,
-            serialization=core_schema.plain_serializer_function_ser_schema(self.pack, when_used="json"),
+            serialization=core_schema.plain_serializer_function_ser_schema(self.pack, info_arg=True,
+                                                                            when_used="json"),
         )
 
     def __get_pydantic_json_schema__(self, _schema: core_schema.CoreSchema,

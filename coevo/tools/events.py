@@ -63,7 +63,9 @@ async def export_events(bus: NatsBus, out: Path, fmt: str = "jsonl") -> int:
     rows = []
     with progress_bar(f"exporting run {bus.run_id}", await bus.last_sequence()) as bar:
         async for seq, event, msg in bus.history():
-            payload: Any = json.loads(msg.data) if event is not None else {"undecodable": msg.data.hex()}
+            # the decoded event (a large one's claim resolved), numbers as plain lists: for people and pandas
+            payload: Any = event.model_dump(mode="json", context={"lists": True}) if event is not None \
+                else {"undecodable": msg.data.hex()}
             rows.append({"seq": seq, "subject": msg.subject, "event": payload})
             bar.advance()
     out.parent.mkdir(parents=True, exist_ok=True)
