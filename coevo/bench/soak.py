@@ -109,6 +109,7 @@ def summarize_samples(samples: list[tuple[float, dict[str, float]]]) -> dict[str
         "samples": len(samples),
         "slope_per_hour": {k: round(slope_per_hour([(t, s[k]) for t, s in warm]), 2) for k in keys},
         "end": {k: round(v, 1) for k, v in samples[-1][1].items()} if samples else {},
+        "series": [{"t_s": round(t, 1), **{k: round(v, 1) for k, v in s.items()}} for t, s in samples],
     }
 
 
