@@ -391,13 +391,37 @@ def cmd_bench_envs(args: argparse.Namespace) -> int:
 def cmd_bench_learn(args: argparse.Namespace) -> int:
     from coevo.bench.learn import bench_learn
 
-    return _emit(asyncio.run(bench_learn(args.minutes, args.eval_every, args.episodes)), args.json)
+    return _emit(asyncio.run(bench_learn(args.minutes, args.eval_every, args.episodes, **_over_seeds(args))),
+                 args.json)
 
 
 def cmd_bench_ladder(args: argparse.Namespace) -> int:
     from coevo.bench.learn import bench_ladder
 
-    return _emit(asyncio.run(bench_ladder(args.minutes, args.eval_every, args.episodes)), args.json)
+    return _emit(asyncio.run(bench_ladder(args.minutes, args.eval_every, args.episodes, **_over_seeds(args))),
+                 args.json)
+
+
+def _over_seeds(args: argparse.Namespace) -> dict[str, Any]:
+    """bench learn / ladder: seeds, preset, family and cache, checked before anything runs."""
+    from coevo.bench.learn import family_of
+
+    try:
+        family_of(args.family, args.preset)
+    except ValueError as exc:
+        raise SystemExit(f"coevo bench: {exc}") from None
+    if args.seeds < 1:
+        raise SystemExit("coevo bench: --seeds must be >= 1")
+    return {"seeds": args.seeds, "preset": args.preset, "family": args.family, "cache_dir": args.cache_dir}
+
+
+def _seeds_args() -> tuple[Arg, ...]:
+    return (arg("--seeds", type=int, default=1, help="runs per configuration (run.seed = env.seed = 0..K-1); "
+                "means and 95%% t intervals over them"),
+            arg("--preset", default="default", choices=("default", "hard"),
+                help="initial task pool; hard: the quick game's sparse-reward pool (family quickgame-hard)"),
+            arg("--family", default="quickgame", help="quickgame or textworld"),
+            arg("--cache-dir", type=Path, help="models and compiled games (default: a temporary directory)"))
 
 
 def cmd_bench_weights(args: argparse.Namespace) -> int:
@@ -434,6 +458,14 @@ def cmd_bench_codec(args: argparse.Namespace) -> int:
     from coevo.bench.bus import bench_codec
 
     return _emit(bench_codec(), args.json)
+
+
+def cmd_bench_async(args: argparse.Namespace) -> int:
+    from coevo.bench.asynchrony import AsyncPlan, bench_async
+
+    overrides = {k.strip(): _parse_value(v) for k, _, v in (kv.partition("=") for kv in args.set)}
+    plan = AsyncPlan(minutes=args.minutes, seeds=args.seeds, loop=args.loop, overrides=overrides)
+    return _emit(asyncio.run(bench_async(plan, workdir=args.workdir)), args.json)
 
 
 def _emit(result: dict[str, Any], path: Path | None) -> int:
@@ -564,14 +596,14 @@ COMMANDS: tuple[Command, ...] = (
     Command("bench envs", "environment steps/s in process vs as services; sandbox runs/s", cmd_bench_envs, args=(
         _JSON, arg("--seconds", type=float, default=5.0, help="per measurement"),
         arg("--families", default="quickgame,textworld,coding"))),
-    Command("bench learn", "policy success over time on the quick game, integrated vs outcome-only",
+    Command("bench learn", "policy success over time, integrated vs outcome-only, over seeds",
             cmd_bench_learn, args=(
                 _JSON, arg("--minutes", type=float, default=10.0, help="budget per configuration"),
                 arg("--eval-every", type=float, default=30.0, help="seconds between evaluations"),
-                arg("--episodes", type=int, default=64, help="episodes per evaluation"))),
+                arg("--episodes", type=int, default=64, help="episodes per evaluation"), *_seeds_args())),
     Command("bench ladder", "the paper's ablation ladder at equal wall-clock budget", cmd_bench_ladder, args=(
         _JSON, arg("--minutes", type=float, default=5.0, help="budget per rung"),
-        arg("--eval-every", type=float, default=30.0), arg("--episodes", type=int, default=64))),
+        arg("--eval-every", type=float, default=30.0), arg("--episodes", type=int, default=64), *_seeds_args())),
     Command("bench weights", "pause of a weight swap (local engine; vLLM with --vllm-python)", cmd_bench_weights,
             args=(_JSON, arg("--vllm-python", help="python of a venv with vllm (starts a server per size)"),
                   arg("--sizes", default="tiny,small,medium"))),
@@ -597,6 +629,14 @@ COMMANDS: tuple[Command, ...] = (
                   arg("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="config override for the run (repeatable), e.g. stream.retain_bytes=200000000"))),
     Command("bench codec", "wire encodings of the event models: speed and size", cmd_bench_codec, args=(_JSON,)),
+    Command("bench async", "sync (max_staleness 0) vs async loop, rollouts and learner pinned to separate cores",
+            cmd_bench_async, args=(
+                _JSON, arg("--minutes", type=float, default=3.0, help="measured per run"),
+                arg("--seeds", type=int, default=2, help="a sync and an async run per seed"),
+                arg("--loop", default="policy+judge", choices=("policy-only", "policy+judge", "full")),
+                arg("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for both modes (repeatable), e.g. learner.batch_samples=32"),
+                arg("--workdir", type=Path, help="keep the store, runs and agent logs here (default: removed)"))),
 )
 
 

@@ -103,7 +103,7 @@ class AgentConfig(Section):
                                     "count against agent.max_restarts (rare transient crashes never add up)")
 
 
-BUILTIN_FAMILIES = ("quickgame", "textworld", "coding")
+BUILTIN_FAMILIES = ("quickgame", "quickgame-hard", "textworld", "coding")
 FAMILY_ENTRY_POINTS = "coevo.families"
 """The entry-point group through which installed packages add task families (``coevo.envs.make_family``)."""
 _GYM_SPEC = re.compile(r"^gym:[A-Za-z_][\w.]*:[A-Za-z_][\w.\-]*$")
@@ -132,7 +132,8 @@ def family_problem(name: str, *, external: bool = True) -> str | None:
 
 
 class EnvConfig(Section):
-    family: str = Field(default="quickgame", description="task family: quickgame | textworld | coding | external "
+    family: str = Field(default="quickgame", description="task family: quickgame | quickgame-hard (its hard preset) | "
+                        "textworld | coding | external "
                         "(the environment is an outside program talking to the policy endpoint) | "
                         "gym:<module>:<EnvClass or id> (a Gymnasium env with text observations and actions) | "
                         "a plugin's name (entry-point group coevo.families)")

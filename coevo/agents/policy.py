@@ -3,6 +3,9 @@
 Invariants: every trajectory started for a ``TaskScheduled`` ends with exactly one
 ``TrajectoryCompleted`` (``aborted`` when the environment failed), listing the ids of the
 ``StepTaken`` events it emitted, in order; each step records the model version that chose it.
+A group is played with weights no older than the version it was scheduled at (its
+``source.model_version``) less ``learner.max_staleness``: at 0, the weights of the step just taken
+(the agent waits for them, at most ``weights_wait_s``).
 A redelivered task (the agent died mid-group) is played again under new trajectory ids; the
 scorer keeps the first completed trajectory of each rollout index.
 
@@ -16,6 +19,7 @@ their rollouts out as episodes and acknowledges a group once every rollout ended
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 from coevo.agents.follower import WeightsFollower
@@ -26,19 +30,49 @@ from coevo.inference.chat import ChatTokens, Conversation
 from coevo.inference.clients import make_client
 from coevo.inference.engine import Completion
 from coevo.runtime.agent import Agent
+from coevo.runtime.aio import wait_event
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
-from coevo.schemas import StepTaken, TaskScheduled, TaskSpec, TrajectoryCompleted, WeightsApplied, new_id
+from coevo.schemas import (
+    StepTaken,
+    TaskScheduled,
+    TaskSpec,
+    TrajectoryCompleted,
+    WeightsApplied,
+    WeightsPublished,
+    new_id,
+)
 from coevo.schemas.events import Outcome
 
 if TYPE_CHECKING:
+    from coevo.config import PolicyConfig
     from coevo.serve.episodes import Episode
+
+
+async def choose(client: Any, cfg: PolicyConfig, obs: Observation, cands: list[str],
+                 conversation: Conversation | None) -> tuple[Completion, int | None, str | None]:
+    """How the policy acts on ``obs`` (the agent, and evaluators that must act exactly like it): one
+    model call; the completion, the index of the candidate it names (None: none parsed, or no
+    candidates) and, in chat mode, how the conversation's tokens were reused."""
+    if conversation is not None:  # chat: the whole episode is one conversation, token-in/token-out
+        c, how = await conversation.ask(client, policy_prompt(obs.text, obs.candidates, "generate"),
+                                        max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+        return c, (parse_action(c.text, len(cands)) if cands else None), how
+    if cands and cfg.mode == "choice":
+        c = await client.complete(policy_prompt(obs.text, obs.candidates, cfg.mode),
+                                  choices=list(INDEX_LABELS[: len(cands)]), temperature=cfg.temperature)
+        return c, c.choice, None
+    c = await client.complete(policy_prompt(obs.text, obs.candidates, cfg.mode), max_tokens=cfg.max_tokens,
+                              temperature=cfg.temperature)
+    return c, (parse_action(c.text, len(cands)) if cands else None), None
 
 
 class PolicyAgent(WeightsFollower, Agent):
     role = "policy"
     emits = (StepTaken, TrajectoryCompleted, WeightsApplied, TaskScheduled)
     lane = "policy"
+    weights_wait_s = 120.0
+    """how long a group waits for the weights it was scheduled at before it is played with older ones"""
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
@@ -47,6 +81,7 @@ class PolicyAgent(WeightsFollower, Agent):
         self.rollout_permits = asyncio.Semaphore(self.cfg.policy.max_concurrent_trajectories)
         self._chat_tokens: ChatTokens | None = None
         self.endpoint: Any = None
+        self.weights_changed = asyncio.Event()
         if self.cfg.endpoint_port is not None:
             from coevo.serve import Endpoint
 
@@ -69,6 +104,25 @@ class PolicyAgent(WeightsFollower, Agent):
         if self.endpoint is not None:
             await self.endpoint.expire_idle(self.stopping)
 
+    async def on_weights(self, event: WeightsPublished, delivery: Delivery) -> None:
+        await super().on_weights(event, delivery)
+        self.weights_changed.set()
+
+    async def weights_for(self, task: TaskScheduled) -> None:
+        """Wait until the client serves weights no older than ``task`` allows (at most ``weights_wait_s``:
+        then it is played as it is, counted and logged)."""
+        want = (task.source.model_version or 0) - self.cfg.learner.max_staleness
+        deadline = time.monotonic() + self.weights_wait_s
+        while hasattr(self.client, "swap_weights") and self.client.version < want:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.counters["groups.played_behind"] += 1
+                self.log.warning("policy.weights_behind", group_id=task.group_id, want=want,
+                                 serving=self.client.version)
+                return
+            self.weights_changed.clear()
+            await wait_event(self.weights_changed, left)
+
     def make_env(self) -> Environment:
         if self.cfg.env.remote:
             from coevo.envs.service import RemoteEnv
@@ -85,6 +139,7 @@ class PolicyAgent(WeightsFollower, Agent):
             await self.endpoint.pool.offer(event, attempt)
             self.counters["groups"] += 1
             return
+        await self.weights_for(event)
         async with asyncio.TaskGroup() as tg:
             for i in range(event.n_rollouts):
                 tg.create_task(self.rollout(event, i, attempt), name=f"{event.group_id}-r{i}")
@@ -98,19 +153,10 @@ class PolicyAgent(WeightsFollower, Agent):
     async def choose(self, obs: Observation, cands: list[str], conversation: Conversation | None
                      ) -> tuple[Completion, int | None]:
         """One model call for ``obs``: the completion and the candidate it names (None: none)."""
-        cfg = self.cfg.policy
-        if conversation is not None:  # chat: the whole episode is one conversation, token-in/token-out
-            c, how = await conversation.ask(self.client, policy_prompt(obs.text, obs.candidates, "generate"),
-                                            max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+        c, index, how = await choose(self.client, self.cfg.policy, obs, cands, conversation)
+        if how is not None:
             self.counters[f"chat.tokens.{how}"] += 1
-        elif cands and cfg.mode == "choice":
-            c = await self.client.complete(policy_prompt(obs.text, obs.candidates, cfg.mode),
-                                           choices=list(INDEX_LABELS[: len(cands)]), temperature=cfg.temperature)
-            return c, c.choice
-        else:
-            c = await self.client.complete(policy_prompt(obs.text, obs.candidates, cfg.mode), max_tokens=cfg.max_tokens,
-                                           temperature=cfg.temperature)
-        return c, (parse_action(c.text, len(cands)) if cands else None)
+        return c, index
 
     async def rollout(self, task_event: TaskScheduled, index: int, attempt: int) -> None:
         cfg = self.cfg.policy

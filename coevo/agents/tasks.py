@@ -7,6 +7,9 @@ Invariants:
 - at most ``tasks.max_groups_in_flight`` groups are scheduled and not yet scored, and no new group
   is scheduled while a group that was scheduled more than ``learner.max_staleness`` policy versions
   ago is still in flight (admission control pauses rollouts, it drops nothing);
+- at ``learner.max_staleness = 0`` groups go in lock-step waves (``Lockstep``): the next wave only once
+  every group of the last one is scored and the weights trained on it (policy, judge) are published;
+  each ``TaskScheduled`` carries the policy version it was scheduled at (``source.model_version``);
 - a candidate is decided once, by the acceptance gate on its measured accuracy, and every decision
   is a ``TaskDecided`` event.
 """
@@ -16,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
@@ -76,9 +81,50 @@ class InFlight(BaseModel):
         return [g for g in self.groups if now - self.scheduled_at.get(g, now) > timeout_s]
 
 
+@dataclass
+class Lockstep:
+    """Scheduling at ``learner.max_staleness = 0`` (pure): waves of ``size`` groups at one version of
+    each model. A wave is scheduled whole; the next one waits until every group of it is scored and,
+    for each lane (policy, judge) it gave samples to, a newer version of that lane is published (at
+    most ``timeout_s``). The learner trains each wave in one step per lane, so generation and training
+    alternate: each trajectory is played with the weights current when its group was scheduled, and
+    each sample is trained by the version that produced it."""
+
+    size: int
+    timeout_s: float
+    left: int = 0
+    """groups of the open wave still to schedule"""
+    versions: dict[str, int] | None = None
+    """the lanes' versions when the last wave was scheduled"""
+    trains: set[str] = field(default_factory=set)
+    """the lanes the last wave gave samples to (a new version of each will come)"""
+    done_at: float | None = None
+
+    def admits(self, in_flight: int, versions: dict[str, int], now: float) -> bool:
+        if self.left > 0:
+            return True
+        if in_flight:
+            return False
+        self.done_at = now if self.done_at is None else self.done_at
+        last = self.versions or {}
+        if any(versions.get(lane, 0) <= last.get(lane, 0) for lane in self.trains) \
+                and now - self.done_at < self.timeout_s:
+            return False  # a step that trains the last wave is not published yet
+        self.left, self.versions, self.trains, self.done_at = self.size, dict(versions), set(), None
+        return True
+
+    def scheduled(self) -> None:
+        self.left = max(0, self.left - 1)
+
+    def scored(self, lanes: Iterable[str]) -> None:
+        self.trains |= set(lanes)
+
+
 class TasksAgent(Agent):
     role = "tasks"
     emits = (TaskScheduled, TaskRewritten, TaskDecided)
+    lockstep_timeout_s = 120.0
+    """lock-step: how long a trained wave waits for its step's weights before the next wave goes anyway"""
 
     def __init__(self, *a: Any, rewriter: Rewriter | None = None, **kw: Any) -> None:
         super().__init__(*a, **kw)
@@ -91,10 +137,13 @@ class TasksAgent(Agent):
         self.slots: dict[str, Slot] = {}
         self.inflight = InFlight()
         self.policy_version = 0
+        self.judge_version = 0
         self.changed = asyncio.Event()
         self._kv: Any = None
         self._rr = itertools.count()
         self.eval_queue: list[str] = []
+        self.lockstep = Lockstep(self.cfg.tasks.max_groups_in_flight, self.lockstep_timeout_s)
+        self.scoring = 0  # scores being taken into account (on_scored awaits after forgetting the group)
 
     def _make_rewriter(self) -> Rewriter:
         tc = self.cfg.tasks
@@ -171,7 +220,11 @@ class TasksAgent(Agent):
         if len(self.inflight.groups) >= self.cfg.tasks.max_groups_in_flight:
             return False
         oldest = min(self.inflight.groups.values(), default=self.policy_version)
-        return self.policy_version - oldest <= self.cfg.learner.max_staleness
+        if self.policy_version - oldest > self.cfg.learner.max_staleness:
+            return False
+        versions = {"policy": self.policy_version, "judge": self.judge_version}
+        return self.cfg.learner.max_staleness > 0 or \
+            self.lockstep.admits(len(self.inflight.groups) + self.scoring, versions, time.monotonic())
 
     def next_group(self) -> tuple[Slot, TaskSpec, Literal["train", "candidate", "eval"]]:
         """Candidates first, then a due held-out evaluation round, then train slots round-robin."""
@@ -195,11 +248,13 @@ class TasksAgent(Agent):
         k = self.inflight.train_groups_scheduled // self.cfg.tasks.eval_every
         prefix = f"eval{k}-" if purpose == "eval" else ("cand-" if purpose == "candidate" else "g-")
         group_id = f"{prefix}{new_id()[:16]}"
+        self.model_version = self.policy_version  # the version this group is scheduled at (its source)
         event = self.event(TaskScheduled, task=task, slot_id=slot.slot_id, group_id=group_id,
                            n_rollouts=self.cfg.policy.n, purpose=purpose, correlation_id=group_id)
         await self.emit(event, confirm=True)
         self.inflight.groups[group_id] = self.policy_version
         self.inflight.scheduled_at[group_id] = time.time()
+        self.lockstep.scheduled()
         if purpose == "train":
             self.inflight.train_groups_scheduled += 1
             if self.inflight.train_groups_scheduled % self.cfg.tasks.eval_every == 0:
@@ -240,25 +295,39 @@ class TasksAgent(Agent):
         if event.role == "policy" and event.version > self.policy_version:
             self.policy_version = event.version
             self.changed.set()
+        elif event.role == "judge" and event.version > self.judge_version:
+            self.judge_version = event.version
+            self.changed.set()
 
     async def on_scored(self, event: GroupScored, _d: Delivery) -> None:
         if self._kv is None:
             raise RuntimeError("task pool not loaded yet")  # nak: redelivered once main() loaded it
         self.inflight.forget(event.group_id)
-        slot = self.slots.get(event.slot_id or "")
-        if slot is not None:
-            if event.purpose == "candidate":
-                await self.decide(slot, event)
-            elif event.purpose == "train" and event.task_id == slot.active.task_id:
-                slot.last_accuracy = event.accuracy
-                slot.groups_since_rewrite += 1
-                if event.flagged is None:
-                    await self.maybe_rewrite(slot, event)
-            elif event.purpose == "eval":
-                slot.last_accuracy = event.accuracy
-            await self.save(slot)
+        self.scoring += 1  # lock-step: still in flight until what it trains is known
+        try:
+            slot = self.slots.get(event.slot_id or "")
+            if slot is not None:
+                await self.score_slot(slot, event)
+        finally:
+            self.scoring -= 1
         await self.save_inflight()
         self.changed.set()
+
+    async def score_slot(self, slot: Slot, event: GroupScored) -> None:
+        if event.purpose == "candidate":
+            await self.decide(slot, event)
+        elif event.purpose == "train" and event.task_id == slot.active.task_id:
+            slot.last_accuracy = event.accuracy
+            slot.groups_since_rewrite += 1
+            if event.flagged is None:
+                await self.maybe_rewrite(slot, event)
+        elif event.purpose == "eval":
+            slot.last_accuracy = event.accuracy
+        await self.save(slot)
+        trained = not event.flagged and (event.purpose == "train" or (
+            event.purpose == "candidate" and slot.active.task_id == event.task_id))  # accepted
+        self.lockstep.scored([lane for lane, samples in (("policy", event.policy_samples),
+                                                         ("judge", event.judge_samples)) if trained and samples])
 
     async def maybe_rewrite(self, slot: Slot, event: GroupScored) -> None:
         low, high = self.cfg.tasks.band

@@ -1,105 +1,234 @@
 """Learning benchmarks: ``coevo bench learn`` and ``coevo bench ladder``.
 
-``learn`` and ``ladder`` run the whole loop in process (embedded NATS, tiny local models, the quick
-game) for a wall-clock budget per configuration, and measure the policy with an evaluator that
-plays a fixed task set with the newest policy checkpoint every ``eval_every_s`` seconds.
+``learn`` and ``ladder`` run the whole loop in process (embedded NATS, tiny local models) for a
+wall-clock budget per configuration, and measure the policy with an evaluator that plays tasks with
+the newest policy checkpoint every ``eval_every_s`` seconds, acting as the policy agent does (same
+prompt, same mode, same temperature, the family's own environments).
+
+Evidence over seeds: every configuration runs once per seed ``s`` in ``0..K-1``, with ``run.seed = s``
+(the tiny models' initial weights and tokenizer, policy and judge sampling) and ``env.seed = s``
+(the initial training pool). The held-out tasks are the same for every seed and configuration
+(``HELDOUT_SEED``), so held-out success is comparable across runs. Runs go seed by seed, every
+configuration of a seed before the next seed, so a drift in the machine's load hits every
+configuration alike. Per configuration the result gives each metric's mean over seeds with a 95 %
+Student-t interval (``seed_stats``), paired differences between configurations (the runs of one seed
+share initial weights and pools), and every run's raw numbers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
+import math
+import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from coevo.config import CoevoConfig, load_config
+from coevo.config import BUILTIN_FAMILIES, CoevoConfig, EnvConfig, PolicyConfig, load_config
 from coevo.observe.progress import progress_bar, tracked
 from coevo.schemas import TaskSpec
 
+if TYPE_CHECKING:
+    from coevo.envs.base import Environment, Family, Observation
 
-async def evaluate(model_dir: Path, tasks: list[TaskSpec], episodes: int, seed: int = 0) -> float:
-    """Success rate of the policy at ``model_dir`` (sampling, as it acts) on ``tasks``."""
-    from coevo.algorithm.prompts import INDEX_LABELS, policy_prompt
-    from coevo.envs.quickgame import QuickGame
+HELDOUT_SEED = 7919
+"""Seed of the held-out task set every run is evaluated on (``initial_tasks(0, n_heldout, HELDOUT_SEED)``)."""
+TARGET = 0.8
+"""The success rate whose first crossing on the training tasks is reported as ``seconds_to_0.8``."""
+PRESETS = ("default", "hard")
+
+# ---- statistics over seeds ---------------------------------------------------------------------
+
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+"""Student t quantiles t_{0.975, df} for df = 1..30."""
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (a table to 30, then the
+    Cornish-Fisher expansion around the normal quantile, within 1e-3 of the exact value)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def seed_stats(values: list[float | None]) -> dict[str, Any]:
+    """Mean and 95 % Student-t interval of one metric over seeds; ``None`` values (a metric a run does not
+    have, e.g. judge accuracy without a judge) are left out and ``n`` counts the rest. The half-width
+    is ``t_{0.975, n-1} · sd / √n`` with the sample sd (n - 1); one value gives no interval (None)."""
+    xs = [float(v) for v in values if v is not None]
+    n = len(xs)
+    if n == 0:
+        return {"n": 0, "mean": None, "sd": None, "half_width": None, "low": None, "high": None}
+    mean = statistics.fmean(xs)
+    if n == 1:
+        return {"n": 1, "mean": round(mean, 6), "sd": None, "half_width": None, "low": None, "high": None}
+    sd = statistics.stdev(xs)
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": round(mean, 6), "sd": round(sd, 6), "half_width": round(half, 6),
+            "low": round(mean - half, 6), "high": round(mean + half, 6)}
+
+
+def paired_stats(a: list[float | None], b: list[float | None]) -> dict[str, Any]:
+    """``seed_stats`` of the per-seed differences a - b (seeds where either is None are left out)."""
+    return seed_stats([x - y for x, y in zip(a, b, strict=True) if x is not None and y is not None])
+
+
+# ---- the evaluator -----------------------------------------------------------------------------
+
+
+async def _act(engine: Any, policy: PolicyConfig, obs: Observation, conversation: Any) -> str:
+    """The action the policy agent would take on ``obs``: a candidate, the generated text when there
+    are no candidates, "" when no candidate index parsed."""
+    from coevo.agents.policy import choose
+    from coevo.algorithm.prompts import INDEX_LABELS
+
+    cands = obs.candidates[: len(INDEX_LABELS)]
+    c, index, _ = await choose(engine, policy, obs, cands, conversation)
+    if not cands:
+        return str(c.text)
+    return cands[index] if index is not None else ""
+
+
+async def _play(engine: Any, family: Family, env: Environment, task: TaskSpec, policy: PolicyConfig) -> bool:
+    """One episode of ``task``, acting as the policy agent does; True iff it is won."""
+    from coevo.inference.chat import ChatTokens, Conversation
+
+    conversation = Conversation(ChatTokens(engine.tokenizer)) if policy.mode == "chat" else None
+    obs = await env.reset(task)
+    for _ in range(family.max_steps_cap):
+        r = await env.step(await _act(engine, policy, obs, conversation))
+        if r.done:
+            return r.outcome == "won"
+        obs = r.observation
+    return False
+
+
+async def evaluate(model_dir: Path, tasks: list[TaskSpec], episodes: int, seed: int = 0, *,
+                   family: Family | None = None, policy: PolicyConfig | None = None,
+                   concurrency: int = 32) -> float:
+    """Success rate of the policy at ``model_dir`` on ``tasks``, sampling as the policy agent does
+    (``policy``: its mode and temperature; default config when None). Episode ``i`` plays
+    ``tasks[i % len(tasks)]``, so every task gets its share; ``family`` (default: built from the
+    tasks' family name) makes the environments."""
+    from coevo.envs import make_family
     from coevo.inference.engine import LocalEngine
 
-    game = QuickGame()
-    rng = random.Random(seed)
-    wins = 0
+    family = family or make_family(EnvConfig(family=tasks[0].family))
+    policy = policy or PolicyConfig()
+    permits = asyncio.Semaphore(concurrency)  # environments open at once (TextWorld: one emulator each)
     async with LocalEngine(model_dir, seed=seed) as engine:
         async def one(task: TaskSpec) -> bool:
-            env = game.make_env()
-            obs = await env.reset(task)
-            for _ in range(game.max_steps_cap):
-                c = await engine.complete(policy_prompt(obs.text, obs.candidates),
-                                          choices=list(INDEX_LABELS[: len(obs.candidates)]))
-                assert c.choice is not None
-                r = await env.step(obs.candidates[c.choice])
-                if r.done:
-                    return r.outcome == "won"
-                obs = r.observation
-            return False
+            async with permits:
+                env = family.make_env()
+                try:
+                    return await _play(engine, family, env, task, policy)
+                finally:
+                    await env.close()
 
-        results = await asyncio.gather(*(one(tasks[rng.randrange(len(tasks))]) for _ in range(episodes)))
-        wins = sum(results)
-    return wins / episodes
+        results = await asyncio.gather(*(one(tasks[i % len(tasks)]) for i in range(episodes)))
+    return sum(results) / episodes
 
 
-def bench_tasks(cfg: CoevoConfig) -> tuple[list[TaskSpec], list[TaskSpec]]:
+@dataclass
+class EvalSet:
+    """What the evaluator plays: the run's initial training tasks and the fixed held-out tasks."""
+
+    family: Family
+    train: list[TaskSpec]
+    heldout: list[TaskSpec]
+    policy: PolicyConfig
+    episodes: int
+
+    async def success(self, model: Path, split: Literal["train", "heldout"], seed: int) -> float | None:
+        tasks = self.train if split == "train" else self.heldout
+        if not tasks:
+            return None
+        return await evaluate(model, tasks, self.episodes, seed, family=self.family, policy=self.policy)
+
+
+async def eval_set(cfg: CoevoConfig, episodes: int) -> EvalSet:
+    """The evaluation tasks of a run. Prechecks the run's initial pool and the held-out tasks first, which
+    compiles TextWorld games before the clock starts; a task that fails its precheck is not evaluated."""
     from coevo.envs import make_family
 
-    tasks = make_family(cfg.env).initial_tasks(cfg.env.n_train, cfg.env.n_heldout, cfg.env.seed)
-    return [t for t in tasks if t.split == "train"], [t for t in tasks if t.split == "heldout"]
+    family = make_family(cfg.env)
+    pool = [(t, (await family.precheck(t)).ok)
+            for t in family.initial_tasks(cfg.env.n_train, cfg.env.n_heldout, cfg.env.seed)]
+    heldout = family.initial_tasks(0, cfg.env.n_heldout, HELDOUT_SEED) if cfg.env.n_heldout else []
+    return EvalSet(family, [t for t, ok in pool if ok and t.split == "train"],
+                   [t for t in heldout if (await family.precheck(t)).ok], cfg.policy, episodes)
+
+
+# ---- one run -------------------------------------------------------------------------------------
+
+
+async def _curve(ev: EvalSet, ckpts: Path, base: Path, seconds: float, eval_every_s: float,
+                 stop: asyncio.Event, bar: Any) -> list[dict[str, float]]:
+    """Train success of the newest checkpoint every ``eval_every_s`` until ``seconds``; then sets ``stop``."""
+    from coevo.runtime.aio import wait_event
+    from coevo.training.lane import latest_checkpoint
+
+    curve: list[dict[str, float]] = []
+    t0 = time.monotonic()
+    while not stop.is_set():
+        ckpt = latest_checkpoint(ckpts) or base
+        t = time.monotonic() - t0
+        success = await ev.success(ckpt, "train", seed=len(curve))
+        version = int(ckpt.name[1:]) if ckpt != base else 0
+        curve.append({"seconds": round(t, 1), "success": success or 0.0, "policy_version": version})
+        bar.update(completed=min(t, seconds))
+        if t >= seconds:
+            break
+        # the last evaluation falls on the budget, not up to eval_every_s past it: equal budgets
+        await wait_event(stop, min(eval_every_s, max(0.0, seconds - (time.monotonic() - t0))))
+    stop.set()
+    return curve
 
 
 async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, episodes: int) -> dict[str, Any]:
-    """Run the loop for ``seconds`` and evaluate on the initial train and held-out tasks."""
+    """Run the loop for ``seconds``; evaluate on the run's initial train tasks during the run, and on the
+    fixed held-out tasks before (base model) and after (newest checkpoint)."""
     from coevo.inference.clients import model_dir
     from coevo.loop import build_agents, summarize
     from coevo.runtime.agent import run_agents
-    from coevo.runtime.aio import wait_event
     from coevo.runtime.app import open_runtime
     from coevo.training.lane import latest_checkpoint
 
-    train, heldout = bench_tasks(cfg)
+    ev = await eval_set(cfg, episodes)
     base = await asyncio.to_thread(model_dir, cfg, "policy")
     await asyncio.to_thread(model_dir, cfg, "judge")
-    curve: list[dict[str, float]] = []
     async with open_runtime(cfg, name="coevo-bench") as rt:
         ckpts = rt.run_dir / "checkpoints" / "policy"
         stop = asyncio.Event()
         agents = build_agents(rt.bus, cfg)
         t0 = time.monotonic()
-
-        async def evaluator() -> None:
-            while not stop.is_set():
-                ckpt = latest_checkpoint(ckpts) or base
-                t = time.monotonic() - t0
-                success = await evaluate(ckpt, train, episodes, seed=len(curve))
-                version = int(ckpt.name[1:]) if ckpt != base else 0
-                curve.append({"seconds": round(t, 1), "success": success, "policy_version": version})
-                bar.update(completed=min(t, seconds))
-                if t >= seconds:
-                    stop.set()
-                    return
-                await wait_event(stop, eval_every_s)
-
-        with progress_bar(f"{cfg.loop}, {cfg.scorer.reward} reward", seconds, unit="s") as bar:
-            await asyncio.gather(run_agents(agents, handle_signals=False, until=stop), evaluator())
+        label = f"{cfg.env.family}, {cfg.loop}, {cfg.scorer.reward} reward, seed {cfg.run.seed}"
+        with progress_bar(label, seconds, unit="s") as bar:
+            _, curve = await asyncio.gather(run_agents(agents, handle_signals=False, until=stop),
+                                            _curve(ev, ckpts, base, seconds, eval_every_s, stop, bar))
+        elapsed = time.monotonic() - t0
         final_ckpt = latest_checkpoint(ckpts) or base
-        held = await evaluate(final_ckpt, heldout, episodes, seed=999) if heldout else None
-        held0 = await evaluate(base, heldout, episodes, seed=999) if heldout else None
-        summary = await summarize(rt.bus, 0.0, time.monotonic() - t0)
-    return {"curve": curve, "initial_success": curve[0]["success"], "final_success": curve[-1]["success"],
-            "best_success": max(p["success"] for p in curve), "heldout_initial": held0, "heldout_final": held,
-            "judge_process_accuracy": summary["judge_process_accuracy"],
-            "judge_outcome_accuracy": summary["judge_outcome_accuracy"],
-            "judge_process_accuracy_heldout": summary["judge_process_accuracy_heldout"],
-            "judge_outcome_accuracy_heldout": summary["judge_outcome_accuracy_heldout"],
-            "rewrites_accepted": summary["rewrites_accepted"], "learner_steps": summary["learner_steps"],
-            "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / seconds, 2)}
+        held = await ev.success(final_ckpt, "heldout", seed=999)
+        held0 = await ev.success(base, "heldout", seed=999)
+        summary = await summarize(rt.bus, 0.0, elapsed)
+    reached = next((p["seconds"] for p in curve if p["success"] >= TARGET), None)
+    return {"seed": cfg.run.seed, "train_success_initial": curve[0]["success"], "train_success": curve[-1]["success"],
+            "best_train_success": max(p["success"] for p in curve), "heldout_success_initial": held0,
+            "heldout_success": held, "seconds_to_0.8": reached,
+            "seconds_to_0.8_or_budget": reached if reached is not None else seconds, "seconds": round(elapsed, 1),
+            "train_tasks": len(ev.train), "heldout_tasks": len(ev.heldout),
+            **{k: summary[k] for k in ("judge_process_accuracy", "judge_outcome_accuracy",
+                                       "judge_process_accuracy_heldout", "judge_outcome_accuracy_heldout",
+                                       "rewrites_accepted", "learner_steps")},
+            "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / seconds, 2),
+            "curve": curve}
 
 
 def bench_config(tmp: Path, overrides: dict[str, Any]) -> CoevoConfig:
@@ -108,49 +237,100 @@ def bench_config(tmp: Path, overrides: dict[str, Any]) -> CoevoConfig:
     return load_config(overrides={**base, **overrides})
 
 
-async def bench_learn(minutes: float = 10.0, eval_every_s: float = 30.0, episodes: int = 64,
-                      cache_dir: Path | None = None) -> dict[str, Any]:
+# ---- configurations × seeds ----------------------------------------------------------------------
+
+METRICS = ("train_success", "heldout_success", "judge_process_accuracy", "judge_outcome_accuracy",
+           "seconds_to_0.8", "seconds_to_0.8_or_budget", "train_success_initial", "heldout_success_initial",
+           "best_train_success", "judge_process_accuracy_heldout", "judge_outcome_accuracy_heldout",
+           "learner_steps", "rewrites_accepted", "trajectories_per_second")
+"""Summarised per configuration. ``seconds_to_0.8``: over the runs that reached 0.8 train success
+(``reached_0.8`` counts them); ``seconds_to_0.8_or_budget``: every run, one that never reached it
+counted as the budget (a lower bound on its time)."""
+PAIRED = ("train_success", "heldout_success", "judge_process_accuracy", "judge_outcome_accuracy",
+          "seconds_to_0.8_or_budget")
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-metric ``seed_stats`` of one configuration's runs (one per seed)."""
+    reached = sum(r["seconds_to_0.8"] is not None for r in runs)
+    return {"reached_0.8": f"{reached}/{len(runs)}", "summary": {m: seed_stats([r.get(m) for r in runs])
+                                                                   for m in METRICS}}
+
+
+def family_of(family: str, preset: str) -> str:
+    """The family a ``--family``/``--preset`` pair names (the hard preset is its own family)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+    if preset == "default":
+        return family
+    if f"{family}-{preset}" not in BUILTIN_FAMILIES:
+        raise ValueError(f"family {family!r} has no {preset} preset (the quick game has: quickgame-hard)")
+    return f"{family}-{preset}"
+
+
+async def run_seeds(configs: dict[str, dict[str, Any]], *, seeds: int, minutes: float, eval_every_s: float,
+                    episodes: int, family: str, preset: str, cache_dir: Path | None,
+                    overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every configuration once per seed (seed-major order) and the statistics over seeds; ``overrides``
+    (config fields) apply to every run."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    name = family_of(family, preset)
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    plan = [(s, c) for s in range(seeds) for c in configs]
     with tempfile.TemporaryDirectory() as tmp:
-        common = {"env.cache_dir": str(cache_dir or Path(tmp) / "cache")}
-        t0 = time.monotonic()
-        integrated = await run_budget(bench_config(Path(tmp) / "a", common), minutes * 60,
-                                      eval_every_s=eval_every_s, episodes=episodes)
-        seconds = time.monotonic() - t0
-        outcome = await run_budget(bench_config(Path(tmp) / "b", {**common, "scorer.reward": "outcome-only"}),
-                                   minutes * 60, eval_every_s=eval_every_s, episodes=episodes)
-    reached = next((p["seconds"] for p in integrated["curve"] if p["success"] >= 0.8), None)
-    return {
-        "initial_success": integrated["initial_success"],
-        "final_success": integrated["final_success"],
-        "best_success": integrated["best_success"],
-        "seconds": round(seconds, 1),
-        "seconds_to_0.8": reached,
-        "outcome_only_final_success": outcome["final_success"],
-        "outcome_only_best_success": outcome["best_success"],
-        "curves": {"integrated": integrated["curve"], "outcome_only": outcome["curve"]},
-        "integrated": {k: v for k, v in integrated.items() if k != "curve"},
-        "outcome_only": {k: v for k, v in outcome.items() if k != "curve"},
-        "target": "final_success >= 0.8 within 10 minutes",
-    }
+        common = {"env.cache_dir": str(cache_dir or Path(tmp) / "cache"), "env.family": name, **(overrides or {})}
+        for s, c in tracked(plan, f"{len(configs)} configurations × {seeds} seeds", unit="runs"):
+            cfg = bench_config(Path(tmp) / f"{c}-s{s}", {**common, **configs[c], "run.seed": s, "env.seed": s})
+            runs[c].append(await run_budget(cfg, minutes * 60, eval_every_s=eval_every_s, episodes=episodes))
+    out: dict[str, Any] = {
+        "family": name, "preset": preset, "minutes_per_run": minutes, "seeds": list(range(seeds)),
+        "episodes_per_evaluation": episodes, "heldout_seed": HELDOUT_SEED,
+        "interval": "95 % Student t over seeds: mean ± t(0.975, n-1)·sd/√n (sample sd); none for n = 1",
+        "seconds_to_0.8": "first evaluation with train success >= 0.8; seconds_to_0.8 averages the runs that "
+                          "reached it (reached_0.8 counts them), seconds_to_0.8_or_budget counts the others "
+                          "as the budget",
+        "configs": {c: {**summarize_runs(rs), "runs": rs} for c, rs in runs.items()}}
+    return out
+
+
+def paired(out: dict[str, Any], a: str, b: str) -> dict[str, Any]:
+    """Per-seed differences ``a - b`` of the headline metrics (the runs of a seed share weights and pool)."""
+    ra, rb = out["configs"][a]["runs"], out["configs"][b]["runs"]
+    return {m: paired_stats([r.get(m) for r in ra], [r.get(m) for r in rb]) for m in PAIRED}
+
+
+def _mean(out: dict[str, Any], config: str, metric: str) -> Any:
+    return out["configs"][config]["summary"][metric]["mean"]
+
+
+async def bench_learn(minutes: float = 10.0, eval_every_s: float = 30.0, episodes: int = 64,
+                      cache_dir: Path | None = None, *, seeds: int = 1, preset: str = "default",
+                      family: str = "quickgame", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Integrated reward vs outcome-only, ``seeds`` runs each."""
+    configs = {"integrated": {}, "outcome_only": {"scorer.reward": "outcome-only"}}
+    out = await run_seeds(configs, seeds=seeds, minutes=minutes, eval_every_s=eval_every_s, episodes=episodes,
+                          family=family, preset=preset, cache_dir=cache_dir, overrides=overrides)
+    out["paired"] = {"integrated - outcome_only": paired(out, "integrated", "outcome_only")}
+    out["headline"] = {f"{c}.{m}": _mean(out, c, m) for c in configs
+                       for m in ("train_success", "heldout_success", "seconds_to_0.8")}
+    out["curves"] = {f"{c} s{r['seed']}": r["curve"] for c in configs for r in out["configs"][c]["runs"]}
+    out["target"] = "final train success >= 0.8 within 10 minutes"
+    return out
 
 
 async def bench_ladder(minutes: float = 5.0, eval_every_s: float = 30.0, episodes: int = 64,
-                       cache_dir: Path | None = None) -> dict[str, Any]:
-    rungs = {"policy-only": {"loop": "policy-only"}, "policy+judge": {"loop": "policy+judge"},
-             "full": {"loop": "full"}}
-    out: dict[str, Any] = {"minutes_per_rung": minutes, "rungs": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        common = {"env.cache_dir": str(cache_dir or Path(tmp) / "cache")}
-        for name, overrides in tracked(list(rungs.items()), "bench ladder", unit="rungs"):
-            r = await run_budget(bench_config(Path(tmp) / name, {**common, **overrides}), minutes * 60,
-                                 eval_every_s=eval_every_s, episodes=episodes)
-            out["rungs"][name] = {"train_success": r["final_success"], "heldout_success": r["heldout_final"],
-                                  "train_success_initial": r["initial_success"],
-                                  "heldout_success_initial": r["heldout_initial"],
-                                  "judge_process_accuracy": r["judge_process_accuracy"],
-                                  "judge_outcome_accuracy": r["judge_outcome_accuracy"],
-                                  "judge_process_accuracy_heldout": r["judge_process_accuracy_heldout"],
-                                  "judge_outcome_accuracy_heldout": r["judge_outcome_accuracy_heldout"],
-                                  "rewrites_accepted": r["rewrites_accepted"], "learner_steps": r["learner_steps"],
-                                  "curve": r["curve"]}
+                       cache_dir: Path | None = None, *, seeds: int = 1, preset: str = "default",
+                       family: str = "quickgame", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The paper's ladder (policy-only, + judge training, + environment adaptation), ``seeds`` runs each."""
+    configs = {"policy-only": {"loop": "policy-only"}, "policy+judge": {"loop": "policy+judge"},
+               "full": {"loop": "full"}}
+    out = await run_seeds(configs, seeds=seeds, minutes=minutes, eval_every_s=eval_every_s, episodes=episodes,
+                          family=family, preset=preset, cache_dir=cache_dir, overrides=overrides)
+    out["paired"] = {f"{c} - policy-only": paired(out, c, "policy-only") for c in ("policy+judge", "full")}
+    keys = ("train_success", "heldout_success", "train_success_initial", "heldout_success_initial",
+            "judge_process_accuracy", "judge_outcome_accuracy", "judge_process_accuracy_heldout",
+            "judge_outcome_accuracy_heldout", "rewrites_accepted", "learner_steps")
+    out["rungs"] = {c: {**{k: _mean(out, c, k) for k in keys}, "curve": out["configs"][c]["runs"][0]["curve"]}
+                    for c in configs}  # means over seeds (coevo report plots these), the first seed's curve
     return out

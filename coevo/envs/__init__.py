@@ -1,8 +1,8 @@
 """Environments: task families that know nothing of NATS. ``make_family`` builds one from config.
 
-A family is found, in order: a built-in (quickgame, textworld, coding); ``external`` (the environment
-is a program outside coevo, talking to the policy endpoint: the pool comes from ``env.tasks_from``,
-or there is none and agents bring their own tasks); ``gym:<module>:<EnvClass or id>`` (a Gymnasium
+A family is found, in order: a built-in (quickgame, quickgame-hard, textworld, coding); ``external``
+(the environment is a program outside coevo, talking to the policy endpoint: the pool comes from
+``env.tasks_from``, or there is none and agents bring their own tasks); ``gym:<module>:<EnvClass or id>`` (a Gymnasium
 env, ``coevo.envs.gym_env``); a plugin, the entry point of that name in the group
 ``coevo.families`` of any installed distribution: a ``Family`` subclass (built without arguments)
 or a callable taking the ``EnvConfig`` and returning a ``Family``, whose ``name`` is the entry
@@ -30,6 +30,10 @@ def make_family(cfg: EnvConfig) -> Family:
         from coevo.envs.quickgame import QuickGame
 
         return QuickGame()
+    if cfg.family == "quickgame-hard":  # the quick game's hard preset: another initial pool
+        from coevo.envs.quickgame import QuickGameHard
+
+        return QuickGameHard()
     if cfg.family == "textworld":
         from coevo.envs.textworld_env import TextWorld
 

@@ -8,6 +8,10 @@ goal is always to take the coin in the last room. Knobs: ``steps`` (shortest sol
 Invariants: a task (seed + knobs) always builds the same world; the shortest solution has
 exactly ``steps`` actions; candidates come in a stable order (verb, direction, colour); the
 reference label of an action is +1 iff it starts a shortest path to the goal from that state.
+
+Two presets, registered as two families: ``quickgame`` (initial pool: 2..4 steps, 0..2 distractors,
+one step of slack) and ``quickgame-hard`` (4..5 steps, 2..3 distractors, no slack), where outcome
+rewards are sparse. They differ only in the initial pool: same game, knobs, precheck and rewrites.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult
 from coevo.schemas import TaskSpec
@@ -281,13 +285,19 @@ class QuickGame(Family):
     def make_env(self) -> QuickGameEnv:
         return QuickGameEnv()
 
+    initial_knobs: ClassVar[dict[str, tuple[int, int]]] = {"steps": (2, 4), "distractors": (0, 2),
+                                                           "slack": (1, 1), "hints": (0, 0)}
+    """The initial pool draws each knob uniformly from this range (the rewriter then moves train tasks)."""
+    id_prefix: ClassVar[str] = "qg"
+
     def initial_tasks(self, n_train: int, n_heldout: int, seed: int) -> list[TaskSpec]:
         rng = random.Random(seed)
         tasks = []
         for i in range(n_train + n_heldout):
             split: Literal["train", "heldout"] = "train" if i < n_train else "heldout"
-            knobs = {"steps": rng.randint(2, 4), "distractors": rng.randint(0, 2), "slack": 1, "hints": 0}
-            tasks.append(TaskSpec(task_id=f"qg-{split[0]}{i}", family=self.name,
+            # a fixed knob draws nothing: the default pool stays the one earlier versions built
+            knobs = {k: lo if lo == hi else rng.randint(lo, hi) for k, (lo, hi) in self.initial_knobs.items()}
+            tasks.append(TaskSpec(task_id=f"{self.id_prefix}-{split[0]}{i}", family=self.name,
                                   params={"seed": rng.randrange(1_000_000)}, knobs=knobs, split=split))
         return tasks
 
@@ -305,3 +315,15 @@ class QuickGame(Family):
     def walkthrough(self, task: TaskSpec) -> list[str]:
         k = self.knobs_of(task)
         return build_world(int(task.params.get("seed", 0)), k["steps"], k["distractors"], k["slack"]).solution
+
+
+class QuickGameHard(QuickGame):
+    """The quick game's hard preset (family ``quickgame-hard``): the same game and knobs, an initial pool
+    of longer solutions (4..5 actions), more distractors (2..3) and no slack, so a policy that plays at
+    random wins about 3 % of its episodes (the default pool: about 20 %) and outcome rewards are sparse:
+    most groups of 8 trajectories hold no success at all."""
+
+    name = "quickgame-hard"
+    initial_knobs: ClassVar[dict[str, tuple[int, int]]] = {"steps": (4, 5), "distractors": (2, 3),
+                                                           "slack": (0, 0), "hints": (0, 0)}
+    id_prefix: ClassVar[str] = "qgh"

@@ -176,7 +176,7 @@ def knob_difficulty(task: TaskSpec) -> float | None:
 
 
 def _family_class(name: str) -> type[Family] | None:
-    if name == "quickgame":
+    if name in ("quickgame", "quickgame-hard"):  # same knobs
         from coevo.envs.quickgame import QuickGame
 
         return QuickGame

@@ -15,7 +15,9 @@ Invariants:
   the serving dtype, before the next step starts;
 - a lane steps on whole groups: when it holds ``batch_samples`` samples, or holds some and no new
   group arrived for ``flush_after_s``; one batch is one version (``learner.minibatches`` ×
-  ``learner.epochs`` optimiser steps) and one ``LearnerStepped``;
+  ``learner.epochs`` optimiser steps) and one ``LearnerStepped``. At ``learner.max_staleness = 0``
+  (lock-step, with the tasks agent's waves) a lane steps once a whole wave is scored
+  (``tasks.max_groups_in_flight`` groups since its last step), on all of it, whatever its size;
 - staleness is bounded at the learner too, per lane (``Lane.step``): samples more than
   ``learner.max_staleness`` versions behind are dropped (``learner.stale = "drop"``: counted, and
   reported in ``LearnerStepped.stale_dropped``) or kept with truncated IS (``"correct"``); a batch
@@ -117,6 +119,8 @@ class LaneQueue:
     checkpoint_at: float = field(default_factory=time.monotonic)
     stale_pending: int = 0
     """samples dropped as stale in batches that took no step, not yet reported by a ``LearnerStepped``"""
+    scored: int = 0
+    """groups scored since the lane's last step (lock-step: a wave is complete at tasks.max_groups_in_flight)"""
 
     @property
     def held(self) -> int:
@@ -195,9 +199,11 @@ class LearnerAgent(Agent):
 
     async def on_scored(self, event: GroupScored, delivery: Delivery) -> None:
         if event.purpose == "eval" or event.flagged:
+            self.count_scored()
             return
         if event.purpose == "candidate" and not await self.verdict(event, delivery):
             self.counters["groups.rejected_candidate"] += 1
+            self.count_scored()
             return
         waits = []
         for role, q in self.lanes.items():
@@ -208,9 +214,16 @@ class LearnerAgent(Agent):
                 waits.append(q.undurable.setdefault(event.group_id, asyncio.get_running_loop().create_future()))
                 continue
             waits.append(self.enqueue(role, q, event.group_id, samples))
+        self.count_scored()  # after its samples are queued: the wave they complete includes them
         if waits:  # shielded: the futures are shared with redeliveries of the same group
             await asyncio.gather(*(asyncio.shield(w) for w in waits))
         self.counters["groups.trained"] += 1
+
+    def count_scored(self) -> None:
+        """One more group of the wave is scored, trained or not (lock-step counts them)."""
+        for q in self.lanes.values():
+            q.scored += 1
+            q.arrived.set()
 
     def enqueue(self, role: Role, q: LaneQueue, group_id: str, samples: list[TrainingSample]) -> asyncio.Future[None]:
         """Queue a group's trainable samples; a group already queued (a redelivery) joins that entry.
@@ -248,12 +261,11 @@ class LearnerAgent(Agent):
                 self.release(role, q)
 
     async def lane_loop(self, role: Role, q: LaneQueue) -> None:
-        batch = self.cfg.learner.batch_samples
         try:
             while not self.stopping.is_set():
                 if self.checkpoint_due(q):
                     await self.start_checkpoint(q)
-                if q.held >= batch or (q.held and time.monotonic() - q.last_arrival >= self.flush_after_s):
+                if self.batch_ready(q):
                     await self.train(role, q)
                 else:
                     q.arrived.clear()
@@ -261,6 +273,18 @@ class LearnerAgent(Agent):
             await self.last_checkpoint(q)
         finally:
             q.writes.put_nowait(None)  # the durability task ends after the checkpoints queued before
+
+    def batch_ready(self, q: LaneQueue) -> bool:
+        """Enough to step on: ``batch_samples``, or what is held once arrivals paused; in lock-step the
+        whole wave (a wave that gave this lane nothing is forgotten), or what is held after a group
+        of it was lost (no arrival for ``scorer.group_timeout_s``)."""
+        idle = time.monotonic() - q.last_arrival
+        if self.cfg.learner.max_staleness > 0:
+            return q.held >= self.cfg.learner.batch_samples or (q.held > 0 and idle >= self.flush_after_s)
+        wave = self.cfg.tasks.max_groups_in_flight
+        if q.scored >= wave and not q.held:
+            q.scored = 0
+        return q.held > 0 and (q.scored >= wave or idle >= self.cfg.scorer.group_timeout_s)
 
     def checkpoint_due(self, q: LaneQueue) -> bool:
         lc = self.cfg.learner
@@ -313,7 +337,8 @@ class LearnerAgent(Agent):
             return [q.queued.pop(0)]
         take: list[QueuedGroup] = []
         n = 0
-        while q.queued and not q.queued[0].alone and (n < self.cfg.learner.batch_samples or not take):
+        limit = self.cfg.learner.batch_samples if self.cfg.learner.max_staleness > 0 else float("inf")  # a wave
+        while q.queued and not q.queued[0].alone and (n < limit or not take):
             p = q.queued.pop(0)
             take.append(p)
             n += len(p.samples)
@@ -321,6 +346,7 @@ class LearnerAgent(Agent):
 
     async def train(self, role: Role, q: LaneQueue) -> None:
         take = self.take(q)
+        q.scored = 0
         samples = [s for p in take for s in p.samples]
         try:
             metrics = await asyncio.to_thread(q.lane.step, samples, [p.group_id for p in take])

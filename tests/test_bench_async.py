@@ -1,0 +1,139 @@
+"""``coevo bench async``: the pure measurement, and a short run of both modes as pinned processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from coevo.bench.asynchrony import (
+    AsyncPlan,
+    bench_async,
+    idle_fraction,
+    measure,
+    scheduled_versions,
+    trajectory_versions,
+)
+from coevo.schemas import (
+    GroupScored,
+    LearnerStepped,
+    Source,
+    TaskScheduled,
+    TaskSpec,
+    TrajectoryCompleted,
+    WeightsPublished,
+)
+
+SRC = Source(agent_id="a", role="t")
+TASK = TaskSpec(task_id="t1", family="quickgame")
+
+
+def _published(v: int, ts: float) -> WeightsPublished:
+    return WeightsPublished(run_id="r", source=SRC, role="policy", version=v, path="/w", sha256="0" * 64, bytes=1,
+                            ts=ts)
+
+
+def _traj(group: str, versions: list[int], ts: float) -> TrajectoryCompleted:
+    return TrajectoryCompleted(run_id="r", source=SRC, trajectory_id=f"{group}-{ts}", task_id="t1", group_id=group,
+                               rollout_index=0, outcome="won", num_steps=len(versions), policy_versions=versions, ts=ts)
+
+
+def _stepped(v: int, ts: float, hist: dict[str, int]) -> LearnerStepped:
+    return LearnerStepped(run_id="r", source=SRC, role="policy", version=v, samples=sum(hist.values()), tokens=100,
+                          loss=0.0, kl=0.0, clip_fraction=0.0, mismatch_kl=0.0, staleness_histogram=hist,
+                          tokens_per_second=200.0, ts=ts)
+
+
+def _scored(group: str, acc: float, ts: float) -> GroupScored:
+    return GroupScored(run_id="r", source=SRC, task_id="t1", group_id=group, accuracy=acc, policy_band_ok=True,
+                       judge_band_ok=True, n_trajectories=8, ts=ts)
+
+
+def test_lockstep_schedules_waves_and_waits_for_the_steps_that_train_them() -> None:
+    from coevo.agents.tasks import Lockstep
+
+    lock = Lockstep(size=2, timeout_s=60.0)
+    assert lock.admits(0, {"policy": 3, "judge": 1}, now=0.0)
+    lock.scheduled()
+    assert lock.admits(1, {"policy": 3, "judge": 1}, now=0.0)  # the wave is scheduled whole
+    lock.scheduled()
+    assert not lock.admits(2, {"policy": 3, "judge": 1}, now=1.0)
+    assert not lock.admits(1, {"policy": 3, "judge": 1}, now=1.0)
+    lock.scored(["policy", "judge"])
+    lock.scored([])
+    assert not lock.admits(0, {"policy": 3, "judge": 1}, now=2.0)  # scored, not trained yet
+    assert not lock.admits(0, {"policy": 4, "judge": 1}, now=2.5)  # the judge's step is not out yet
+    assert lock.admits(0, {"policy": 4, "judge": 2}, now=3.0)  # both steps' weights are out: next wave
+    lock.scheduled()
+    lock.scheduled()
+    lock.scored([])
+    lock.scored(["judge"])
+    assert lock.admits(0, {"policy": 4, "judge": 3}, now=4.0)  # only the judge trained: its step suffices
+    lock.scheduled()
+    lock.scheduled()
+    lock.scored([])
+    lock.scored([])
+    assert lock.admits(0, {"policy": 4, "judge": 3}, now=5.0)  # nothing to train: no step will come, go on
+    lock.scheduled()
+    lock.scheduled()
+    lock.scored(["policy"])
+    assert not lock.admits(0, {"policy": 4, "judge": 3}, now=6.0)
+    assert lock.admits(0, {"policy": 4, "judge": 3}, now=67.0)  # the step never came: not stuck for ever
+
+
+def test_versions_at_scheduling_come_from_stream_order() -> None:
+    events = [_published(0, 0.0), TaskScheduled(run_id="r", source=SRC, task=TASK, group_id="g1", n_rollouts=2, ts=1),
+              _published(1, 2.0), TaskScheduled(run_id="r", source=SRC, task=TASK, group_id="g2", n_rollouts=2, ts=3),
+              _traj("g1", [0, 0], 4.0), _traj("g1", [0, 1], 4.1), _traj("g2", [0, 1], 5.0), _traj("g2", [1], 5.1)]
+    at = scheduled_versions(events)
+    assert at == {"g1": 0, "g2": 1}
+    assert trajectory_versions(events, at) == {"on_version": 2, "behind": 1, "ahead": 1}
+
+
+def test_idle_fraction_is_the_time_with_no_group_in_flight() -> None:
+    def sched(g: str, ts: float) -> TaskScheduled:
+        return TaskScheduled(run_id="r", source=SRC, task=TASK, group_id=g, n_rollouts=2, ts=ts)
+
+    events = [sched("a", 5.0), sched("b", 6.0), _scored("a", 0.5, 20.0), _scored("b", 0.5, 30.0),
+              sched("c", 40.0), _scored("c", 0.5, 90.0), sched("d", 95.0)]
+    # window 10..110: idle 30..40 and 90..95
+    assert idle_fraction(events, 10.0, 100.0) == 0.15
+
+
+def test_measure_rates_staleness_and_time_to_target() -> None:
+    t0 = 1000.0
+    events = [_stepped(v, t0 + 10 * v, {"0": 6, "1": 2} if v % 2 else {"0": 8}) for v in range(1, 7)]
+    events += [_scored(f"g{i}", 0.25 if i < 4 else 0.9, t0 + 5 * i) for i in range(12)]
+    events.append(_stepped(7, t0 + 200, {"0": 8}))  # after the window: not counted
+    m = measure(events, t0, 60.0, target=0.8, window=4)
+    assert m["learner_steps"] == 6 and m["learner_steps_per_minute"] == 6.0
+    assert m["trained_staleness"] == {"0": 42, "1": 6} and m["stale_fraction"] == round(6 / 48, 4)
+    assert m["seconds_to_target"] == 35.0  # groups 4..7 are the first window at 0.9
+    assert m["steps_to_target"] == 3
+    assert m["policy_step_s"] == 0.5 and m["learner_busy_fraction"] == 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to")
+async def test_sync_waits_for_weights_and_async_overlaps(model_cache: Path, tmp_path: Path) -> None:
+    plan = AsyncPlan(minutes=0.6, seeds=1, window=4)
+    result = await bench_async(plan, cache=model_cache, workdir=tmp_path)
+    assert set(result) >= {"sync", "async", "ratios", "runs", "cores", "met"}
+    (sync,), (asyn,) = result["runs"]["sync"], result["runs"]["async"]
+    rollout, learner = result["cores"]["rollouts"], result["cores"]["learner"]
+    assert set(rollout).isdisjoint(learner)
+    for run in (sync, asyn):
+        assert run["agents_exited"] == {}
+        assert run["affinity"]["learner"]["cores"] == learner
+        for role in ("tasks", "policy", "judge", "scorer"):
+            assert run["affinity"][role]["cores"] == rollout, (role, run["affinity"])
+        assert run["learner_steps"] >= 2 and run["trajectories"] > 0
+    # synchronous: every trajectory played with exactly the weights current when its group was scheduled,
+    # and the learner trained only on samples of its own version
+    assert sync["trajectory_versions"]["behind"] == sync["trajectory_versions"]["ahead"] == 0, sync
+    assert set(sync["trained_staleness"]) == {"0"}, sync["trained_staleness"]
+    assert sync["rollouts_idle_fraction"] > asyn["rollouts_idle_fraction"]  # in sync, generation waits
+    # asynchronous: groups run on while the learner steps, so some samples are older than the weights
+    assert asyn["trajectory_versions"]["ahead"] > 0 or asyn["stale_fraction"] > 0, asyn
