@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -234,9 +235,15 @@ def test_wandb_sink_logs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         s.write(points[:3])
         s.close()
     (log,) = (tmp_path / "wandb").glob("offline-run-*-r1/run-r1.wandb")  # the offline log `wandb sync` uploads
-    data = log.read_bytes()  # its history records hold each logged key and value (protobuf, as text)
-    for p in points[:3]:
-        assert sinks.tb_tag(p.name, p.labels).encode() in data and json.dumps(p.value).encode() in data
+    wanted = [(sinks.tb_tag(p.name, p.labels).encode(), json.dumps(p.value).encode()) for p in points[:3]]
+    deadline = time.monotonic() + 60  # wandb's service process writes the log; on a busy machine, later
+    while True:
+        data = log.read_bytes()  # its history records hold each logged key and value (protobuf, as text)
+        if all(tag in data and value in data for tag, value in wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for tag, value in wanted:
+        assert tag in data and value in data, (tag, value, len(data))
     monkeypatch.setattr(sinks, "wandb_available", lambda: False)
     assert sinks.make_sinks(tmp_path, "r1", tensorboard=False, wandb=True) == []  # warned, not required
 

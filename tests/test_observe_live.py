@@ -232,7 +232,7 @@ def test_metrics_endpoint_scrapes(live: Live) -> None:
         loss_roles = {s.labels["role"] for s in families["coevo_learner_loss"].samples}
         assert "policy" in loss_roles
     up = {s.labels["role"]: s.value for s in families_of(live.metrics)["coevo_agent_up"].samples}
-    assert up == {"tasks": 1.0, "policy": 1.0, "scorer": 1.0, "learner": 1.0, "judge": 1.0}
+    assert up == {"tasks": 1.0, "policy": 1.0, "scorer": 1.0, "learner": 1.0, "judge": 1.0, "retention": 1.0}
     health = get_json(live.metrics.replace("/metrics", "/healthz"))
     assert health["status"] == "ok"
 
