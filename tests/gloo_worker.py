@@ -23,7 +23,8 @@ def main() -> None:
     lane.step(samples, ["g"])  # the whole batch: the lane takes its rows of the shared plan
     path, sha, _ = lane.checkpoint()
     if int(rank) == 0:
-        print(json.dumps({"path": str(path), "sha": sha}))
+        print(json.dumps({"path": str(path), "sha": sha}), flush=True)
+    dist.barrier()  # both ranks are done with every collective before either tears gloo down
     dist.destroy_process_group()
 
 
