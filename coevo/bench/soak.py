@@ -3,8 +3,13 @@
 Runs ``coevo run`` (every agent in one process, an embedded nats-server) for ``minutes`` and samples,
 every ``every_s``: the resident memory of the coevo process and of nats-server, the bytes of the
 run's stream, of its KV buckets and object store, and of the run directory (checkpoints, logs,
-NATS store). Slopes are least-squares fits over the samples after a warm-up (the first fifth),
-reported per hour, so a leak shows as a positive slope and bounded retention as a flat one.
+NATS store). Slopes are fitted over the samples after a warm-up (the first fifth) and reported
+per hour, so a leak shows as a positive slope and bounded retention as a flat one: least squares
+(``slope_per_hour``) and Theil–Sen (``robust_slope_per_hour``, the median of the pairwise slopes).
+The coevo process's RSS swings by hundreds of MB within minutes (learner steps and engine batches
+allocate and free), and a least-squares line through such a sawtooth moves by tens of MB/hour with
+the phase at which the run ends; the median of pairwise slopes does not follow single swings. The
+five-minute medians (``window_medians``) are kept beside them so the curve itself can be read.
 """
 
 from __future__ import annotations
@@ -32,6 +37,32 @@ def slope_per_hour(samples: list[tuple[float, float]]) -> float:
     if var == 0:
         return 0.0
     return sum((t - mt) * (v - mv) for t, v in samples) / var * 3600
+
+
+def robust_slope_per_hour(samples: list[tuple[float, float]]) -> float:
+    """Theil–Sen slope of (seconds, value) samples, per hour: the median of the slopes between every
+    pair of samples at distinct times (0 with fewer than two). Half the samples would have to be
+    outliers to move it arbitrarily; a least-squares fit moves with one large swing."""
+    pairs = sorted((v2 - v1) / (t2 - t1) for i, (t1, v1) in enumerate(samples)
+                   for t2, v2 in samples[i + 1:] if t2 != t1)
+    if not pairs:
+        return 0.0
+    mid = len(pairs) // 2
+    median = pairs[mid] if len(pairs) % 2 else (pairs[mid - 1] + pairs[mid]) / 2
+    return median * 3600
+
+
+def window_medians(samples: list[tuple[float, float]], window_s: float = 300.0) -> list[tuple[float, float]]:
+    """(window start in seconds, median value) for consecutive windows of ``window_s``."""
+    buckets: dict[int, list[float]] = {}
+    for t, v in samples:
+        buckets.setdefault(int(t // window_s), []).append(v)
+    out = []
+    for k in sorted(buckets):
+        vals = sorted(buckets[k])
+        mid = len(vals) // 2
+        out.append((k * window_s, vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2))
+    return out
 
 
 def rss_mb(pid: int) -> float | None:
@@ -108,6 +139,10 @@ def summarize_samples(samples: list[tuple[float, dict[str, float]]]) -> dict[str
     return {
         "samples": len(samples),
         "slope_per_hour": {k: round(slope_per_hour([(t, s[k]) for t, s in warm]), 2) for k in keys},
+        "robust_slope_per_hour": {k: round(robust_slope_per_hour([(t, s[k]) for t, s in warm]), 2)
+                                  for k in keys},
+        "window_medians": {k: [[round(t), round(v, 1)] for t, v in window_medians([(t, s[k]) for t, s in samples])]
+                           for k in keys if k.startswith("rss_")},
         "end": {k: round(v, 1) for k, v in samples[-1][1].items()} if samples else {},
         "series": [{"t_s": round(t, 1), **{k: round(v, 1) for k, v in s.items()}} for t, s in samples],
     }
