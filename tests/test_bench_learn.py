@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from coevo.bench.learn import bench_learn, family_of, paired_stats, seed_stats, t975
-from coevo.config import CoevoConfig, load_config
+from coevo.bench.learn import (
+    HELDOUT_SEED,
+    LADDER,
+    LEARN,
+    METRICS,
+    PAIRED,
+    RUNG_KEYS,
+    aggregate_seeds,
+    bench_config,
+    bench_learn,
+    family_of,
+    ladder_result,
+    learn_result,
+    paired_stats,
+    plan_runs,
+    seed_stats,
+    t975,
+)
+from coevo.config import load_config
 from coevo.envs import make_family
 from coevo.envs.quickgame import QuickGame, QuickGameHard, State, build_world, candidates, transition
 from coevo.schemas import TaskSpec
@@ -128,42 +148,126 @@ async def test_bench_learn_two_seeds_smoke(model_cache: Path) -> None:
     assert time.monotonic() - t0 < 300
 
 
-async def test_ladder_runs_every_rung_once_per_seed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The aggregation, with the loop replaced by a stub that records the configs it is given."""
-    import coevo.bench.learn as learn
+# ---- configurations × seeds: the plan and the aggregation, on hand-written runs ------------------
 
-    seen: list[tuple[str, int, int, str]] = []
-    base = {"policy-only": 0.5, "policy+judge": 0.6, "full": 0.8}
 
-    async def fake_run(cfg: CoevoConfig, seconds: float, **_: object) -> dict[str, object]:
-        seen.append((cfg.loop, cfg.run.seed, cfg.env.seed, cfg.env.family))
-        x = base[cfg.loop] + 0.1 * cfg.run.seed
-        return {"seed": cfg.run.seed, "train_success": x, "heldout_success": x - 0.1, "train_success_initial": 0.1,
-                "heldout_success_initial": 0.1, "seconds_to_0.8": 30.0 if x >= 0.8 else None,
-                "seconds_to_0.8_or_budget": 30.0 if x >= 0.8 else seconds, "judge_process_accuracy":
-                None if cfg.loop == "policy-only" else 0.7, "curve": [{"seconds": 0.0, "success": x}]}
+def test_plan_is_seed_major_and_a_seed_seeds_both_weights_and_pool(tmp_path: Path) -> None:
+    plan = plan_runs(LADDER, 3)
+    assert plan == [(s, c, {"loop": c, "run.seed": s, "env.seed": s}) for s in range(3) for c in LADDER]
+    cfgs = [bench_config(tmp_path, {"env.family": "quickgame-hard", **run}) for _, _, run in plan]
+    assert [(c.loop, c.run.seed, c.env.seed, c.env.family) for c in cfgs] == [
+        (loop, s, s, "quickgame-hard") for s in range(3) for loop in ("policy-only", "policy+judge", "full")]
+    (_, _, integrated), (_, _, outcome) = plan_runs(LEARN, 1)
+    assert bench_config(tmp_path, integrated).scorer.reward != "outcome-only"
+    assert bench_config(tmp_path, outcome).scorer.reward == "outcome-only"
+    with pytest.raises(ValueError, match="seeds must be >= 1"):
+        plan_runs(LADDER, 0)
 
-    monkeypatch.setattr(learn, "run_budget", fake_run)
-    out = await learn.bench_ladder(minutes=1.0, seeds=3, preset="hard", cache_dir=tmp_path)
-    assert seen == [(loop, s, s, "quickgame-hard") for s in range(3) for loop in base]  # seed-major
-    full = out["configs"]["full"]
-    assert full["summary"]["train_success"]["mean"] == pytest.approx(0.9)
-    assert full["summary"]["train_success"]["half_width"] == pytest.approx(4.303 * 0.1 / math.sqrt(3), abs=1e-6)
-    assert full["reached_0.8"] == "3/3"
-    assert out["configs"]["policy-only"]["reached_0.8"] == "0/3"
-    middle = out["configs"]["policy+judge"]  # 0.6, 0.7, 0.8: only seed 2 reaches 0.8, at 30 s
-    assert middle["reached_0.8"] == "1/3"
-    assert middle["summary"]["seconds_to_0.8"]["mean"] == 30.0
-    assert middle["summary"]["seconds_to_0.8_or_budget"]["mean"] == pytest.approx((60 + 60 + 30) / 3)
-    assert out["configs"]["policy-only"]["summary"]["judge_process_accuracy"]["n"] == 0
-    diff = out["paired"]["full - policy-only"]["train_success"]
-    assert (diff["mean"], diff["sd"]) == (pytest.approx(0.3), 0.0)
-    assert out["rungs"]["full"]["train_success"] == pytest.approx(0.9)
+
+def _run(seed: int, train: float, heldout: float, reached: float | None, judge: float | None) -> dict[str, Any]:
+    """A run as ``run_budget`` reports it, with the fields the aggregation reads (a 60 s budget)."""
+    return {"seed": seed, "train_success": train, "heldout_success": heldout, "train_success_initial": 0.1,
+            "heldout_success_initial": 0.1, "seconds_to_0.8": reached,
+            "seconds_to_0.8_or_budget": 60.0 if reached is None else reached, "judge_process_accuracy": judge,
+            "curve": [{"seconds": 0.0, "success": train}, {"seconds": 60.0, "success": train}]}
+
+
+LADDER_RUNS = {  # three seeds per rung; only policy+judge's seed 2 and every full run reach 0.8
+    "policy-only": [_run(0, 0.5, 0.4, None, None), _run(1, 0.6, 0.5, None, None), _run(2, 0.7, 0.6, None, None)],
+    "policy+judge": [_run(0, 0.6, 0.5, None, 0.7), _run(1, 0.7, 0.5, None, 0.7), _run(2, 0.8, 0.8, 30.0, 0.7)],
+    "full": [_run(0, 0.8, 0.6, 40.0, 0.6), _run(1, 0.9, 0.8, 30.0, 0.7), _run(2, 1.0, 0.7, 20.0, 0.8)]}
+
+
+def _ladder_out() -> dict[str, Any]:
+    return aggregate_seeds(copy.deepcopy(LADDER_RUNS), seeds=3, family="quickgame-hard", preset="hard",
+                           minutes=1.0, episodes=64)
+
+
+def _interval(mean: float, sd: float, t: float, n: int) -> dict[str, Any]:
+    half = t * sd / math.sqrt(n)
+    return {"n": n, "mean": pytest.approx(mean), "sd": pytest.approx(sd, abs=1e-6),
+            "half_width": pytest.approx(half, abs=1e-6), "low": pytest.approx(mean - half, abs=1e-6),
+            "high": pytest.approx(mean + half, abs=1e-6)}
+
+
+def test_aggregate_seeds_summarises_each_configuration() -> None:
+    out = _ladder_out()
+    assert {k: out[k] for k in ("family", "preset", "minutes_per_run", "seeds", "episodes_per_evaluation",
+                                "heldout_seed")} == {"family": "quickgame-hard", "preset": "hard",
+                                                     "minutes_per_run": 1.0, "seeds": [0, 1, 2],
+                                                     "episodes_per_evaluation": 64, "heldout_seed": HELDOUT_SEED}
+    assert list(out["configs"]) == list(LADDER)
+    for c, rung in out["configs"].items():
+        assert rung["runs"] == LADDER_RUNS[c]  # one entry per seed, seed order, as run
+    full, middle, bottom = (out["configs"][c] for c in ("full", "policy+judge", "policy-only"))
+    assert full["summary"]["train_success"] == _interval(0.9, 0.1, 4.303, 3)
+    assert full["summary"]["seconds_to_0.8"] == _interval(30.0, 10.0, 4.303, 3)
+    assert full["summary"]["judge_process_accuracy"] == _interval(0.7, 0.1, 4.303, 3)
+    assert (full["reached_0.8"], middle["reached_0.8"], bottom["reached_0.8"]) == ("3/3", "1/3", "0/3")
+    assert middle["summary"]["seconds_to_0.8"] == {"n": 1, "mean": 30.0, "sd": None, "half_width": None,
+                                                   "low": None, "high": None}  # the one run that reached it
+    assert middle["summary"]["seconds_to_0.8_or_budget"] == _interval(50.0, statistics.stdev([60, 60, 30]), 4.303, 3)
+    assert bottom["summary"]["seconds_to_0.8"]["n"] == 0
+    assert bottom["summary"]["judge_process_accuracy"] == {"n": 0, "mean": None, "sd": None, "half_width": None,
+                                                           "low": None, "high": None}  # no judge
+    assert full["summary"]["learner_steps"]["n"] == 0  # a metric no run reports
+    assert set(full["summary"]) == set(METRICS)
+
+
+@pytest.mark.parametrize("seeds", [[0, 1], [0, 2, 1], [0, 1, 2, 3]])
+def test_aggregate_seeds_wants_every_seed_once_in_order(seeds: list[int]) -> None:
+    runs = {**copy.deepcopy(LADDER_RUNS), "full": [_run(s, 0.9, 0.8, 30.0, 0.7) for s in seeds]}
+    with pytest.raises(ValueError, match="'full' has runs for seeds"):
+        aggregate_seeds(runs, seeds=3, family="quickgame", preset="default", minutes=1.0, episodes=4)
+
+
+def test_ladder_result_pairs_each_rung_with_the_bottom_one() -> None:
+    out = _ladder_out()
+    before = copy.deepcopy(out)
+    result = ladder_result(out)
+    assert out == before  # pure: a new dict
+    assert {k: v for k, v in result.items() if k not in ("paired", "rungs")} == out
+    assert list(result["paired"]) == ["policy+judge - policy-only", "full - policy-only"]
+    up = result["paired"]["full - policy-only"]
+    assert set(up) == set(PAIRED)
+    assert up["train_success"] == _interval(0.3, 0.0, 4.303, 3)  # 0.8-0.5, 0.9-0.6, 1.0-0.7
+    assert up["heldout_success"] == _interval(0.2, 0.1, 4.303, 3)  # 0.2, 0.3, 0.1
+    assert up["seconds_to_0.8_or_budget"] == _interval(-30.0, 10.0, 4.303, 3)  # -20, -30, -40
+    assert result["paired"]["policy+judge - policy-only"]["judge_process_accuracy"]["n"] == 0
+    assert list(result["rungs"]) == ["policy-only", "policy+judge", "full"]  # bottom first
+    for c, rung in result["rungs"].items():
+        assert set(rung) == {*RUNG_KEYS, "curve"}
+        assert rung["curve"] == LADDER_RUNS[c][0]["curve"]  # the first seed's
+    assert [result["rungs"][c]["train_success"] for c in LADDER] == pytest.approx([0.6, 0.7, 0.9])
+    assert [result["rungs"][c]["judge_process_accuracy"] for c in LADDER] == [None, pytest.approx(0.7),
+                                                                             pytest.approx(0.7)]
+    assert json.loads(json.dumps(result)) == result
+
+
+def test_learn_result_pairs_integrated_with_outcome_only() -> None:
+    runs = {"integrated": [_run(0, 0.9, 0.6, 40.0, 0.8), _run(1, 0.7, 0.5, None, 0.6)],
+            "outcome_only": [_run(0, 0.6, 0.4, None, 0.5), _run(1, 0.8, 0.45, 50.0, 0.5)]}
+    out = aggregate_seeds(runs, seeds=2, family="quickgame", preset="default", minutes=1.0, episodes=4)
+    before = copy.deepcopy(out)
+    result = learn_result(out)
+    assert out == before
+    diff = result["paired"]["integrated - outcome_only"]
+    assert diff["heldout_success"] == _interval(0.125, statistics.stdev([0.2, 0.05]), 12.706, 2)
+    assert diff["train_success"] == _interval(0.1, statistics.stdev([0.3, -0.1]), 12.706, 2)
+    assert diff["seconds_to_0.8_or_budget"] == _interval(-5.0, statistics.stdev([-20.0, 10.0]), 12.706, 2)
+    assert result["headline"] == {"integrated.train_success": pytest.approx(0.8),
+                                  "integrated.heldout_success": pytest.approx(0.55),
+                                  "integrated.seconds_to_0.8": 40.0,
+                                  "outcome_only.train_success": pytest.approx(0.7),
+                                  "outcome_only.heldout_success": pytest.approx(0.425),
+                                  "outcome_only.seconds_to_0.8": 50.0}
+    assert result["curves"] == {f"{c} s{s}": runs[c][s]["curve"] for c in LEARN for s in (0, 1)}
+    assert result["target"] == "final train success >= 0.8 within 10 minutes"
 
 
 async def test_evaluator_plays_textworld_and_its_heldout_games(model_cache: Path) -> None:
     """The evaluator is the family's: TextWorld games (compiled before the clock), the policy's prompt."""
-    from coevo.bench.learn import HELDOUT_SEED, eval_set
+    from coevo.bench.learn import eval_set
     from coevo.envs.textworld_env import TextWorld
     from coevo.inference.clients import model_dir
 

@@ -268,30 +268,48 @@ def family_of(family: str, preset: str) -> str:
     return f"{family}-{preset}"
 
 
-async def run_seeds(configs: dict[str, dict[str, Any]], *, seeds: int, minutes: float, eval_every_s: float,
-                    episodes: int, family: str, preset: str, cache_dir: Path | None,
-                    overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every configuration once per seed (seed-major order) and the statistics over seeds; ``overrides``
-    (config fields) apply to every run."""
+def plan_runs(configs: dict[str, dict[str, Any]], seeds: int) -> list[tuple[int, str, dict[str, Any]]]:
+    """The runs of ``configs`` × ``seeds`` in the order they run, as (seed, configuration, overrides):
+    seed-major (every configuration of seed ``s`` before seed ``s + 1``, in the order of ``configs``),
+    each run's overrides its configuration's with ``run.seed = env.seed = s``."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
-    name = family_of(family, preset)
-    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
-    plan = [(s, c) for s in range(seeds) for c in configs]
-    with tempfile.TemporaryDirectory() as tmp:
-        common = {"env.cache_dir": str(cache_dir or Path(tmp) / "cache"), "env.family": name, **(overrides or {})}
-        for s, c in tracked(plan, f"{len(configs)} configurations × {seeds} seeds", unit="runs"):
-            cfg = bench_config(Path(tmp) / f"{c}-s{s}", {**common, **configs[c], "run.seed": s, "env.seed": s})
-            runs[c].append(await run_budget(cfg, minutes * 60, eval_every_s=eval_every_s, episodes=episodes))
-    out: dict[str, Any] = {
-        "family": name, "preset": preset, "minutes_per_run": minutes, "seeds": list(range(seeds)),
+    return [(s, c, {**configs[c], "run.seed": s, "env.seed": s}) for s in range(seeds) for c in configs]
+
+
+def aggregate_seeds(runs: dict[str, list[dict[str, Any]]], *, seeds: int, family: str, preset: str,
+                    minutes: float, episodes: int) -> dict[str, Any]:
+    """``run_seeds``' result from its runs, with no I/O: ``runs[c][s]`` is configuration ``c``'s run with
+    seed ``s``, so every configuration has exactly the seeds ``0..seeds-1`` in order (what ``paired``
+    pairs by position; a ValueError otherwise). Per configuration: ``summarize_runs`` and the runs as given."""
+    for c, rs in runs.items():
+        if [r["seed"] for r in rs] != list(range(seeds)):
+            raise ValueError(f"configuration {c!r} has runs for seeds {[r['seed'] for r in rs]}, "
+                             f"not 0..{seeds - 1} in order")
+    return {
+        "family": family, "preset": preset, "minutes_per_run": minutes, "seeds": list(range(seeds)),
         "episodes_per_evaluation": episodes, "heldout_seed": HELDOUT_SEED,
         "interval": "95 % Student t over seeds: mean ± t(0.975, n-1)·sd/√n (sample sd); none for n = 1",
         "seconds_to_0.8": "first evaluation with train success >= 0.8; seconds_to_0.8 averages the runs that "
                           "reached it (reached_0.8 counts them), seconds_to_0.8_or_budget counts the others "
                           "as the budget",
         "configs": {c: {**summarize_runs(rs), "runs": rs} for c, rs in runs.items()}}
-    return out
+
+
+async def run_seeds(configs: dict[str, dict[str, Any]], *, seeds: int, minutes: float, eval_every_s: float,
+                    episodes: int, family: str, preset: str, cache_dir: Path | None,
+                    overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every configuration once per seed (``plan_runs``' seed-major order) and the statistics over seeds
+    (``aggregate_seeds``); ``overrides`` (config fields) apply to every run."""
+    plan = plan_runs(configs, seeds)
+    name = family_of(family, preset)
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        common = {"env.cache_dir": str(cache_dir or Path(tmp) / "cache"), "env.family": name, **(overrides or {})}
+        for s, c, run in tracked(plan, f"{len(configs)} configurations × {seeds} seeds", unit="runs"):
+            cfg = bench_config(Path(tmp) / f"{c}-s{s}", {**common, **run})
+            runs[c].append(await run_budget(cfg, minutes * 60, eval_every_s=eval_every_s, episodes=episodes))
+    return aggregate_seeds(runs, seeds=seeds, family=name, preset=preset, minutes=minutes, episodes=episodes)
 
 
 def paired(out: dict[str, Any], a: str, b: str) -> dict[str, Any]:
@@ -304,33 +322,51 @@ def _mean(out: dict[str, Any], config: str, metric: str) -> Any:
     return out["configs"][config]["summary"][metric]["mean"]
 
 
+LEARN: dict[str, dict[str, Any]] = {"integrated": {}, "outcome_only": {"scorer.reward": "outcome-only"}}
+"""``bench learn``'s configurations: integrated reward, then outcome-only reward."""
+LADDER: dict[str, dict[str, Any]] = {"policy-only": {"loop": "policy-only"}, "policy+judge": {"loop": "policy+judge"},
+                                     "full": {"loop": "full"}}
+"""``bench ladder``'s rungs, bottom first: policy-only, + judge training, + environment adaptation."""
+RUNG_KEYS = ("train_success", "heldout_success", "train_success_initial", "heldout_success_initial",
+             "judge_process_accuracy", "judge_outcome_accuracy", "judge_process_accuracy_heldout",
+             "judge_outcome_accuracy_heldout", "rewrites_accepted", "learner_steps")
+"""The metrics whose means over seeds ``ladder_result`` gives per rung (``coevo report`` plots these)."""
+
+
+def learn_result(out: dict[str, Any]) -> dict[str, Any]:
+    """``bench learn``'s result from ``run_seeds``' ``out`` over ``LEARN`` (a new dict; ``out`` is left as it
+    is): adds the paired differences integrated - outcome_only, the headline means over seeds, every run's
+    curve (``"<config> s<seed>"``) and the target."""
+    return {**out, "paired": {"integrated - outcome_only": paired(out, "integrated", "outcome_only")},
+            "headline": {f"{c}.{m}": _mean(out, c, m) for c in LEARN
+                         for m in ("train_success", "heldout_success", "seconds_to_0.8")},
+            "curves": {f"{c} s{r['seed']}": r["curve"] for c in LEARN for r in out["configs"][c]["runs"]},
+            "target": "final train success >= 0.8 within 10 minutes"}
+
+
+def ladder_result(out: dict[str, Any]) -> dict[str, Any]:
+    """``bench ladder``'s result from ``run_seeds``' ``out``, its configurations the rungs bottom first (a new
+    dict; ``out`` is left as it is): adds each higher rung's paired differences against the bottom one, and per
+    rung, in ladder order, the means over seeds of ``RUNG_KEYS`` and the first seed's curve."""
+    bottom, *higher = out["configs"]
+    return {**out, "paired": {f"{c} - {bottom}": paired(out, c, bottom) for c in higher},
+            "rungs": {c: {**{k: _mean(out, c, k) for k in RUNG_KEYS}, "curve": rung["runs"][0]["curve"]}
+                      for c, rung in out["configs"].items()}}
+
+
 async def bench_learn(minutes: float = 10.0, eval_every_s: float = 30.0, episodes: int = 64,
                       cache_dir: Path | None = None, *, seeds: int = 1, preset: str = "default",
                       family: str = "quickgame", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Integrated reward vs outcome-only, ``seeds`` runs each."""
-    configs = {"integrated": {}, "outcome_only": {"scorer.reward": "outcome-only"}}
-    out = await run_seeds(configs, seeds=seeds, minutes=minutes, eval_every_s=eval_every_s, episodes=episodes,
-                          family=family, preset=preset, cache_dir=cache_dir, overrides=overrides)
-    out["paired"] = {"integrated - outcome_only": paired(out, "integrated", "outcome_only")}
-    out["headline"] = {f"{c}.{m}": _mean(out, c, m) for c in configs
-                       for m in ("train_success", "heldout_success", "seconds_to_0.8")}
-    out["curves"] = {f"{c} s{r['seed']}": r["curve"] for c in configs for r in out["configs"][c]["runs"]}
-    out["target"] = "final train success >= 0.8 within 10 minutes"
-    return out
+    return learn_result(await run_seeds(LEARN, seeds=seeds, minutes=minutes, eval_every_s=eval_every_s,
+                                        episodes=episodes, family=family, preset=preset, cache_dir=cache_dir,
+                                        overrides=overrides))
 
 
 async def bench_ladder(minutes: float = 5.0, eval_every_s: float = 30.0, episodes: int = 64,
                        cache_dir: Path | None = None, *, seeds: int = 1, preset: str = "default",
                        family: str = "quickgame", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The paper's ladder (policy-only, + judge training, + environment adaptation), ``seeds`` runs each."""
-    configs = {"policy-only": {"loop": "policy-only"}, "policy+judge": {"loop": "policy+judge"},
-               "full": {"loop": "full"}}
-    out = await run_seeds(configs, seeds=seeds, minutes=minutes, eval_every_s=eval_every_s, episodes=episodes,
-                          family=family, preset=preset, cache_dir=cache_dir, overrides=overrides)
-    out["paired"] = {f"{c} - policy-only": paired(out, c, "policy-only") for c in ("policy+judge", "full")}
-    keys = ("train_success", "heldout_success", "train_success_initial", "heldout_success_initial",
-            "judge_process_accuracy", "judge_outcome_accuracy", "judge_process_accuracy_heldout",
-            "judge_outcome_accuracy_heldout", "rewrites_accepted", "learner_steps")
-    out["rungs"] = {c: {**{k: _mean(out, c, k) for k in keys}, "curve": out["configs"][c]["runs"][0]["curve"]}
-                    for c in configs}  # means over seeds (coevo report plots these), the first seed's curve
-    return out
+    return ladder_result(await run_seeds(LADDER, seeds=seeds, minutes=minutes, eval_every_s=eval_every_s,
+                                         episodes=episodes, family=family, preset=preset, cache_dir=cache_dir,
+                                         overrides=overrides))
