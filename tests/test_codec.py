@@ -1,10 +1,13 @@
-"""The wire codec: token ids and log-probs packed on the wire, plain lists in Python, old events still read."""
+"""The wire codec: token ids and log-probs array-backed in Python, raw arrays in a frame on the wire,
+JSON (base64 or plain lists) still read."""
 
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import math
+import pickle
 import struct
 from typing import Any
 
@@ -17,29 +20,31 @@ from pydantic_core import to_json
 from coevo.schemas import (
     EVENT_TYPES,
     Event,
+    FloatArray,
     GroupScored,
+    IntArray,
     StepJudged,
     StepTaken,
     TrainingSample,
     decode,
     encode,
+    encode_json,
     json_schemas,
     kind_of,
 )
-from coevo.schemas.packed import Floats, PackedArray, TokenIds
+from coevo.schemas.packed import MAGIC, Floats, PackedArray, TokenIds
 from tests.samples import sample_events
 
 SAMPLES = {kind_of(type(e)): e for e in sample_events("codec")}
 PACKED_FIELDS = ("prompt_token_ids", "response_token_ids", "logprobs", "allowed_token_ids")
 
 ints = st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), max_size=50)
-any_ints = ints | st.lists(st.integers(), max_size=5)  # outside int32: written as a plain list
 floats = st.lists(st.floats(allow_nan=False), max_size=50)  # NaN != NaN: equality cannot hold
 
 
 @st.composite
 def tokens(draw: Any) -> dict[str, Any]:
-    return {"prompt_token_ids": draw(any_ints), "response_token_ids": draw(ints), "logprobs": draw(floats),
+    return {"prompt_token_ids": draw(ints), "response_token_ids": draw(ints), "logprobs": draw(floats),
             "allowed_token_ids": draw(st.none() | ints)}
 
 
@@ -80,52 +85,101 @@ def test_events_written_with_plain_lists_still_decode(event: Event) -> None:
     assert decode(_legacy(event)) == event
 
 
-def test_the_wire_holds_packed_little_endian_arrays() -> None:
-    step = SAMPLES["step.taken"].model_copy(update={"prompt_token_ids": [1, 258, 151_935],
-                                                   "logprobs": [-0.25, -1e-9]})
-    wire = json.loads(encode(step))
+def _frame_parts(raw: bytes) -> tuple[dict[str, Any], bytes]:
+    assert raw[:4] == MAGIC
+    (n,) = struct.unpack_from("<I", raw, 4)
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def _array(head: dict[str, Any], blob: bytes, field: str) -> bytes:
+    start, n = (int(x) for x in head[field][1:].split(":"))
+    return blob[start:start + n]
+
+
+def test_the_wire_is_a_frame_of_json_head_and_little_endian_arrays() -> None:
+    step = SAMPLES["step.taken"].model_copy(update={"prompt_token_ids": IntArray([1, 258, 151_935]),
+                                                   "logprobs": FloatArray([-0.25, -1e-9])})
+    raw = encode(step)
+    head, blob = _frame_parts(raw)
+    assert (len(raw) - len(blob)) % 8 == 0  # the arrays start 8-aligned
+    assert _array(head, blob, "prompt_token_ids") == b"\x01\0\0\0\x02\x01\0\0\x7f\x51\x02\0"
+    assert _array(head, blob, "logprobs") == struct.pack("<2d", -0.25, -1e-9)
+    assert all(int(head[f][1:].split(":")[0]) % 8 == 0 for f in ("prompt_token_ids", "response_token_ids", "logprobs"))
+    assert head["allowed_token_ids"] is None
+    assert decode(raw) == step
+    bare = SAMPLES["task.scheduled"]  # nothing to pack: plain JSON, readable as it is
+    assert encode(bare)[:1] == b"{" and decode(encode(bare)) == bare
+
+
+def test_one_json_document_carries_arrays_as_base64_or_lists() -> None:
+    step = SAMPLES["step.taken"].model_copy(update={"prompt_token_ids": IntArray([1, 258, 151_935]),
+                                                   "logprobs": FloatArray([-0.25, -1e-9])})
+    wire = json.loads(encode_json(step))
     assert base64.urlsafe_b64decode(wire["prompt_token_ids"]) == b"\x01\0\0\0\x02\x01\0\0\x7f\x51\x02\0"
-    assert base64.urlsafe_b64decode(wire["logprobs"]) == struct.pack("<2d", -0.25, -1e-9)
-    assert wire["allowed_token_ids"] is None
-    assert json.loads(encode(step.model_copy(update={"response_token_ids": []})))["response_token_ids"] == []
-    body = json.loads(encode(step))  # other writers may use the standard alphabet, or plain lists
-    body["prompt_token_ids"] = base64.b64encode(struct.pack("<3i", 1, 258, 151_935)).decode()
-    body["logprobs"] = [-0.25, -1e-9]
-    assert decode(json.dumps(body)) == step
-    # beyond int32: a plain list, read back exactly
-    wide = step.model_copy(update={"prompt_token_ids": [2**40, -(2**63)]})
-    assert json.loads(encode(wide))["prompt_token_ids"] == [2**40, -(2**63)]
-    assert decode(encode(wide)) == wide
+    assert decode(encode_json(step)) == step
+    assert json.loads(encode_json(step.model_copy(update={"response_token_ids": []})))["response_token_ids"] == []
+    wire["prompt_token_ids"] = base64.b64encode(struct.pack("<3i", 1, 258, 151_935)).decode()  # standard alphabet
+    wire["logprobs"] = [-0.25, -1e-9]  # other writers may use plain lists
+    assert decode(json.dumps(wire)) == step
+
+
+def test_python_side_is_array_backed_and_behaves_like_a_list() -> None:
+    step = StepTaken.model_validate({**dict(SAMPLES["step.taken"]), "prompt_token_ids": [5, 6, 7, 8],
+                                     "logprobs": [-0.5, -1.5]})
+    ids, lps = step.prompt_token_ids, step.logprobs
+    assert isinstance(ids, IntArray) and isinstance(lps, FloatArray)
+    assert ids == [5, 6, 7, 8] and [5, 6, 7, 8] == ids and ids != [5, 6, 7] and ids != [5, 6, 7, 9]
+    assert len(ids) == 4 and ids[1] == 6 and ids[-1] == 8 and ids[1:3] == [6, 7] and list(ids) == [5, 6, 7, 8]
+    assert ids + [9] == [5, 6, 7, 8, 9] and [4] + ids == [4, 5, 6, 7, 8]  # noqa: RUF005 (what "+" does)
+    assert 7 in ids and ids.index(7) == 2
+    assert lps.tolist() == [-0.5, -1.5] and sum(lps) == -2.0 and type(lps[0]) is float and type(ids[0]) is int
+    assert step.model_dump()["prompt_token_ids"] == [5, 6, 7, 8] and type(step.model_dump()["logprobs"]) is list
+    again = decode(encode(step))
+    assert again == step and hash(again.prompt_token_ids) == hash(ids)
+    assert pickle.loads(pickle.dumps(again)) == step and copy.deepcopy(again) == step
+    assert repr(IntArray(range(10))) == "IntArray([0, 1, 2, 3, 4, 5, 6, 7], ... 2 more)"
+
+
+def test_a_decoded_frame_wraps_the_message_bytes_instead_of_copying_them() -> None:
+    raw = encode(SAMPLES["step.taken"].model_copy(update={"prompt_token_ids": IntArray(range(1000))}))
+    ids = decode(raw).prompt_token_ids
+    assert ids.wire_bytes().obj is raw  # a view of the message: no number is a Python object yet
+    assert ids == list(range(1000))
+
+
+def test_values_outside_int32_are_refused_not_wrapped() -> None:
+    with pytest.raises(ValidationError, match="out of range"):
+        StepTaken.model_validate({**dict(SAMPLES["step.taken"]), "prompt_token_ids": [2**40]})
+    body = json.loads(encode_json(SAMPLES["step.taken"]))
+    body["prompt_token_ids"] = [-(2**31) - 1]
+    with pytest.raises(ValidationError, match="out of range"):
+        decode(json.dumps(body))
 
 
 def test_exports_for_people_hold_plain_lists_and_decode_back() -> None:
-    step = SAMPLES["step.taken"].model_copy(update={"prompt_token_ids": [1, 258], "logprobs": [-0.5]})
+    step = SAMPLES["step.taken"].model_copy(update={"prompt_token_ids": IntArray([1, 258]),
+                                                   "logprobs": FloatArray([-0.5])})
     readable = step.model_dump(mode="json", context={"lists": True})
     assert readable["prompt_token_ids"] == [1, 258] and readable["logprobs"] == [-0.5]
     assert decode(json.dumps(readable)) == step
-    assert isinstance(json.loads(encode(step))["prompt_token_ids"], str), "the wire itself stays packed"
 
 
-def test_packed_is_smaller_than_plain_lists_for_real_token_ids() -> None:
-    step = SAMPLES["step.taken"].model_copy(update={
-        "prompt_token_ids": [(k * 2_654_435_761) % 151_936 for k in range(2000)],
-        "response_token_ids": [(k * 40_503) % 151_936 for k in range(500)],
-        "logprobs": [-math.log1p(k) / 7 for k in range(500)]})
-    assert len(encode(step)) < 0.8 * len(_legacy(step))
+def test_frames_are_smaller_than_plain_lists_for_real_token_ids() -> None:
+    step = StepTaken.model_validate({**dict(SAMPLES["step.taken"]),
+                                     "prompt_token_ids": [(k * 2_654_435_761) % 151_936 for k in range(2000)],
+                                     "response_token_ids": [(k * 40_503) % 151_936 for k in range(500)],
+                                     "logprobs": [-math.log1p(k) / 7 for k in range(500)]})
+    assert len(encode(step)) < 0.8 * len(encode_json(step)) < 0.8 * len(_legacy(step))
 
 
-def test_python_side_stays_plain_lists_and_strict() -> None:
-    """In Python (the learner's broadcast, model_dump/model_validate) the fields are plain lists."""
+def test_python_side_is_strict() -> None:
     sample = SAMPLES["group.scored"].policy_samples[0]  # type: ignore[attr-defined]
     dumped = sample.model_dump()
     assert dumped["prompt_token_ids"] == [1, 2] and dumped["logprobs"] == [-0.5]
     assert TrainingSample.model_validate(dumped) == sample
-    with pytest.raises(ValidationError):
-        TrainingSample.model_validate({**dumped, "prompt_token_ids": "AQAAAAIAAAA="})  # packed only in JSON
-    with pytest.raises(ValidationError):
-        TrainingSample.model_validate({**dumped, "prompt_token_ids": [True]})
-    with pytest.raises(ValidationError):
-        TrainingSample.model_validate({**dumped, "prompt_token_ids": ["1"]})
+    for bad in ("AQAAAAIAAAA=", "@0:8", [True], ["1"], [1.5]):  # packed forms exist only on the wire
+        with pytest.raises(ValidationError):
+            TrainingSample.model_validate({**dumped, "prompt_token_ids": bad})
 
 
 @pytest.mark.parametrize(("value", "why"), [
@@ -133,28 +187,56 @@ def test_python_side_stays_plain_lists_and_strict() -> None:
     ("AAA=", "whole number"),  # 2 bytes: half an int32
     ("AQAA\nAA==", "valid base64"),
     ("é", "valid base64"),
+    ("@0:8", "outside a frame"),  # a reference means nothing in plain JSON
     ([1.5], "valid integer"),
     (["1"], "valid integer"),
     ({"a": 1}, "valid bytes"),
 ])
 def test_a_malformed_packed_field_is_a_validation_error(value: Any, why: str) -> None:
-    body = json.loads(encode(SAMPLES["step.taken"]))
+    body = json.loads(encode_json(SAMPLES["step.taken"]))
     body["prompt_token_ids"] = value
     with pytest.raises(ValidationError, match=why):
         decode(json.dumps(body))
 
 
+def _reframe(head: dict[str, Any], blob: bytes) -> bytes:
+    text = json.dumps(head).encode()
+    return MAGIC + struct.pack("<I", len(text)) + text + blob
+
+
+@pytest.mark.parametrize(("edit", "why"), [
+    (lambda h, b: (h | {"prompt_token_ids": "@0:100000"}, b), "past the frame"),
+    (lambda h, b: (h | {"prompt_token_ids": "@0:6"}, b), "whole number"),
+    (lambda h, b: (h | {"logprobs": "@4:12"}, b), "8-byte"),
+    (lambda h, b: (h | {"prompt_token_ids": "@-1:4"}, b), "valid base64"),  # not a reference: read as base64
+])
+def test_a_malformed_frame_reference_is_a_validation_error(edit: Any, why: str) -> None:
+    raw = encode(SAMPLES["step.taken"])
+    with pytest.raises(ValidationError, match=why):
+        decode(_reframe(*edit(*_frame_parts(raw))))
+
+
+def test_a_truncated_frame_is_a_value_error() -> None:
+    raw = encode(SAMPLES["step.taken"])
+    for cut in (MAGIC, raw[:6], raw[:12], raw[:-4]):
+        with pytest.raises(ValueError):
+            decode(cut)
+    with pytest.raises(ValueError, match="head"):
+        decode(MAGIC + struct.pack("<I", 10**6) + raw[8:])
+
+
 def test_packed_float_lists_must_be_whole_float64s() -> None:
-    body = json.loads(encode(SAMPLES["step.taken"]))
+    body = json.loads(encode_json(SAMPLES["step.taken"]))
     body["logprobs"] = base64.b64encode(b"\0" * 12).decode()
     with pytest.raises(ValidationError, match="8-byte"):
         decode(json.dumps(body))
 
 
-def test_schema_export_documents_both_wire_forms() -> None:
+def test_schema_export_documents_every_wire_form() -> None:
     prop = json_schemas()["step.taken"]["properties"]
     forms = prop["prompt_token_ids"]["anyOf"]
     assert {"type": "array", "items": {"type": "integer"}} in forms
+    assert any("frame" in f.get("description", "") for f in forms)
     assert any(f.get("contentEncoding") == "base64" and "int32" in f["description"] for f in forms)
     assert any(f.get("items") == {"type": "number"} for f in prop["logprobs"]["anyOf"])
     assert {"type": "null"} in prop["allowed_token_ids"]["anyOf"]

@@ -20,13 +20,16 @@ from coevo.schemas import (
     Source,
     decode,
     encode,
+    encode_json,
     kind_of,
     new_id,
     subject_for,
 )
+from coevo.schemas.packed import MAGIC
 from tests.samples import sample_events
 
-VALID = {kind_of(type(e)): json.loads(encode(e)) for e in sample_events("fuzz")}
+VALID = {kind_of(type(e)): json.loads(encode_json(e)) for e in sample_events("fuzz")}
+FRAMES = [encode(e) for e in sample_events("fuzz") if encode(e)[:4] == MAGIC]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
@@ -51,6 +54,27 @@ def mutated(draw: Any) -> bytes:
     return json.dumps(body).encode()
 
 
+@st.composite
+def broken_frames(draw: Any) -> bytes:
+    """A valid frame (JSON head + raw arrays) cut short, with bytes overwritten, its head length
+    changed, or an array reference moved; or the frame magic before random bytes."""
+    if draw(st.booleans()):
+        return MAGIC + draw(st.binary(max_size=64))
+    raw = bytearray(draw(st.sampled_from(FRAMES)))
+    action = draw(st.sampled_from(["cut", "overwrite", "head_length", "reference"]))
+    if action == "cut":
+        return bytes(raw[:draw(st.integers(0, len(raw) - 1))])
+    if action == "overwrite":
+        at = draw(st.integers(0, len(raw) - 1))
+        chunk = draw(st.binary(min_size=1, max_size=16))
+        return bytes(raw[:at] + chunk + raw[at + len(chunk):])
+    if action == "head_length":
+        return bytes(raw[:4] + draw(st.integers(0, 2**32 - 1)).to_bytes(4, "little") + raw[8:])
+    ref = draw(st.sampled_from([b"@0:", b":"]))
+    at = raw.find(ref)
+    return bytes(raw[:at + len(ref)] + str(draw(st.integers(0, 10**6))).encode() + raw[at + len(ref) + 1:])
+
+
 def _outcome(raw: bytes) -> str:
     """decode either returns a valid event or raises ValueError (ValidationError is one): nothing else."""
     try:
@@ -64,17 +88,18 @@ def _outcome(raw: bytes) -> str:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.binary(max_size=256) | mutated())
+@given(st.binary(max_size=256) | mutated() | broken_frames())
 def test_decoding_garbage_is_a_value_error_or_a_valid_event(raw: bytes) -> None:
     assert _outcome(raw) in ("valid", "invalid", "undecodable")
 
 
 def test_every_event_type_is_fuzzed() -> None:
     assert set(VALID) == {kind_of(t) for t in EVENT_TYPES}
+    assert {kind_of(decode(f)) for f in FRAMES} >= {"step.taken", "group.scored"}  # events with arrays
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(garbage=st.lists(st.binary(max_size=64) | mutated(), min_size=len(VALID), max_size=len(VALID)))
+@given(garbage=st.lists(st.binary(max_size=64) | mutated() | broken_frames(), min_size=len(VALID), max_size=len(VALID)))
 async def test_garbage_on_every_subject_is_dead_lettered_and_the_consumer_keeps_running(
         nats_url: str, garbage: list[bytes]) -> None:
     async with await NatsBus.connect(nats_url, f"fz{new_id()[:12]}") as bus:  # a run of its own per example

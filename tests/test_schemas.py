@@ -16,6 +16,7 @@ from coevo.schemas import (
     TaskSpec,
     decode,
     encode,
+    encode_json,
     kind_from_subject,
     subject_for,
 )
@@ -55,7 +56,7 @@ def test_strict_frozen_and_closed() -> None:
 def test_old_schema_versions_are_upcast(monkeypatch) -> None:
     """Replay reads history: a v0 payload goes through its upcaster before validation."""
     e = TaskScheduled(run_id="r", source=SRC, task=TaskSpec(task_id="t", family="f"), group_id="g", n_rollouts=2)
-    old = json.loads(encode(e))
+    old = json.loads(encode_json(e))
     old["schema_version"] = 0
     old["rollouts"] = old.pop("n_rollouts")  # the field's old name
 

@@ -47,8 +47,8 @@ def make_event(run_id: str, target_bytes: int, i: int) -> StepTaken:
 def _with_tokens(base: StepTaken, units: int, i: int) -> StepTaken:
     n_prompt, n_response = units * 4 // 5, units // 5
     seed = i % PROMPTS
-    return base.model_copy(update={
-        "event_id": new_id(),
+    return StepTaken.model_validate({  # validated, as a producer's constructor call is: arrays, not lists
+        **dict(base), "event_id": new_id(),
         "prompt_token_ids": _tokens(n_prompt, seed),
         "response_token_ids": _tokens(n_response, seed + PROMPTS),
         "logprobs": _logprobs(n_response, seed),

@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coevo.schemas import DeadLettered, Event, GroupScored, LearnerStepped, TaskScheduled, TrajectoryCompleted
+from coevo.schemas import (
+    DeadLettered,
+    Event,
+    GroupScored,
+    LearnerStepped,
+    TaskScheduled,
+    TrajectoryCompleted,
+    envelope,
+)
 
 ROLES = ("tasks", "policy", "judge", "scorer", "learner", "env")
 KILLABLE = ("policy", "judge", "scorer", "learner", "env", "tasks")
@@ -46,12 +54,9 @@ class ChaosPlan:
 
 def _dead_group(letter: DeadLettered) -> str | None:
     """The group a dead-lettered message belonged to, if it was one of this run's group events."""
-    try:
-        body = json.loads(letter.raw)
-    except ValueError:
-        return None
-    kind = body.get("kind") if isinstance(body, dict) else None
-    return body.get("group_id") if kind in ("task.scheduled", "group.scored") else None
+    body = envelope(letter.raw)
+    kind = body.get("kind") if body else None
+    return body.get("group_id") if body and kind in ("task.scheduled", "group.scored") else None
 
 
 def _trained_twice(steps: list[LearnerStepped]) -> int:

@@ -29,13 +29,15 @@ from coevo.schemas.events import (
     WeightsApplied,
     WeightsPublished,
 )
-from coevo.schemas.packed import Floats, TokenIds
+from coevo.schemas.packed import FloatArray, Floats, IntArray, TokenIds
 from coevo.schemas.registry import (
     EVENT_TYPES,
     KIND_TO_MODEL,
     control_subject,
     decode,
     encode,
+    encode_json,
+    envelope,
     events_prefix,
     json_schemas,
     kind_from_subject,
@@ -55,9 +57,11 @@ __all__ = [
     "DeadLettered",
     "Event",
     "FailureDigest",
+    "FloatArray",
     "Floats",
     "Frozen",
     "GroupScored",
+    "IntArray",
     "LearnerStepped",
     "RunFinished",
     "Source",
@@ -80,6 +84,8 @@ __all__ = [
     "control_subject",
     "decode",
     "encode",
+    "encode_json",
+    "envelope",
     "events_prefix",
     "json_schemas",
     "kind_from_subject",

@@ -29,6 +29,7 @@ from coevo.schemas.events import (
     WeightsApplied,
     WeightsPublished,
 )
+from coevo.schemas.packed import Blob, frame, unframe
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     TaskScheduled,
@@ -56,9 +57,10 @@ KIND_TO_MODEL: dict[str, type[Event]] = {
 MODEL_TO_KIND: dict[type[Event], str] = {m: k for k, m in KIND_TO_MODEL.items()}
 
 SUBJECT_ROOT = "coevo"
-CONTENT_TYPE = "application/json"
-"""Wire encoding: pydantic-core JSON, token ids and log-probs packed as base64 arrays
-(``coevo.schemas.packed``; measured in ``coevo bench codec``; see README)."""
+CONTENT_TYPE = "application/x-coevo-frame"
+"""Wire encoding: pydantic-core JSON; an event with token ids or log-probs is a frame, its JSON
+head followed by the raw little-endian arrays (``coevo.schemas.packed``; measured in ``coevo bench
+codec`` and ``bus``). ``encode_json`` gives one JSON document (arrays as base64)."""
 
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 UPCASTERS: dict[tuple[str, int], Upcaster] = {}
@@ -98,22 +100,33 @@ def transfer_subject(run_id: str, role: str, op: str) -> str:
 
 
 def encode(event: Event) -> bytes:
+    """The event on the wire: a frame (JSON head + raw arrays, ``coevo.schemas.packed``) when it
+    holds token ids or log-probs, plain JSON otherwise."""
+    blob = Blob()
+    head = event.__pydantic_serializer__.to_json(event, context={"blob": blob})
+    return frame(head, blob) if blob.parts else head
+
+
+def encode_json(event: Event) -> bytes:
+    """The event as one JSON document (arrays as base64): for files and people, not the bus."""
     return event.__pydantic_serializer__.to_json(event)
 
 
-def decode(raw: bytes | str) -> Event:
-    """Validate raw bytes into the registered event they encode.
+def decode(raw: bytes | str | memoryview) -> Event:
+    """Validate raw bytes (a frame or JSON) into the registered event they encode.
 
-    Fast path: current-version payloads go straight through the Rust JSON validator. Older
-    versions are parsed, upcast step by step, then validated.
+    Fast path: current-version payloads go straight through the Rust JSON validator; a frame's
+    arrays are views of ``raw``. Older versions are parsed, upcast step by step, then validated.
     Anything that is not a valid event raises ``ValueError`` (pydantic's ``ValidationError`` is one).
     """
+    parts = unframe(raw) if not isinstance(raw, str) else None
+    head, context = (bytes(parts[0]), {"blob": parts[1]}) if parts else (raw, None)
     try:
-        return EVENT_ADAPTER.validate_json(raw)
+        return EVENT_ADAPTER.validate_json(head, context=context)
     except Exception:
         import json
 
-        data = json.loads(raw)  # ValueError for what is not JSON
+        data = json.loads(head)  # ValueError for what is not JSON
         version = data.get("schema_version") if isinstance(data, dict) else None
         if type(version) is not int or version >= SCHEMA_VERSION:
             raise
@@ -121,7 +134,20 @@ def decode(raw: bytes | str) -> Event:
             upcasted = upcast(data)
         except (TypeError, KeyError, AttributeError) as exc:  # an upcaster met a shape it does not know
             raise ValueError(f"cannot upcast {data.get('kind')!r} from schema_version {version}: {exc!r}") from exc
-        return EVENT_ADAPTER.validate_python(upcasted, strict=False)
+        return EVENT_ADAPTER.validate_python(upcasted, strict=False, context=context)
+
+
+def envelope(raw: bytes | memoryview) -> dict[str, Any] | None:
+    """The JSON object a payload's head holds (a frame's arrays left as references), or None when
+    it is not one: for reading what a message says without validating it (dead letters)."""
+    import json
+
+    try:
+        parts = unframe(raw)
+        body = json.loads(bytes(parts[0]) if parts else raw)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def upcast(data: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,6 @@ output that differs from the recorded one is reported with both sides.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,7 +25,6 @@ from coevo.schemas import (
     TaskRewritten,
     TaskScheduled,
     TrajectoryCompleted,
-    encode,
 )
 
 ENVELOPE = {"event_id", "run_id", "ts", "source", "causation_id", "correlation_id", "schema_version"}
@@ -79,7 +77,7 @@ def first_difference(recorded: dict[str, Any], replayed: dict[str, Any], path: s
 
 
 def payload(event: Event) -> dict[str, Any]:
-    return json.loads(encode(event))
+    return event.model_dump(mode="json", context={"lists": True})
 
 
 def replay_scorer(events: list[tuple[int, Event]], cfg: CoevoConfig) -> ReplayReport:

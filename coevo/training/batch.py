@@ -138,9 +138,9 @@ def to_tensors(samples: Sequence[TrainingSample], vocab_size: int, pad_id: int =
         ids[i, : len(seq)] = torch.tensor(seq)
         attn[i, : len(seq)] = 1
         resp[i, p: p + r] = 1
-        behav[i, p: p + r] = torch.tensor(s.logprobs)
+        behav[i, p: p + r] = torch.tensor(list(s.logprobs))  # arrays or lists: plain numbers for torch
         if allowed is not None and s.allowed_token_ids:
             allowed[i] = False
-            allowed[i, s.allowed_token_ids] = True
+            allowed[i, list(s.allowed_token_ids)] = True
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     return Tensors(ids, attn, resp, behav, adv, allowed, [s.model_version for s in samples])
