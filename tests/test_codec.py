@@ -246,3 +246,16 @@ def test_the_annotations_are_the_public_types() -> None:
     for alias in (TokenIds, Floats):
         assert any(isinstance(m, PackedArray) for m in alias.__metadata__)  # type: ignore[attr-defined]
     assert set(PACKED_FIELDS) <= set(StepTaken.model_fields)
+
+
+def test_bench_codec_measures_every_form_of_a_real_shaped_step() -> None:
+    from coevo.bench.bus import SIZES, bench_codec, make_event
+
+    out = bench_codec(n=25)
+    assert set(out) == set(SIZES)
+    large = out["large"]
+    assert large["wire_bytes"] < large["json_base64_bytes"] < large["json_lists_bytes"]
+    assert all(v > 0 for v in large.values())
+    step = make_event("r", SIZES["large"], 1)
+    assert isinstance(step.prompt_token_ids, IntArray) and len(step.prompt_token_ids) > 2000  # as a producer builds it
+    assert abs(len(encode(step)) - SIZES["large"]) < 0.1 * SIZES["large"]

@@ -20,7 +20,7 @@ from typing import Any
 
 from coevo.config import BusConfig, StreamConfig
 from coevo.observe.progress import tracked
-from coevo.schemas import Event, Source, StepTaken, decode, encode, new_id
+from coevo.schemas import Event, Source, StepTaken, decode, encode, encode_json, new_id
 
 SIZES = {"small": 300, "large": 24_000}
 """Target wire size per event: ``small`` is a bare step (envelope and text only), ``large`` a step of
@@ -186,9 +186,9 @@ async def bench_bus(count: int = 20_000, repeats: int = 3, url: str | None = Non
 
 
 def bench_codec(n: int = 5000) -> dict[str, Any]:
-    """Per event size: the wire format (pydantic-core JSON, number lists packed), the same JSON with
-    plain number lists (what events written before the packed codec hold: decoding it is the old
-    path), and msgpack of the dumped dict."""
+    """Per event size: the wire format (a frame: JSON head + raw arrays), one JSON document with the
+    arrays as base64 (``encode_json``: files, and the wire before frames), the same JSON with plain
+    number lists (what events written before the packed codec hold), and msgpack of the dumped dict."""
     import msgspec
     from pydantic_core import to_json
 
@@ -200,11 +200,13 @@ def bench_codec(n: int = 5000) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, size in SIZES.items():
         e = make_event("bench", size, 1)
-        raw, lists = encode(e), to_json(e.model_dump())
+        raw, b64, lists = encode(e), encode_json(e), to_json(e.model_dump())
         packed = msgspec.msgpack.encode(e.model_dump())
         res = {
-            "json_encode_us": per_call_us(encode, e), "json_decode_us": per_call_us(decode, raw),
-            "json_bytes": len(raw),
+            "wire_encode_us": per_call_us(encode, e), "wire_decode_us": per_call_us(decode, raw),
+            "wire_bytes": len(raw),
+            "json_base64_encode_us": per_call_us(encode_json, e), "json_base64_decode_us": per_call_us(decode, b64),
+            "json_base64_bytes": len(b64),
             "json_lists_decode_us": per_call_us(decode, lists), "json_lists_bytes": len(lists),
             "msgpack_encode_us": per_call_us(lambda x: msgspec.msgpack.encode(x.model_dump()), e),
             "msgpack_decode_us": per_call_us(lambda b: EVENT_ADAPTER.validate_python(msgspec.msgpack.decode(b)),
