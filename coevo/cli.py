@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -176,17 +177,26 @@ def cmd_agent(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        from coevo.observe.live import agent_metrics
 
         async with open_runtime(cfg, name=f"coevo-agent-{cls.role}") as rt:
             agent = cls(rt.bus, cfg, agent_id=args.agent_id)
-            async with agent_metrics([agent], args.metrics_port, args.metrics_host) as url:
+            async with _agent_metrics(agent, args) as url:
                 if url:
                     print(f"{agent.agent_id}: Prometheus metrics at {url}", flush=True)
                 await run_agents([agent], handle_signals=False, until=stop)
         return 0
 
     return asyncio.run(go())
+
+
+def _agent_metrics(agent: Any, args: argparse.Namespace) -> Any:
+    """The agent's ``/metrics`` endpoint when ``--metrics-port`` is given. Without one the observe
+    package (aiohttp's web server, the dashboard) is not imported: every restart pays for it."""
+    if args.metrics_port is None:
+        return contextlib.nullcontext(None)
+    from coevo.observe.live import agent_metrics
+
+    return agent_metrics([agent], args.metrics_port, args.metrics_host)
 
 
 def _learner_follower(cfg: Any) -> int:

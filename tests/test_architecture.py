@@ -109,3 +109,41 @@ def test_no_function_is_longer_than_60_lines() -> None:
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({length} lines)")
     assert long == []
+
+
+# ---- what a restart costs: roles without a model load none of its stack ----------------------------
+
+MODEL_FREE_ROLES = ("tasks", "scorer", "env", "metrics", "retention")
+_START_A_ROLE = """
+import asyncio, json, sys, types
+from coevo.cli import _agent_metrics, build_parser, resolve_config
+from coevo.agents import resolve_role
+
+HEAVY = ("torch", "transformers", "vllm", "litellm", "coevo.observe.live")
+
+async def main(roles):
+    seen = {}
+    for role in roles:  # what cmd_agent does up to the agent's run(), without a server
+        args = build_parser().parse_args(["agent", role, "--set", "log.console=off"])
+        cfg = resolve_config(args)
+        import coevo.runtime.agent, coevo.runtime.app
+        agent = resolve_role(role)(types.SimpleNamespace(run_id="t"), cfg)
+        async with _agent_metrics(agent, args) as url:
+            assert url is None
+        seen[role] = [m for m in HEAVY if m in sys.modules]
+    print(json.dumps(seen))
+
+asyncio.run(main(sys.argv[1:]))
+"""
+
+
+def test_roles_without_a_model_start_without_torch() -> None:
+    """chaos kill -9s an agent every few seconds: a restarted tasks, scorer, env, metrics or retention
+    agent must not pay seconds of CPU for torch or transformers it never uses (nor the observe
+    package when it serves no metrics)."""
+    import json
+
+    result = subprocess.run([sys.executable, "-c", _START_A_ROLE, *MODEL_FREE_ROLES], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == {role: [] for role in MODEL_FREE_ROLES}

@@ -190,6 +190,61 @@ async def test_scorer_memory_of_scored_groups_is_bounded_and_orphans_are_dropped
     assert "g1" not in scorer.groups and scorer.counters["groups.orphans_dropped"] == 1
 
 
+async def test_scorer_restart_reloads_what_a_full_replay_would_from_the_oldest_open_group(bus, cfg, monkeypatch) -> None:
+    """A restarted scorer reads steps and votes only from the ``TaskScheduled`` of the oldest group
+    still open at its ack floor, and ends with the state a replay of the whole stream gives (but
+    for orphans older than that, which it would only drop)."""
+    from coevo.agents.scorer import Group, ScorerAgent
+    from coevo.schemas import GroupScored, StepJudged, StepTaken, TaskScheduled, TrajectoryCompleted, new_id
+    from tests.samples import sample_events
+
+    proto = {type(e): e for e in sample_events(bus.run_id)}
+
+    def ev(cls: type, gid: str, **fields: object) -> object:
+        return proto[cls].model_copy(update={"event_id": new_id(), "group_id": gid, **fields})
+
+    stream = [ev(TaskScheduled, "g1"), ev(StepTaken, "g1"), ev(StepJudged, "g1"),
+              ev(TrajectoryCompleted, "g1", rollout_index=0), ev(StepJudged, "old-orphan"), ev(GroupScored, "g1"),
+              ev(TaskScheduled, "g2"), ev(StepTaken, "g2"), ev(StepJudged, "g1"),  # a late vote of a scored group
+              ev(StepJudged, "orphan"), ev(TaskScheduled, "g3"), ev(StepTaken, "g3"),
+              ev(TrajectoryCompleted, "g2", rollout_index=1), ev(TrajectoryCompleted, "g2", rollout_index=1),
+              ev(StepJudged, "g3")]
+    seqs = [(await bus.publish_sync(e)).seq for e in stream]
+    floor = seqs[-1]
+    for e in (ev(GroupScored, "g3"), ev(StepTaken, "g2")):  # past the floor: not acknowledged yet
+        await bus.publish_sync(e)
+
+    full = ScorerAgent(bus, cfg)  # the reference: every event up to the floor, in stream order
+    kinds = ["task.scheduled", "step.taken", "trajectory.completed", "step.judged", "group.scored"]
+    async for _, e, _m in bus.history(kinds, end_seq=floor):
+        if isinstance(e, GroupScored):
+            full.remember(e.group_id)
+            full.groups.pop(e.group_id, None)
+        elif e.group_id not in full.scored:
+            full.groups.setdefault(e.group_id, Group()).add(e)
+
+    reads, history = [], bus.history
+
+    def recording(kinds, start_seq=1, end_seq=None):
+        reads.append((tuple(kinds), start_seq, end_seq))
+        return history(kinds, start_seq, end_seq)
+
+    monkeypatch.setattr(bus, "history", recording)
+    scorer = ScorerAgent(bus, cfg)
+    await scorer.replay(floor)
+
+    def state(agent: ScorerAgent) -> dict[str, object]:
+        return {gid: (g.scheduled and g.scheduled.event_id, sorted(g.steps),
+                      sorted((k, v.event_id) for k, v in g.judged.items()),
+                      sorted((k, v.event_id) for k, v in g.trajectories.items())) for gid, g in agent.groups.items()}
+
+    assert list(scorer.scored) == list(full.scored) == ["g1"]
+    assert set(full.groups) == {"g2", "g3", "orphan", "old-orphan"}
+    assert state(scorer) == {gid: v for gid, v in state(full).items() if gid != "old-orphan"}
+    assert scorer.groups["g2"].trajectories[1].event_id == stream[12].event_id  # the first completion wins
+    assert reads[1][1:] == (seqs[6], floor)  # steps and votes from g2's TaskScheduled on
+
+
 # ---- the critic (ALGORITHM.md §4.2) ---------------------------------------------------------------------
 
 

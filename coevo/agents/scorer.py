@@ -8,7 +8,8 @@ Invariants:
   step signal and listed in ``stragglers``; a group missing trajectories ``group_timeout_s``
   after it was scheduled is scored with those it has (or flagged when it has none);
 - on restart the state is rebuilt from the stream up to the consumer's ack floor, so what was
-  acknowledged before the crash is not lost.
+  acknowledged before the crash is not lost; steps and votes, the bulk of the stream, are read
+  only from the oldest group still open (a restart late in a long run stays cheap).
 """
 
 from __future__ import annotations
@@ -237,19 +238,39 @@ class ScorerAgent(Agent):
         except nats.js.errors.NotFoundError:
             return
         floor = info.ack_floor.stream_seq if info.ack_floor else 0
-        if not floor:
-            return
-        kinds = [*(k for k in ("task.scheduled", "step.taken", "trajectory.completed", "step.judged")),
-                 "group.scored"]
-        n = 0
-        async for _, event, _msg in self.bus.history(kinds, end_seq=floor):
+        if floor:
+            await self.replay(floor)
+
+    async def replay(self, floor: int) -> None:
+        """The state at stream sequence ``floor``: every group scored by then is remembered, every
+        other group holds its events stored up to ``floor``.
+
+        Two reads, so that a restart late in a long run does not decode every step and vote ever
+        stored (the bulk of the stream): the small events that say which groups exist and which are
+        scored (``task.scheduled``, ``group.scored``), then steps, trajectories and votes only from
+        the ``TaskScheduled`` of the oldest group still open. A group's events are stored after its
+        ``TaskScheduled`` (the policy plays what it reads from the stream), so an open group misses
+        none. Only events stored before that point of groups never scheduled (orphans, which would
+        only be dropped after ``group_timeout_s``) are not reloaded.
+        """
+        first_seq: dict[str, int] = {}
+        async for seq, event, _msg in self.bus.history(["task.scheduled", "group.scored"], end_seq=floor):
             if isinstance(event, GroupScored):
                 self.remember(event.group_id)
                 self.groups.pop(event.group_id, None)
-            elif event is not None and getattr(event, "group_id", None) not in self.scored:
+                first_seq.pop(event.group_id, None)
+            elif isinstance(event, TaskScheduled) and event.group_id not in self.scored:
+                self.groups.setdefault(event.group_id, Group()).add(event)
+                first_seq.setdefault(event.group_id, seq)
+        n = len(self.groups)
+        start = min(first_seq.values(), default=floor + 1)
+        kinds = ["step.taken", "trajectory.completed", "step.judged"]
+        async for _, event, _msg in self.bus.history(kinds, start_seq=start, end_seq=floor):
+            if event is not None and getattr(event, "group_id", None) not in self.scored:
                 self.groups.setdefault(event.group_id, Group()).add(event)  # type: ignore[attr-defined]
                 n += 1
-        self.log.info("scorer.rebuilt", events=n, groups=len(self.groups), scored=len(self.scored))
+        self.log.info("scorer.rebuilt", events=n, groups=len(self.groups), scored=len(self.scored),
+                      from_seq=start, floor=floor)
 
     async def on_event(self, event: Any, _d: Delivery) -> None:
         gid = event.group_id
