@@ -601,7 +601,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("bench", "benchmarks (write JSON)", metavar="BENCH"),
     Command("bench bus", "typed bus vs plain nats-py: throughput and publish-to-ack latency", cmd_bench_bus, args=(
         _JSON, arg("--count", type=int, default=20000, help="events per size and mode"),
-        arg("--repeats", type=int, default=3, help="best of N runs per measurement"),
+        arg("--repeats", type=int, default=5, help="pairs (plain, typed) per size: the ratio is their median"),
         arg("--nats", dest="nats_url", help="use this server instead of an embedded one"))),
     Command("bench envs", "environment steps/s in process vs as services; sandbox runs/s", cmd_bench_envs, args=(
         _JSON, arg("--seconds", type=float, default=5.0, help="per measurement"),
