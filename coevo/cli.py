@@ -105,6 +105,9 @@ def _run_source(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from coevo.runtime.memory import bound_malloc_arenas
+
+    bound_malloc_arenas()  # before any thread starts
     parser = build_parser()
     args = parser.parse_args(argv)
     from coevo.errors import ConfigError
