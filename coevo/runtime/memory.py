@@ -2,10 +2,10 @@
 
 glibc gives every thread that allocates under contention an arena of its own (up to 8 per core),
 64 MiB heaps that are trimmed only from the top. A coevo process runs the event loop, the
-learner's and engines' worker threads, torch's threads and the checkpoint writer: measured on a
-30-minute run, ~970 MB of its ~1.2 GB resident set sat in such arenas and the RSS swung by hundreds
-of MB as threads took turns (docs/benchmarks.md, "A long run"). Two arenas keep the memory of one
-thread's burst reusable by the next. ``MALLOC_ARENA_MAX`` in the environment, when set, wins.
+learner's and engines' worker threads, torch's threads and the checkpoint writer: in a sample of a
+30-minute run's memory map, ~970 MB of its ~1.2 GB resident set sat in such arenas
+(docs/benchmarks.md, "A long run"). With two, memory one thread freed is reusable by the next
+instead of pinned in an arena of its own. ``MALLOC_ARENA_MAX`` in the environment, when set, wins.
 
 Invariant: ``bound_malloc_arenas`` is called before the process starts threads (the CLI's first
 step); it never raises, and it does nothing off glibc.
