@@ -29,6 +29,7 @@ from coevo.schemas import (
     decode,
     encode,
     encode_json,
+    envelope,
     json_schemas,
     kind_of,
 )
@@ -207,13 +208,31 @@ def _reframe(head: dict[str, Any], blob: bytes) -> bytes:
 @pytest.mark.parametrize(("edit", "why"), [
     (lambda h, b: (h | {"prompt_token_ids": "@0:100000"}, b), "past the frame"),
     (lambda h, b: (h | {"prompt_token_ids": "@0:6"}, b), "whole number"),
-    (lambda h, b: (h | {"logprobs": "@4:12"}, b), "8-byte"),
+    (lambda h, b: (h | {"logprobs": "@0:12"}, b), "8-byte"),
+    (lambda h, b: (h | {"logprobs": "@4:8"}, b), "not 8-aligned"),
+    (lambda h, b: (h | {"prompt_token_ids": "@٠:١٢"}, b), "valid base64"),  # digits are ASCII digits
     (lambda h, b: (h | {"prompt_token_ids": "@-1:4"}, b), "valid base64"),  # not a reference: read as base64
 ])
 def test_a_malformed_frame_reference_is_a_validation_error(edit: Any, why: str) -> None:
     raw = encode(SAMPLES["step.taken"])
     with pytest.raises(ValidationError, match=why):
         decode(_reframe(*edit(*_frame_parts(raw))))
+
+
+def test_a_frame_cannot_decode_into_more_numbers_than_it_holds() -> None:
+    """Many references to the same bytes would turn a small message into a huge event (and a huge
+    re-encoding downstream): together a frame's references may name at most its arrays' bytes."""
+    judged = SAMPLES["step.judged"]
+    vote = judged.votes[0].model_copy(update={"prompt_token_ids": IntArray(range(256))})  # type: ignore[attr-defined]
+    raw = encode(judged.model_copy(update={"votes": [vote] * 3}))
+    head, blob = _frame_parts(raw)
+    assert decode(raw) == judged.model_copy(update={"votes": [vote] * 3})  # distinct copies: fine
+    first = head["votes"][0]["prompt_token_ids"]
+    assert first == "@0:1024"
+    for v in head["votes"]:
+        v["prompt_token_ids"] = first  # every vote points at the first vote's 1 KB, all the frame holds
+    with pytest.raises(ValidationError, match="more bytes than"):
+        decode(_reframe(head, blob[:1024]))
 
 
 def test_a_truncated_frame_is_a_value_error() -> None:
@@ -259,3 +278,43 @@ def test_bench_codec_measures_every_form_of_a_real_shaped_step() -> None:
     step = make_event("r", SIZES["large"], 1)
     assert isinstance(step.prompt_token_ids, IntArray) and len(step.prompt_token_ids) > 2000  # as a producer builds it
     assert abs(len(encode(step)) - SIZES["large"]) < 0.1 * SIZES["large"]
+
+
+def test_an_old_version_frame_goes_through_its_upcaster_with_its_arrays(monkeypatch) -> None:
+    """The durable log will hold frames of today's version once it is an old one: the upcaster sees
+    the head (references as they are) and the arrays are read from the frame as on the fast path."""
+    from coevo.schemas.registry import UPCASTERS
+
+    step = StepTaken.model_validate({**dict(SAMPLES["step.taken"]), "prompt_token_ids": list(range(300)),
+                                     "logprobs": [-0.5, -1.5]})
+    head, blob = _frame_parts(encode(step))
+    head["schema_version"] = 0
+    head["text"] = head.pop("response_text")  # the field's old name
+
+    def v0_to_v1(d: dict[str, Any]) -> dict[str, Any]:
+        d["response_text"] = d.pop("text")
+        return d
+
+    monkeypatch.setitem(UPCASTERS, ("step.taken", 0), v0_to_v1)
+    b64 = json.loads(encode_json(step)) | {"schema_version": 0}
+    b64["text"] = b64.pop("response_text")
+    assert decode(_reframe(head, blob)) == step
+    assert decode(json.dumps(b64)) == step
+
+
+def test_odd_inputs_give_value_errors_or_events() -> None:
+    raw = encode(SAMPLES["step.taken"])
+    assert decode(memoryview(raw)) == SAMPLES["step.taken"]
+    assert decode(memoryview(encode(SAMPLES["task.scheduled"]))) == SAMPLES["task.scheduled"]
+    for deep in (b"[" * 5000 + b"]" * 5000, MAGIC + struct.pack("<I", 10_000) + b"[" * 5000 + b"]" * 5000):
+        with pytest.raises(ValueError):
+            decode(deep)
+    assert envelope(b"[" * 5000) is None and envelope(raw)["kind"] == "step.taken"
+
+
+def test_equal_arrays_hash_alike_and_fields_keep_their_kind() -> None:
+    assert hash(FloatArray([0.0])) == hash(FloatArray([-0.0])) and FloatArray([0.0]) == FloatArray([-0.0])
+    assert IntArray([1, 2]) != (1, 2) and IntArray([1]) != FloatArray([1.0])
+    step = SAMPLES["step.taken"]
+    swapped = step.model_copy(update={"logprobs": IntArray([1, 2])})  # an id array put where floats go
+    assert decode(encode(swapped)).logprobs == [1.0, 2.0]  # written as the field's kind, not reinterpreted

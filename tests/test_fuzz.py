@@ -70,9 +70,10 @@ def broken_frames(draw: Any) -> bytes:
         return bytes(raw[:at] + chunk + raw[at + len(chunk):])
     if action == "head_length":
         return bytes(raw[:4] + draw(st.integers(0, 2**32 - 1)).to_bytes(4, "little") + raw[8:])
-    ref = draw(st.sampled_from([b"@0:", b":"]))
-    at = raw.find(ref)
-    return bytes(raw[:at + len(ref)] + str(draw(st.integers(0, 10**6))).encode() + raw[at + len(ref) + 1:])
+    at = raw.find(b'"@') + 2  # a reference's offset, or (after its colon) its length
+    if draw(st.booleans()):
+        at = raw.index(b":", at) + 1
+    return bytes(raw[:at] + str(draw(st.integers(0, 10**6))).encode() + raw[at + 1:])
 
 
 def _outcome(raw: bytes) -> str:

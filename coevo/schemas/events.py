@@ -3,8 +3,8 @@
 Invariant: these models are the only contract between agents; each has a unique ``kind`` literal,
 which the registry maps to a subject. Adding a field needs a default (old events stay decodable);
 changing a field's meaning bumps ``SCHEMA_VERSION`` and adds an upcaster in the registry.
-Token ids and log-probs are ``TokenIds`` / ``Floats``: plain lists in Python, packed arrays on the
-wire (``coevo.schemas.packed``), plain JSON lists still read.
+Token ids and log-probs are ``TokenIds`` / ``Floats``: ``IntArray`` / ``FloatArray`` in Python (built
+from lists, equal to lists), raw arrays in a frame on the wire (``coevo.schemas.packed``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from coevo.schemas.base import Event, Frozen, Identifier
-from coevo.schemas.packed import Floats, TokenIds
+from coevo.schemas.packed import FloatArray, Floats, IntArray, TokenIds
 
 Role = Literal["policy", "judge"]
 Outcome = Literal["won", "lost", "truncated", "aborted"]
@@ -100,9 +100,9 @@ class StepTaken(Event):
     objective: str = ""
     observation: str
     candidates: list[str] = Field(default_factory=list)
-    prompt_token_ids: TokenIds = Field(default_factory=list)
-    response_token_ids: TokenIds = Field(default_factory=list)
-    logprobs: Floats = Field(default_factory=list, description="sampling log-prob per response token")
+    prompt_token_ids: TokenIds = Field(default_factory=IntArray)
+    response_token_ids: TokenIds = Field(default_factory=IntArray)
+    logprobs: Floats = Field(default_factory=FloatArray, description="sampling log-prob per response token")
     allowed_token_ids: TokenIds | None = Field(
         default=None, description="choice mode: the tokens sampling was restricted to (log-probs are of that)"
     )
@@ -141,9 +141,9 @@ class Vote(Frozen):
     value: Literal[1, -1] | None
     status: Literal["ok", "unparseable", "error"]
     rationale: str = ""
-    prompt_token_ids: TokenIds = Field(default_factory=list)
-    response_token_ids: TokenIds = Field(default_factory=list)
-    logprobs: Floats = Field(default_factory=list)
+    prompt_token_ids: TokenIds = Field(default_factory=IntArray)
+    response_token_ids: TokenIds = Field(default_factory=IntArray)
+    logprobs: Floats = Field(default_factory=FloatArray)
     allowed_token_ids: TokenIds | None = None
     model_version: int | None = None
     cost_usd: float = Field(default=0.0, ge=0.0)

@@ -19,8 +19,10 @@ Invariants:
 - ``decode(encode(x)) == x`` for every array: float64 keeps every float exactly; an int outside
   int32 is a validation error (token ids are int32), never a silently different number;
 - an array's bytes are only ever read inside the frame they came with: a reference outside a frame,
-  out of its bounds, or not a whole number of elements is a validation error, never a half-read
-  array.
+  out of its bounds, not 8-aligned or not a whole number of elements is a validation error, never a
+  half-read array; and the references of one frame name at most as many bytes as its arrays hold,
+  so a decoded event is never larger than the message (no two references reuse the same bytes to
+  multiply a small frame into a huge event).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ _BIG_ENDIAN = sys.byteorder != "little"
 MAGIC = b"\x00cv1"
 """First bytes of a frame. JSON never starts with a NUL byte, so a reader tells the two apart."""
 _HEAD = struct.Struct("<4sI")
-_REF = re.compile(r"@(\d{1,10}):(\d{1,10})")
+_REF = re.compile(r"^@([0-9]{1,10}):([0-9]{1,10})$")
 
 
 class PackedSequence(Sequence[Any]):
@@ -100,12 +102,12 @@ class PackedSequence(Sequence[Any]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PackedSequence):
             return self.typecode == other.typecode and self._view == other._view
-        if isinstance(other, list | tuple):
-            return self.tolist() == list(other)
+        if isinstance(other, list):
+            return self.tolist() == other
         return NotImplemented
 
-    def __hash__(self) -> int:
-        return hash((self.typecode, self._view.tobytes()))
+    def __hash__(self) -> int:  # equal arrays hash alike (0.0 == -0.0 included)
+        return hash((self.typecode, tuple(self._view.tolist())))
 
     def __add__(self, other: Iterable[Any]) -> list[Any]:
         return [*self._view, *other]
@@ -161,6 +163,29 @@ class Blob:
         return ref
 
 
+class Arrays:
+    """The arrays of one frame being read: references are checked against its bytes and counted,
+    so that together they name no more bytes than it holds."""
+
+    __slots__ = ("left", "view")
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.left = view, len(view)
+
+    def take(self, ref: str) -> memoryview:
+        m = _REF.match(ref)
+        if m is None:
+            raise ValueError(f"array reference {ref!r} is not '@offset:bytes'")
+        start, n = int(m[1]), int(m[2])
+        if start % 8 or start + n > len(self.view):
+            raise ValueError(f"array reference {ref!r} not 8-aligned inside the frame's {len(self.view)} bytes "
+                             "of arrays (past the frame or misaligned)")
+        if n > self.left:
+            raise ValueError(f"array reference {ref!r}: the frame's references name more bytes than it holds")
+        self.left -= n
+        return self.view[start:start + n]
+
+
 def frame(head: bytes, blob: Blob) -> bytes:
     """``MAGIC``, the head's length, the head (space-padded so the arrays start 8-aligned), the arrays."""
     head += b" " * (-(len(head) + _HEAD.size) % 8)
@@ -193,20 +218,15 @@ class PackedArray:
             raise ValueError(f"{self.cls.item} array: a value is out of range ({exc})") from exc
 
     def from_ref(self, ref: str, info: core_schema.ValidationInfo) -> PackedSequence:
-        blob = info.context.get("blob") if isinstance(info.context, dict) else None
-        if not isinstance(blob, memoryview):
+        frame = info.context.get("frame") if isinstance(info.context, dict) else None
+        if not isinstance(frame, Arrays):
             raise ValueError(f"array reference {ref!r} outside a frame")
-        m = _REF.fullmatch(ref)
-        assert m is not None  # the schema's pattern matched
-        start, n = int(m[1]), int(m[2])
-        if start + n > len(blob):
-            raise ValueError(f"array reference {ref!r} past the frame's {len(blob)} bytes of arrays")
-        return self.cls.frombytes(blob[start:start + n])
+        return self.cls.frombytes(frame.take(ref))
 
     def dump(self, value: Sequence[Any], info: core_schema.SerializationInfo) -> Any:
         if info.mode != "json" or not value or (isinstance(info.context, dict) and info.context.get("lists")):
             return list(value)  # ``[]`` stays a list; python mode and exports for people: plain lists
-        packed = value if isinstance(value, PackedSequence) else self.from_list(list(value))
+        packed = value if isinstance(value, self.cls) else self.from_list(list(value))
         blob = info.context.get("blob") if isinstance(info.context, dict) else None
         if isinstance(blob, Blob):
             return blob.add(packed.wire_bytes())

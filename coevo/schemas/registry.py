@@ -29,7 +29,7 @@ from coevo.schemas.events import (
     WeightsApplied,
     WeightsPublished,
 )
-from coevo.schemas.packed import Blob, frame, unframe
+from coevo.schemas.packed import Arrays, Blob, frame, unframe
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     TaskScheduled,
@@ -57,11 +57,6 @@ KIND_TO_MODEL: dict[str, type[Event]] = {
 MODEL_TO_KIND: dict[type[Event], str] = {m: k for k, m in KIND_TO_MODEL.items()}
 
 SUBJECT_ROOT = "coevo"
-CONTENT_TYPE = "application/x-coevo-frame"
-"""Wire encoding: pydantic-core JSON; an event with token ids or log-probs is a frame, its JSON
-head followed by the raw little-endian arrays (``coevo.schemas.packed``; measured in ``coevo bench
-codec`` and ``bus``). ``encode_json`` gives one JSON document (arrays as base64)."""
-
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 UPCASTERS: dict[tuple[str, int], Upcaster] = {}
 """(kind, old schema_version) -> function that rewrites the payload to the next version."""
@@ -120,13 +115,11 @@ def decode(raw: bytes | str | memoryview) -> Event:
     Anything that is not a valid event raises ``ValueError`` (pydantic's ``ValidationError`` is one).
     """
     parts = unframe(raw) if not isinstance(raw, str) else None
-    head, context = (bytes(parts[0]), {"blob": parts[1]}) if parts else (raw, None)
+    head = bytes(parts[0]) if parts else bytes(raw) if isinstance(raw, memoryview) else raw
     try:
-        return EVENT_ADAPTER.validate_json(head, context=context)
+        return EVENT_ADAPTER.validate_json(head, context=_frame_context(parts))
     except Exception:
-        import json
-
-        data = json.loads(head)  # ValueError for what is not JSON
+        data = _json(head)
         version = data.get("schema_version") if isinstance(data, dict) else None
         if type(version) is not int or version >= SCHEMA_VERSION:
             raise
@@ -134,18 +127,37 @@ def decode(raw: bytes | str | memoryview) -> Event:
             upcasted = upcast(data)
         except (TypeError, KeyError, AttributeError) as exc:  # an upcaster met a shape it does not know
             raise ValueError(f"cannot upcast {data.get('kind')!r} from schema_version {version}: {exc!r}") from exc
-        return EVENT_ADAPTER.validate_python(upcasted, strict=False, context=context)
+        # back through the JSON validator: arrays in the head (references, base64) read as on the fast path
+        return EVENT_ADAPTER.validate_json(_json_bytes(upcasted), context=_frame_context(parts), strict=False)
+
+
+def _frame_context(parts: tuple[memoryview, memoryview] | None) -> dict[str, Any] | None:
+    return {"frame": Arrays(parts[1])} if parts else None
+
+
+def _json(raw: bytes | str) -> Any:
+    """``json.loads``, a ``ValueError`` for anything it cannot read (too deep included)."""
+    import json
+
+    try:
+        return json.loads(raw)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply") from exc
+
+
+def _json_bytes(data: Any) -> bytes:
+    import json
+
+    return json.dumps(data).encode()
 
 
 def envelope(raw: bytes | memoryview) -> dict[str, Any] | None:
     """The JSON object a payload's head holds (a frame's arrays left as references), or None when
     it is not one: for reading what a message says without validating it (dead letters)."""
-    import json
-
     try:
         parts = unframe(raw)
-        body = json.loads(bytes(parts[0]) if parts else raw)
-    except ValueError:
+        body = _json(bytes(parts[0]) if parts else bytes(raw))
+    except (ValueError, TypeError):
         return None
     return body if isinstance(body, dict) else None
 
