@@ -177,7 +177,8 @@ class Consumer:
         try:
             with staging(box):
                 await self.sub.handler(event, Delivery(msg))
-            await box.confirm(self.bus)
+            if box.staged:  # nothing staged (most deliveries of a pure consumer): nothing to wait for
+                await box.confirm(self.bus)
         except asyncio.CancelledError:
             self.stats.nak_on_shutdown += 1
             with contextlib.suppress(Exception):

@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,10 +63,17 @@ def current() -> Outbox | None:
     return _CURRENT.get()
 
 
-@contextmanager
-def staging(box: Outbox) -> Iterator[Outbox]:
-    token = _CURRENT.set(box)
-    try:
-        yield box
-    finally:
-        _CURRENT.reset(token)
+class staging:
+    """Make ``box`` the current outbox inside the ``with`` block (and tasks started in it)."""
+
+    __slots__ = ("box", "token")
+
+    def __init__(self, box: Outbox) -> None:
+        self.box = box
+
+    def __enter__(self) -> Outbox:
+        self.token = _CURRENT.set(self.box)
+        return self.box
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.reset(self.token)
