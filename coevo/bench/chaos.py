@@ -54,9 +54,8 @@ class ChaosPlan:
 
 def _dead_group(letter: DeadLettered) -> str | None:
     """The group a dead-lettered message belonged to, if it was one of this run's group events."""
-    body = envelope(letter.raw)
-    kind = body.get("kind") if body else None
-    return body.get("group_id") if body and kind in ("task.scheduled", "group.scored") else None
+    body = envelope(letter.raw) or {}
+    return body.get("group_id") if body.get("kind") in ("task.scheduled", "group.scored") else None
 
 
 def _trained_twice(steps: list[LearnerStepped]) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,13 +44,8 @@ def robust_slope_per_hour(samples: list[tuple[float, float]]) -> float:
     """Theil–Sen slope of (seconds, value) samples, per hour: the median of the slopes between every
     pair of samples at distinct times (0 with fewer than two). Half the samples would have to be
     outliers to move it arbitrarily; a least-squares fit moves with one large swing."""
-    pairs = sorted((v2 - v1) / (t2 - t1) for i, (t1, v1) in enumerate(samples)
-                   for t2, v2 in samples[i + 1:] if t2 != t1)
-    if not pairs:
-        return 0.0
-    mid = len(pairs) // 2
-    median = pairs[mid] if len(pairs) % 2 else (pairs[mid - 1] + pairs[mid]) / 2
-    return median * 3600
+    pairs = [(v2 - v1) / (t2 - t1) for i, (t1, v1) in enumerate(samples) for t2, v2 in samples[i + 1:] if t2 != t1]
+    return statistics.median(pairs) * 3600 if pairs else 0.0
 
 
 def window_medians(samples: list[tuple[float, float]], window_s: float = 300.0) -> list[tuple[float, float]]:
@@ -57,12 +53,7 @@ def window_medians(samples: list[tuple[float, float]], window_s: float = 300.0) 
     buckets: dict[int, list[float]] = {}
     for t, v in samples:
         buckets.setdefault(int(t // window_s), []).append(v)
-    out = []
-    for k in sorted(buckets):
-        vals = sorted(buckets[k])
-        mid = len(vals) // 2
-        out.append((k * window_s, vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2))
-    return out
+    return [(k * window_s, statistics.median(buckets[k])) for k in sorted(buckets)]
 
 
 def rss_mb(pid: int) -> float | None:

@@ -42,6 +42,7 @@ from coevo.schemas.registry import (
     json_schemas,
     kind_from_subject,
     kind_of,
+    readable,
     subject_for,
     transfer_subject,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "kind_from_subject",
     "kind_of",
     "new_id",
+    "readable",
     "subject_for",
     "transfer_subject",
 ]

@@ -45,6 +45,13 @@ _HEAD = struct.Struct("<4sI")
 _REF = re.compile(r"^@([0-9]{1,10}):([0-9]{1,10})$")
 
 
+def _swapped(typecode: str, data: memoryview) -> array.array[Any]:
+    """A copy of ``data``'s bytes as ``typecode`` elements, byte order reversed (for big-endian hosts)."""
+    buf = array.array(typecode, data.cast("B").tobytes())
+    buf.byteswap()
+    return buf
+
+
 class PackedSequence(Sequence[Any]):
     """An immutable sequence of numbers over one buffer (native order in memory, LE on the wire)."""
 
@@ -65,21 +72,12 @@ class PackedSequence(Sequence[Any]):
             raise ValueError(f"packed {cls.item} array: {len(view)} bytes is not a whole number of "
                              f"{width}-byte elements")
         out = cls.__new__(cls)
-        if _BIG_ENDIAN:
-            buf = array.array(cls.typecode, view.tobytes())
-            buf.byteswap()
-            out._view = memoryview(buf).toreadonly()
-        else:
-            out._view = view.cast(cls.typecode).toreadonly()
+        out._view = (memoryview(_swapped(cls.typecode, view)) if _BIG_ENDIAN else view.cast(cls.typecode)).toreadonly()
         return out
 
     def wire_bytes(self) -> bytes | memoryview:
         """The little-endian bytes (a view of the buffer on a little-endian machine)."""
-        if _BIG_ENDIAN:
-            buf = array.array(self.typecode, self._view.tolist())
-            buf.byteswap()
-            return buf.tobytes()
-        return self._view.cast("B")
+        return _swapped(self.typecode, self._view).tobytes() if _BIG_ENDIAN else self._view.cast("B")
 
     def tolist(self) -> list[Any]:
         return self._view.tolist()
@@ -224,10 +222,11 @@ class PackedArray:
         return self.cls.frombytes(frame.take(ref))
 
     def dump(self, value: Sequence[Any], info: core_schema.SerializationInfo) -> Any:
-        if info.mode != "json" or not value or (isinstance(info.context, dict) and info.context.get("lists")):
+        context = info.context if isinstance(info.context, dict) else {}
+        if info.mode != "json" or not value or context.get("lists"):
             return list(value)  # ``[]`` stays a list; python mode and exports for people: plain lists
         packed = value if isinstance(value, self.cls) else self.from_list(list(value))
-        blob = info.context.get("blob") if isinstance(info.context, dict) else None
+        blob = context.get("blob")
         if isinstance(blob, Blob):
             return blob.add(packed.wire_bytes())
         return bytes(packed.wire_bytes())  # base64 (the model's ``ser_json_bytes``)

@@ -7,6 +7,7 @@ subject ``coevo.<run>.ev.<kind>``; raw bytes that are not a valid event raise ``
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Annotated, Any, Union
 
@@ -103,8 +104,14 @@ def encode(event: Event) -> bytes:
 
 
 def encode_json(event: Event) -> bytes:
-    """The event as one JSON document (arrays as base64): for files and people, not the bus."""
+    """The event as one JSON document (arrays as base64): for files, not the bus."""
     return event.__pydantic_serializer__.to_json(event)
+
+
+def readable(event: Event) -> dict[str, Any]:
+    """The event as JSON-ready data with token ids and log-probs as plain lists (exports, diffs);
+    ``decode(json.dumps(readable(e))) == e``."""
+    return event.model_dump(mode="json", context={"lists": True})
 
 
 def decode(raw: bytes | str | memoryview) -> Event:
@@ -137,8 +144,6 @@ def _frame_context(parts: tuple[memoryview, memoryview] | None) -> dict[str, Any
 
 def _json(raw: bytes | str) -> Any:
     """``json.loads``, a ``ValueError`` for anything it cannot read (too deep included)."""
-    import json
-
     try:
         return json.loads(raw)
     except RecursionError as exc:
@@ -146,8 +151,6 @@ def _json(raw: bytes | str) -> Any:
 
 
 def _json_bytes(data: Any) -> bytes:
-    import json
-
     return json.dumps(data).encode()
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from coevo.config import CoevoConfig, load_config
 from coevo.observe.progress import progress_bar, tracked
 from coevo.runtime.bus import NatsBus
-from coevo.schemas import Event, decode
+from coevo.schemas import Event, decode, readable
 
 
 @asynccontextmanager
@@ -64,8 +64,7 @@ async def export_events(bus: NatsBus, out: Path, fmt: str = "jsonl") -> int:
     with progress_bar(f"exporting run {bus.run_id}", await bus.last_sequence()) as bar:
         async for seq, event, msg in bus.history():
             # the decoded event (a large one's claim resolved), numbers as plain lists: for people and pandas
-            payload: Any = event.model_dump(mode="json", context={"lists": True}) if event is not None \
-                else {"undecodable": msg.data.hex()}
+            payload: Any = readable(event) if event is not None else {"undecodable": msg.data.hex()}
             rows.append({"seq": seq, "subject": msg.subject, "event": payload})
             bar.advance()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from coevo.schemas import (
     TaskRewritten,
     TaskScheduled,
     TrajectoryCompleted,
+    readable,
 )
 
 ENVELOPE = {"event_id", "run_id", "ts", "source", "causation_id", "correlation_id", "schema_version"}
@@ -76,10 +77,6 @@ def first_difference(recorded: dict[str, Any], replayed: dict[str, Any], path: s
     return None
 
 
-def payload(event: Event) -> dict[str, Any]:
-    return event.model_dump(mode="json", context={"lists": True})
-
-
 def replay_scorer(events: list[tuple[int, Event]], cfg: CoevoConfig) -> ReplayReport:
     """Rebuild every group from the recorded inputs and score it where the original was scored."""
     from coevo.agents.scorer import Group, score_group
@@ -95,9 +92,9 @@ def replay_scorer(events: list[tuple[int, Event]], cfg: CoevoConfig) -> ReplayRe
             if g is None or g.scheduled is None:
                 report.notes.append(f"seq {seq}: inputs of group {e.group_id} are outside the replayed range")
                 continue
-            recorded = {k: v for k, v in payload(e).items() if k not in ENVELOPE}
+            recorded = {k: v for k, v in readable(e).items() if k not in ENVELOPE}
             replayed_event = GroupScored(run_id=e.run_id, source=e.source, **score_group(g, cfg, train_judge=train_judge))
-            replayed = {k: v for k, v in payload(replayed_event).items() if k not in ENVELOPE}
+            replayed = {k: v for k, v in readable(replayed_event).items() if k not in ENVELOPE}
             report.compared += 1
             diff = first_difference(recorded, replayed)
             if diff:
