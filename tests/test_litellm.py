@@ -45,8 +45,9 @@ def judge_cfg(base: CoevoConfig, **api_kw) -> CoevoConfig:
 
 
 def step(run_id: str, i: int, group: str = "g") -> StepTaken:
+    """Each step's judge prompt differs (the room), so no vote is a cache hit of another step's."""
     return StepTaken(run_id=run_id, source=SRC, trajectory_id=f"{group}-t{i}", task_id="t", group_id=group,
-                     step_index=0, objective="take the coin", observation="room: hall. items: coin.",
+                     step_index=0, objective="take the coin", observation=f"room: hall {i}. items: coin.",
                      action_text="take coin", next_observation="you take the coin.", done=True, policy_version=0,
                      prompt_token_ids=[1, 2], response_token_ids=[3], logprobs=[-0.5])
 
@@ -86,7 +87,7 @@ async def test_mocked_judge_votes_reach_the_scorer_with_the_right_numbers(bus: N
     jcfg = judge_cfg(cfg, mock_response=r"The agent took the coin, which wins. \boxed{1}")
     steps = [step(bus.run_id, i) for i in range(2)]
     _, judged = await judge_steps(bus, jcfg, steps)
-    assert all(v.value == 1 and v.status == "ok" and v.cost_usd > 0 and v.model_version is None
+    assert all(v.value == 1 and v.status == "ok" and not v.cached and v.cost_usd > 0 and v.model_version is None
                for j in judged for v in j.votes)
     g = won_and_lost_group(bus.run_id, steps, judged)
     fields = score_group(g, jcfg, train_judge=False)
