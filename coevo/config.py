@@ -310,6 +310,10 @@ class LearnerConfig(Section):
     judge_lr: float | None = Field(default=None, description="judge lane lr (default: lr)")
     batch_samples: int = Field(default=64, ge=1, description="samples per batch: one model version, "
                                "minibatches × epochs optimiser steps")
+    batch_groups: int | None = Field(
+        default=None, ge=1, description="count batches in groups instead of samples: a lane steps once this many "
+        "groups were scored since its last step (those that gave it no sample count too, as in trainers that batch "
+        "rollouts), on at most this many; unset: batch_samples. Lock-step (max_staleness = 0) steps per wave")
     max_batch_tokens: int = Field(default=32768, ge=64)
     clip_eps: float = Field(default=0.2, gt=0)
     kl_beta: float = Field(default=0.01, ge=0, description="weight of the k3 KL penalty against kl_reference")

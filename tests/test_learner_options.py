@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from coevo.config import CoevoConfig, LearnerConfig
+from coevo.config import CoevoConfig, LearnerConfig, load_config
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import LearnerStepped, TrainingSample
 from coevo.training.batch import minibatches, split_stale, to_tensors
 from coevo.training.lane import Lane
-from coevo.training.learner import LaneQueue, LearnerAgent
+from coevo.training.learner import Batching, LaneQueue, LearnerAgent, QueuedGroup
 from coevo.training.loss import ppo_loss, token_logprobs
 from tests.test_training import choice_samples, tiny  # noqa: F401  (the module-scoped model fixture)
 
@@ -41,6 +41,43 @@ def test_minibatches_partition_the_batch_deterministically() -> None:
     assert [len(p) for p in parts] == [4, 3, 3] and parts == minibatches(samples, 3, seed=7)  # same on every rank
     assert sorted(s.sample_id for p in parts for s in p) == sorted(s.sample_id for s in samples)
     assert len(minibatches(samples[:2], 4, seed=0)) == 2 and minibatches([], 3, seed=0) == []
+
+
+def _queued(sizes: list[int]) -> list[QueuedGroup]:
+    loop = asyncio.new_event_loop()
+    try:
+        return [QueuedGroup(f"g{i}", [_sample(i * 100 + k, 0) for k in range(n)], loop.create_future())
+                for i, n in enumerate(sizes)]
+    finally:
+        loop.close()
+
+
+def test_batching_by_samples_by_groups_and_by_waves() -> None:
+    by_samples = Batching.of(load_config(overrides={"learner.batch_samples": 10}), flush_after_s=2.0)
+    assert by_samples.ready(held=9, scored=7, idle=0.5) == (False, 7)
+    assert by_samples.ready(held=10, scored=0, idle=0.0) == (True, 0)
+    assert by_samples.ready(held=3, scored=0, idle=2.0) == (True, 0)  # arrivals paused: what is held
+    q = _queued([4, 4, 4, 4])
+    assert [p.group_id for p in by_samples.take(q)] == ["g0", "g1", "g2"]  # whole groups up to 10 samples
+
+    by_groups = Batching.of(load_config(overrides={"learner.batch_groups": 3, "learner.batch_samples": 1}), 2.0)
+    assert by_groups.ready(held=50, scored=2, idle=0.1) == (False, 2)  # samples do not count
+    assert by_groups.ready(held=2, scored=3, idle=0.1) == (True, 3)  # groups with no sample counted too
+    assert by_groups.ready(held=0, scored=4, idle=9.0) == (False, 1)  # a batch that gave nothing: forgotten
+    assert by_groups.ready(held=2, scored=1, idle=2.0) == (True, 1)
+    q = _queued([1, 9, 2, 5])
+    assert [p.group_id for p in by_groups.take(q)] == ["g0", "g1", "g2"] and len(q) == 1
+    assert by_groups.after_step(scored=5) == 2  # a backlog steps again at once
+    q[0].alone = True
+    assert [p.group_id for p in by_groups.take(q + _queued([1]))] == ["g3"]
+
+    wave = Batching.of(load_config(overrides={"learner.max_staleness": 0, "learner.batch_groups": 2,
+                                              "tasks.max_groups_in_flight": 4}), 2.0)
+    assert wave.groups == 4 and wave.take_all  # lock-step: the wave, whatever batch_groups says
+    assert wave.ready(held=7, scored=3, idle=5.0) == (False, 3)
+    assert wave.ready(held=0, scored=4, idle=0.0) == (False, 0)
+    assert [p.group_id for p in wave.take(_queued([1, 30, 2, 5, 8]))] == ["g0", "g1", "g2", "g3", "g4"]
+    assert wave.after_step(scored=6) == 0
 
 
 def test_loss_reference_and_row_cap() -> None:

@@ -4,7 +4,8 @@ The same loop runs twice per seed, every role as its own ``coevo agent`` process
 nats-server: synchronously (``learner.max_staleness = 0``: lock-step waves of
 ``tasks.max_groups_in_flight`` groups; the learner trains each whole wave in one step per lane and the
 next wave is scheduled, and played, only with the weights of that step) and asynchronously (the default
-bound, with the learner stepping on as many samples as a sync wave gave). On one host the processes are
+bound, with the learner stepping once per wave's worth of scored groups, as sync does:
+``learner.batch_groups``). On one host the processes are
 pinned to disjoint cores, as separate devices would be: the rollout roles (tasks, policy, judge,
 scorer) and the nats-server on one core, the learner alone on another, one torch thread each
 (``OMP_NUM_THREADS=1``), so overlapping the two can at most double the rate of steps.
@@ -271,6 +272,15 @@ def run_overrides(plan: AsyncPlan, work: Path, cache: Path, seed: int, staleness
             "loop": plan.loop, "run.seed": seed, **plan.overrides, "learner.max_staleness": staleness}
 
 
+def async_overrides(base: dict[str, Any], plan: AsyncPlan) -> dict[str, Any]:
+    """The async run's config: the sync run's batch, a wave of groups, unless the plan sets one."""
+    if {"learner.batch_groups", "learner.batch_samples"} & plan.overrides.keys():
+        return base
+    from coevo.config import load_config
+
+    return {**base, "learner.batch_groups": load_config(overrides=base).tasks.max_groups_in_flight}
+
+
 async def first_scheduled(fleet: PinnedFleet, deadline: float) -> float:
     """Unix time of the run's first ``TaskScheduled`` (every agent has started by then, or fails)."""
     from coevo.runtime.bus import NatsBus
@@ -314,8 +324,9 @@ async def run_mode(url: str, work: Path, run_id: str, overrides: dict[str, Any],
 
 
 async def bench_async(plan: AsyncPlan, *, cache: Path | None = None, workdir: Path | None = None) -> dict[str, Any]:
-    """A sync then an async run of each seed, with their ratios. The async learner steps on as many
-    samples as the sync one did per step (its lock-step waves), unless ``learner.batch_samples`` is set."""
+    """A sync then an async run of each seed, with their ratios. The async learner's batch is the sync
+    one's: a wave's worth of groups (``learner.batch_groups = tasks.max_groups_in_flight``), unless
+    ``learner.batch_groups`` or ``learner.batch_samples`` is set."""
     from coevo.config import load_config
     from coevo.inference.clients import model_dir
     from coevo.runtime.server import EmbeddedServer
@@ -340,12 +351,10 @@ async def bench_async(plan: AsyncPlan, *, cache: Path | None = None, workdir: Pa
                     await asyncio.to_thread(model_dir, base, role)  # type: ignore[arg-type]
                 sync = await run_mode(server.url, work, f"sync{seed}", run_overrides(plan, work, models, seed, 0),
                                       plan, cores)
-                overrides = run_overrides(plan, work, models, seed, modes["async"])
-                if "learner.batch_samples" not in plan.overrides and sync["samples_per_step"]:
-                    overrides["learner.batch_samples"] = max(1, round(sync["samples_per_step"]))
+                overrides = async_overrides(run_overrides(plan, work, models, seed, modes["async"]), plan)
                 runs["sync"].append(sync)
                 runs["async"].append({**await run_mode(server.url, work, f"async{seed}", overrides, plan, cores),
-                                      "batch_samples": overrides.get("learner.batch_samples")})
+                                      **{k: overrides.get(f"learner.{k}") for k in ("batch_groups", "batch_samples")}})
     ratios = compare(runs["sync"], runs["async"])
     return {"plan": {**plan.__dict__, "max_staleness": modes},
             "cores": {"rollouts": sorted(cores[0]), "learner": sorted(cores[1]), "nats-server": nats},

@@ -5,7 +5,7 @@ process, alternating, ``repeats`` pairs: publish (bounded async, acks awaited) t
 (pull, ack) ``count`` events of each size in ``SIZES``. Both publish the same bytes: the plain
 client gets the typed bus's encoded events up front (its encoding is not timed), the typed bus
 encodes and decodes every event itself. The ratio is the median over pairs of (typed / plain)
-end-to-end rates, each pair run back to back so both halves see the same machine (a shared VM's
+end-to-end rates, each pair run back to back (in alternating order) so both halves see the same machine (a shared VM's
 speed drifts by ±20 % between runs: a ratio of two independent bests moves with it); the rates
 reported beside it are each client's best run, and ``ratio_of_best`` their quotient.
 """
@@ -168,13 +168,18 @@ async def bench_bus(count: int = 20_000, repeats: int = 5, url: str | None = Non
             ratios = []
             for label, size in tracked(list(SIZES.items()), f"bench bus: {count} events x {repeats}", unit="sizes"):
                 coevo_runs, plain_runs = [], []
-                for _ in range(repeats):
+                for rep in range(repeats):
                     run_id = f"bench{new_id()[:8]}"
                     events: list[Event] = [make_event(run_id, size, i) for i in range(count)]
                     payloads = [encode(e) for e in events]
-                    plain_runs.append(await _plain_once(endpoint, run_id, payloads, cfg.max_inflight_publishes,
-                                                        cfg.fetch_batch))
-                    coevo_runs.append(await _coevo_once(endpoint, events, cfg))
+                    plain = _plain_once(endpoint, run_id, payloads, cfg.max_inflight_publishes, cfg.fetch_batch)
+                    typed = _coevo_once(endpoint, events, cfg)
+                    if rep % 2:  # alternate which goes first: the second runs while the server still
+                        coevo_runs.append(await typed)  # deletes the first's stream files
+                        plain_runs.append(await plain)
+                    else:
+                        plain_runs.append(await plain)
+                        coevo_runs.append(await typed)
                 paired = [c["end_to_end_per_s"] / p["end_to_end_per_s"] for c, p in zip(coevo_runs, plain_runs, strict=True)]
                 ratio = statistics.median(paired)
                 ratios.append(ratio)

@@ -13,11 +13,13 @@ Invariants:
   never exhaust the consumer;
 - weights are published (``WeightsPublished``) after every ``learner.publish_every``-th step, in
   the serving dtype, before the next step starts;
-- a lane steps on whole groups: when it holds ``batch_samples`` samples, or holds some and no new
-  group arrived for ``flush_after_s``; one batch is one version (``learner.minibatches`` ×
-  ``learner.epochs`` optimiser steps) and one ``LearnerStepped``. At ``learner.max_staleness = 0``
-  (lock-step, with the tasks agent's waves) a lane steps once a whole wave is scored
-  (``tasks.max_groups_in_flight`` groups since its last step), on all of it, whatever its size;
+- a lane steps on whole groups (``Batching``): when it holds ``batch_samples`` samples, or holds some
+  and no new group arrived for ``flush_after_s``; with ``learner.batch_groups`` set, once that many
+  groups were scored since its last step (groups that gave it nothing count), on at most that many;
+  one batch is one version (``learner.minibatches`` × ``learner.epochs`` optimiser steps) and one
+  ``LearnerStepped``. At ``learner.max_staleness = 0`` (lock-step, with the tasks agent's waves) a
+  lane steps once a whole wave is scored (``tasks.max_groups_in_flight`` groups since its last
+  step), on all of it, whatever its size;
 - staleness is bounded at the learner too, per lane (``Lane.step``): samples more than
   ``learner.max_staleness`` versions behind are dropped (``learner.stale = "drop"``: counted, and
   reported in ``LearnerStepped.stale_dropped``) or kept with truncated IS (``"correct"``); a batch
@@ -82,6 +84,59 @@ class QueuedGroup:
     """train this group in a batch of its own (its batch failed once)"""
 
 
+@dataclass(frozen=True)
+class Batching:
+    """When a lane steps, and on which of its queued groups (pure: the learner's config and counts).
+
+    By samples (the default): ``samples`` held, or some held and ``idle_s`` without a new group. By
+    groups (``learner.batch_groups``, and lock-step's waves): ``groups`` scored since the lane's last
+    step, counting groups that gave the lane no sample (as trainers that batch rollouts do), or some
+    held and ``idle_s`` without a new group; a count that reached ``groups`` with nothing held is
+    forgotten (a batch that gave the lane nothing takes no step).
+    """
+
+    samples: int | None
+    groups: int | None
+    idle_s: float
+    take_all: bool = False
+    """lock-step: a step trains the whole wave, whatever its size"""
+
+    @classmethod
+    def of(cls, cfg: CoevoConfig, flush_after_s: float) -> Batching:
+        lc = cfg.learner
+        if lc.max_staleness == 0:
+            return cls(None, cfg.tasks.max_groups_in_flight, cfg.scorer.group_timeout_s, take_all=True)
+        if lc.batch_groups is not None:
+            return cls(None, lc.batch_groups, flush_after_s)
+        return cls(lc.batch_samples, None, flush_after_s)
+
+    def ready(self, held: int, scored: int, idle: float) -> tuple[bool, int]:
+        """(step now?, the scored count to keep) for a lane holding ``held`` samples."""
+        if self.groups is None:
+            return held >= (self.samples or 1) or (held > 0 and idle >= self.idle_s), scored
+        if scored >= self.groups and not held:
+            scored = 0 if self.take_all else scored - self.groups
+        return held > 0 and (scored >= self.groups or idle >= self.idle_s), scored
+
+    def after_step(self, scored: int) -> int:
+        """The scored count once a batch was taken: the groups of the next batch scored already."""
+        return max(0, scored - self.groups) if self.groups is not None and not self.take_all else 0
+
+    def take(self, queued: list[QueuedGroup]) -> list[QueuedGroup]:
+        """The next batch, removed from ``queued``: whole groups up to the limit (at least one); a group
+        marked ``alone`` by itself."""
+        if queued[0].alone:
+            return [queued.pop(0)]
+        take: list[QueuedGroup] = []
+        n = 0
+        while queued and not queued[0].alone and (not take or self.take_all or (
+                len(take) < self.groups if self.groups is not None else n < (self.samples or 1))):
+            p = queued.pop(0)
+            take.append(p)
+            n += len(p.samples)
+        return take
+
+
 class Verdicts:
     """Rewrite verdicts per candidate group (and per candidate id for events that predate
     ``TaskDecided.group_id``); the oldest are forgotten beyond ``limit`` (bounded memory)."""
@@ -140,6 +195,7 @@ class LearnerAgent(Agent):
         self.train_judge = self.cfg.trains_judge
         self.ckpt_root = checkpoint_root(self.cfg, self.bus.run_id)
         self.published: dict[Role, tuple[int, Path, str]] = {}
+        self.batching = Batching.of(self.cfg, self.flush_after_s)
 
     def subscriptions(self) -> list[Subscription]:
         # a handler waits until its group is durable: as many handlers as the server lets us hold
@@ -275,16 +331,8 @@ class LearnerAgent(Agent):
             q.writes.put_nowait(None)  # the durability task ends after the checkpoints queued before
 
     def batch_ready(self, q: LaneQueue) -> bool:
-        """Enough to step on: ``batch_samples``, or what is held once arrivals paused; in lock-step the
-        whole wave (a wave that gave this lane nothing is forgotten), or what is held after a group
-        of it was lost (no arrival for ``scorer.group_timeout_s``)."""
-        idle = time.monotonic() - q.last_arrival
-        if self.cfg.learner.max_staleness > 0:
-            return q.held >= self.cfg.learner.batch_samples or (q.held > 0 and idle >= self.flush_after_s)
-        wave = self.cfg.tasks.max_groups_in_flight
-        if q.scored >= wave and not q.held:
-            q.scored = 0
-        return q.held > 0 and (q.scored >= wave or idle >= self.cfg.scorer.group_timeout_s)
+        ready, q.scored = self.batching.ready(q.held, q.scored, time.monotonic() - q.last_arrival)
+        return ready
 
     def checkpoint_due(self, q: LaneQueue) -> bool:
         lc = self.cfg.learner
@@ -331,22 +379,9 @@ class LearnerAgent(Agent):
             if not done.done():
                 done.set_exception(Retry(f"{role} lane stopped before the group was trained and durable"))
 
-    def take(self, q: LaneQueue) -> list[QueuedGroup]:
-        """The next batch: whole groups up to ``batch_samples``; a group marked ``alone`` by itself."""
-        if q.queued[0].alone:
-            return [q.queued.pop(0)]
-        take: list[QueuedGroup] = []
-        n = 0
-        limit = self.cfg.learner.batch_samples if self.cfg.learner.max_staleness > 0 else float("inf")  # a wave
-        while q.queued and not q.queued[0].alone and (n < limit or not take):
-            p = q.queued.pop(0)
-            take.append(p)
-            n += len(p.samples)
-        return take
-
     async def train(self, role: Role, q: LaneQueue) -> None:
-        take = self.take(q)
-        q.scored = 0
+        take = self.batching.take(q.queued)
+        q.scored = self.batching.after_step(q.scored)
         samples = [s for p in take for s in p.samples]
         try:
             metrics = await asyncio.to_thread(q.lane.step, samples, [p.group_id for p in take])
