@@ -58,7 +58,10 @@ def test_batching_by_samples_by_groups_and_by_waves() -> None:
     assert by_samples.ready(held=10, scored=0, idle=0.0) == (True, 0)
     assert by_samples.ready(held=3, scored=0, idle=2.0) == (True, 0)  # arrivals paused: what is held
     q = _queued([4, 4, 4, 4])
-    assert [p.group_id for p in by_samples.take(q)] == ["g0", "g1", "g2"]  # whole groups up to 10 samples
+    assert [p.group_id for p in by_samples.take(q)] == ["g0", "g1"]  # whole groups, as close to 10 as they get
+    assert [p.group_id for p in by_samples.take(_queued([4, 4, 3, 4]))] == ["g0", "g1", "g2"]  # 11 is closer
+    assert [p.group_id for p in by_samples.take(_queued([25, 4]))] == ["g0"]  # at least one group
+    assert [p.group_id for p in by_samples.take(_queued([2, 3]))] == ["g0", "g1"]  # all, when less is held
 
     by_groups = Batching.of(load_config(overrides={"learner.batch_groups": 3, "learner.batch_samples": 1}), 2.0)
     assert by_groups.ready(held=50, scored=2, idle=0.1) == (False, 2)  # samples do not count

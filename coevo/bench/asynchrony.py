@@ -4,8 +4,7 @@ The same loop runs twice per seed, every role as its own ``coevo agent`` process
 nats-server: synchronously (``learner.max_staleness = 0``: lock-step waves of
 ``tasks.max_groups_in_flight`` groups; the learner trains each whole wave in one step per lane and the
 next wave is scheduled, and played, only with the weights of that step) and asynchronously (the default
-bound, with the learner stepping once per wave's worth of scored groups, as sync does:
-``learner.batch_groups``). On one host the processes are
+bound, with the learner stepping on as many samples as a sync step did, on average). On one host the processes are
 pinned to disjoint cores, as separate devices would be: the rollout roles (tasks, policy, judge,
 scorer) and the nats-server on one core, the learner alone on another, one torch thread each
 (``OMP_NUM_THREADS=1``), so overlapping the two can at most double the rate of steps.
@@ -272,13 +271,13 @@ def run_overrides(plan: AsyncPlan, work: Path, cache: Path, seed: int, staleness
             "loop": plan.loop, "run.seed": seed, **plan.overrides, "learner.max_staleness": staleness}
 
 
-def async_overrides(base: dict[str, Any], plan: AsyncPlan) -> dict[str, Any]:
-    """The async run's config: the sync run's batch, a wave of groups, unless the plan sets one."""
-    if {"learner.batch_groups", "learner.batch_samples"} & plan.overrides.keys():
+def async_overrides(base: dict[str, Any], plan: AsyncPlan, sync: dict[str, Any]) -> dict[str, Any]:
+    """The async run's config: batches of as many samples as the sync learner stepped on (on average:
+    the same work per step), unless the plan sets the batch (``learner.batch_samples``, or
+    ``learner.batch_groups``: a wave's worth of groups, whatever they hold)."""
+    if {"learner.batch_groups", "learner.batch_samples"} & plan.overrides.keys() or not sync["samples_per_step"]:
         return base
-    from coevo.config import load_config
-
-    return {**base, "learner.batch_groups": load_config(overrides=base).tasks.max_groups_in_flight}
+    return {**base, "learner.batch_samples": max(1, round(sync["samples_per_step"]))}
 
 
 async def first_scheduled(fleet: PinnedFleet, deadline: float) -> float:
@@ -324,15 +323,15 @@ async def run_mode(url: str, work: Path, run_id: str, overrides: dict[str, Any],
 
 
 async def bench_async(plan: AsyncPlan, *, cache: Path | None = None, workdir: Path | None = None) -> dict[str, Any]:
-    """A sync then an async run of each seed, with their ratios. The async learner's batch is the sync
-    one's: a wave's worth of groups (``learner.batch_groups = tasks.max_groups_in_flight``), unless
-    ``learner.batch_groups`` or ``learner.batch_samples`` is set."""
+    """A sync then an async run of each seed, with their ratios (the async batch: ``async_overrides``)."""
     from coevo.config import load_config
     from coevo.inference.clients import model_dir
     from coevo.runtime.server import EmbeddedServer
 
     cores = split_cores()
-    default = load_config().learner.max_staleness
+    default = load_config(overrides=plan.overrides).learner.max_staleness  # ``--set`` it for async's bound
+    if default == 0:
+        raise ValueError("learner.max_staleness = 0 is the sync mode; set the async bound to 1 or more")
     nats: dict[str, Any] = {}
     modes = {"sync": 0, "async": default}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -351,7 +350,7 @@ async def bench_async(plan: AsyncPlan, *, cache: Path | None = None, workdir: Pa
                     await asyncio.to_thread(model_dir, base, role)  # type: ignore[arg-type]
                 sync = await run_mode(server.url, work, f"sync{seed}", run_overrides(plan, work, models, seed, 0),
                                       plan, cores)
-                overrides = async_overrides(run_overrides(plan, work, models, seed, modes["async"]), plan)
+                overrides = async_overrides(run_overrides(plan, work, models, seed, modes["async"]), plan, sync)
                 runs["sync"].append(sync)
                 runs["async"].append({**await run_mode(server.url, work, f"async{seed}", overrides, plan, cores),
                                       **{k: overrides.get(f"learner.{k}") for k in ("batch_groups", "batch_samples")}})

@@ -123,18 +123,25 @@ class Batching:
         return max(0, scored - self.groups) if self.groups is not None and not self.take_all else 0
 
     def take(self, queued: list[QueuedGroup]) -> list[QueuedGroup]:
-        """The next batch, removed from ``queued``: whole groups up to the limit (at least one); a group
-        marked ``alone`` by itself."""
+        """The next batch, removed from ``queued``: whole groups (at least one), all of a wave, up to
+        ``groups`` groups, or as close to ``samples`` samples as whole groups get; a group marked
+        ``alone`` by itself."""
         if queued[0].alone:
             return [queued.pop(0)]
         take: list[QueuedGroup] = []
         n = 0
-        while queued and not queued[0].alone and (not take or self.take_all or (
-                len(take) < self.groups if self.groups is not None else n < (self.samples or 1))):
+        while queued and not queued[0].alone and (not take or self.take_all or self.fits(len(take), n, queued[0])):
             p = queued.pop(0)
             take.append(p)
             n += len(p.samples)
         return take
+
+    def fits(self, groups: int, samples: int, nxt: QueuedGroup) -> bool:
+        """Whether the next group joins a batch of ``groups`` groups holding ``samples`` samples."""
+        if self.groups is not None:
+            return groups < self.groups
+        limit = self.samples or 1
+        return samples + len(nxt.samples) - limit < limit - samples  # it brings the batch closer to the limit
 
 
 class Verdicts:
