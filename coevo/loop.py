@@ -127,6 +127,9 @@ def no_learning_reason(summary: dict[str, Any], cfg: CoevoConfig) -> str | None:
     elif not with_samples:
         why = (f"none of the {groups} train groups carried a learning signal: in each, every rollout won or "
                "every one lost (the policy band keeps such groups out of training)")
+    elif cfg.learner.batch_groups is not None:
+        why = (f"{groups} train groups scored, {with_samples} with samples; a lane steps once "
+               f"learner.batch_groups = {cfg.learner.batch_groups} groups were scored since its last step")
     else:
         why = (f"{samples} policy samples from {with_samples} of {groups} train groups, fewer than "
                f"learner.batch_samples = {batch} (a lane steps once it holds a batch, or after "

@@ -82,6 +82,73 @@ def test_lockstep_schedules_waves_and_waits_for_the_steps_that_train_them() -> N
     assert lock.admits(0, {"policy": 4, "judge": 3}, now=67.0)  # the step never came: not stuck for ever
 
 
+def test_backlog_holds_scored_groups_until_a_step_names_them() -> None:
+    from coevo.agents.tasks import Backlog
+
+    b = Backlog(timeout_s=100.0, remember=2)
+    assert b.oldest(now=0.0) is None
+    b.scored("g1", 3, now=0.0)
+    b.scored("g2", 5, now=1.0)
+    assert b.oldest(now=2.0) == 3
+    b.trained(["g1", "x"])
+    assert b.oldest(now=2.0) == 5
+    b.scored("g1", 3, now=3.0)  # a score handled after the step that trained it: not waiting
+    assert b.oldest(now=3.0) == 5
+    b.trained(["y", "z"])  # only the last `remember` trained ids are kept
+    b.scored("g1", 3, now=4.0)
+    assert b.oldest(now=4.0) == 3
+    assert b.oldest(now=102.0) == 3 and b.oldest(now=104.5) is None  # never named: stops counting
+
+
+async def test_a_slow_learner_pauses_scheduling_until_it_trains_the_old_groups(bus, cfg) -> None:
+    """Async (max_staleness 2): a scored train group whose step has not come holds scheduling back
+    once the policy is more than 2 versions past the version it was scheduled at."""
+    import asyncio
+
+    from coevo.agents.tasks import TasksAgent
+    from coevo.runtime.agent import run_agents
+    from coevo.schemas import TrainingSample
+
+    agent = TasksAgent(bus, cfg)
+    await agent.load()
+    slot = next(s for s in agent.slots.values() if s.split == "train")
+    await agent.schedule(slot, slot.active, "train")
+    (group,) = agent.inflight.groups
+    sample = TrainingSample(sample_id="s", role="policy", prompt_token_ids=[1], response_token_ids=[2],
+                            logprobs=[-1.0], advantage=1.0, model_version=0, step_event_id="e")
+    src = Source(agent_id="learner", role="learner")
+    stop = asyncio.Event()
+
+    async def until(check) -> None:
+        async with asyncio.timeout(30):
+            while not check():
+                await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        try:
+            await bus.publish(GroupScored(run_id=bus.run_id, source=SRC, task_id=slot.active.task_id, group_id=group,
+                                          slot_id=slot.slot_id, accuracy=0.5, policy_band_ok=True, judge_band_ok=True,
+                                          n_trajectories=8, policy_samples=[sample]))
+            await until(lambda: group not in agent.inflight.groups and agent.backlog.groups)
+            for v in (1, 2, 3):
+                await bus.publish(WeightsPublished(run_id=bus.run_id, source=src, role="policy", version=v, path="/w",
+                                                   sha256="0" * 64, bytes=1))
+            await until(lambda: agent.policy_version == 3)
+            await asyncio.sleep(0.3)
+            assert not agent.admitted()  # scored at version 0, not trained, policy at 3 > 0 + 2
+            assert group not in agent.inflight.groups and len(agent.inflight.groups) < 4
+            await bus.publish(LearnerStepped(run_id=bus.run_id, source=src, role="policy", version=4, samples=1,
+                                             tokens=2, loss=0.0, kl=0.0, clip_fraction=0.0, mismatch_kl=0.0,
+                                             tokens_per_second=1.0, group_ids=[group]))
+            await until(lambda: not agent.backlog.groups)
+            assert agent.admitted()  # trained: scheduling goes on
+        finally:
+            stop.set()
+
+    agent.main = agent.stopping.wait  # the test schedules; the agent only consumes
+    await asyncio.gather(run_agents([agent], handle_signals=False, until=stop), scenario())
+
+
 def test_versions_at_scheduling_come_from_stream_order() -> None:
     events = [_published(0, 0.0), TaskScheduled(run_id="r", source=SRC, task=TASK, group_id="g1", n_rollouts=2, ts=1),
               _published(1, 2.0), TaskScheduled(run_id="r", source=SRC, task=TASK, group_id="g2", n_rollouts=2, ts=3),

@@ -190,6 +190,8 @@ def test_the_human_summary_says_what_improved_and_warns_without_a_learner_step()
     assert "every rollout won or every one lost" in (no_learning_reason(idle, cfg) or "")
     few = {**idle, "policy_samples": 5, "train_groups_with_samples": 2}
     assert f"fewer than learner.batch_samples = {cfg.learner.batch_samples}" in describe(few, cfg, {})
+    by_groups = load_config(overrides={"learner.batch_groups": 8})
+    assert "learner.batch_groups = 8 groups were scored" in (no_learning_reason(few, by_groups) or "")
 
 
 def test_counter_dumps_stay_out_of_the_console() -> None:

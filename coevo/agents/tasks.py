@@ -7,6 +7,10 @@ Invariants:
 - at most ``tasks.max_groups_in_flight`` groups are scheduled and not yet scored, and no new group
   is scheduled while a group that was scheduled more than ``learner.max_staleness`` policy versions
   ago is still in flight (admission control pauses rollouts, it drops nothing);
+- a train group stays counted against that bound after it is scored, until a policy
+  ``LearnerStepped`` names it (``Backlog``): a learner slower than the rollouts pauses scheduling
+  instead of training ever staler samples (soft state: an entry the learner never names stops
+  counting after ``backlog_timeout_s``);
 - at ``learner.max_staleness = 0`` groups go in lock-step waves (``Lockstep``): the next wave only once
   every group of the last one is scored and the weights trained on it (policy, judge) are published;
   each ``TaskScheduled`` carries the policy version it was scheduled at (``source.model_version``);
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,6 +39,7 @@ from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import (
     GroupScored,
+    LearnerStepped,
     TaskDecided,
     TaskRewritten,
     TaskScheduled,
@@ -82,6 +88,38 @@ class InFlight(BaseModel):
 
 
 @dataclass
+class Backlog:
+    """Train groups scored with policy samples that no policy ``LearnerStepped`` named yet: the
+    learner's queue, by the policy version each group was scheduled at (pure; times are arguments).
+    Bounded: an entry stops counting after ``timeout_s`` (its samples were rejected or dropped, so no
+    step will name it), and at most ``remember`` trained ids are kept to ignore a score that arrives
+    after the step that trained it."""
+
+    timeout_s: float
+    remember: int = 4096
+    groups: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """group id -> (policy version at scheduling, time it was scored)"""
+    trained_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+
+    def scored(self, group_id: str, version: int, now: float) -> None:
+        if group_id not in self.trained_ids:
+            self.groups[group_id] = (version, now)
+
+    def trained(self, group_ids: Iterable[str]) -> None:
+        for g in group_ids:
+            self.groups.pop(g, None)
+            self.trained_ids[g] = None
+        while len(self.trained_ids) > self.remember:
+            self.trained_ids.popitem(last=False)
+
+    def oldest(self, now: float) -> int | None:
+        """The oldest scheduling version still waiting for the learner (None: none waits)."""
+        for g in [g for g, (_, t) in self.groups.items() if now - t > self.timeout_s]:
+            del self.groups[g]
+        return min((v for v, _ in self.groups.values()), default=None)
+
+
+@dataclass
 class Lockstep:
     """Scheduling at ``learner.max_staleness = 0`` (pure): waves of ``size`` groups at one version of
     each model. A wave is scheduled whole; the next one waits until every group of it is scored and,
@@ -125,6 +163,8 @@ class TasksAgent(Agent):
     emits = (TaskScheduled, TaskRewritten, TaskDecided)
     lockstep_timeout_s = 120.0
     """lock-step: how long a trained wave waits for its step's weights before the next wave goes anyway"""
+    backlog_timeout_s = 120.0
+    """how long a scored train group waits for the learner step that names it before it stops gating"""
 
     def __init__(self, *a: Any, rewriter: Rewriter | None = None, **kw: Any) -> None:
         super().__init__(*a, **kw)
@@ -143,6 +183,7 @@ class TasksAgent(Agent):
         self._rr = itertools.count()
         self.eval_queue: list[str] = []
         self.lockstep = Lockstep(self.cfg.tasks.max_groups_in_flight, self.lockstep_timeout_s)
+        self.backlog = Backlog(self.backlog_timeout_s)
         self.scoring = 0  # scores being taken into account (on_scored awaits after forgetting the group)
 
     def _make_rewriter(self) -> Rewriter:
@@ -167,6 +208,8 @@ class TasksAgent(Agent):
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("tasks", (GroupScored,), self.on_scored, concurrency=1),
                 Subscription("tasks-weights", (WeightsPublished,), self.on_weights, concurrency=1, shared=False,
+                             deliver="last"),
+                Subscription("tasks-steps", (LearnerStepped,), self.on_stepped, concurrency=1, shared=False,
                              deliver="last")]
 
     # ---- state -------------------------------------------------------------------------------
@@ -220,7 +263,9 @@ class TasksAgent(Agent):
         if len(self.inflight.groups) >= self.cfg.tasks.max_groups_in_flight:
             return False
         oldest = min(self.inflight.groups.values(), default=self.policy_version)
-        if self.policy_version - oldest > self.cfg.learner.max_staleness:
+        queued = self.backlog.oldest(time.monotonic()) if self.cfg.learner.max_staleness > 0 else None
+        if self.policy_version - min(oldest, self.policy_version if queued is None else queued) \
+                > self.cfg.learner.max_staleness:
             return False
         versions = {"policy": self.policy_version, "judge": self.judge_version}
         return self.cfg.learner.max_staleness > 0 or \
@@ -299,9 +344,17 @@ class TasksAgent(Agent):
             self.judge_version = event.version
             self.changed.set()
 
+    async def on_stepped(self, event: LearnerStepped, _d: Delivery) -> None:
+        if event.role == "policy":
+            self.backlog.trained(event.group_ids)
+            self.changed.set()
+
     async def on_scored(self, event: GroupScored, _d: Delivery) -> None:
         if self._kv is None:
             raise RuntimeError("task pool not loaded yet")  # nak: redelivered once main() loaded it
+        version = self.inflight.groups.get(event.group_id)
+        if version is not None and event.purpose == "train" and event.policy_samples and not event.flagged:
+            self.backlog.scored(event.group_id, version, time.monotonic())
         self.inflight.forget(event.group_id)
         self.scoring += 1  # lock-step: still in flight until what it trains is known
         try:
