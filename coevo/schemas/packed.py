@@ -208,8 +208,12 @@ class PackedArray:
 
     def __init__(self, cls: type[PackedSequence]) -> None:
         self.cls = cls
+        self.empty = cls()
+        """shared by every empty field (arrays are immutable): most events carry some empty arrays"""
 
     def from_list(self, values: list[Any]) -> PackedSequence:
+        if not values:
+            return self.empty
         try:
             return self.cls(values)
         except OverflowError as exc:
@@ -222,8 +226,10 @@ class PackedArray:
         return self.cls.frombytes(frame.take(ref))
 
     def dump(self, value: Sequence[Any], info: core_schema.SerializationInfo) -> Any:
+        if not value:
+            return []
         context = info.context if isinstance(info.context, dict) else {}
-        if info.mode != "json" or not value or context.get("lists"):
+        if info.mode != "json" or context.get("lists"):
             return list(value)  # ``[]`` stays a list; python mode and exports for people: plain lists
         packed = value if isinstance(value, self.cls) else self.from_list(list(value))
         blob = context.get("blob")
