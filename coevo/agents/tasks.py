@@ -264,8 +264,9 @@ class TasksAgent(Agent):
             return False
         oldest = min(self.inflight.groups.values(), default=self.policy_version)
         queued = self.backlog.oldest(time.monotonic()) if self.cfg.learner.max_staleness > 0 else None
-        if self.policy_version - min(oldest, self.policy_version if queued is None else queued) \
-                > self.cfg.learner.max_staleness:
+        if queued is not None:
+            oldest = min(oldest, queued)
+        if self.policy_version - oldest > self.cfg.learner.max_staleness:
             return False
         versions = {"policy": self.policy_version, "judge": self.judge_version}
         return self.cfg.learner.max_staleness > 0 or \

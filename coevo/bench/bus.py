@@ -172,14 +172,12 @@ async def bench_bus(count: int = 20_000, repeats: int = 5, url: str | None = Non
                     run_id = f"bench{new_id()[:8]}"
                     events: list[Event] = [make_event(run_id, size, i) for i in range(count)]
                     payloads = [encode(e) for e in events]
-                    plain = _plain_once(endpoint, run_id, payloads, cfg.max_inflight_publishes, cfg.fetch_batch)
-                    typed = _coevo_once(endpoint, events, cfg)
-                    if rep % 2:  # alternate which goes first: the second runs while the server still
-                        coevo_runs.append(await typed)  # deletes the first's stream files
-                        plain_runs.append(await plain)
-                    else:
-                        plain_runs.append(await plain)
-                        coevo_runs.append(await typed)
+                    pair = [(plain_runs, functools.partial(_plain_once, endpoint, run_id, payloads,
+                                                           cfg.max_inflight_publishes, cfg.fetch_batch)),
+                             (coevo_runs, functools.partial(_coevo_once, endpoint, events, cfg))]
+                    # alternate which goes first: the second runs while the server still deletes the first's files
+                    for runs, once in pair[::-1] if rep % 2 else pair:
+                        runs.append(await once())
                 paired = [c["end_to_end_per_s"] / p["end_to_end_per_s"] for c, p in zip(coevo_runs, plain_runs, strict=True)]
                 ratio = statistics.median(paired)
                 ratios.append(ratio)

@@ -95,7 +95,8 @@ class Batching:
     forgotten (a batch that gave the lane nothing takes no step).
     """
 
-    samples: int | None
+    samples: int
+    """by samples: the batch size (``learner.batch_samples``); unused when ``groups`` is set"""
     groups: int | None
     idle_s: float
     take_all: bool = False
@@ -105,15 +106,15 @@ class Batching:
     def of(cls, cfg: CoevoConfig, flush_after_s: float) -> Batching:
         lc = cfg.learner
         if lc.max_staleness == 0:
-            return cls(None, cfg.tasks.max_groups_in_flight, cfg.scorer.group_timeout_s, take_all=True)
+            return cls(lc.batch_samples, cfg.tasks.max_groups_in_flight, cfg.scorer.group_timeout_s, take_all=True)
         if lc.batch_groups is not None:
-            return cls(None, lc.batch_groups, flush_after_s)
+            return cls(lc.batch_samples, lc.batch_groups, flush_after_s)
         return cls(lc.batch_samples, None, flush_after_s)
 
     def ready(self, held: int, scored: int, idle: float) -> tuple[bool, int]:
         """(step now?, the scored count to keep) for a lane holding ``held`` samples."""
         if self.groups is None:
-            return held >= (self.samples or 1) or (held > 0 and idle >= self.idle_s), scored
+            return held >= self.samples or (held > 0 and idle >= self.idle_s), scored
         if scored >= self.groups and not held:
             scored = 0 if self.take_all else scored - self.groups
         return held > 0 and (scored >= self.groups or idle >= self.idle_s), scored
@@ -140,8 +141,7 @@ class Batching:
         """Whether the next group joins a batch of ``groups`` groups holding ``samples`` samples."""
         if self.groups is not None:
             return groups < self.groups
-        limit = self.samples or 1
-        return samples + len(nxt.samples) - limit < limit - samples  # it brings the batch closer to the limit
+        return samples + len(nxt.samples) - self.samples < self.samples - samples  # it brings the batch closer
 
 
 class Verdicts:
