@@ -52,6 +52,69 @@ async def test_republished_event_is_stored_once(bus: NatsBus, run_id: str) -> No
     assert bus.stats.duplicates == 2
 
 
+async def test_async_publishes_resolve_from_the_servers_acks(bus: NatsBus, run_id: str) -> None:
+    """The bus's own asynchronous publish: each future resolves from JetStream's PubAck, a repeat
+    counts as a duplicate, and ``flush`` returns only when nothing awaits an ack."""
+    events = [sched(run_id, i) for i in range(300)]
+    futures = [await bus.publish(e) for e in events]
+    again = await bus.publish(events[0])
+    await bus.flush()
+    assert all(f.done() and f.result() is True for f in [*futures, again])
+    assert bus.inflight == 0 and bus.stats.published == 301 and bus.stats.duplicates == 1
+    assert [e.event_id for e in await bus.events()] == [e.event_id for e in events]
+
+
+async def test_a_publish_the_stream_refuses_fails_its_future_and_is_stored_once_room_comes(
+        nats_url: str, run_id: str, cfg) -> None:
+    """A full stream (discard new) answers the publish with an error: the future fails with the
+    server's reason, and the publish is sent again (same id) until the stream takes it."""
+    from dataclasses import replace
+
+    from nats.js.api import DiscardPolicy
+
+    from coevo.errors import PublishError
+
+    bus = await NatsBus.connect(nats_url, run_id, bus=cfg.bus.model_copy(update={"publish_retries": 8}))
+    try:
+        await bus.publish_sync(sched(run_id, 0))
+        full = (await bus.js.stream_info(bus.stream)).config
+        await bus.js.update_stream(replace(full, max_msgs=1, discard=DiscardPolicy.NEW))
+        refused = await bus.publish(sched(run_id, 1))
+        with pytest.raises(PublishError, match="maximum messages"):
+            await asyncio.wait_for(asyncio.shield(refused), 5)
+        assert bus.inflight == 0
+
+        async def make_room() -> None:
+            await asyncio.sleep(0.5)
+            await bus.js.update_stream(replace(full, max_msgs=-1, discard=DiscardPolicy.OLD))
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(make_room())
+            await bus.flush()  # retries the refused publish (backing off) until the stream has room
+        assert bus.stats.publish_retries == 1
+        assert [e.group_id for e in await bus.events()] == ["g0", "g1"]
+    finally:
+        await bus.close()
+
+
+async def test_a_publish_nobody_answers_fails_instead_of_hanging(nats_url: str, run_id: str, cfg) -> None:
+    """No stream takes the subject (deleted under the bus): the server's no-responders status fails
+    the future at once; retries give up after ``bus.publish_retries`` with a ``PublishError``."""
+    from coevo.errors import PublishError
+
+    bus = await NatsBus.connect(nats_url, run_id, bus=cfg.bus.model_copy(update={"publish_retries": 1}))
+    try:
+        await bus.js.delete_stream(bus.stream)
+        fut = await bus.publish(sched(run_id))
+        with pytest.raises(PublishError, match="no stream answered"):
+            await asyncio.wait_for(asyncio.shield(fut), 5)
+        with pytest.raises(PublishError):
+            await bus.flush()
+    finally:
+        bus._failed.clear()
+        await bus.close()
+
+
 async def test_wrong_run_is_refused(bus: NatsBus) -> None:
     with pytest.raises(Exception, match="belongs to run"):
         await bus.publish(sched("other-run"))

@@ -114,13 +114,16 @@ def _secret(env: str) -> str:
     return value
 
 
-@dataclass
+@dataclass(slots=True)
 class _UnackedPublish:
     subject: str
     payload: bytes
     event_id: str
     t0: float
     headers: dict[str, str] = field(default_factory=dict)
+    future: asyncio.Future[bool] | None = None
+    """Resolves True once JetStream stored the message (``duplicate`` or not); fails when the stream
+    refused it or nobody answered. Set by ``publish_raw``, resolved by the ack subscription."""
 
 
 @dataclass
@@ -140,18 +143,22 @@ class NatsBus:
         self, nc: NATS, run_id: str, bus: BusConfig, stream: StreamConfig | None = None
     ) -> None:
         self.nc = nc
-        self.js: JetStreamContext = nc.jetstream(timeout=bus.publish_ack_timeout_s,
-                                                 publish_async_max_pending=bus.max_inflight_publishes + 1)
+        self.js: JetStreamContext = nc.jetstream(timeout=bus.publish_ack_timeout_s)
         self.run_id = run_id
         self.cfg = bus
         self.stream_cfg = stream or StreamConfig()
         self.stream = stream_name(run_id)
         self.stats = BusStats()
-        self._publish_permits = asyncio.Semaphore(bus.max_inflight_publishes)
-        self._unacked: dict[asyncio.Future[Any], _UnackedPublish] = {}
+        self._unacked: dict[str, _UnackedPublish] = {}  # by reply token
         self._failed: list[_UnackedPublish] = []
         self._idle = asyncio.Event()
         self._idle.set()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._acks_prefix = ""
+        self._acks_start = 0
+        self._acks_lock = asyncio.Lock()
+        self._tokens = 0
         self._closed = False
         self._payloads: Any = None
 
@@ -223,37 +230,90 @@ class NatsBus:
 
     # ---- publish -----------------------------------------------------------------------------
 
-    async def publish(self, event: Event) -> asyncio.Future[Any]:
+    async def publish(self, event: Event) -> asyncio.Future[bool]:
         """Publish without waiting for the ack (bounded in-flight). Returns the ack future."""
         if event.run_id != self.run_id:
             raise BusError(f"event {event.event_id} belongs to run {event.run_id}, not {self.run_id}")
         return await self.publish_raw(subject_for(self.run_id, kind_of(event)), encode(event),
                                       event.event_id)
 
-    async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> asyncio.Future[Any]:
+    async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> asyncio.Future[bool]:
+        """Send ``payload`` with ``Nats-Msg-Id = msg_id`` and return at once; the returned future
+        resolves when JetStream acknowledged it.
+
+        The bus runs JetStream's asynchronous publish itself (one reply subscription, one table of
+        unacknowledged publishes) rather than through nats-py's ``publish_async``, which keeps a
+        second table, semaphore and done callback per message beside ours.
+        """
         if self._failed:
             await self._retry_failed()
-        if self._publish_permits.locked():
-            try:
-                await asyncio.wait_for(self._publish_permits.acquire(), self.cfg.publish_ack_timeout_s)
-            except TimeoutError:
-                await self._expire_stale()
-                await self._publish_permits.acquire()
+        while len(self._unacked) >= self.cfg.max_inflight_publishes:
+            await self._wait_for_room()
+        if len(payload) > self.inline_limit:
+            pending = await self._unacked_publish(subject, payload, msg_id)
         else:
-            await self._publish_permits.acquire()
-        pending = await self._unacked_publish(subject, payload, msg_id)
-        try:
-            fut = await self.js.publish_async(subject, pending.payload, headers=pending.headers)
-        except BaseException:
-            self._publish_permits.release()
-            raise
-        self._unacked[fut] = pending
+            pending = _UnackedPublish(subject, payload, msg_id, time.perf_counter(), {MSG_ID: msg_id})
+        if not self._acks_prefix:
+            await self._start_acks()
+        self._tokens += 1
+        token = str(self._tokens)
+        pending.future = fut = asyncio.get_running_loop().create_future()
+        self._unacked[token] = pending  # before sending: the ack may be read while we wait to write
         self._idle.clear()
-        fut.add_done_callback(self._on_ack)
+        try:
+            await self.nc.publish(subject, pending.payload, reply=self._acks_prefix + token, headers=pending.headers)
+        except BaseException:
+            self._forget(token)
+            fut.cancel()
+            raise
         box = outbox.current()
         if box is not None:
             box.staged.append((fut, pending))
         return fut
+
+    async def _start_acks(self) -> None:
+        """Subscribe to this bus's ack subjects (``<inbox>.<token>``), once."""
+        async with self._acks_lock:
+            if not self._acks_prefix:
+                prefix = f"{self.nc.new_inbox()}."
+                await self.nc.subscribe(f"{prefix}*", cb=self._on_ack)
+                self._acks_start, self._acks_prefix = len(prefix), prefix
+
+    async def _on_ack(self, msg: Msg) -> None:
+        """JetStream's answer to one publish: a ``PubAck``, an error, or a no-responders status."""
+        pending = self._forget(msg.subject[self._acks_start:])
+        if pending is None or pending.future is None:
+            return  # answered after it expired: it was published again under its id (stored once)
+        data = msg.data
+        error = "no stream answered (status reply)" if not data else _ack_error(data)
+        if error is not None:
+            self._failed.append(pending)
+            pending.future.set_exception(PublishError(pending.subject, pending.event_id, error))
+            pending.future.exception()  # retrieved: nobody need await a publish that is retried anyway
+            return
+        self.stats.published += 1
+        if b'"duplicate"' in data and json.loads(data).get("duplicate"):
+            self.stats.duplicates += 1
+        if self.stats.track_latency:
+            self.stats.latencies_ms.append((time.perf_counter() - pending.t0) * 1e3)
+        pending.future.set_result(True)
+
+    def _forget(self, token: str) -> _UnackedPublish | None:
+        pending = self._unacked.pop(token, None)
+        if not self._unacked:
+            self._idle.set()
+        if len(self._unacked) < self.cfg.max_inflight_publishes:
+            self._room.set()
+        return pending
+
+    async def _wait_for_room(self) -> None:
+        """Wait until fewer than ``bus.max_inflight_publishes`` publishes await their ack; those
+        unanswered for ``bus.publish_ack_timeout_s`` are published again meanwhile."""
+        self._room.clear()
+        try:
+            await asyncio.wait_for(self._room.wait(), self.cfg.publish_ack_timeout_s)
+        except TimeoutError:
+            await self._expire(time.perf_counter() - self.cfg.publish_ack_timeout_s)
 
     async def publish_sync(self, event: Event) -> api.PubAck:
         """Publish and wait for the ack (retried with the same message id)."""
@@ -294,27 +354,14 @@ class NatsBus:
             return decode(await claims.fetch(await self.payload_store(), claims.Claim.parse(msg.data)))
         return decode(msg.data)
 
-    def _on_ack(self, fut: asyncio.Future[Any]) -> None:
-        pending = self._unacked.pop(fut, None)
-        self._publish_permits.release()
-        if pending is not None:
-            if fut.cancelled() or fut.exception() is not None:
+    async def _expire(self, sent_before: float) -> None:
+        """Give up waiting for the acks of publishes sent before ``sent_before`` and publish them again."""
+        for token, pending in list(self._unacked.items()):
+            if pending.t0 < sent_before:
+                self._forget(token)
                 self._failed.append(pending)
-            else:
-                ack = fut.result()
-                self.stats.published += 1
-                if ack.duplicate:
-                    self.stats.duplicates += 1
-                if self.stats.track_latency:
-                    self.stats.latencies_ms.append((time.perf_counter() - pending.t0) * 1e3)
-        if not self._unacked:
-            self._idle.set()
-
-    async def _expire_stale(self) -> None:
-        limit = time.perf_counter() - self.cfg.publish_ack_timeout_s
-        for fut, pending in list(self._unacked.items()):
-            if pending.t0 < limit:
-                fut.cancel()
+                if pending.future is not None:
+                    pending.future.cancel()
         await self._retry_failed()
 
     async def _retry_failed(self) -> None:
@@ -346,8 +393,7 @@ class NatsBus:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
-            for fut in list(self._unacked):
-                fut.cancel()
+            await self._expire(float("inf"))
         await self._retry_failed()
 
     @property
@@ -566,6 +612,20 @@ class NatsBus:
             return await self.request(control_subject(self.run_id, agent_id), request, ControlReply, timeout_s)
         except NoResponders as exc:
             raise NoResponders(f"no agent {agent_id} in run {self.run_id}") from exc
+
+
+def _ack_error(data: bytes) -> str | None:
+    """The reason JetStream refused a publish, from its reply; None for a ``PubAck``."""
+    if b'"error"' not in data:
+        return None
+    try:
+        reply = json.loads(data)
+    except ValueError:
+        return f"unreadable publish reply: {data[:200]!r}"
+    error = reply.get("error") if isinstance(reply, dict) else None
+    if error is None:
+        return None
+    return str(error.get("description", error) if isinstance(error, dict) else error)
 
 
 def _error_reply(reason: str) -> bytes:

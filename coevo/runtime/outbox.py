@@ -19,7 +19,7 @@ import asyncio
 import contextvars
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from coevo.schemas import Event
 
@@ -33,7 +33,7 @@ class Outbox:
 
     cause_id: str
     consumer: str
-    staged: list[tuple[asyncio.Future[Any], _UnackedPublish]] = field(default_factory=list)
+    staged: list[tuple[asyncio.Future[bool], _UnackedPublish]] = field(default_factory=list)
 
     def derived_id(self, event: Event) -> str:
         """A deterministic id for an event built while handling this delivery."""
