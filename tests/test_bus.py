@@ -362,3 +362,58 @@ async def test_message_whose_consumer_dies_on_every_delivery_is_dead_lettered(
     assert len(lost) == 1 and lost[0].consumer == "fragile" and lost[0].delivery_count == 2
     assert lost[0].raw == encode(poison) and lost[0].original_subject.endswith(".task.scheduled")
     assert "died or stopped" in lost[0].reason
+
+
+async def test_a_puller_hands_out_batches_at_once_and_waits_only_for_the_first_message(
+        bus: NatsBus, run_id: str) -> None:
+    """The consumer's fetch on core NATS: what is there comes at once in batches of at most
+    ``batch``; with nothing there it returns when the first message arrives, not at the expiry; with
+    nothing at all it times out at the expiry."""
+    import time
+
+    puller = await bus.puller("pull-test", ["task.scheduled"])
+    try:
+        for i in range(10):
+            await bus.publish(sched(run_id, i))
+        await bus.flush()
+        batches = [await puller.fetch(4, 5.0) for _ in range(3)]
+        assert [len(b) for b in batches] == [4, 4, 2]
+        for b in batches:
+            for m in b:
+                await m.ack()
+        got_ids = [(await bus.decode_msg(m)).group_id for b in batches for m in b]
+        assert sorted(got_ids) == sorted(f"g{i}" for i in range(10))
+
+        async def later() -> None:
+            await asyncio.sleep(0.3)
+            await bus.publish_sync(sched(run_id, 10))
+
+        t0 = time.monotonic()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(later())
+            got = await puller.fetch(8, 20.0)
+        waited = time.monotonic() - t0
+        assert [(await bus.decode_msg(m)).group_id for m in got] == ["g10"]
+        assert 0.25 < waited < 10.0  # the message's arrival ended the wait, not the 20 s expiry
+        await got[0].ack()
+
+        t0 = time.monotonic()
+        with pytest.raises(nats.errors.TimeoutError):
+            await puller.fetch(8, 0.5)
+        assert time.monotonic() - t0 >= 0.45
+        assert puller.take_late() == []
+    finally:
+        await puller.unsubscribe()
+
+
+async def test_a_puller_whose_stream_is_gone_says_so(bus: NatsBus, run_id: str) -> None:
+    import nats.js.errors
+
+    puller = await bus.puller("pull-gone", ["task.scheduled"])
+    try:
+        await bus.js.delete_stream(bus.stream)
+        with pytest.raises((nats.js.errors.Error, nats.errors.Error)):
+            await puller.fetch(4, 2.0)
+    finally:
+        await puller.unsubscribe()
+        await bus.ensure_stream()

@@ -33,6 +33,7 @@ from nats.js import JetStreamContext, api
 from coevo.config import BusConfig, NatsConfig, StreamConfig
 from coevo.errors import BusError, NoResponders, PublishError
 from coevo.runtime import claims, outbox
+from coevo.runtime.pull import Puller
 from coevo.schemas import (
     ControlReply,
     ControlRequest,
@@ -429,6 +430,16 @@ class NatsBus:
             raise BusError(f"consumer {durable} exists with an incompatible config: {exc}") from exc
         return await self.js.pull_subscribe_bind(durable=durable, stream=self.stream)
 
+    async def puller(self, durable: str, kinds: Iterable[str], *, deliver: str = "all",
+                     ephemeral: bool = False) -> Puller:
+        """Create or update the durable consumer, then a ``Puller`` that fetches its batches."""
+        config = self.consumer_config(durable, kinds, deliver=deliver, ephemeral=ephemeral)
+        try:
+            await self.js.add_consumer(self.stream, config)
+        except nats.js.errors.BadRequestError as exc:
+            raise BusError(f"consumer {durable} exists with an incompatible config: {exc}") from exc
+        return await Puller(self.nc, self.stream, durable).start()
+
     async def dead_letter(self, msg: Msg, consumer: str, reason: str, source: Any) -> None:
         delivered = msg.metadata.num_delivered if msg.reply else 0
         await self._store_dead_letter(source, msg.subject, msg.data, msg.headers, consumer, reason, delivered)
@@ -513,21 +524,23 @@ class NatsBus:
             inactive_threshold=30.0,
             max_ack_pending=-1,
         )
-        config.name = f"history_{new_id()[:16]}"
+        name = config.name = f"history_{new_id()[:16]}"
         await self.js.add_consumer(self.stream, config)
-        sub = await self.js.pull_subscribe_bind(durable=config.name, stream=self.stream)
+        sub = await Puller(self.nc, self.stream, name).start()
         try:
-            if (await sub.consumer_info()).num_pending == 0:
+            if (await self.js.consumer_info(self.stream, name)).num_pending == 0:
                 return
             stalled_since = time.monotonic()
             while True:
                 try:
-                    msgs = await sub.fetch(256, timeout=2.0)
-                except (nats.errors.TimeoutError, TimeoutError):
+                    msgs = await sub.fetch(256, 2.0)
+                except (nats.errors.TimeoutError, TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
                     # a slow fetch (a node failing over, a busy server) is not the end of history:
                     # stop only when the server says nothing is left, never on a timeout alone
-                    if await self._history_done(sub, stalled_since, end):
+                    if await self._history_done(name, stalled_since, end):
                         return
+                    if isinstance(exc, nats.js.errors.ServiceUnavailableError):
+                        await asyncio.sleep(0.5)  # answered at once: wait for the stream to come back
                     continue
                 stalled_since = time.monotonic()
                 for msg in msgs:
@@ -544,12 +557,12 @@ class NatsBus:
         finally:
             await sub.unsubscribe()
             with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-                await self.js.delete_consumer(self.stream, config.name)
+                await self.js.delete_consumer(self.stream, name)
 
-    async def _history_done(self, sub: Any, stalled_since: float, end: int, stall_s: float = 60.0) -> bool:
+    async def _history_done(self, consumer: str, stalled_since: float, end: int, stall_s: float = 60.0) -> bool:
         """After a fetch timeout: True when nothing is left to read; raises if reading stalls for good."""
         with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-            info = await sub.consumer_info()
+            info = await self.js.consumer_info(self.stream, consumer)
             if info.num_pending == 0 or info.delivered.stream_seq >= end:
                 return True
         if time.monotonic() - stalled_since > stall_s:

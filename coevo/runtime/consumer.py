@@ -31,6 +31,7 @@ from coevo.errors import PublishError, Reject, Retry
 from coevo.runtime.aio import first_completed
 from coevo.runtime.bus import Delivery, NatsBus
 from coevo.runtime.outbox import Outbox, staging
+from coevo.runtime.pull import Puller
 from coevo.schemas import Event, Source, kind_of
 
 log = structlog.get_logger("coevo.consumer")
@@ -97,8 +98,7 @@ class Consumer:
         """
         per_worker = max(1, -(-self.cfg.fetch_batch // self.concurrency))
         name = self.sub.durable if self.sub.shared else f"{self.sub.durable}-{self.source.agent_id}"
-        subs = [await self.bus.pull_subscription(name, self.sub.kinds, deliver=self.sub.deliver,
-                                                 ephemeral=not self.sub.shared)
+        subs = [await self.bus.puller(name, self.sub.kinds, deliver=self.sub.deliver, ephemeral=not self.sub.shared)
                 for _ in range(self.concurrency)]
         try:
             async with asyncio.TaskGroup() as tg:
@@ -114,14 +114,15 @@ class Consumer:
             for ps in subs:
                 with contextlib.suppress(Exception):
                     await ps.unsubscribe()
+                await self._release(ps.take_late())
 
-    async def _worker(self, psub: Any, batch: int, stop: asyncio.Event) -> None:
+    async def _worker(self, psub: Puller, batch: int, stop: asyncio.Event) -> None:
         while not stop.is_set():
             if not self.resumed.is_set():
                 await first_completed(self.resumed.wait(), stop.wait())
                 continue
             try:
-                msgs = await psub.fetch(batch, timeout=self.cfg.fetch_timeout_s)
+                msgs = await psub.fetch(batch, self.cfg.fetch_timeout_s)
             except (nats.errors.TimeoutError, TimeoutError):
                 continue
             except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
