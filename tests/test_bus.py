@@ -417,3 +417,33 @@ async def test_a_puller_whose_stream_is_gone_says_so(bus: NatsBus, run_id: str) 
     finally:
         await puller.unsubscribe()
         await bus.ensure_stream()
+
+
+async def test_a_pull_refused_for_a_conflict_is_not_retried_at_once(bus: NatsBus, run_id: str) -> None:
+    """A 409 (here: more waiting pulls than the consumer's max_waiting) ends the request empty-handed;
+    the fetch times out after a short pause instead of at once (a worker would spin) or at the expiry."""
+    import time
+
+    from nats.js import api
+
+    from coevo.runtime.pull import Puller
+
+    await bus.js.add_consumer(bus.stream, api.ConsumerConfig(durable_name="narrow", ack_policy=api.AckPolicy.EXPLICIT,
+                                                             max_waiting=1))
+    first = await Puller(bus.nc, bus.stream, "narrow").start()
+    second = await Puller(bus.nc, bus.stream, "narrow").start()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            waiting = tg.create_task(first.fetch(1, 3.0))
+            await asyncio.sleep(0.3)  # the first pull waits on the server
+            t0 = time.monotonic()
+            with pytest.raises(nats.errors.TimeoutError):
+                await second.fetch(1, 3.0)
+            refused_after = time.monotonic() - t0
+            await bus.publish_sync(sched(run_id))
+            got = await waiting
+        assert 0.09 <= refused_after < 1.5
+        assert len(got) == 1 and (await bus.decode_msg(got[0])).group_id == "g0"
+    finally:
+        await first.unsubscribe()
+        await second.unsubscribe()

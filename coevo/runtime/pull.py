@@ -13,8 +13,10 @@ Invariants:
 - a fetch returns when its request is fulfilled (``n`` messages) or ended by a status, or at the
   timeout (a request lost in a reconnect); messages that arrive after that, or that a cancelled
   fetch held, are handed out by the next fetch first or by ``take_late``: none is dropped;
-- status replies (404, 408, 409) end a request and are never handed out; any other status (503:
-  JetStream not answering) ends it with nats-py's error for that status, as its fetch does.
+- status replies (404, 408, 409) end a request and are never handed out (a 409 that ends one
+  empty-handed pauses 0.1 s before the timeout is raised: no busy loop on a leader change); any
+  other status (503: JetStream not answering) ends it with nats-py's error for that status, as its
+  fetch does.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from nats.aio.msg import Msg
 STATUS = "Status"
 _ENDS_REQUEST = frozenset({"404", "408", "409"})  # no messages, request expired, conflict (leader change, limits)
 _GRACE_S = 0.5  # past the request's expiry, for the server's 408 to arrive
+_CONFLICT_PAUSE_S = 0.1
 
 
 class Puller:
@@ -46,6 +49,7 @@ class Puller:
         self._want = 0
         self._done: asyncio.Future[None] | None = None
         self._late: list[Msg] = []
+        self._conflict = False
 
     async def start(self) -> Puller:
         self._inbox = self.nc.new_inbox()
@@ -67,7 +71,7 @@ class Puller:
         if self._late:
             msgs, self._late = self._late[:batch], self._late[batch:]
             return msgs
-        self._got, self._want = [], batch
+        self._got, self._want, self._conflict = [], batch, False
         self._done = done = asyncio.get_running_loop().create_future()
         request = {"batch": batch, "no_wait": True, "expires": max(1, int(expires_s * 1e9) - 100_000)}
         error: BaseException | None = None
@@ -87,6 +91,8 @@ class Puller:
             return msgs
         if error is not None:
             raise error
+        if self._conflict:  # answered at once (a leader change, too many waiting pulls): not again at once
+            await asyncio.sleep(min(_CONFLICT_PAUSE_S, expires_s))
         raise nats.errors.TimeoutError
 
     def take_late(self) -> list[Msg]:
@@ -104,6 +110,7 @@ class Puller:
             if len(self._got) >= self._want:
                 self._end()
         elif status in _ENDS_REQUEST:
+            self._conflict = status == "409"
             self._end()
         elif status != "100":  # 100: idle heartbeat (none asked for) or flow control (push only)
             try:
