@@ -447,3 +447,20 @@ async def test_a_pull_refused_for_a_conflict_is_not_retried_at_once(bus: NatsBus
     finally:
         await first.unsubscribe()
         await second.unsubscribe()
+
+
+async def test_bench_bus_moves_both_sizes_through_both_clients() -> None:
+    """``coevo bench bus`` end to end on a small count: every field it reports is there and sane
+    (the speed itself is the benchmark's business, not a test's)."""
+    from coevo.bench.bus import SIZES, bench_bus
+
+    out = await bench_bus(count=300, repeats=2)
+    assert set(out["sizes"]) == set(SIZES)
+    for label, res in out["sizes"].items():
+        assert abs(res["event_bytes"] - SIZES[label]) < 0.1 * SIZES[label] + 500
+        assert len(res["paired_ratios"]) == 2
+        for client in ("coevo", "nats_py"):
+            assert res[client]["publish_per_s"] > 0 and res[client]["consume_per_s"] > 0
+            assert res[client]["end_to_end_per_s"] < min(res[client]["publish_per_s"], res[client]["consume_per_s"])
+        assert res["publish_ratio"] > 0 and res["consume_ratio"] > 0
+    assert out["ratio"] == min(res["ratio"] for res in out["sizes"].values())

@@ -7,7 +7,8 @@ client gets the typed bus's encoded events up front (its encoding is not timed),
 encodes and decodes every event itself. The ratio is the median over pairs of (typed / plain)
 end-to-end rates, each pair run back to back (in alternating order) so both halves see the same machine (a shared VM's
 speed drifts by ±20 % between runs: a ratio of two independent bests moves with it); the rates
-reported beside it are each client's best run, and ``ratio_of_best`` their quotient.
+reported beside it are each client's best run, and ``ratio_of_best`` their quotient;
+``publish_ratio`` and ``consume_ratio`` are the medians of the pairs' ratios for each half.
 """
 
 from __future__ import annotations
@@ -153,6 +154,10 @@ async def _plain_once(url: str, run_id: str, payloads: list[bytes], max_pending:
         await nc.close()
 
 
+def _paired(coevo_runs: list[dict[str, float]], plain_runs: list[dict[str, float]], key: str) -> list[float]:
+    return [c[key] / p[key] for c, p in zip(coevo_runs, plain_runs, strict=True)]
+
+
 def _best(runs: list[dict[str, float]]) -> dict[str, float]:
     best = max(runs, key=lambda r: r["end_to_end_per_s"])
     return {k: round(v, 3) for k, v in best.items()}
@@ -178,7 +183,7 @@ async def bench_bus(count: int = 20_000, repeats: int = 5, url: str | None = Non
                     # alternate which goes first: the second runs while the server still deletes the first's files
                     for runs, once in pair[::-1] if rep % 2 else pair:
                         runs.append(await once())
-                paired = [c["end_to_end_per_s"] / p["end_to_end_per_s"] for c, p in zip(coevo_runs, plain_runs, strict=True)]
+                paired = _paired(coevo_runs, plain_runs, "end_to_end_per_s")
                 ratio = statistics.median(paired)
                 ratios.append(ratio)
                 c, p = _best(coevo_runs), _best(plain_runs)
@@ -187,6 +192,8 @@ async def bench_bus(count: int = 20_000, repeats: int = 5, url: str | None = Non
                                        "token_ids": len(probe.prompt_token_ids) + len(probe.response_token_ids),
                                        "logprobs": len(probe.logprobs), "coevo": c, "nats_py": p,
                                        "ratio": round(ratio, 3), "paired_ratios": [round(r, 3) for r in paired],
+                                       "publish_ratio": round(statistics.median(_paired(coevo_runs, plain_runs, "publish_per_s")), 3),
+                                       "consume_ratio": round(statistics.median(_paired(coevo_runs, plain_runs, "consume_per_s")), 3),
                                        "ratio_of_best": round(c["end_to_end_per_s"] / p["end_to_end_per_s"], 3)}
             out["ratio"] = round(min(ratios), 3)
             out["target_ratio"] = 0.9
