@@ -28,6 +28,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 STATUS = "Status"
 _ENDS_REQUEST = frozenset({"404", "408", "409"})  # no messages, request expired, conflict (leader change, limits)
@@ -44,7 +45,7 @@ class Puller:
         self.durable = durable
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._inbox = ""
-        self._sub: object | None = None
+        self._sub: Subscription | None = None
         self._got: list[Msg] = []
         self._want = 0
         self._done: asyncio.Future[None] | None = None
@@ -59,7 +60,7 @@ class Puller:
     async def unsubscribe(self) -> None:
         if self._sub is not None:
             sub, self._sub = self._sub, None
-            await sub.unsubscribe()  # type: ignore[attr-defined]
+            await sub.unsubscribe()
 
     async def fetch(self, batch: int, expires_s: float) -> list[Msg]:
         """Up to ``batch`` messages; ``nats.errors.TimeoutError`` when none came within ``expires_s``
