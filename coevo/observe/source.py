@@ -19,6 +19,7 @@ from nats.js import api
 
 from coevo.observe.aggregate import ConsumerInfo
 from coevo.runtime.bus import NatsBus
+from coevo.runtime.pull import Puller
 from coevo.schemas import Event, events_prefix, new_id
 
 FETCH = 256
@@ -34,12 +35,12 @@ async def tail(bus: NatsBus, stop: asyncio.Event, *, start_seq: int = 1, wait_s:
         deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq),
         filter_subject=f"{events_prefix(bus.run_id)}.>", inactive_threshold=60.0, max_ack_pending=-1)
     await bus.js.add_consumer(bus.stream, config)
-    sub = await bus.js.pull_subscribe_bind(durable=config.name, stream=bus.stream)
+    sub = await Puller(bus.nc, bus.stream, config.name).start()
     try:
         caught_up = False
         while not (stop.is_set() and caught_up):
             try:
-                msgs = await sub.fetch(FETCH, timeout=wait_s)
+                msgs = await sub.fetch(FETCH, wait_s)
             except (nats.errors.TimeoutError, TimeoutError):
                 caught_up = True
                 if on_caught_up is not None:

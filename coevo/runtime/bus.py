@@ -422,23 +422,23 @@ class NatsBus:
 
     async def pull_subscription(self, durable: str, kinds: Iterable[str], *, deliver: str = "all",
                                 ephemeral: bool = False) -> Any:
-        """Create or update the durable consumer, then bind a pull subscription to it."""
-        config = self.consumer_config(durable, kinds, deliver=deliver, ephemeral=ephemeral)
-        try:
-            await self.js.add_consumer(self.stream, config)
-        except nats.js.errors.BadRequestError as exc:
-            raise BusError(f"consumer {durable} exists with an incompatible config: {exc}") from exc
+        """Create or update the durable consumer, then bind nats-py's pull subscription to it (tools
+        and tests; agents consume through ``puller``)."""
+        await self._ensure_consumer(durable, kinds, deliver=deliver, ephemeral=ephemeral)
         return await self.js.pull_subscribe_bind(durable=durable, stream=self.stream)
 
     async def puller(self, durable: str, kinds: Iterable[str], *, deliver: str = "all",
                      ephemeral: bool = False) -> Puller:
         """Create or update the durable consumer, then a ``Puller`` that fetches its batches."""
+        await self._ensure_consumer(durable, kinds, deliver=deliver, ephemeral=ephemeral)
+        return await Puller(self.nc, self.stream, durable).start()
+
+    async def _ensure_consumer(self, durable: str, kinds: Iterable[str], *, deliver: str, ephemeral: bool) -> None:
         config = self.consumer_config(durable, kinds, deliver=deliver, ephemeral=ephemeral)
         try:
             await self.js.add_consumer(self.stream, config)
         except nats.js.errors.BadRequestError as exc:
             raise BusError(f"consumer {durable} exists with an incompatible config: {exc}") from exc
-        return await Puller(self.nc, self.stream, durable).start()
 
     async def dead_letter(self, msg: Msg, consumer: str, reason: str, source: Any) -> None:
         delivered = msg.metadata.num_delivered if msg.reply else 0
