@@ -531,13 +531,14 @@ class NatsBus:
             if (await self.js.consumer_info(self.stream, name)).num_pending == 0:
                 return
             stalled_since = time.monotonic()
+            read = start_seq - 1  # the last sequence yielded
             while True:
                 try:
                     msgs = await sub.fetch(256, 2.0)
                 except (nats.errors.TimeoutError, TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
                     # a slow fetch (a node failing over, a busy server) is not the end of history:
                     # stop only when the server says nothing is left, never on a timeout alone
-                    if await self._history_done(name, stalled_since, end):
+                    if await self._history_done(name, stalled_since, end, read):
                         return
                     if isinstance(exc, nats.js.errors.ServiceUnavailableError):
                         await asyncio.sleep(0.5)  # answered at once: wait for the stream to come back
@@ -551,6 +552,7 @@ class NatsBus:
                         event: Event | None = await self.decode_msg(msg)
                     except ValueError:
                         event = None
+                    read = md.sequence.stream
                     yield md.sequence.stream, event, msg
                     if md.num_pending == 0 or md.sequence.stream >= end:
                         return
@@ -559,11 +561,15 @@ class NatsBus:
             with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
                 await self.js.delete_consumer(self.stream, name)
 
-    async def _history_done(self, consumer: str, stalled_since: float, end: int, stall_s: float = 60.0) -> bool:
-        """After a fetch timeout: True when nothing is left to read; raises if reading stalls for good."""
+    async def _history_done(self, consumer: str, stalled_since: float, end: int, read: int,
+                            stall_s: float = 60.0) -> bool:
+        """After a fetch timeout: True when nothing is left to read and everything the server
+        delivered (up to ``delivered.stream_seq``) was read (``read``): a delivered message can
+        still be on its way to the fetch. Raises if reading stalls for good."""
         with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
             info = await self.js.consumer_info(self.stream, consumer)
-            if info.num_pending == 0 or info.delivered.stream_seq >= end:
+            delivered = info.delivered.stream_seq or 0
+            if (info.num_pending == 0 or delivered >= end) and read >= min(delivered, end):
                 return True
         if time.monotonic() - stalled_since > stall_s:
             raise BusError(f"reading the history of {self.stream} stalled for {stall_s:.0f} s before sequence {end}")
