@@ -192,8 +192,9 @@ async def test_scorer_memory_of_scored_groups_is_bounded_and_orphans_are_dropped
 
 async def test_scorer_restart_reloads_what_a_full_replay_would_from_the_oldest_open_group(bus, cfg, monkeypatch) -> None:
     """A restarted scorer reads steps and votes only from the ``TaskScheduled`` of the oldest group
-    still open at its ack floor, and ends with the state a replay of the whole stream gives (but
-    for orphans older than that, which it would only drop)."""
+    still open at the last event its consumer was delivered, and ends with the state a replay of the
+    whole stream up to there gives (but for orphans older than that, which it would only drop) and
+    every group scored so far remembered (a ``GroupScored`` can be stored after that event)."""
     from coevo.agents.scorer import Group, ScorerAgent
     from coevo.schemas import GroupScored, StepJudged, StepTaken, TaskScheduled, TrajectoryCompleted, new_id
     from tests.samples import sample_events
@@ -210,13 +211,13 @@ async def test_scorer_restart_reloads_what_a_full_replay_would_from_the_oldest_o
               ev(TrajectoryCompleted, "g2", rollout_index=1), ev(TrajectoryCompleted, "g2", rollout_index=1),
               ev(StepJudged, "g3")]
     seqs = [(await bus.publish_sync(e)).seq for e in stream]
-    floor = seqs[-1]
-    for e in (ev(GroupScored, "g3"), ev(StepTaken, "g2")):  # past the floor: not acknowledged yet
+    delivered = seqs[-1]
+    for e in (ev(GroupScored, "g3"), ev(StepTaken, "g2"), ev(TaskScheduled, "g4")):  # past what was delivered
         await bus.publish_sync(e)
 
-    full = ScorerAgent(bus, cfg)  # the reference: every event up to the floor, in stream order
+    full = ScorerAgent(bus, cfg)  # the reference: every event up to ``delivered``, in stream order
     kinds = ["task.scheduled", "step.taken", "trajectory.completed", "step.judged", "group.scored"]
-    async for _, e, _m in bus.history(kinds, end_seq=floor):
+    async for _, e, _m in bus.history(kinds, end_seq=delivered):
         if isinstance(e, GroupScored):
             full.remember(e.group_id)
             full.groups.pop(e.group_id, None)
@@ -231,18 +232,63 @@ async def test_scorer_restart_reloads_what_a_full_replay_would_from_the_oldest_o
 
     monkeypatch.setattr(bus, "history", recording)
     scorer = ScorerAgent(bus, cfg)
-    await scorer.replay(floor)
+    await scorer.replay(delivered)
 
     def state(agent: ScorerAgent) -> dict[str, object]:
         return {gid: (g.scheduled and g.scheduled.event_id, sorted(g.steps),
                       sorted((k, v.event_id) for k, v in g.judged.items()),
                       sorted((k, v.event_id) for k, v in g.trajectories.items())) for gid, g in agent.groups.items()}
 
-    assert list(scorer.scored) == list(full.scored) == ["g1"]
+    assert list(full.scored) == ["g1"] and list(scorer.scored) == ["g1", "g3"]  # g3's GroupScored came later
     assert set(full.groups) == {"g2", "g3", "orphan", "old-orphan"}
-    assert state(scorer) == {gid: v for gid, v in state(full).items() if gid != "old-orphan"}
+    assert state(scorer) == {gid: v for gid, v in state(full).items() if gid not in ("old-orphan", "g3")}
+    assert "g4" not in scorer.groups  # scheduled after ``delivered``: the consumer delivers it
     assert scorer.groups["g2"].trajectories[1].event_id == stream[12].event_id  # the first completion wins
-    assert reads[1][1:] == (seqs[6], floor)  # steps and votes from g2's TaskScheduled on
+    assert reads[1][1:] == (seqs[6], delivered)  # steps and votes from g2's TaskScheduled on
+
+
+async def test_scorer_restart_keeps_an_event_acknowledged_above_a_lost_delivery(bus, cfg) -> None:
+    """The CI chaos failure: a delivery (or its ack) lost when a NATS node died leaves the consumer's
+    ack floor below events acknowledged after it, which the server never delivers again. A scorer
+    killed then must still hold them after its restart: here the group's ``TaskScheduled``,
+    acknowledged above a step whose delivery was lost; without it the group is an orphan, dropped
+    unscored."""
+    import asyncio
+
+    from coevo.agents.scorer import ScorerAgent
+    from coevo.schemas import StepTaken, TaskScheduled, new_id
+    from tests.samples import sample_events
+
+    proto = {type(e): e for e in sample_events(bus.run_id)}
+    lost = proto[StepTaken].model_copy(update={"event_id": new_id(), "group_id": "g-old"})
+    scheduled = proto[TaskScheduled].model_copy(update={"event_id": new_id(), "group_id": "g-gap"})
+    step = proto[StepTaken].model_copy(update={"event_id": new_id(), "group_id": "g-gap"})
+    for e in (lost, scheduled, step):
+        await bus.publish_sync(e)
+
+    puller = await bus.puller("scorer", [k for k in map(_kind, ScorerAgent.KINDS)])
+    try:
+        first = await puller.fetch(1, 2.0)  # delivered, never acknowledged (lost)
+        second = await puller.fetch(1, 2.0)
+        await second[0].ack_sync()  # acknowledged above the gap
+        assert [m.metadata.sequence.stream for m in first + second] == [1, 2]
+    finally:
+        await puller.unsubscribe()
+    info = await bus.js.consumer_info(bus.stream, "scorer")
+    assert (info.ack_floor.stream_seq, info.delivered.stream_seq, info.num_ack_pending) == (0, 2, 1)
+
+    scorer = ScorerAgent(bus, cfg)
+    await asyncio.wait_for(scorer.rebuild(), 20)
+    assert scorer.groups["g-gap"].scheduled is not None
+    assert scorer.groups["g-gap"].scheduled.event_id == scheduled.event_id
+    assert "g-old" not in scorer.groups  # before the oldest open group (not reloaded); redelivered anyway
+    assert not scorer.groups["g-gap"].steps  # stored after the last delivery: the consumer delivers it
+
+
+def _kind(cls: type) -> str:
+    from coevo.schemas import kind_of
+
+    return kind_of(cls)
 
 
 # ---- the critic (ALGORITHM.md §4.2) ---------------------------------------------------------------------

@@ -7,9 +7,12 @@ Invariants:
   step still without votes ``vote_timeout_s`` after its trajectory completed is scored without
   step signal and listed in ``stragglers``; a group missing trajectories ``group_timeout_s``
   after it was scheduled is scored with those it has (or flagged when it has none);
-- on restart the state is rebuilt from the stream up to the consumer's ack floor, so what was
-  acknowledged before the crash is not lost; steps and votes, the bulk of the stream, are read
-  only from the oldest group still open (a restart late in a long run stays cheap).
+- on restart the state is rebuilt from the stream up to the last event the consumer delivered
+  (not its ack floor: an event acknowledged above an unacknowledged one, e.g. one whose delivery
+  or ack a NATS node's death lost, is never delivered again), so what was acknowledged before the
+  crash is not lost; what was delivered but not acknowledged comes again, and applying an event
+  twice changes nothing; steps and votes, the bulk of the stream, are read only from the oldest
+  group still open (a restart late in a long run stays cheap).
 """
 
 from __future__ import annotations
@@ -230,20 +233,26 @@ class ScorerAgent(Agent):
         await super().run()
 
     async def rebuild(self) -> None:
-        """Re-apply what this consumer acknowledged before a restart."""
+        """Re-apply what this consumer was delivered before a restart.
+
+        Up to ``delivered``, not the ack floor: the floor is the last event below which *all* are
+        acknowledged, and one acknowledged above it is not delivered again (a lost delivery or ack
+        leaves such a gap until it is redelivered). Events between the two that were not
+        acknowledged come again: ``Group.add`` is idempotent."""
         import nats.js.errors
 
         try:
             info = await self.bus.js.consumer_info(self.bus.stream, "scorer")
         except nats.js.errors.NotFoundError:
             return
-        floor = info.ack_floor.stream_seq if info.ack_floor else 0
-        if floor:
-            await self.replay(floor)
+        delivered = info.delivered.stream_seq or 0
+        if delivered:
+            await self.replay(delivered)
 
-    async def replay(self, floor: int) -> None:
-        """The state at stream sequence ``floor``: every group scored by then is remembered, every
-        other group holds its events stored up to ``floor``.
+    async def replay(self, delivered: int) -> None:
+        """The state at stream sequence ``delivered``: every group scored so far is remembered (its
+        ``GroupScored`` may be stored after ``delivered``), every other group holds its events
+        stored up to ``delivered``.
 
         Two reads, so that a restart late in a long run does not decode every step and vote ever
         stored (the bulk of the stream): the small events that say which groups exist and which are
@@ -254,23 +263,23 @@ class ScorerAgent(Agent):
         only be dropped after ``group_timeout_s``) are not reloaded.
         """
         first_seq: dict[str, int] = {}
-        async for seq, event, _msg in self.bus.history(["task.scheduled", "group.scored"], end_seq=floor):
+        async for seq, event, _msg in self.bus.history(["task.scheduled", "group.scored"]):
             if isinstance(event, GroupScored):
                 self.remember(event.group_id)
                 self.groups.pop(event.group_id, None)
                 first_seq.pop(event.group_id, None)
-            elif isinstance(event, TaskScheduled) and event.group_id not in self.scored:
+            elif isinstance(event, TaskScheduled) and event.group_id not in self.scored and seq <= delivered:
                 self.groups.setdefault(event.group_id, Group()).add(event)
                 first_seq.setdefault(event.group_id, seq)
         n = len(self.groups)
-        start = min(first_seq.values(), default=floor + 1)
+        start = min(first_seq.values(), default=delivered + 1)
         kinds = ["step.taken", "trajectory.completed", "step.judged"]
-        async for _, event, _msg in self.bus.history(kinds, start_seq=start, end_seq=floor):
+        async for _, event, _msg in self.bus.history(kinds, start_seq=start, end_seq=delivered):
             if event is not None and getattr(event, "group_id", None) not in self.scored:
                 self.groups.setdefault(event.group_id, Group()).add(event)  # type: ignore[attr-defined]
                 n += 1
         self.log.info("scorer.rebuilt", events=n, groups=len(self.groups), scored=len(self.scored),
-                      from_seq=start, floor=floor)
+                      from_seq=start, delivered=delivered)
 
     async def on_event(self, event: Any, _d: Delivery) -> None:
         gid = event.group_id
