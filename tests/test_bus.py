@@ -464,3 +464,31 @@ async def test_bench_bus_moves_both_sizes_through_both_clients() -> None:
             assert res[client]["end_to_end_per_s"] < min(res[client]["publish_per_s"], res[client]["consume_per_s"])
         assert res["publish_ratio"] > 0 and res["consume_ratio"] > 0
     assert out["ratio"] == min(res["ratio"] for res in out["sizes"].values())
+
+
+async def test_reading_ends_only_once_everything_delivered_was_read(bus: NatsBus, run_id: str) -> None:
+    """The rule ``history`` and the observer's ``tail`` end by after a fetch timeout, on the real
+    consumer's info: a message the server delivered but the reader has not read yet (still on its
+    way, or held for the next fetch) means "not done", as does one not delivered yet."""
+    from nats.js import api
+
+    from coevo.runtime.pull import Puller, read_all
+
+    seqs = [(await bus.publish_sync(sched(run_id, i))).seq for i in range(4)]
+    await bus.js.add_consumer(bus.stream, api.ConsumerConfig(name="reader", ack_policy=api.AckPolicy.NONE,
+                                                             max_ack_pending=-1, inactive_threshold=30.0))
+    puller = await Puller(bus.nc, bus.stream, "reader").start()
+    try:
+        got = await puller.fetch(3, 2.0)
+        assert [m.metadata.sequence.stream for m in got] == seqs[:3]
+        info = await bus.js.consumer_info(bus.stream, "reader")
+        assert not read_all(info, seqs[2])  # the fourth is not delivered yet
+        assert read_all(info, seqs[1], end=seqs[1])  # a history that ends there is done
+        rest = await puller.fetch(3, 2.0)
+        info = await bus.js.consumer_info(bus.stream, "reader")
+        assert [m.metadata.sequence.stream for m in rest] == seqs[3:] and info.num_pending == 0
+        assert not read_all(info, seqs[2])  # delivered, not read: its reader would have ended too early
+        assert not read_all(info, seqs[2], end=seqs[3])
+        assert read_all(info, seqs[3]) and read_all(info, seqs[3], end=seqs[3])
+    finally:
+        await puller.unsubscribe()

@@ -19,7 +19,7 @@ from nats.js import api
 
 from coevo.observe.aggregate import ConsumerInfo
 from coevo.runtime.bus import NatsBus
-from coevo.runtime.pull import Puller
+from coevo.runtime.pull import Puller, read_all
 from coevo.schemas import Event, events_prefix, new_id
 
 FETCH = 256
@@ -38,12 +38,14 @@ async def tail(bus: NatsBus, stop: asyncio.Event, *, start_seq: int = 1, wait_s:
     sub = await Puller(bus.nc, bus.stream, config.name).start()
     try:
         caught_up = False
+        read = max(1, start_seq) - 1  # the last sequence yielded
         while not (stop.is_set() and caught_up):
             try:
                 msgs = await sub.fetch(FETCH, wait_s)
             except (nats.errors.TimeoutError, TimeoutError):
-                caught_up = True
-                if on_caught_up is not None:
+                with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+                    caught_up = read_all(await bus.js.consumer_info(bus.stream, config.name), read)
+                if caught_up and on_caught_up is not None:
                     on_caught_up()
                 continue
             for msg in msgs:
@@ -51,7 +53,8 @@ async def tail(bus: NatsBus, stop: asyncio.Event, *, start_seq: int = 1, wait_s:
                     event: Event | None = await bus.decode_msg(msg)  # follows claims of large events
                 except ValueError:
                     event = None
-                yield msg.metadata.sequence.stream, event
+                read = msg.metadata.sequence.stream
+                yield read, event
             caught_up = not msgs or msgs[-1].metadata.num_pending == 0
             if caught_up and on_caught_up is not None:
                 on_caught_up()

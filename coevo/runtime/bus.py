@@ -33,7 +33,7 @@ from nats.js import JetStreamContext, api
 from coevo.config import BusConfig, NatsConfig, StreamConfig
 from coevo.errors import BusError, NoResponders, PublishError
 from coevo.runtime import claims, outbox
-from coevo.runtime.pull import Puller
+from coevo.runtime.pull import Puller, read_all
 from coevo.schemas import (
     ControlReply,
     ControlRequest,
@@ -567,9 +567,7 @@ class NatsBus:
         delivered (up to ``delivered.stream_seq``) was read (``read``): a delivered message can
         still be on its way to the fetch. Raises if reading stalls for good."""
         with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-            info = await self.js.consumer_info(self.stream, consumer)
-            delivered = info.delivered.stream_seq or 0
-            if (info.num_pending == 0 or delivered >= end) and read >= min(delivered, end):
+            if read_all(await self.js.consumer_info(self.stream, consumer), read, end):
                 return True
         if time.monotonic() - stalled_since > stall_s:
             raise BusError(f"reading the history of {self.stream} stalled for {stall_s:.0f} s before sequence {end}")

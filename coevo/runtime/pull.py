@@ -29,11 +29,22 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.api import ConsumerInfo
 
 STATUS = "Status"
 _ENDS_REQUEST = frozenset({"404", "408", "409"})  # no messages, request expired, conflict (leader change, limits)
 _GRACE_S = 0.5  # past the request's expiry, for the server's 408 to arrive
 _CONFLICT_PAUSE_S = 0.1
+
+
+def read_all(info: ConsumerInfo, read: int, end: int | None = None) -> bool:
+    """After a fetch timed out: True when ``info``'s consumer has nothing left to deliver (up to
+    stream sequence ``end``) and every message it delivered (up to ``end``) was read, ``read`` being
+    the last sequence read. A timeout alone proves neither: a delivered message can still be on its
+    way (it is then handed out by the next fetch)."""
+    delivered = info.delivered.stream_seq or 0
+    nothing_left = info.num_pending == 0 or (end is not None and delivered >= end)
+    return nothing_left and read >= (delivered if end is None else min(delivered, end))
 
 
 class Puller:
