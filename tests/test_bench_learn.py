@@ -140,12 +140,31 @@ async def test_bench_learn_two_seeds_smoke(model_cache: Path) -> None:
     for c in out["configs"].values():
         assert [r["seed"] for r in c["runs"]] == [0, 1]
         assert all(r["heldout_tasks"] == 2 and r["curve"] for r in c["runs"])
+        for r in c["runs"]:  # what the loop trained on, beside the initial tasks' success
+            assert 0 <= r["slots_rewritten"] <= 2
+            assert r["pool_accuracy"] is None or 0.0 <= r["pool_accuracy"] <= 1.0
+            assert all({"pool_accuracy", "slots_rewritten"} <= set(p) for p in r["curve"])
         assert c["summary"]["train_success"]["n"] == 2
         assert c["summary"]["heldout_success"]["half_width"] is not None
         assert c["reached_0.8"].endswith("/2")
     assert out["paired"]["integrated - outcome_only"]["heldout_success"]["n"] == 2
     assert len(out["curves"]) == 4
     assert time.monotonic() - t0 < 300
+
+
+def test_pool_snapshot_reads_the_train_slots_active_tasks() -> None:
+    from coevo.agents.tasks import Slot
+    from coevo.bench.learn import pool_snapshot
+    from coevo.schemas import TaskSpec
+
+    def slot(i: int, split: str, acc: float | None, history: list[str]) -> Slot:
+        task = TaskSpec(task_id=f"t{i}", family="quickgame", split=split)
+        return Slot(slot_id=f"s{i}", split=split, active=task, last_accuracy=acc, history=history)
+
+    assert pool_snapshot([]) == {"pool_accuracy": None, "slots_rewritten": 0}
+    slots = [slot(0, "train", 0.5, []), slot(1, "train", None, ["t9"]), slot(2, "train", 0.25, ["t8", "t7"]),
+             slot(3, "heldout", 1.0, [])]
+    assert pool_snapshot(slots) == {"pool_accuracy": 0.375, "slots_rewritten": 2}  # held-out slots left out
 
 
 # ---- configurations × seeds: the plan and the aggregation, on hand-written runs ------------------

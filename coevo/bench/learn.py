@@ -31,6 +31,9 @@ from coevo.observe.progress import progress_bar, tracked
 from coevo.schemas import TaskSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from coevo.agents.tasks import Slot
     from coevo.envs.base import Environment, Family, Observation
 
 HELDOUT_SEED = 7919
@@ -169,9 +172,24 @@ async def eval_set(cfg: CoevoConfig, episodes: int) -> EvalSet:
 # ---- one run -------------------------------------------------------------------------------------
 
 
+def pool_snapshot(slots: Iterable[Slot]) -> dict[str, Any]:
+    """What the loop trains on at this moment, beside what the evaluator measures (pure).
+
+    The evaluator plays the run's *initial* train tasks; the rewriter replaces a slot's active task
+    with a harder or easier version, so a falling success on the initial tasks can mean the policy
+    got worse, or that it now trains on other tasks. ``pool_accuracy``: the mean accuracy of the
+    newest scored group of each train slot's active task (None before any); ``slots_rewritten``:
+    train slots whose active task is no longer the initial one."""
+    train = [s for s in slots if s.split == "train"]
+    measured = [s.last_accuracy for s in train if s.last_accuracy is not None]
+    return {"pool_accuracy": round(sum(measured) / len(measured), 4) if measured else None,
+            "slots_rewritten": sum(bool(s.history) for s in train)}
+
+
 async def _curve(ev: EvalSet, ckpts: Path, base: Path, seconds: float, eval_every_s: float,
-                 stop: asyncio.Event, bar: Any) -> list[dict[str, float]]:
-    """Train success of the newest checkpoint every ``eval_every_s`` until ``seconds``; then sets ``stop``."""
+                 stop: asyncio.Event, bar: Any, pool: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Train success of the newest checkpoint every ``eval_every_s`` until ``seconds`` (with the
+    ``pool`` snapshot taken as the evaluation starts); then sets ``stop``."""
     from coevo.runtime.aio import wait_event
     from coevo.training.lane import latest_checkpoint
 
@@ -180,9 +198,10 @@ async def _curve(ev: EvalSet, ckpts: Path, base: Path, seconds: float, eval_ever
     while not stop.is_set():
         ckpt = latest_checkpoint(ckpts) or base
         t = time.monotonic() - t0
+        training_on = pool()
         success = await ev.success(ckpt, "train", seed=len(curve))
         version = int(ckpt.name[1:]) if ckpt != base else 0
-        curve.append({"seconds": round(t, 1), "success": success or 0.0, "policy_version": version})
+        curve.append({"seconds": round(t, 1), "success": success or 0.0, "policy_version": version, **training_on})
         bar.update(completed=min(t, seconds))
         if t >= seconds:
             break
@@ -195,6 +214,7 @@ async def _curve(ev: EvalSet, ckpts: Path, base: Path, seconds: float, eval_ever
 async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, episodes: int) -> dict[str, Any]:
     """Run the loop for ``seconds``; evaluate on the run's initial train tasks during the run, and on the
     fixed held-out tasks before (base model) and after (newest checkpoint)."""
+    from coevo.agents.tasks import TasksAgent
     from coevo.inference.clients import model_dir
     from coevo.loop import build_agents, summarize
     from coevo.runtime.agent import run_agents
@@ -208,11 +228,16 @@ async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, e
         ckpts = rt.run_dir / "checkpoints" / "policy"
         stop = asyncio.Event()
         agents = build_agents(rt.bus, cfg)
+        tasks = next((a for a in agents if isinstance(a, TasksAgent)), None)
+
+        def pool() -> dict[str, Any]:
+            return pool_snapshot(tasks.slots.values()) if tasks is not None else {}
+
         t0 = time.monotonic()
         label = f"{cfg.env.family}, {cfg.loop}, {cfg.scorer.reward} reward, seed {cfg.run.seed}"
         with progress_bar(label, seconds, unit="s") as bar:
             _, curve = await asyncio.gather(run_agents(agents, handle_signals=False, until=stop),
-                                            _curve(ev, ckpts, base, seconds, eval_every_s, stop, bar))
+                                            _curve(ev, ckpts, base, seconds, eval_every_s, stop, bar, pool))
         elapsed = time.monotonic() - t0
         final_ckpt = latest_checkpoint(ckpts) or base
         held = await ev.success(final_ckpt, "heldout", seed=999)
@@ -228,7 +253,7 @@ async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, e
                                        "judge_process_accuracy_heldout", "judge_outcome_accuracy_heldout",
                                        "rewrites_accepted", "learner_steps")},
             "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / seconds, 2),
-            "curve": curve}
+            **pool(), "curve": curve}
 
 
 def bench_config(tmp: Path, overrides: dict[str, Any]) -> CoevoConfig:
@@ -242,7 +267,7 @@ def bench_config(tmp: Path, overrides: dict[str, Any]) -> CoevoConfig:
 METRICS = ("train_success", "heldout_success", "judge_process_accuracy", "judge_outcome_accuracy",
            "seconds_to_0.8", "seconds_to_0.8_or_budget", "train_success_initial", "heldout_success_initial",
            "best_train_success", "judge_process_accuracy_heldout", "judge_outcome_accuracy_heldout",
-           "learner_steps", "rewrites_accepted", "trajectories_per_second")
+           "learner_steps", "rewrites_accepted", "trajectories_per_second", "pool_accuracy", "slots_rewritten")
 """Summarised per configuration. ``seconds_to_0.8``: over the runs that reached 0.8 train success
 (``reached_0.8`` counts them); ``seconds_to_0.8_or_budget``: every run, one that never reached it
 counted as the budget (a lower bound on its time)."""
