@@ -492,3 +492,41 @@ async def test_reading_ends_only_once_everything_delivered_was_read(bus: NatsBus
         assert read_all(info, seqs[3]) and read_all(info, seqs[3], end=seqs[3])
     finally:
         await puller.unsubscribe()
+
+
+@pytest.mark.parametrize("fate", ["late", "lost"])
+async def test_the_observer_tail_waits_for_a_late_delivery_and_not_forever_for_a_lost_one(
+        bus: NatsBus, run_id: str, monkeypatch: pytest.MonkeyPatch, fate: str) -> None:
+    """``tail`` after ``stop``: the last event's delivery is held back 0.8 s (late: the fetch that
+    should have had it times out first, at 0.5 s; a tail that ended on that timeout missed it) or never
+    comes (lost in a reconnect: an observer acknowledges nothing, so nothing is redelivered; the
+    tail still ends, after ``LOST_AFTER`` empty fetches)."""
+    import time
+
+    from coevo.observe import source
+    from coevo.runtime.pull import STATUS, Puller
+
+    seqs = [(await bus.publish_sync(sched(run_id, i))).seq for i in range(3)]
+    deliver = Puller._on_msg
+
+    async def holding_back_the_last(self: Puller, msg) -> None:  # type: ignore[no-untyped-def]
+        if (msg.headers or {}).get(STATUS) is None and msg.metadata.sequence.stream == seqs[-1]:
+            if fate == "late":
+                asyncio.get_running_loop().call_later(0.8, lambda: asyncio.ensure_future(deliver(self, msg)))
+            return
+        await deliver(self, msg)
+
+    monkeypatch.setattr(Puller, "_on_msg", holding_back_the_last)
+    stop = asyncio.Event()
+    stop.set()  # the run has ended: everything stored up to now, then return
+    t0 = time.monotonic()
+
+    async def read() -> list[int]:
+        return [seq async for seq, _ in source.tail(bus, stop, wait_s=0.5)]
+
+    got = await asyncio.wait_for(read(), 20)
+    if fate == "late":
+        assert got == seqs and time.monotonic() - t0 >= 0.75
+    else:
+        assert got == seqs[:2]
+        assert time.monotonic() - t0 >= source.LOST_AFTER * 0.5

@@ -5,6 +5,9 @@ Invariants:
   observing a run never changes what its agents receive (it is not in docs/architecture.md's table);
 - ``tail`` yields each stored event once, in stream order; after ``stop`` is set it still yields
   everything stored up to then (the run's last events, ``run.finished`` included) and returns.
+  It is caught up when the server has nothing left to deliver and everything it delivered was
+  read; a delivery that never came (lost in a reconnect: this consumer acknowledges nothing, so
+  nothing is redelivered) stops counting after ``LOST_AFTER`` empty fetches in a row.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from coevo.runtime.pull import Puller, read_all
 from coevo.schemas import Event, events_prefix, new_id
 
 FETCH = 256
+LOST_AFTER = 3
 OBSERVER_PREFIX = "observe_"
 
 
@@ -39,15 +43,20 @@ async def tail(bus: NatsBus, stop: asyncio.Event, *, start_seq: int = 1, wait_s:
     try:
         caught_up = False
         read = max(1, start_seq) - 1  # the last sequence yielded
+        empty = 0  # fetches in a row that got nothing
         while not (stop.is_set() and caught_up):
             try:
                 msgs = await sub.fetch(FETCH, wait_s)
             except (nats.errors.TimeoutError, TimeoutError):
+                empty += 1
+                caught_up = empty >= LOST_AFTER  # what is left when the server does not answer
                 with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-                    caught_up = read_all(await bus.js.consumer_info(bus.stream, config.name), read)
+                    info = await bus.js.consumer_info(bus.stream, config.name)
+                    caught_up = read_all(info, read) or (info.num_pending == 0 and empty >= LOST_AFTER)
                 if caught_up and on_caught_up is not None:
                     on_caught_up()
                 continue
+            empty = 0
             for msg in msgs:
                 try:
                     event: Event | None = await bus.decode_msg(msg)  # follows claims of large events
