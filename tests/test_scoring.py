@@ -115,6 +115,73 @@ def test_rewrite_direction_band() -> None:
     assert rewrite_direction(0.5) is None and rewrite_direction(0.79) is None
 
 
+async def test_the_builtin_rewriter_does_not_propose_a_rejected_edit_again() -> None:
+    """``attempt`` = rejections in a row: the next knob not at its bound, then steps of two."""
+    from coevo.algorithm.rewriter import BuiltinRewriter
+    from coevo.envs.quickgame import QuickGame
+    from coevo.schemas import TaskSpec
+
+    game, rw = QuickGame(), BuiltinRewriter()
+    task = TaskSpec(task_id="q1", family="quickgame", params={"seed": 5},
+                    knobs={"steps": 3, "distractors": 1, "slack": 1, "hints": 0})  # hints is at its harder bound
+    knobs = [(await rw.propose(game, task, "harder", [], attempt=a)).candidate.knobs for a in range(5)]
+    assert knobs[0] == {**task.knobs, "steps": 4}  # attempt 0: as before attempts existed
+    assert knobs[1] == {**task.knobs, "distractors": 2}
+    assert knobs[2] == {**task.knobs, "slack": 0}
+    assert knobs[3] == {**task.knobs, "steps": 5}  # every knob tried once: steps of two
+    assert knobs[4] == {**task.knobs, "distractors": 3}
+    names = [(await rw.propose(game, task, "harder", [], attempt=a)).rewriter for a in (0, 3)]
+    assert names == ["builtin:steps+", "builtin:steps+x2"]
+    top = task.model_copy(update={"knobs": {"steps": 6, "distractors": 4, "slack": 0, "hints": 0}})
+    assert (await rw.propose(game, top, "harder", [], attempt=7)).candidate is None  # nothing left to turn
+
+
+async def test_a_slot_whose_harder_rewrite_was_rejected_gets_another_one(bus, cfg) -> None:
+    """The saturation bench learn showed: a slot every rollout wins asks for a harder task; the
+    policy wins the proposed one too, so the gate rejects it. The next proposal must be another
+    edit (``attempt`` 1, recorded in ``TaskRewritten``), an accepted one resets the count, and the
+    replay of the rewriter reproduces both proposals from the events."""
+    from coevo.agents.tasks import TasksAgent
+    from coevo.config import load_config
+    from coevo.schemas import GroupScored, Source, TaskDecided, TaskRewritten
+    from coevo.tools.replay import replay_rewriter
+
+    tcfg = load_config(overrides={"run.runs_dir": str(cfg.run.runs_dir), "tasks.min_groups_between_rewrites": 0,
+                                  "log.console": "off"})
+    agent = TasksAgent(bus, tcfg)
+    await agent.load()
+    slot = next(s for s in agent.slots.values() if s.split == "train")
+    src = Source(role="scorer", agent_id="scorer-test")
+
+    def scored(gid: str, task_id: str, purpose: str, acc: float) -> GroupScored:
+        return GroupScored(run_id=bus.run_id, source=src, task_id=task_id, group_id=gid, slot_id=slot.slot_id,
+                           purpose=purpose, accuracy=acc, n_trajectories=8, policy_band_ok=False,
+                           judge_band_ok=False)
+
+    async def record(event: GroupScored) -> GroupScored:
+        await bus.publish_sync(event)  # the replay finds each rewrite's cause in the stream
+        return event
+
+    parent = slot.active
+    await agent.maybe_rewrite(slot, await record(scored("g1", parent.task_id, "train", 1.0)))
+    first = slot.candidate
+    await agent.decide(slot, await record(scored("c1", first.task_id, "candidate", 1.0)))  # not harder
+    assert slot.active == parent and (slot.rejected, slot.rejected_direction) == (1, "harder")
+    await agent.maybe_rewrite(slot, await record(scored("g2", parent.task_id, "train", 1.0)))
+    second = slot.candidate
+    assert second is not None and second.knobs != first.knobs
+    await agent.decide(slot, await record(scored("c2", second.task_id, "candidate", 0.5)))
+    assert slot.active == second and slot.history == [parent.task_id] and slot.rejected == 0
+    await bus.flush()
+
+    events = [(seq, e) async for seq, e, _ in bus.history() if e is not None]
+    rewrites = [e for _, e in events if isinstance(e, TaskRewritten)]
+    assert [r.attempt for r in rewrites] == [0, 1]
+    assert [d.accepted for _, d in events if isinstance(d, TaskDecided)] == [False, True]
+    report = await replay_rewriter(events, tcfg)
+    assert report.divergence is None and report.compared == 4  # two proposals, two decisions
+
+
 @pytest.mark.parametrize(("text", "vote"), [
     (r"good step. \boxed{1}", 1),
     (r"\boxed{+1}", 1),
