@@ -15,10 +15,7 @@ Invariants:
   every group of the last one is scored and the weights trained on it (policy, judge) are published;
   each ``TaskScheduled`` carries the policy version it was scheduled at (``source.model_version``);
 - a candidate is decided once, by the acceptance gate on its measured accuracy, and every decision
-  is a ``TaskDecided`` event;
-- a rejected rewrite is not proposed again: each rejection in a row (in one direction, from one
-  active task) is the next proposal's ``attempt``, with which the rewriter changes its edit (the
-  built-in one: the next knob, then bigger steps); an accepted rewrite starts the count afresh.
+  is a ``TaskDecided`` event.
 """
 
 from __future__ import annotations
@@ -70,16 +67,6 @@ class Slot(BaseModel):
     last_accuracy: float | None = None
     rewrites_proposed: int = 0
     rewrites_accepted: int = 0
-    rejected: int = 0
-    """proposals in ``rejected_direction`` from the active task rejected in a row (the next one's ``attempt``)"""
-    rejected_direction: Literal["harder", "easier"] | None = None
-
-    def attempt(self, direction: str) -> int:
-        return self.rejected if direction == self.rejected_direction else 0
-
-    def reject(self, direction: Literal["harder", "easier"]) -> None:
-        self.rejected = self.attempt(direction) + 1
-        self.rejected_direction = direction
 
 
 class InFlight(BaseModel):
@@ -402,8 +389,7 @@ class TasksAgent(Agent):
         if (self.rewriter is None or slot.split != "train" or direction is None or slot.candidate is not None
                 or slot.groups_since_rewrite < self.cfg.tasks.min_groups_between_rewrites):
             return
-        attempt = slot.attempt(direction)
-        proposal = await self.rewriter.propose(self.family, slot.active, direction, event.failures, attempt)
+        proposal = await self.rewriter.propose(self.family, slot.active, direction, event.failures)
         ok, why = False, proposal.error
         if proposal.candidate is not None:
             check = await self.family.precheck(proposal.candidate)
@@ -411,14 +397,13 @@ class TasksAgent(Agent):
         slot.rewrites_proposed += 1
         await self.emit(self.event(TaskRewritten, cause=event, slot_id=slot.slot_id, parent=slot.active,
                                    candidate=proposal.candidate, direction=direction, summaries=proposal.summaries,
-                                   rewriter=proposal.rewriter, precheck_ok=ok, precheck_error=why, attempt=attempt))
+                                   rewriter=proposal.rewriter, precheck_ok=ok, precheck_error=why))
         self.counters["rewrites_proposed"] += 1
         if ok and proposal.candidate is not None:
             slot.candidate, slot.candidate_direction = proposal.candidate, direction
             slot.candidate_scheduled, slot.parent_accuracy = False, event.accuracy
         else:  # rejected before any rollout: the decision says why
             slot.groups_since_rewrite = 0  # back off before trying again
-            slot.reject(direction)
             candidate_id = proposal.candidate.task_id if proposal.candidate else f"{slot.active.task_id}__invalid"
             await self.emit(self.event(
                 TaskDecided, cause=event, slot_id=slot.slot_id, parent_id=slot.active.task_id,
@@ -447,9 +432,6 @@ class TasksAgent(Agent):
             slot.active = slot.candidate
             slot.rewrites_accepted += 1
             slot.last_accuracy = event.accuracy
-            slot.rejected, slot.rejected_direction = 0, None  # a new active task: its rewrites start afresh
             self.counters["rewrites_accepted"] += 1
-        else:
-            slot.reject(slot.candidate_direction)
         slot.candidate, slot.candidate_direction, slot.candidate_scheduled, slot.parent_accuracy = None, None, False, None
         slot.groups_since_rewrite = 0

@@ -32,12 +32,7 @@ class Rewriter(Protocol):
     name: str
 
     async def propose(self, family: Family, task: TaskSpec, direction: Direction,
-                      failures: list[FailureDigest], attempt: int = 0) -> Proposal:
-        """A ``direction`` version of ``task``. ``attempt``: how many proposals in this direction
-        from this task the acceptance gate already rejected (or were invalid): a rewriter must not
-        propose the same rejected edit again, or a slot whose tasks the policy has outgrown stays
-        saturated (every group won, no signal) for good."""
-        ...
+                      failures: list[FailureDigest]) -> Proposal: ...
 
 
 def critic_summary(f: FailureDigest) -> str:
@@ -85,26 +80,20 @@ class BuiltinRewriter:
     name = "builtin"
 
     async def propose(self, family: Family, task: TaskSpec, direction: Direction,
-                      failures: list[FailureDigest], attempt: int = 0) -> Proposal:
-        """One knob one step (easier: the knob the critic's summaries blame first; harder: rotating
-        through the knobs by version, so that no knob runs away alone). After a rejection the next
-        knob in that order; once every knob was tried, steps of two, then three, ..."""
+                      failures: list[FailureDigest]) -> Proposal:
         summaries = [critic_summary(f) for f in failures]
         ops = family.operators(direction)
         if direction == "easier":
             text = " ".join(summaries).lower()
             blamed = [knob for word, knob in _BLAME if word in text]
             ops.sort(key=lambda op: blamed.index(op[:-1]) if op[:-1] in blamed else len(_BLAME))
-        else:
+        else:  # harder: rotate through the knobs by version so that no knob runs away alone
             shift = task.version % max(1, len(ops))
             ops = ops[shift:] + ops[:shift]
-        ops = [op for op in ops if family.apply(task, op) is not None]  # knobs not at their bound
-        if ops:
-            turn, amount = attempt % len(ops), 1 + attempt // len(ops)
-            op = ops[turn]
-            candidate = family.apply(task, op, amount)
-            assert candidate is not None
-            return Proposal(candidate, summaries, f"{self.name}:{op}" + (f"x{amount}" if amount > 1 else ""))
+        for op in ops:
+            candidate = family.apply(task, op)
+            if candidate is not None:
+                return Proposal(candidate, summaries, f"{self.name}:{op}")
         return Proposal(None, summaries, self.name, f"every knob is at its {direction} bound")
 
 
@@ -119,20 +108,17 @@ class LLMRewriter:
         self.max_tokens = max_tokens
 
     def prompt(self, family: Family, task: TaskSpec, direction: Direction, summaries: list[str],
-               failures: list[FailureDigest] | None = None, attempt: int = 0) -> str:
+               failures: list[FailureDigest] | None = None) -> str:
         bounds = {k.name: [k.low, k.high] for k in family.knobs}
-        rejected = (f"{attempt} earlier {direction} version(s) of this task were rejected: the policy did "
-                    f"no {'worse' if direction == 'harder' else 'better'} on them. Change more than that.\n"
-                    if attempt else "")
         return (f"You rewrite {family.name} tasks to make them {direction} while keeping their intent.\n"
                 f"Current knobs: {json.dumps(task.knobs)}\nBounds: {json.dumps(bounds)}\n"
-                f"Why recent attempts failed:\n{failure_text(failures or [], summaries)}\n{rejected}"
+                f"Why recent attempts failed:\n{failure_text(failures or [], summaries)}\n"
                 'Answer with JSON only: {"knobs": {...}, "reason": "..."}\n')
 
     async def propose(self, family: Family, task: TaskSpec, direction: Direction,
-                      failures: list[FailureDigest], attempt: int = 0) -> Proposal:
+                      failures: list[FailureDigest]) -> Proposal:
         summaries = [critic_summary(f) for f in failures]
-        prompt = self.prompt(family, task, direction, summaries, failures, attempt)
+        prompt = self.prompt(family, task, direction, summaries, failures)
         error = "no answer"
         schema = proposal_schema(family)
         for _ in range(self.retries + 1):

@@ -111,13 +111,12 @@ class Family(abc.ABC):
         """Names of the edits that move ``task`` in ``direction`` (one per knob)."""
         return [f"{k.name}{'+' if (k.harder == 1) == (direction == 'harder') else '-'}" for k in self.knobs]
 
-    def apply(self, task: TaskSpec, operator: str, amount: int = 1) -> TaskSpec | None:
-        """Apply ``knob+`` / ``knob-`` ``amount`` times (clamped at the knob's bound); None when the
-        knob is already at its bound."""
+    def apply(self, task: TaskSpec, operator: str) -> TaskSpec | None:
+        """Apply ``knob+`` / ``knob-``; None when the knob is already at its bound."""
         name, sign = operator[:-1], operator[-1]
         knob = self.knob(name)
         current = task.knobs.get(name, knob.low)
-        new = knob.clamp(current + (amount if sign == "+" else -amount))
+        new = knob.clamp(current + (1 if sign == "+" else -1))
         if new == current:
             return None
         return self.derive(task, {**task.knobs, name: new})

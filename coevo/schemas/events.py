@@ -66,8 +66,6 @@ class TaskRewritten(Event):
     rewriter: str
     precheck_ok: bool
     precheck_error: str | None = None
-    attempt: int = Field(default=0, ge=0, description="proposals in this direction from this parent rejected "
-                         "before this one (the rewriter varies its edit with it)")
 
 
 class TaskDecided(Event):
