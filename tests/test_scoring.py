@@ -266,7 +266,8 @@ async def test_scorer_restart_keeps_an_event_acknowledged_above_a_lost_delivery(
     for e in (lost, scheduled, step):
         await bus.publish_sync(e)
 
-    puller = await bus.puller("scorer", [k for k in map(_kind, ScorerAgent.KINDS)])
+    (sub,) = ScorerAgent(bus, cfg).subscriptions()  # the consumer the agent itself reads
+    puller = await bus.puller(sub.durable, sub.kinds)
     try:
         first = await puller.fetch(1, 2.0)  # delivered, never acknowledged (lost)
         second = await puller.fetch(1, 2.0)
@@ -283,12 +284,6 @@ async def test_scorer_restart_keeps_an_event_acknowledged_above_a_lost_delivery(
     assert scorer.groups["g-gap"].scheduled.event_id == scheduled.event_id
     assert "g-old" not in scorer.groups  # before the oldest open group (not reloaded); redelivered anyway
     assert not scorer.groups["g-gap"].steps  # stored after the last delivery: the consumer delivers it
-
-
-def _kind(cls: type) -> str:
-    from coevo.schemas import kind_of
-
-    return kind_of(cls)
 
 
 # ---- the critic (ALGORITHM.md §4.2) ---------------------------------------------------------------------
