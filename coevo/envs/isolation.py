@@ -2,26 +2,33 @@
 
 ``bwrap``: new user, PID, network, IPC, UTS, cgroup and mount namespaces; uid/gid 65534; no
 capabilities; no further user namespaces; a fresh ``/proc`` showing only the sandbox's processes;
-a minimal ``/dev``; a read-only view of the interpreter, its standard library and the system's
-shared libraries and nothing else of the host (no ``/etc``, ``/home``, ``/root``, no binaries); a
-private, size-capped tmpfs as working directory; an empty environment; a seccomp filter
-(``coevo.envs.seccomp``); killed with its parent.
+a minimal ``/dev``; a private, size-capped tmpfs as working directory; an empty environment; a
+seccomp filter (``coevo.envs.seccomp``); killed with its parent. Of the host it sees, read-only,
+exactly: the interpreter binary, its standard library with every ``site-packages`` and
+``dist-packages`` directory in it masked by an empty one, the files the interpreter maps when it
+loads every extension module of its standard library (shared libraries, the loader, locale data;
+found by ``probe_libraries``) with the symbolic links that name them, ``/etc/ld.so.cache`` and the
+harness. No package of any environment (a dataset a package ships is not readable), no ``/etc``,
+``/home``, ``/root``, no other binaries, no shell.
 
 ``process``: the program runs as coevo's own user with an audit hook, rlimits, and a network
 namespace only where the kernel allows one. Not safe for untrusted (RL-trained) programs.
 
 Invariant: ``bwrap_argv`` is a pure function of a ``HostLayout``; ``check_bwrap`` either returns a
-layout a sandbox was seen to start with, or raises ``SandboxUnavailable`` saying how to fix it.
+narrowed layout a sandbox was seen to start with and import every extension module the broad
+probe could, or raises ``SandboxUnavailable`` saying how to fix it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -38,6 +45,7 @@ HARNESS_IN_SANDBOX = "/.coevo/harness.py"
 SANDBOX_UID = 65534
 _SYSTEM_LIB_DIRS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32", "/lib", "/lib64", "/lib32",
                     "/libx32")
+_PACKAGE_DIRS = ("site-packages", "dist-packages")
 
 log = structlog.get_logger("coevo.sandbox")
 
@@ -52,13 +60,20 @@ class HostLayout:
 
     bwrap: str
     python: str  # the base interpreter's real path (not a venv's launcher)
-    python_lib: str  # the directory holding its standard library (and libpython, if shared)
-    lib_dirs: tuple[str, ...] = ()  # system library directories, bound read-only
+    stdlib: str  # its standard library directory (``.../lib/python3.X``), bound whole but for ``masked``
+    masked: tuple[str, ...] = ()  # package directories inside ``stdlib``: covered by an empty read-only tmpfs
+    files: tuple[str, ...] = ()  # other host files the interpreter maps (shared libraries, loader, locale data)
+    file_links: tuple[tuple[str, str], ...] = ()  # (path, target) of the symbolic links naming ``files``
+    lib_dirs: tuple[str, ...] = ()  # whole system library directories: only the probe's broad view binds them
     lib_links: tuple[tuple[str, str], ...] = ()  # (path, target) of library directories that are symlinks
     ld_cache: bool = True
     harness: str = str(Path(__file__).with_name("harness.py"))
     tmp_size: bool = True  # bwrap knows --size (0.7+)
     disable_userns: bool = True  # bwrap knows --disable-userns (0.8+)
+
+
+def _under(path: str, roots: list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
 def bwrap_argv(layout: HostLayout, command: list[str], *, tmp_mb: int, seccomp_fd: int | None,
@@ -79,10 +94,15 @@ def bwrap_argv(layout: HostLayout, command: list[str], *, tmp_mb: int, seccomp_f
         argv += ["--symlink", target, path]
     if layout.ld_cache:
         argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    for p in (layout.python_lib, layout.python):
-        if not any(p == b or p.startswith(b.rstrip("/") + "/") for b in bound):
+    for p in (layout.stdlib, layout.python, *layout.files):
+        if not _under(p, bound):
             argv += ["--ro-bind", p, p]
             bound.append(p)
+    for path, target in layout.file_links:
+        if not _under(path, bound):
+            argv += ["--symlink", target, path]
+    for d in layout.masked:  # after the binds they lie in: an empty, read-only directory hides them
+        argv += ["--tmpfs", d, "--remount-ro", d]
     argv += ["--ro-bind", layout.harness, HARNESS_IN_SANDBOX, "--proc", "/proc", "--dev", "/dev"]
     if layout.tmp_size:
         argv += ["--size", str(tmp_mb * 1024 * 1024)]
@@ -115,8 +135,23 @@ def base_python() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
+def package_dirs(stdlib: str) -> tuple[str, ...]:
+    """The directories inside ``stdlib`` where packages are installed (``site-packages``,
+    ``dist-packages``), however deep a distribution nests them."""
+    found = []
+    for root, dirs, _ in os.walk(stdlib):
+        for d in list(dirs):
+            if d in _PACKAGE_DIRS:
+                found.append(os.path.join(root, d))
+                dirs.remove(d)
+            elif d in ("__pycache__", "test", "tests"):
+                dirs.remove(d)
+    return tuple(sorted(found))
+
+
 def host_layout(bwrap: str) -> HostLayout:
-    """Read this host's paths (the interpreter, its stdlib, library directories) and bwrap's options."""
+    """The broad view a probe starts with: the interpreter, its standard library (packages masked)
+    and every system library directory."""
     dirs, links = [], []
     for d in _SYSTEM_LIB_DIRS:
         if os.path.islink(d):
@@ -124,10 +159,61 @@ def host_layout(bwrap: str) -> HostLayout:
         elif os.path.isdir(d):
             dirs.append(d)
     stdlib = os.path.dirname(os.path.realpath(os.__file__))  # .../lib/python3.X
+    python = base_python()
     helptext = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10, env={}).stdout
-    return HostLayout(bwrap=bwrap, python=base_python(), python_lib=os.path.dirname(stdlib),
-                      lib_dirs=tuple(dirs), lib_links=tuple(links), ld_cache=os.path.exists("/etc/ld.so.cache"),
-                      tmp_size="--size" in helptext, disable_userns="--disable-userns" in helptext)
+    # the directory of a shared libpython: bound in the broad view only, narrowed to the file after the probe
+    libpython = [os.path.dirname(stdlib)] if not _under(os.path.dirname(stdlib), dirs) else []
+    return HostLayout(bwrap=bwrap, python=python, stdlib=stdlib, masked=package_dirs(stdlib),
+                      lib_dirs=(*dirs, *libpython), lib_links=tuple(links),
+                      ld_cache=os.path.exists("/etc/ld.so.cache"), tmp_size="--size" in helptext,
+                      disable_userns="--disable-userns" in helptext)
+
+
+# Runs as ``python -I -S -c _PROBE`` inside a sandbox: imports every extension module of the standard
+# library, then prints them and the files the process maps.
+_PROBE = """
+import importlib, json, os
+d = os.path.join(os.path.dirname(os.__file__), "lib-dynload")
+names = sorted({f.split(".")[0] for f in os.listdir(d) if f.endswith(".so")} - {"_tkinter"}) if os.path.isdir(d) else []
+ok = []
+for name in names:
+    try:
+        importlib.import_module(name)
+        ok.append(name)
+    except Exception:
+        pass
+maps = set()
+for line in open("/proc/self/maps"):
+    parts = line.split(None, 5)
+    if len(parts) == 6 and parts[5].startswith("/"):
+        maps.add(parts[5].strip())
+print(json.dumps({"modules": ok, "maps": sorted(maps)}))
+"""
+
+
+def narrowed(layout: HostLayout, maps: list[str]) -> HostLayout:
+    """``layout`` without its whole library directories: only the files a probe saw mapped (outside
+    the standard library and the interpreter, which are bound anyway), and the links naming them."""
+    files = sorted({os.path.realpath(m) for m in maps} - {layout.python})
+    files = [f for f in files if not _under(f, [layout.stdlib]) and os.path.isfile(f)]
+    wanted, links = set(files), []
+    for d in sorted({os.path.dirname(f) for f in files} | set(layout.lib_dirs)):
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(d):
+                if entry.is_symlink() and os.path.realpath(entry.path) in wanted:
+                    links.append((entry.path, os.readlink(entry.path)))
+    return replace(layout, files=tuple(files), file_links=tuple(links), lib_dirs=())
+
+
+def _sandboxed(layout: HostLayout, code: str) -> subprocess.CompletedProcess[str]:
+    fd = seccomp_memfd()
+    try:
+        argv = bwrap_argv(layout, [layout.python, "-I", "-S", "-c", code], tmp_mb=1, seccomp_fd=fd)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, env={}, stdin=subprocess.DEVNULL,
+                              pass_fds=() if fd is None else (fd,))
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def find_bwrap() -> str | None:
@@ -137,25 +223,28 @@ def find_bwrap() -> str | None:
 
 @functools.cache
 def check_bwrap() -> HostLayout:
-    """The host's layout, after proving a sandbox starts with it (once per process)."""
+    """The host's narrowed layout, after proving a sandbox starts with it and imports every extension
+    module of the standard library that the broad view could (once per process)."""
     bwrap = find_bwrap()
     if bwrap is None:
         raise SandboxUnavailable(f"env.sandbox = 'bwrap' but bubblewrap (bwrap) is not installed; {INSTALL_HINT}")
-    layout = host_layout(bwrap)
-    fd = seccomp_memfd()
-    try:
-        argv = bwrap_argv(layout, [layout.python, "-I", "-S", "-c", "pass"], tmp_mb=1, seccomp_fd=fd)
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={}, stdin=subprocess.DEVNULL,
-                           pass_fds=() if fd is None else (fd,))
-    finally:
-        if fd is not None:
-            os.close(fd)
+    broad = host_layout(bwrap)
+    r = _sandboxed(broad, _PROBE)
     if r.returncode != 0:
         raise SandboxUnavailable(
             f"bubblewrap at {bwrap} cannot start a sandbox here ({r.stderr.strip()[-300:] or f'exit {r.returncode}'}); "
             "it needs unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or "
             "kernel.apparmor_restrict_unprivileged_userns=0) or running as root; or set env.sandbox = 'process' "
             "for trusted programs only")
+    seen = json.loads(r.stdout)
+    layout = narrowed(broad, seen["maps"])
+    again = _sandboxed(layout, _PROBE)
+    lost = sorted(set(seen["modules"]) - set(json.loads(again.stdout)["modules"] if again.returncode == 0 else []))
+    if again.returncode != 0 or lost:
+        raise SandboxUnavailable(
+            f"the sandbox's narrowed view of {broad.python} is incomplete on this host "
+            f"({again.stderr.strip()[-300:] or 'modules that no longer import: ' + ', '.join(lost)}); "
+            "please report it with `ldd` of the interpreter")
     if host_filter() is None:
         log.warning("sandbox.no_seccomp", machine=os.uname().machine,
                     detail="no seccomp table for this architecture: process creation is limited by rlimits only")
