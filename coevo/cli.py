@@ -203,8 +203,9 @@ def _agent_metrics(agent: Any, args: argparse.Namespace) -> Any:
 
 
 def _learner_follower(cfg: Any) -> int:
+    from coevo.config import checkpoint_root
     from coevo.training.distributed import follow
-    from coevo.training.learner import build_lane, checkpoint_root, trained_roles
+    from coevo.training.learner import build_lane, trained_roles
 
     if not cfg.run.run_id:
         raise SystemExit("under torchrun, pass --run-id so that every rank writes the same checkpoints")

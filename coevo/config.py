@@ -43,6 +43,9 @@ class NatsConfig(Section):
     )
     token_env: str | None = Field(default=None, description="environment variable holding a token")
     creds_file: Path | None = Field(default=None, description="NATS .creds file")
+    credentials_file: Path | None = Field(
+        default=None, description="a coevo credentials file ({user, password}, mode 0600): a run's embedded server "
+        "writes one per role under runs/<run>/nats/credentials/ (docs/security.md)")
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -219,7 +222,11 @@ class PolicyConfig(Section):
     serve_host: str = Field(default="127.0.0.1", description="address of the policy endpoint; beyond loopback "
                             "every request needs the key of policy.serve_api_key_env")
     serve_api_key_env: str = Field(default="COEVO_POLICY_API_KEY", description="environment variable holding the "
-                                   "endpoint's API key (required when it binds beyond loopback; checked when set)")
+                                   "endpoint's API key; when unset, a key is generated for the run and written "
+                                   "to runs/<run>/policy-endpoint.key (mode 0600). Every request must carry it")
+    serve_insecure_loopback: bool = Field(default=False, description="serve the policy endpoint without a key, "
+                                          "on loopback only: any local user or program can then sample from the "
+                                          "policy and open, reward and finish episodes (docs/security.md)")
     serve_max_tokens: int = Field(default=512, ge=1, description="cap on a request's max_tokens at the endpoint")
     episode_timeout_s: float = Field(default=600.0, gt=0, description="an endpoint episode idle this long is "
                                      "reported aborted (its group completes without it)")
@@ -368,6 +375,10 @@ class LearnerConfig(Section):
         default="manifest", description="what followers check before loading published weights: the manifest "
         "(per-file sizes and sha256 written by the learner) against the announced digest and the files' sizes, "
         "or full: also re-hash every file")
+    publication_root: Path | None = Field(
+        default=None, description="followers load announced weights only from under this directory (default: the "
+        "run's checkpoints, runs/<run>/checkpoints, where the learner publishes); a WeightsPublished naming another "
+        "path is refused and reported (docs/security.md)")
 
 
 class LogConfig(Section):
@@ -505,3 +516,8 @@ def leaf_fields(model: type[BaseModel] = CoevoConfig, prefix: str = "") -> dict[
         else:
             out[f"{prefix}{name}"] = info
     return out
+
+
+def checkpoint_root(cfg: CoevoConfig, run_id: str) -> Path:
+    """Where the learner of run ``run_id`` checkpoints and publishes (``<role>/published/...``)."""
+    return cfg.run.runs_dir / run_id / "checkpoints"

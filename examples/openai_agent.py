@@ -128,7 +128,7 @@ async def main() -> int:
     parser.add_argument("--rounds", type=int, default=0, help="passes over the corridors (0: until coevo stops)")
     parser.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the endpoint to come up")
     args = parser.parse_args()
-    key = os.environ.get("OPENAI_API_KEY", "unused")  # coevo asks for a key only beyond loopback
+    key = os.environ.get("OPENAI_API_KEY", "unused")  # the key coevo printed (runs/<run>/policy-endpoint.key)
     client = AsyncOpenAI(api_key=key, max_retries=0)  # OPENAI_BASE_URL points it at coevo
     root = coevo_root(str(client.base_url))
     rng = random.Random(0)

@@ -56,8 +56,10 @@ def endpoint_cfg(loop_cfg: CoevoConfig, **overrides: Any) -> CoevoConfig:
 async def running(agents: list[Agent], url: str) -> AsyncIterator[aiohttp.ClientSession]:
     stop = asyncio.Event()
     task = asyncio.create_task(run_agents(agents, handle_signals=False, until=stop))
+    keys = [a.endpoint.key for a in agents if getattr(a, "endpoint", None) is not None and a.endpoint.key]
+    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     try:
-        async with aiohttp.ClientSession(url) as http:
+        async with aiohttp.ClientSession(url, headers=headers) as http:
             async with asyncio.timeout(60):
                 while True:
                     with contextlib.suppress(aiohttp.ClientError):
@@ -157,18 +159,40 @@ async def test_errors_are_openai_shaped_and_episodes_are_guarded(bus: NatsBus, l
             assert r.status == 404 and "error" in await r.json()
 
 
-async def test_an_api_key_beyond_loopback(bus: NatsBus, loop_cfg: CoevoConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = endpoint_cfg(loop_cfg, **{"policy.serve_host": "0.0.0.0"})
-    with pytest.raises(ConfigError, match="COEVO_POLICY_API_KEY"):
-        async with PolicyAgent(bus, cfg).endpoint.serving():
+async def test_the_endpoint_requires_a_key_unless_explicitly_insecure_on_loopback(
+        bus: NatsBus, loop_cfg: CoevoConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="serve_insecure_loopback") as err:  # no key beyond loopback, ever
+        async with PolicyAgent(bus, endpoint_cfg(loop_cfg, **{"policy.serve_host": "0.0.0.0",
+                                                                "policy.serve_insecure_loopback": True})).endpoint.serving():
             pass
-    monkeypatch.setenv("COEVO_POLICY_API_KEY", "s3cret")
-    async with running([PolicyAgent(bus, cfg)], f"http://127.0.0.1:{cfg.policy.serve_port}") as http:
-        denied = await post(http, "/v1/completions", {"prompt": "hi"}, status=401)
-        assert denied["error"]["code"] == "invalid_api_key"
-        ok = await post(http, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
-                        headers={"Authorization": "Bearer s3cret"})
+    assert err.value.field == "policy.serve_insecure_loopback"
+    cfg = endpoint_cfg(loop_cfg)
+    agent = PolicyAgent(bus, cfg)  # no key in the environment: one is generated for the run
+    key_file = cfg.run.runs_dir / bus.run_id / "policy-endpoint.key"
+    assert agent.endpoint.key == key_file.read_text().strip() and len(agent.endpoint.key) >= 32
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert PolicyAgent(bus, cfg).endpoint.key == agent.endpoint.key  # a restarted agent keeps it
+    url = f"http://127.0.0.1:{cfg.policy.serve_port}"
+    async with running([agent], url), aiohttp.ClientSession(url) as anonymous:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {agent.endpoint.key}x"}):
+            denied = await post(anonymous, "/v1/completions", {"prompt": "hi"}, status=401, headers=headers)
+            assert denied["error"]["code"] == "invalid_api_key"
+        for path, body in (("/coevo/v1/episodes", {"task_id": "t", "goal": "g"}), ("/v1/chat/completions", {})):
+            await post(anonymous, path, body, status=401)
+        ok = await post(anonymous, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {agent.endpoint.key}"})
         assert ok["object"] == "text_completion"
+    monkeypatch.setenv("COEVO_POLICY_API_KEY", "s3cret")  # a key of the user's own
+    cfg = endpoint_cfg(loop_cfg, **{"policy.serve_host": "0.0.0.0"})
+    async with running([PolicyAgent(bus, cfg)], f"http://127.0.0.1:{cfg.policy.serve_port}") as http:
+        assert (await post(http, "/v1/completions", {"prompt": "hi", "max_tokens": 2}))["object"] == "text_completion"
+        await post(http, "/v1/completions", {"prompt": "hi"}, status=401, headers={"Authorization": "Bearer x"})
+    monkeypatch.delenv("COEVO_POLICY_API_KEY")
+    cfg = endpoint_cfg(loop_cfg, **{"policy.serve_insecure_loopback": True})
+    insecure = PolicyAgent(bus, cfg)
+    assert insecure.endpoint.key is None
+    async with running([insecure], f"http://127.0.0.1:{cfg.policy.serve_port}") as http:
+        assert (await post(http, "/v1/completions", {"prompt": "hi", "max_tokens": 2}))["object"] == "text_completion"
 
 
 async def test_the_openai_sdk_streams_and_completions_reuse_tokens(bus: NatsBus, loop_cfg: CoevoConfig) -> None:
@@ -177,8 +201,9 @@ async def test_the_openai_sdk_streams_and_completions_reuse_tokens(bus: NatsBus,
 
     cfg = endpoint_cfg(loop_cfg)
     base = f"http://127.0.0.1:{cfg.policy.serve_port}"
-    async with running([PolicyAgent(bus, cfg)], base) as http:
-        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused")
+    agent = PolicyAgent(bus, cfg)
+    async with running([agent], base) as http:
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=agent.endpoint.key)
         ep = (await post(http, "/coevo/v1/episodes", {"task_id": "s1", "goal": "g"}))["episode_id"]
         stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}],
                                                       max_tokens=5, stream=True, user=ep,

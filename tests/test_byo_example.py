@@ -49,8 +49,10 @@ def test_the_example_agent_is_trained_through_the_endpoint(tmp_path: Path, model
         [PYTHON, "-m", "coevo", "run", "--family", "external", "--serve-policy", str(port), "--steps", "2",
          "--minutes", "6", "--run-id", "byo", "--run.runs_dir", str(runs), "--env.cache_dir", str(model_cache),
          "--learner.device", "cpu", *RUN_FLAGS],  # fp32 sampling and training: log-probs compared at 1e-4
-        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    agent_env = {"OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "PATH": os.environ.get("PATH", "")}
+        env={**subprocess_env(), "COEVO_POLICY_API_KEY": "byo-key"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    agent_env = {"OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": "byo-key",
+                 "PATH": os.environ.get("PATH", "")}
     agent = subprocess.Popen([sys.executable, "-I", str(EXAMPLE)], env=agent_env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:

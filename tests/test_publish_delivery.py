@@ -5,6 +5,7 @@ in stream order (a restored learner's lower version included)."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -132,7 +133,7 @@ async def test_followers_apply_in_stream_order_verified_and_follow_a_restored_le
         published[version] = WeightsPublished(run_id="r", source=src, role="policy", version=version, path=str(path),
                                               sha256=digest, bytes=size)
     HELD.clear()  # a follower in another process: from disk, verified
-    follower = _Follower(LearnerConfig(verify="full"))
+    follower = _Follower(LearnerConfig(verify="full", publication_root=tmp_path))
 
     async def deliver(event: WeightsPublished, seq: int) -> None:
         await follower.on_weights(event, SimpleNamespace(stream_seq=seq))
@@ -149,3 +150,11 @@ async def test_followers_apply_in_stream_order_verified_and_follow_a_restored_le
     await deliver(published[1].model_copy(update={"version": 3, "path": str(path), "sha256": digest}), 13)
     assert follower.applied[-1][:2] == (1, False) and "manifest says" in follower.applied[-1][2]
     assert follower.client.loaded == [(Path(published[2].path).name, 2), (Path(published[1].path).name, 1)]
+    # weights announced from elsewhere, with a digest that matches them (as anyone who may publish
+    # could announce): refused before anything is read, whether outside the root or escaping it
+    forged = tmp_path.parent / f"{tmp_path.name}-forged"
+    shutil.copytree(published[2].path, forged)
+    for path in (forged, tmp_path / ".." / forged.name):
+        await deliver(published[2].model_copy(update={"version": 9, "path": str(path)}), 14)
+        assert follower.applied[-1][:2] == (1, False) and "not under the publication root" in follower.applied[-1][2]
+    assert len(follower.client.loaded) == 2

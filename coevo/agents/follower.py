@@ -7,7 +7,8 @@ restarted from an older checkpoint re-announcing its restored weights) is applie
 follow the surviving lineage; the first one it sees is always applied, so a server left with
 another run's weights is brought to this run's. Weights are verified before loading (the
 manifest against the announced digest and every file's size; ``learner.verify = "full"`` also
-re-hashes the files); a local engine in the learner's own process takes the published tensors
+re-hashes the files), and only from under the publication root (``learner.publication_root``, by
+default the run's checkpoints): a ``WeightsPublished`` naming another path is refused); a local engine in the learner's own process takes the published tensors
 from memory (``HELD``), without reading files. Every attempt is reported as ``WeightsApplied``
 (ok or not, and how the weights travelled), so the learner and the trace know which version
 served which tokens.
@@ -19,6 +20,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from coevo.config import checkpoint_root
 from coevo.inference.checkpoints import HELD, verify
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
@@ -91,6 +93,9 @@ class WeightsFollower:
         verified); (error or None, pause in ms)."""
         agent: Any = self
         path = Path(event.path)
+        root = agent.cfg.learner.publication_root or checkpoint_root(agent.cfg, agent.bus.run_id)
+        if not within(path, root):
+            return f"refused: {path} is not under the publication root {root} (learner.publication_root)", 0.0
         try:
             held = HELD.get(path, event.sha256)
             if held is not None and hasattr(agent.client, "swap_tensors"):
@@ -117,6 +122,14 @@ class WeightsFollower:
                                   TransferRequest(server=agent.agent_id, version=event.version), TransferOffer,
                                   timeout_s=lc.transfer_timeout_s)
         return offer.version, await agent.client.receive_weights(offer, lc.transfer_timeout_s)
+
+
+def within(path: Path, root: Path) -> bool:
+    """Whether ``path`` lies under ``root`` once both are resolved (``..`` and links followed)."""
+    try:
+        return Path(path).resolve().is_relative_to(Path(root).resolve())
+    except (OSError, RuntimeError):
+        return False
 
 
 def _stream_seq(delivery: Delivery | None) -> int:

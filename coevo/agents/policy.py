@@ -19,7 +19,9 @@ their rollouts out as episodes and acknowledges a group once every rollout ended
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coevo.agents.follower import WeightsFollower
@@ -33,6 +35,7 @@ from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
+from coevo.runtime.server import generated_token
 from coevo.schemas import (
     StepTaken,
     TaskScheduled,
@@ -45,7 +48,7 @@ from coevo.schemas import (
 from coevo.schemas.events import Outcome
 
 if TYPE_CHECKING:
-    from coevo.config import PolicyConfig
+    from coevo.config import CoevoConfig, PolicyConfig
     from coevo.serve.episodes import Episode
 
 
@@ -67,6 +70,19 @@ async def choose(client: Any, cfg: PolicyConfig, obs: Observation, cands: list[s
     return c, (parse_action(c.text, len(cands)) if cands else None), None
 
 
+def endpoint_key(cfg: CoevoConfig, run_id: str) -> tuple[str | None, Path | None]:
+    """The policy endpoint's API key and the file it was written to: the configured environment
+    variable's, else one generated for the run (``runs/<run>/policy-endpoint.key``, mode 0600, kept
+    across restarts); none with ``policy.serve_insecure_loopback``."""
+    given = os.environ.get(cfg.policy.serve_api_key_env)
+    if given:
+        return given, None
+    if cfg.policy.serve_insecure_loopback:
+        return None, None
+    path = cfg.run.runs_dir / run_id / "policy-endpoint.key"
+    return generated_token(path), path
+
+
 class PolicyAgent(WeightsFollower, Agent):
     role = "policy"
     emits = (StepTaken, TrajectoryCompleted, WeightsApplied, TaskScheduled)
@@ -85,8 +101,9 @@ class PolicyAgent(WeightsFollower, Agent):
         if self.cfg.endpoint_port is not None:
             from coevo.serve import Endpoint
 
+            key, key_file = endpoint_key(self.cfg, self.bus.run_id)
             self.endpoint = Endpoint(self.cfg, self.client, self, family=self.family, counters=self.counters,
-                                     log=self.log)
+                                     log=self.log, key=key, key_file=key_file)
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16),

@@ -19,10 +19,8 @@ the policy version that was current when its group was scheduled.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from coevo.bench.chaos import Fleet
+from coevo.runtime.app import credentials_dir
+from coevo.runtime.credentials import role_users
 from coevo.schemas import (
     Event,
     GroupScored,
@@ -106,9 +106,7 @@ class PinnedFleet(Fleet):
     cores: dict[str, frozenset[int]] = field(default_factory=dict)
 
     async def start(self, role: str) -> None:
-        args = [sys.executable, "-m", "coevo", "agent", role, "--nats", self.url, "--run-id", self.run_id]
-        for key, value in self.overrides.items():
-            args += ["--set", f"{key}={json.dumps(value) if isinstance(value, list) else value}"]
+        args = self.agent_args(role)
         self.starts[role] += 1
         with (self.logs / f"{role}-{self.starts[role]}.log").open("wb") as log:
             self.procs[role] = await asyncio.create_subprocess_exec(*args, stdout=log, stderr=log,
@@ -284,7 +282,7 @@ async def first_scheduled(fleet: PinnedFleet, deadline: float) -> float:
     """Unix time of the run's first ``TaskScheduled`` (every agent has started by then, or fails)."""
     from coevo.runtime.bus import NatsBus
 
-    async with await NatsBus.connect(fleet.url, fleet.run_id) as bus:
+    async with await NatsBus.connect(fleet.url, fleet.run_id, nats_cfg=fleet.admin()) as bus:
         while time.monotonic() < deadline:
             for role, proc in fleet.procs.items():
                 if proc.returncode is not None:
@@ -304,8 +302,10 @@ async def run_mode(url: str, work: Path, run_id: str, overrides: dict[str, Any],
     logs = work / run_id
     logs.mkdir(parents=True, exist_ok=True)
     roles = {**dict.fromkeys(ROLLOUT_ROLES, cores[0]), LEARNER_ROLE: cores[1]}
-    fleet = PinnedFleet(url, run_id, overrides, logs, cores=roles)
+    fleet = PinnedFleet(url, run_id, overrides, logs, cores=roles, credentials=credentials_dir(work / "nats"))
     seconds = plan.minutes * 60
+    async with await NatsBus.connect(url, run_id, nats_cfg=fleet.admin()) as bus:
+        await bus.provision()  # the stream and buckets, before any role (which may not create them) needs them
     try:
         for role in roles:
             await fleet.start(role)
@@ -316,7 +316,7 @@ async def run_mode(url: str, work: Path, run_id: str, overrides: dict[str, Any],
         exited = {role: p.returncode for role, p in fleet.procs.items() if p.returncode is not None}
     finally:
         await fleet.stop(tuple(roles), grace_s=30.0)
-    async with await NatsBus.connect(url, run_id) as bus:
+    async with await NatsBus.connect(url, run_id, nats_cfg=fleet.admin()) as bus:
         events = await bus.events()
     return {**measure(events, t0, seconds, target=plan.target, window=plan.window),
             "max_staleness": overrides["learner.max_staleness"], "affinity": pinned, "agents_exited": exited}
@@ -338,7 +338,8 @@ async def bench_async(plan: AsyncPlan, *, cache: Path | None = None, workdir: Pa
     with tempfile.TemporaryDirectory(prefix="coevo-async-") as tmp:
         work = workdir or Path(tmp)
         models = cache or work / "cache"
-        async with EmbeddedServer(work / "nats") as server:
+        runs = tuple(f"{mode}{seed}" for seed in range(plan.seeds) for mode in modes)
+        async with EmbeddedServer(work / "nats", auth=role_users(credentials_dir(work / "nats"), runs)) as server:
             assert server.url is not None
             nats_pid = server.server_pid
             if nats_pid is not None:

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coevo.config import NatsConfig
+from coevo.runtime.app import credentials_dir
+from coevo.runtime.credentials import read_credential, role_users
 from coevo.schemas import (
     DeadLettered,
     Event,
@@ -133,11 +136,23 @@ class Fleet:
     starts: Counter[str] = field(default_factory=Counter)
     exits: Counter[str] = field(default_factory=Counter)
     """processes that exited on their own (an agent that failed) and were started again"""
+    credentials: Path | None = None
+    """the server's credentials directory: each agent connects with its role's file only"""
 
-    async def start(self, role: str) -> None:
+    def agent_args(self, role: str) -> list[str]:
         args = [sys.executable, "-m", "coevo", "agent", role, "--nats", self.url, "--run-id", self.run_id]
+        if self.credentials is not None:
+            args += ["--nats.credentials_file", str(self.credentials / f"{role}.json")]
         for key, value in self.overrides.items():
             args += ["--set", f"{key}={json.dumps(value) if isinstance(value, list) else value}"]
+        return args
+
+    def admin(self) -> NatsConfig:
+        """How the bench itself connects (as the run's admin)."""
+        return NatsConfig(credentials_file=self.credentials / "admin.json" if self.credentials else None)
+
+    async def start(self, role: str) -> None:
+        args = self.agent_args(role)
         self.starts[role] += 1
         log = (self.logs / f"{role}-{self.starts[role]}.log").open("wb")
         self.procs[role] = await asyncio.create_subprocess_exec(*args, stdout=log, stderr=log,
@@ -206,7 +221,9 @@ async def _inject(fleet: Fleet, cluster: Any, plan: ChaosPlan, until: float) -> 
 
     rng = random.Random(plan.seed)
     faults: Counter[str] = Counter()
-    nc = await nats.connect(cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    admin = read_credential(fleet.admin().credentials_file) if fleet.credentials else None
+    nc = await nats.connect(cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+                            **({"user": admin.user, "password": admin.password} if admin else {}))
     next_node = time.monotonic() + min(plan.node_every_s, (until - time.monotonic()) / 2)
     next_garbage = time.monotonic()
     try:
@@ -233,11 +250,11 @@ async def _inject(fleet: Fleet, cluster: Any, plan: ChaosPlan, until: float) -> 
     return faults
 
 
-async def _drain(url: str, run_id: str, deadline: float) -> None:
+async def _drain(fleet: Fleet, deadline: float) -> None:
     """Wait until every scheduled group is scored or dead-lettered (or the deadline)."""
     from coevo.runtime.bus import NatsBus
 
-    async with await NatsBus.connect(url, run_id) as bus:
+    async with await NatsBus.connect(fleet.url, fleet.run_id, nats_cfg=fleet.admin()) as bus:
         while time.monotonic() < deadline:
             # only the kinds that decide "lost": re-reading every step and vote each time was the bulk
             verdict = judge_stream(await bus.events(["task.scheduled", "group.scored", "dead.lettered"]), 1.0)
@@ -252,7 +269,10 @@ async def run_fleet(cluster: Any, workdir: Path, run_id: str, plan: ChaosPlan, *
 
     logs = workdir / run_id
     logs.mkdir(parents=True, exist_ok=True)
-    fleet = Fleet(cluster.url, run_id, chaos_overrides(workdir / "runs", cache, len(cluster.nodes)), logs)
+    fleet = Fleet(cluster.url, run_id, chaos_overrides(workdir / "runs", cache, len(cluster.nodes)), logs,
+                  credentials=credentials_dir(workdir / "nats"))
+    async with await NatsBus.connect(cluster.url, run_id, nats_cfg=fleet.admin()) as bus:
+        await bus.provision()
     for role in ROLES:
         await fleet.start(role)
     t0 = time.monotonic()
@@ -264,9 +284,9 @@ async def run_fleet(cluster: Any, workdir: Path, run_id: str, plan: ChaosPlan, *
         await asyncio.sleep(until - time.monotonic())
     seconds = time.monotonic() - t0
     await fleet.stop(("tasks",))  # no new groups; what was scheduled drains
-    await _drain(cluster.url, run_id, time.monotonic() + plan.drain_s)
+    await _drain(fleet, time.monotonic() + plan.drain_s)
     await fleet.stop()
-    async with await NatsBus.connect(cluster.url, run_id) as bus:
+    async with await NatsBus.connect(cluster.url, run_id, nats_cfg=fleet.admin()) as bus:
         verdict = judge_stream(await bus.events(), seconds)
     return {**verdict, "seconds": round(seconds, 1), "faults_injected": sum(injected.values()),
             "faults": dict(injected), "agent_starts": dict(fleet.starts),
@@ -281,9 +301,11 @@ async def bench_chaos(plan: ChaosPlan, *, cache: Path | None = None, baseline: b
 
     with tempfile.TemporaryDirectory(prefix="coevo-chaos-") as tmp:
         work = workdir or Path(tmp)
-        async with EmbeddedCluster(work / "nats", nodes=3) as cluster:
-            chaos = await run_fleet(cluster, work, f"chaos{plan.seed}", plan, faults=True, cache=cache)
-            calm = await run_fleet(cluster, work, f"calm{plan.seed}", plan, faults=False, cache=cache) \
+        runs = (f"chaos{plan.seed}", f"calm{plan.seed}")
+        users = role_users(credentials_dir(work / "nats"), runs)
+        async with EmbeddedCluster(work / "nats", nodes=3, auth=users) as cluster:
+            chaos = await run_fleet(cluster, work, runs[0], plan, faults=True, cache=cache)
+            calm = await run_fleet(cluster, work, runs[1], plan, faults=False, cache=cache) \
                 if baseline else None
     out: dict[str, Any] = {"plan": plan.__dict__, "chaos": chaos}
     if calm is not None:

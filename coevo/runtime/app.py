@@ -14,8 +14,9 @@ from pathlib import Path
 
 import structlog
 
-from coevo.config import CoevoConfig
+from coevo.config import CoevoConfig, NatsConfig
 from coevo.runtime.bus import NatsBus
+from coevo.runtime.credentials import ADMIN, role_users
 from coevo.runtime.logging import bind, configure_logging
 from coevo.runtime.server import EmbeddedServer
 from coevo.schemas import new_id
@@ -33,38 +34,64 @@ def make_run_id() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + new_id()[:6]
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a bus connects: a URL, and for a run's embedded server the admin's credentials file."""
+
+    url: str
+    credentials_file: Path | None = None
+
+    def nats_config(self, base: NatsConfig) -> NatsConfig:
+        if self.credentials_file is None:
+            return base
+        return base.model_copy(update={"credentials_file": self.credentials_file})
+
+
+def credentials_dir(store: Path) -> Path:
+    """Where a run's embedded server keeps its users' credentials (``coevo.runtime.credentials``)."""
+    return Path(store) / "credentials"
+
+
 @asynccontextmanager
-async def nats_endpoint(url: str | None, store: Path, *, binary: str = "nats-server",
-                        max_payload: int = 8 * 1024 * 1024, existing: bool = False) -> AsyncIterator[str]:
-    """``url`` as given; without one, the URL of an embedded server over ``store``, stopped on exit.
+async def nats_endpoint(url: str | None, store: Path, *, run_id: str | None = None, binary: str = "nats-server",
+                        max_payload: int = 8 * 1024 * 1024, existing: bool = False) -> AsyncIterator[Endpoint]:
+    """``url`` as given; without one, an embedded server over ``store``, stopped on exit. For a run
+    (``run_id``) it requires credentials: a user per role with that run's permissions, and ``admin``
+    (whose file the endpoint names); without a run (benches of the bare server) it takes anyone on loopback.
 
     ``existing``: the store must already hold a JetStream directory (reading a finished run)."""
     if url is not None:
-        yield url
+        yield Endpoint(url)
         return
     if existing and not (store / "jetstream").exists():
         raise FileNotFoundError(f"no event store in {store} (pass --nats URL?)")
-    async with EmbeddedServer(store, binary=binary, max_payload=max_payload) as server:
+    users = role_users(credentials_dir(store), (run_id,)) if run_id is not None else None
+    async with EmbeddedServer(store, binary=binary, max_payload=max_payload, auth=users) as server:
         assert server.url is not None
-        structlog.get_logger("coevo.runtime").info("nats.embedded_started", url=server.url, store=str(store))
-        yield server.url
+        structlog.get_logger("coevo.runtime").info("nats.embedded_started", url=server.url, store=str(store),
+                                                   credentials=str(credentials_dir(store)) if users else None)
+        yield Endpoint(server.url, users.credentials[ADMIN].path if users else None)
 
 
 @asynccontextmanager
 async def open_bus(run_id: str, *, url: str | None = None, store: Path | None = None,
                    cfg: CoevoConfig | None = None, name: str = "coevo", existing: bool = False,
                    ) -> AsyncIterator[NatsBus]:
-    """The one way to reach a run's bus: on ``url``, or on an embedded server over ``store``.
+    """The one way to reach a run's bus: on ``url``, or on an embedded server over ``store`` (as its
+    admin: the run's stream, buckets and object store exist once this yields).
 
     ``cfg`` supplies the connection, bus and stream settings (defaults otherwise); on exit every
     publish is flushed, the connection closed and the embedded server (if any) stopped."""
     cfg = cfg or CoevoConfig()
     if url is None and store is None:
         raise ValueError("open_bus needs a NATS url or a store directory for an embedded server")
-    async with nats_endpoint(url, store or Path(), binary=cfg.nats.server_binary, existing=existing,
+    async with nats_endpoint(url, store or Path(), run_id=run_id, binary=cfg.nats.server_binary, existing=existing,
                              max_payload=max(cfg.stream.max_msg_size, 1024 * 1024)) as endpoint:
-        bus = await NatsBus.connect(endpoint, run_id, nats_cfg=cfg.nats, bus=cfg.bus, stream=cfg.stream, name=name)
+        bus = await NatsBus.connect(endpoint.url, run_id, nats_cfg=endpoint.nats_config(cfg.nats), bus=cfg.bus,
+                                    stream=cfg.stream, name=name)
         try:
+            if endpoint.credentials_file is not None:
+                await bus.provision()
             yield bus
         finally:
             await bus.close()

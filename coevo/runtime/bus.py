@@ -33,6 +33,7 @@ from nats.js import JetStreamContext, api
 from coevo.config import BusConfig, NatsConfig, StreamConfig
 from coevo.errors import BusError, NoResponders, PublishError
 from coevo.runtime import claims, outbox
+from coevo.runtime.credentials import KV_BUCKETS, inbox_prefix, payload_bucket, read_credential
 from coevo.runtime.pull import Puller, read_all
 from coevo.schemas import (
     ControlReply,
@@ -76,6 +77,9 @@ async def connect_nats(cfg: NatsConfig, url: str, name: str = "coevo") -> NATS:
         opts["token"] = _secret(cfg.token_env)
     if cfg.creds_file:
         opts["user_credentials"] = str(cfg.creds_file)
+    if cfg.credentials_file:
+        cred = read_credential(cfg.credentials_file)
+        opts.update(user=cred.user, password=cred.password, inbox_prefix=inbox_prefix(cred.user))
     if cfg.tls_ca or cfg.tls_cert:
         ctx = ssl.create_default_context(cafile=str(cfg.tls_ca) if cfg.tls_ca else None)
         if cfg.tls_cert:
@@ -335,7 +339,7 @@ class NatsBus:
 
     @property
     def payload_bucket(self) -> str:
-        return f"COEVO_{self.run_id}_payloads"
+        return payload_bucket(self.run_id)
 
     async def payload_store(self) -> Any:
         """The run's object store for large events (created on first use, same retention as the stream)."""
@@ -489,8 +493,17 @@ class NatsBus:
 
     # ---- key-value state ---------------------------------------------------------------------
 
+    async def provision(self) -> None:
+        """Create the run's buckets and object store where missing (the admin does, before any role's
+        agent needs them: roles may not create them, ``coevo.runtime.credentials``)."""
+        for name in KV_BUCKETS:
+            await self.kv(name)
+        await self.payload_store()
+
     async def kv(self, name: str) -> Any:
-        """The run's KV bucket ``name`` (file-backed), created on first use."""
+        """The run's KV bucket ``name`` (one of ``KV_BUCKETS``, file-backed), created on first use."""
+        if name not in KV_BUCKETS:
+            raise ValueError(f"unknown bucket {name!r}: add it to coevo.runtime.credentials.KV_BUCKETS")
         bucket = f"coevo_{self.run_id}_{name}"
         try:
             return await self.js.key_value(bucket)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from coevo.errors import ConfigError, ServerError
 
@@ -88,6 +88,13 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 def _q(value: str | Path) -> str:
     return json.dumps(str(value))  # a double-quoted string the server's config parser reads
+
+
+class AuthBlock(Protocol):
+    """A server's ``authorization`` block: ``ServerAuth`` (one secret) or ``credentials.RoleUsers``
+    (a user per role, each with its permissions)."""
+
+    def conf(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -191,7 +198,7 @@ class EmbeddedServer(_Lifecycle):
         binary: str = "nats-server",
         max_payload: int = 8 * 1024 * 1024,
         ready_timeout_s: float = 15.0,
-        auth: ServerAuth | None = None,
+        auth: AuthBlock | None = None,
         tls: ServerTls | None = None,
         server_name: str | None = None,
         cluster: ClusterRoutes | None = None,
@@ -329,7 +336,7 @@ class EmbeddedCluster(_Lifecycle):
         binary: str = "nats-server",
         max_payload: int = 8 * 1024 * 1024,
         ready_timeout_s: float = 30.0,
-        auth: ServerAuth | None = None,
+        auth: AuthBlock | None = None,
         tls: ServerTls | None = None,
     ) -> None:
         if nodes < 2:

@@ -28,11 +28,11 @@ import contextlib
 import hmac
 import ipaddress
 import json
-import os
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -90,14 +90,18 @@ def observation_of(messages: list[dict[str, Any]]) -> str:
 
 
 class Endpoint:
-    def __init__(self, cfg: CoevoConfig, client: Any, sink: Sink, *, family: Any, counters: Any, log: Any) -> None:
+    def __init__(self, cfg: CoevoConfig, client: Any, sink: Sink, *, family: Any, counters: Any, log: Any,
+                 key: str | None = None, key_file: Path | None = None) -> None:
+        """``key``: what every request must carry (None only with ``policy.serve_insecure_loopback``);
+        ``key_file``: where a generated key was written, to tell the user."""
         self.cfg, self.pc = cfg, cfg.policy
         self.client, self.sink, self.family, self.counters, self.log = client, sink, family, counters, log
         self.pool = Pool()
         self.own = OwnGroups(cfg.policy.n)
         self.book = Book(cfg.policy.max_concurrent_trajectories)
         self.model_name = cfg.policy.served_name or "coevo-policy"
-        self.key = os.environ.get(cfg.policy.serve_api_key_env) or None
+        self.key = key
+        self.key_file = key_file
         self.url: str | None = None
         self._chat: ChatTokens | None = None
         self._texts: dict[str, dict[str, Any]] = {}
@@ -113,10 +117,10 @@ class Endpoint:
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[Endpoint]:
         host, port = self.pc.serve_host, self.cfg.endpoint_port
-        if not is_loopback(host) and self.key is None:
-            raise ConfigError(f"policy.serve_host = {host!r} is beyond loopback: set the API key in the environment "
-                              f"variable {self.pc.serve_api_key_env} (every request must then carry it)",
-                              field="policy.serve_host")
+        if self.key is None and not (self.pc.serve_insecure_loopback and is_loopback(host)):
+            raise ConfigError(f"policy.serve_host = {host!r}: the endpoint needs an API key (in the environment "
+                              f"variable {self.pc.serve_api_key_env}); serving without one is allowed only on "
+                              "loopback with policy.serve_insecure_loopback = true", field="policy.serve_insecure_loopback")
         runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
         try:
@@ -124,7 +128,9 @@ class Endpoint:
             await site.start()
             self.url = f"http://{host}:{runner.addresses[0][1]}/v1"
             self.log.info("policy.endpoint", url=self.url, key_required=self.key is not None)
-            print(f"coevo policy endpoint at {self.url} (OPENAI_BASE_URL)", flush=True)
+            where = "no key (policy.serve_insecure_loopback)" if self.key is None else \
+                f"key in {self.key_file} (OPENAI_API_KEY)" if self.key_file else f"key in ${self.pc.serve_api_key_env}"
+            print(f"coevo policy endpoint at {self.url} (OPENAI_BASE_URL), {where}", flush=True)
             yield self
         finally:
             await self.abort_open("the policy endpoint stopped")

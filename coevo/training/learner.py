@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from coevo.config import CoevoConfig
+from coevo.config import CoevoConfig, checkpoint_root
 from coevo.errors import Reject, Retry
 from coevo.inference.clients import model_dir
 from coevo.runtime.agent import Agent
@@ -58,10 +58,6 @@ from coevo.training.checkpoint import Checkpoint
 from coevo.training.lane import Lane, StepMetrics
 
 Role = Literal["policy", "judge"]
-
-
-def checkpoint_root(cfg: CoevoConfig, run_id: str) -> Path:
-    return cfg.run.runs_dir / run_id / "checkpoints"
 
 
 def trained_roles(cfg: CoevoConfig) -> list[Role]:

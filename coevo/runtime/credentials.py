@@ -1,0 +1,198 @@
+"""Who may connect to a run's NATS, and what each role may publish and subscribe to.
+
+A run's embedded server (``coevo run``, the benches' servers) requires credentials: one user per
+role of ``coevo.agents.ROLES`` (``EMITS``) plus ``admin`` (the process that started the run and its tools),
+each with a random password in its own file ``<dir>/<user>.json`` (mode 0600, in a 0700 directory;
+generated once per run, kept across restarts and ``--resume``). A child agent gets only its role's
+file (``--nats.credentials_file``).
+
+Each role's permissions (``role_permissions``, a pure function of the run and the role):
+- it publishes events only of the kinds its agent class declares in ``emits`` (``EMITS``; plus its own
+  ``agent.status`` and ``dead.lettered``): only the learner publishes ``weights.published``, only
+  the tasks agent (and the policy, for the episodes its endpoint opens) ``task.scheduled``;
+- the JetStream API only to read the run's stream, buckets and object store and to run its own
+  consumers (create, read, pull, ack): no stream or bucket is created, changed, deleted or purged
+  by a role, except the object store's chunks a writer replaces and the retention keeper's purge;
+- key-value writes only to its own buckets (tasks: ``tasks``; judge: ``judgetests``; both: ``llmcache``);
+- requests only where its agent asks (followers ask the learner for weights, the policy asks env
+  hosts), service subjects only where it serves (learner: weights; env: environments), control
+  subjects only to answer (``coevo.<run>.ctl.*``: commands come from ``admin``);
+- replies only to requests it received (``allow_responses``), and inboxes only under its own prefix
+  ``_INBOX_<user>`` (no role reads another's replies or deliveries).
+
+Invariant: every subject a role's agent publishes to in a run is allowed by its permissions (the
+tests run every role as its own process under them); everything not listed is refused by the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coevo.errors import ConfigError
+from coevo.schemas import control_subject, subject_for, transfer_subject
+from coevo.schemas.envproto import env_subject
+
+ADMIN = "admin"
+EMITS: dict[str, tuple[str, ...]] = {
+    "policy": ("step.taken", "trajectory.completed", "weights.applied", "task.scheduled"),
+    "judge": ("step.judged", "weights.applied", "budget.exceeded"),
+    "scorer": ("group.scored",),
+    "tasks": ("task.scheduled", "task.rewritten", "task.decided"),
+    "learner": ("learner.stepped", "weights.published"),
+    "env": (),
+    "metrics": (),
+    "retention": (),
+}
+"""The event kinds each role of ``coevo.agents.ROLES`` may publish: its agent class's ``emits``
+(a test keeps them equal), besides ``agent.status`` and ``dead.lettered`` which every role publishes."""
+EVERY_ROLE_EMITS = ("agent.status", "dead.lettered")
+KV_BUCKETS = ("tasks", "llmcache", "judgetests")
+"""Every key-value bucket of a run (``NatsBus.kv``); ``admin`` creates them up front."""
+KV_WRITERS: dict[str, tuple[str, ...]] = {"tasks": ("tasks", "llmcache"), "judge": ("judgetests", "llmcache")}
+REQUESTS: dict[str, tuple[str, ...]] = {"policy": ("weights", "env"), "judge": ("weights",)}
+SERVES: dict[str, tuple[str, ...]] = {"learner": ("weights",), "env": ("env",)}
+PURGES_STREAM = ("retention",)
+
+
+def inbox_prefix(user: str) -> str:
+    return f"_INBOX_{user}"
+
+
+def kv_stream(run_id: str, bucket: str) -> str:
+    return f"KV_coevo_{run_id}_{bucket}"
+
+
+def payload_bucket(run_id: str) -> str:
+    return f"COEVO_{run_id}_payloads"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = True
+
+    def conf(self) -> str:
+        def subjects(xs: tuple[str, ...]) -> str:
+            return ", ".join(json.dumps(x) for x in xs)
+
+        responses = ", allow_responses: true" if self.allow_responses else ""
+        return (f"permissions: {{ publish: {{ allow: [{subjects(self.publish)}] }}, "
+                f"subscribe: {{ allow: [{subjects(self.subscribe)}] }}{responses} }}")
+
+
+ADMIN_PERMISSIONS = Permissions(publish=(">",), subscribe=(">",), allow_responses=False)
+
+
+def _service_subject(run_id: str, service: str) -> str:
+    """Every subject of a request-reply service: ``coevo.<run>.weights.>`` or ``coevo.<run>.env.>``."""
+    example = transfer_subject(run_id, "x", "y") if service == "weights" else env_subject(run_id, "x")
+    return example.rsplit(".", 2)[0] + ".>"
+
+
+def role_permissions(run_id: str, role: str) -> Permissions:
+    """What ``role`` (a key of ``EMITS``) may do on run ``run_id``'s NATS."""
+    if role not in EMITS:
+        raise ConfigError(f"no NATS permissions for role {role!r} (known: {', '.join(sorted(EMITS))})", field=None)
+    stream = f"COEVO_{run_id}"
+    objects = f"OBJ_{payload_bucket(run_id)}"
+    streams = (stream, objects, *(kv_stream(run_id, b) for b in KV_BUCKETS))
+    kinds = sorted({*EMITS[role], *EVERY_ROLE_EMITS})
+    publish = [subject_for(run_id, k) for k in kinds]
+    publish += ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.CONSUMER.>", f"$JS.ACK.{stream}.>",
+                f"$O.{payload_bucket(run_id)}.>", f"$JS.API.STREAM.PURGE.{objects}"]
+    for s in streams:
+        publish += [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}",
+                    f"$JS.API.DIRECT.GET.{s}.>"]
+    publish += [f"$KV.coevo_{run_id}_{b}.>" for b in KV_WRITERS.get(role, ())]
+    publish += [_service_subject(run_id, s) for s in REQUESTS.get(role, ())]
+    if role in PURGES_STREAM:
+        publish.append(f"$JS.API.STREAM.PURGE.{stream}")
+    subscribe = [f"{inbox_prefix(role)}.>", control_subject(run_id, "*"), "$JS.EVENT.ADVISORY.CONSUMER.>"]
+    subscribe += [_service_subject(run_id, s) for s in SERVES.get(role, ())]
+    return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
+
+
+def permissions_for(run_id: str, user: str) -> Permissions:
+    return ADMIN_PERMISSIONS if user == ADMIN else role_permissions(run_id, user)
+
+
+@dataclass(frozen=True)
+class Credential:
+    """One user's secret, as read from its file (the password is never shown by ``repr``)."""
+
+    user: str
+    password: str = field(repr=False)
+    path: Path | None = None
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def read_credential(path: Path) -> Credential:
+    """A credentials file written by ``generate_credentials``; refused when others may read it."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        data = json.loads(path.read_text())
+        user, password = str(data["user"]), str(data["password"])
+    except OSError as exc:
+        raise ConfigError(f"nats.credentials_file {path}: cannot read it ({exc.strerror})",
+                          field="nats.credentials_file") from None
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"nats.credentials_file {path}: not a coevo credentials file "
+                          '({"user": ..., "password": ...})', field="nats.credentials_file") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"nats.credentials_file {path}: readable by others (mode {stat.filemode(mode)}); "
+                          f"chmod 600 {path}", field="nats.credentials_file")
+    return Credential(user, password, path)
+
+
+def generate_credentials(directory: Path, users: tuple[str, ...] | None = None) -> dict[str, Credential]:
+    """Every user's credential in ``directory``, created (random, 0600) where missing."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    out = {}
+    for user in users or (ADMIN, *EMITS):
+        path = directory / f"{user}.json"
+        if not path.exists():
+            _write_private(path, json.dumps({"user": user, "password": secrets.token_urlsafe(32)}) + "\n")
+        out[user] = read_credential(path)
+    return out
+
+
+def union(perms: list[Permissions]) -> Permissions:
+    """Everything any of ``perms`` allows (one user serving several runs of a server)."""
+    pub = tuple(dict.fromkeys(x for p in perms for x in p.publish))
+    sub = tuple(dict.fromkeys(x for p in perms for x in p.subscribe))
+    return Permissions(pub, sub, any(p.allow_responses for p in perms))
+
+
+@dataclass(frozen=True)
+class RoleUsers:
+    """A server's ``authorization`` block: one user per credential, each role with its permissions
+    on every run of ``run_ids`` (a bench runs several on one server)."""
+
+    run_ids: tuple[str, ...]
+    credentials: dict[str, Credential] = field(repr=False)
+
+    def conf(self) -> str:
+        users = [f"    {{ user: {json.dumps(c.user)}, password: {json.dumps(c.password)}, "
+                 f"{union([permissions_for(r, c.user) for r in self.run_ids]).conf()} }}"
+                 for c in self.credentials.values()]
+        return "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"
+
+
+def role_users(directory: Path, run_ids: tuple[str, ...]) -> RoleUsers:
+    """The users of a server for ``run_ids``, their credentials generated in ``directory`` if missing."""
+    return RoleUsers(tuple(run_ids), generate_credentials(directory))
