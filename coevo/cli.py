@@ -223,7 +223,8 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     security = server_security(  # ConfigError (exit 2) for a non-loopback bind without authentication
         args.host, args.store, token_env=args.token_env, generate_token=args.generate_token, user=args.user,
-        password_env=args.password_env, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+        password_env=args.password_env, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+        run_ids=tuple(args.run_id or ()), insecure_loopback=args.insecure_loopback)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -235,6 +236,9 @@ def cmd_server(args: argparse.Namespace) -> int:
         print(f"nats-server ready at {url} (JetStream in {server.store_dir}); Ctrl-C stops it", flush=True)
         if security.token_file is not None:
             print(f"the token is in {security.token_file} (mode 0600)", flush=True)
+        if security.credentials is not None:
+            print(f"each role's credentials are in {security.credentials}/ROLE.json (mode 0600; admin.json for the "
+                  "process that starts the run and tools)", flush=True)
         public = url.replace("0.0.0.0", socket.gethostname())
         print(f"agents connect with: {security.agent_command(public)}", flush=True)
         done.wait()
@@ -562,8 +566,13 @@ COMMANDS: tuple[Command, ...] = (
         arg("--store", type=Path, default=Path("runs/nats"), help="JetStream storage directory"),
         arg("--cluster", type=int, choices=(3, 5), help="start N nodes on this host joined by routes "
             "(ports PORT..PORT+N-1; stores STORE/n<i>); prints the comma-separated URLs"),
+        arg("--run-id", action="append", metavar="RUN",
+            help="require a user per role with run RUN's permissions (repeatable), credentials in "
+            "STORE/credentials/ROLE.json (mode 0600; docs/security.md)"),
         arg("--generate-token", action="store_true",
             help="require a random token, kept in STORE/nats-token (mode 0600)"),
+        arg("--insecure-loopback", action="store_true",
+            help="serve on loopback without authentication: any local user or program can publish"),
         arg("--token-env", metavar="NAME", help="require the token held by environment variable NAME"),
         arg("--user", help="require this user (with --password-env)"),
         arg("--password-env", metavar="NAME", help="environment variable holding --user's password"),

@@ -23,8 +23,9 @@ from nats.js import JetStreamContext
 from coevo.config import BusConfig, NatsConfig, StreamConfig
 from coevo.errors import ConfigError, ServerError
 from coevo.runtime.bus import NatsBus
+from coevo.runtime.credentials import read_credential
 from coevo.runtime.server import EmbeddedCluster, EmbeddedServer, ServerAuth, ServerTls, server_security
-from coevo.schemas import Source, TaskScheduled, TaskSpec, new_id
+from coevo.schemas import Source, TaskScheduled, TaskSpec, new_id, subject_for
 from tests.conftest import PYTHON, subprocess_env
 
 SOURCE = Source(agent_id="test", role="test")
@@ -153,14 +154,23 @@ def test_non_loopback_bind_without_credentials_exits_with_a_clear_error(tmp_path
                             text=True, timeout=60, check=False)
     assert result.returncode == 2
     assert "refusing to serve NATS on 0.0.0.0 without authentication" in result.stderr
-    for flag in ("--generate-token", "--token-env NAME", "--user U --password-env NAME", "--tls-ca"):
+    for flag in ("--run-id RUN", "--generate-token", "--token-env NAME", "--user U --password-env NAME", "--tls-ca"):
         assert flag in result.stderr
     assert not (tmp_path / "store").exists()  # nothing was started
 
 
 def test_server_security_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert server_security("127.0.0.1", tmp_path).auth is None  # loopback: open, as before
-    assert server_security("::1", tmp_path).auth is None
+    with pytest.raises(ConfigError, match=r"without authentication.*--insecure-loopback"):
+        server_security("127.0.0.1", tmp_path)  # loopback too: open only when asked for explicitly
+    assert server_security("127.0.0.1", tmp_path, insecure_loopback=True).auth is None
+    assert server_security("::1", tmp_path, insecure_loopback=True).auth is None
+    with pytest.raises(ConfigError, match="loopback only"):
+        server_security("0.0.0.0", tmp_path, insecure_loopback=True)
+    with pytest.raises(ConfigError, match="choose one"):
+        server_security("0.0.0.0", tmp_path, run_ids=("r1",), generate_token=True)
+    roles = server_security("0.0.0.0", tmp_path, run_ids=("r1",))
+    assert roles.credentials == tmp_path / "credentials" and "admin" in roles.auth.credentials  # type: ignore[union-attr]
+    assert "--nats.credentials_file " + str(tmp_path / "credentials") + "/ROLE.json" in roles.agent_command("u")
     with pytest.raises(ConfigError, match="without authentication"):
         server_security("10.1.2.3", tmp_path, tls_cert=tmp_path / "c", tls_key=tmp_path / "k")  # TLS alone
     mtls = server_security("0.0.0.0", tmp_path, tls_cert=tmp_path / "c", tls_key=tmp_path / "k",
@@ -358,9 +368,46 @@ async def test_cluster_holds_an_r3_key_value_bucket(tmp_path: Path) -> None:
             await nc.close()
 
 
+def test_coevo_server_with_a_run_id_gives_each_role_its_own_credentials(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    proc = subprocess.Popen([PYTHON, "-m", "coevo", "server", "--port", "-1", "--store", str(store),
+                             "--run-id", "r1"], env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        lines = Lines(proc)
+        url = lines.next("nats-server ready at ").split()[3]
+        assert f"{store / 'credentials'}/ROLE.json" in lines.next("each role's credentials are in ")
+        assert "--nats.credentials_file" in lines.next("agents connect with: ")
+        assert "Authorization Violation" in asyncio.run(_refused(url))
+
+        async def as_roles() -> tuple[int, str]:
+            admin = await NatsBus.connect(url, "r1", nats_cfg=NatsConfig(
+                credentials_file=store / "credentials" / "admin.json"))
+            try:
+                await admin.publish_sync(_event("r1", 0))
+                scorer = read_credential(store / "credentials" / "scorer.json")
+                nc = await nats.connect(url, user=scorer.user, password=scorer.password, allow_reconnect=False)
+                try:
+                    with pytest.raises((TimeoutError, nats.errors.TimeoutError)):  # tasks are not the scorer's
+                        await nc.jetstream(timeout=1.0).publish(subject_for("r1", "task.scheduled"), b"{}")
+                finally:
+                    await nc.close()
+                events = await admin.events()
+                return len(events), events[0].kind
+            finally:
+                await admin.close()
+
+        assert asyncio.run(as_roles()) == (1, "task.scheduled")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_coevo_server_cluster_prints_the_urls(tmp_path: Path) -> None:
     proc = subprocess.Popen([PYTHON, "-m", "coevo", "server", "--cluster", "3", "--port", "-1", "--store",
-                             str(tmp_path)], env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             str(tmp_path), "--insecure-loopback"], env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
     try:
         ready = Lines(proc).next("nats-server ready at ")
         url = ready.split()[3]

@@ -10,7 +10,8 @@ Invariants:
   starting process holds; end of file on it means that process is gone, and the watchdog stops the
   server. (Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that forked exits, and ``start()``
   often runs in a worker thread.)
-- a server never listens beyond loopback without authentication: ``server_security`` refuses it;
+- a server never listens without authentication (beyond loopback not at all, on loopback only with
+  an explicit ``--insecure-loopback``): ``server_security`` refuses it;
   secrets go into the server's config file (mode 0600), never onto a command line or into a log.
 """
 
@@ -415,23 +416,27 @@ def is_loopback(host: str) -> bool:
 class ServerSecurity:
     """What ``coevo server`` enforces, and how agents authenticate against it."""
 
-    auth: ServerAuth | None = None
+    auth: AuthBlock | None = None
     tls: ServerTls | None = None
     token_env: str | None = None
     """the environment variable agents read the token from"""
     token_file: Path | None = None
     """where a generated token was written (mode 0600)"""
     password_env: str | None = None
+    credentials: Path | None = None
+    """where the role users' credentials files are (``--run-id``)"""
 
     def agent_command(self, url: str) -> str:
         """How an agent connects: the command line, with secrets named by variable, never shown."""
         flags = [f"--nats {url}"]
         prefix = ""
-        if self.auth is not None and self.auth.token is not None:
+        if self.credentials is not None:
+            flags.append(f"--nats.credentials_file {self.credentials}/ROLE.json")
+        elif isinstance(self.auth, ServerAuth) and self.auth.token is not None:
             flags.append(f"--nats.token_env {self.token_env}")
             if self.token_file is not None:
                 prefix = f'{self.token_env}="$(cat {self.token_file})" '
-        elif self.auth is not None:
+        elif isinstance(self.auth, ServerAuth):
             flags.append(f"--nats.user {self.auth.user} --nats.password_env {self.password_env}")
         if self.tls is not None:  # the CA that signed the server's certificate; a client's own if required
             flags.append("--nats.tls_ca CA" + (" --nats.tls_cert CERT --nats.tls_key KEY" if self.tls.ca else ""))
@@ -440,9 +445,10 @@ class ServerSecurity:
 
 _REFUSAL = (
     "refusing to serve NATS on {host} without authentication: anyone who reaches it could publish "
-    "weights, inject samples or stop agents. Pass --generate-token (a token is written to "
+    "weights, inject samples or stop agents. Pass --run-id RUN (a user per role with that run's "
+    "permissions; credentials in {store}/credentials, mode 0600), --generate-token (a token is written to "
     "{token_file}, mode 0600), --token-env NAME (the token is read from $NAME), --user U "
-    "--password-env NAME, or mutual TLS (--tls-cert, --tls-key and --tls-ca); or bind --host 127.0.0.1"
+    "--password-env NAME, or mutual TLS (--tls-cert, --tls-key and --tls-ca){loopback}"
 )
 
 
@@ -470,27 +476,42 @@ def generated_token(path: Path) -> str:
 
 def server_security(host: str, store: Path, *, token_env: str | None = None, generate_token: bool = False,
                     user: str | None = None, password_env: str | None = None, tls_cert: Path | None = None,
-                    tls_key: Path | None = None, tls_ca: Path | None = None) -> ServerSecurity:
-    """Auth and TLS from ``coevo server``'s flags; ``ConfigError`` for a non-loopback bind without
-    authentication (a token, a user and password, or client certificates) or inconsistent flags."""
-    if sum((token_env is not None, generate_token, user is not None)) > 1:
-        raise ConfigError("choose one of --token-env, --generate-token, --user", field=None)
+                    tls_key: Path | None = None, tls_ca: Path | None = None, run_ids: tuple[str, ...] = (),
+                    insecure_loopback: bool = False) -> ServerSecurity:
+    """Auth and TLS from ``coevo server``'s flags; ``ConfigError`` for a bind without authentication
+    (role users of ``run_ids``, a token, a user and password, or client certificates) unless it is
+    loopback and ``insecure_loopback`` says so explicitly, and for inconsistent flags."""
+    if sum((token_env is not None, generate_token, user is not None, bool(run_ids))) > 1:
+        raise ConfigError("choose one of --run-id, --token-env, --generate-token, --user", field=None)
     if (user is None) != (password_env is None):
         raise ConfigError("--user and --password-env go together", field=None)
     if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
         raise ConfigError("TLS needs --tls-cert and --tls-key (and --tls-ca to require client certificates)",
                           field=None)
+    if insecure_loopback and not is_loopback(host):
+        raise ConfigError(f"--insecure-loopback serves without authentication on loopback only, not on {host}",
+                          field=None)
     tls = ServerTls(tls_cert, tls_key, tls_ca) if tls_cert is not None and tls_key is not None else None
     token_file = store / "nats-token"
-    if token_env is not None:
-        auth: ServerAuth | None = ServerAuth(token=_env_secret(token_env, "--token-env"))
+    credentials = None
+    auth: AuthBlock | None
+    if run_ids:
+        from coevo.runtime.credentials import role_users
+
+        credentials = store / "credentials"
+        auth = role_users(credentials, run_ids)
+    elif token_env is not None:
+        auth = ServerAuth(token=_env_secret(token_env, "--token-env"))
     elif generate_token:
         auth, token_env = ServerAuth(token=generated_token(token_file)), "COEVO_NATS_TOKEN"
     elif user is not None and password_env is not None:
         auth = ServerAuth(user=user, password=_env_secret(password_env, "--password-env"))
     else:
         auth = None
-    if auth is None and (tls is None or tls.ca is None) and not is_loopback(host):
-        raise ConfigError(_REFUSAL.format(host=host, token_file=token_file), field=None)
+    if auth is None and (tls is None or tls.ca is None) and not insecure_loopback:
+        loopback = "; or, on loopback only, --insecure-loopback" if is_loopback(host) else ""
+        raise ConfigError(_REFUSAL.format(host=host, token_file=token_file, store=store, loopback=loopback),
+                          field=None)
     return ServerSecurity(auth=auth, tls=tls, token_env=token_env,
-                          token_file=token_file if generate_token else None, password_env=password_env)
+                          token_file=token_file if generate_token else None, password_env=password_env,
+                          credentials=credentials)

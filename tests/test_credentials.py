@@ -1,0 +1,173 @@
+"""Who may connect to a run's NATS and what each role may do there (docs/security.md, "The bus").
+
+Pure decisions first (the permission table against the agents' declarations), then a run's real
+embedded server: a connection without credentials, a role publishing outside its kinds, a role
+touching the stream or another role's subjects are refused by the server itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import nats.errors
+import pytest
+
+from coevo.agents import ROLES, resolve_role
+from coevo.errors import ConfigError
+from coevo.runtime.app import credentials_dir, open_bus
+from coevo.runtime.bus import NatsBus
+from coevo.runtime.credentials import (
+    ADMIN,
+    EMITS,
+    EVERY_ROLE_EMITS,
+    inbox_prefix,
+    read_credential,
+    role_permissions,
+)
+from coevo.schemas import KIND_TO_MODEL, control_subject, kind_of, subject_for
+
+# ---- the table -----------------------------------------------------------------------------------
+
+
+def test_each_role_may_publish_exactly_what_its_agent_declares() -> None:
+    assert set(EMITS) == set(ROLES)
+    for role in ROLES:
+        assert set(EMITS[role]) == {kind_of(e) for e in resolve_role(role).emits}, role
+        allowed = {s for s in role_permissions("r1", role).publish if s.startswith("coevo.r1.ev.")}
+        assert allowed == {subject_for("r1", k) for k in (*EMITS[role], *EVERY_ROLE_EMITS)}, role
+    weights = subject_for("r1", "weights.published")
+    assert [r for r in ROLES if weights in role_permissions("r1", r).publish] == ["learner"]
+    scheduled = subject_for("r1", "task.scheduled")  # the tasks agent, and the policy for its endpoint's episodes
+    assert sorted(r for r in ROLES if scheduled in role_permissions("r1", r).publish) == ["policy", "tasks"]
+
+
+def test_no_role_changes_the_stream_or_reads_another_roles_inbox() -> None:
+    for role in ROLES:
+        p = role_permissions("r1", role)
+        assert not any(s == ">" or s.startswith(("coevo.>", "coevo.r1.>", "$JS.API.>", "$JS.API.STREAM.CREATE",
+                                                 "$JS.API.STREAM.UPDATE", "$JS.API.STREAM.DELETE",
+                                                 "$JS.API.STREAM.MSG.DELETE", "$KV.>", "_INBOX"))
+                       for s in p.publish), role
+        purges = [s for s in p.publish if s.startswith("$JS.API.STREAM.PURGE.")]
+        assert purges == ["$JS.API.STREAM.PURGE.OBJ_COEVO_r1_payloads", *(
+            ["$JS.API.STREAM.PURGE.COEVO_r1"] if role == "retention" else [])], role
+        assert [s for s in p.subscribe if s.startswith("_INBOX")] == [f"{inbox_prefix(role)}.>"]
+        assert not any(s.startswith("coevo.r1.ctl") for s in p.publish)  # commands come from admin only
+        assert "coevo.r1.ev.>" not in p.subscribe and ">" not in p.subscribe
+    with pytest.raises(ConfigError, match="no NATS permissions for role 'intruder'"):
+        role_permissions("r1", "intruder")
+
+
+def test_a_credentials_file_others_can_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"user": "policy", "password": "s3cret-pw"}))
+    os.chmod(path, 0o644)
+    with pytest.raises(ConfigError, match=r"readable by others.*chmod 600") as err:
+        read_credential(path)
+    assert err.value.field == "nats.credentials_file"
+    os.chmod(path, 0o600)
+    assert read_credential(path).user == "policy" and "s3cret-pw" not in repr(read_credential(path))
+    path.write_text("not json")
+    with pytest.raises(ConfigError, match="not a coevo credentials file"):
+        read_credential(path)
+
+
+# ---- a run's real server -------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def run_bus(tmp_path: Path) -> AsyncIterator[NatsBus]:
+    async with open_bus("sec1", store=tmp_path / "nats") as bus:  # as coevo run: embedded, as admin
+        yield bus
+
+
+async def _connect(url: str, creds: Path | None, errors: list[Exception] | None = None, **kw: object) -> nats.NATS:
+    async def on_error(exc: Exception) -> None:
+        if errors is not None:
+            errors.append(exc)
+
+    opts: dict[str, object] = {"allow_reconnect": False, "connect_timeout": 5, "error_cb": on_error, **kw}
+    if creds is not None:
+        c = read_credential(creds)
+        opts.update(user=c.user, password=c.password, inbox_prefix=inbox_prefix(c.user))
+    return await nats.connect(url, **opts)
+
+
+def _url(bus: NatsBus) -> str:
+    return f"nats://{bus.nc.connected_url.hostname}:{bus.nc.connected_url.port}"
+
+
+async def test_a_connection_without_the_runs_credentials_is_refused(run_bus: NatsBus, tmp_path: Path) -> None:
+    directory = credentials_dir(tmp_path / "nats")
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    files = sorted(p.name for p in directory.iterdir())
+    assert files == sorted(f"{u}.json" for u in (ADMIN, *ROLES))
+    assert all(stat.S_IMODE((directory / f).stat().st_mode) == 0o600 for f in files)
+    for kw in ({}, {"user": "policy", "password": "guess"}, {"token": "anything"}):
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await _connect(_url(run_bus), None, **kw)
+    nc = await _connect(_url(run_bus), directory / "policy.json")
+    assert nc.is_connected
+    await nc.close()
+
+
+async def test_each_role_publishes_only_its_own_kinds(run_bus: NatsBus, tmp_path: Path) -> None:
+    """Every role publishes one event of every kind; the stream holds exactly the allowed ones and the
+    server reported every other one as a permissions violation."""
+    directory = credentials_dir(tmp_path / "nats")
+    refused: dict[str, list[str]] = {}
+    for role in ROLES:
+        errors: list[Exception] = []
+        nc = await _connect(_url(run_bus), directory / f"{role}.json", errors)
+        for kind in KIND_TO_MODEL:
+            await nc.publish(subject_for(run_bus.run_id, kind), json.dumps({"by": role, "kind": kind}).encode(),
+                             headers={"Nats-Msg-Id": f"{role}-{kind}"})
+        await nc.flush()
+        async with asyncio.timeout(10):  # the server's -ERR for each refusal arrives after the flush
+            while len(errors) < len(KIND_TO_MODEL) - len({*EMITS[role], *EVERY_ROLE_EMITS}):
+                await asyncio.sleep(0.05)
+        refused[role] = sorted(str(e).split('"')[1] for e in errors if "permissions violation" in str(e))
+        await nc.close()
+    stored = {(d["by"], d["kind"]) for _, _, msg in [x async for x in run_bus.history()]
+              for d in [json.loads(msg.data)]}
+    expected = {(r, k) for r in ROLES for k in (*EMITS[r], *EVERY_ROLE_EMITS)}
+    assert stored == expected
+    for role in ROLES:
+        assert refused[role] == sorted(subject_for(run_bus.run_id, k).lower() for k in KIND_TO_MODEL
+                                       if k not in {*EMITS[role], *EVERY_ROLE_EMITS}), role
+
+
+async def test_a_role_cannot_touch_the_stream_the_buckets_or_anothers_subjects(run_bus: NatsBus,
+                                                                               tmp_path: Path) -> None:
+    directory = credentials_dir(tmp_path / "nats")
+    errors: list[Exception] = []
+    nc = await _connect(_url(run_bus), directory / "policy.json", errors)
+    js = nc.jetstream(timeout=1.0)
+    for attempt in (js.delete_stream(run_bus.stream), js.purge_stream(run_bus.stream),
+                    js.add_stream(name="COEVO_evil", subjects=["coevo.sec1.ev.weights.>"]),
+                    js.publish(f"$KV.coevo_{run_bus.run_id}_tasks.slot-0", b"{}"),  # the task pool: tasks only
+                    nc.request(control_subject(run_bus.run_id, "learner-1"), b'{"command": "stop"}', timeout=1)):
+        with pytest.raises((TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await attempt
+    await nc.subscribe(f"{inbox_prefix('learner')}.>")  # the learner's replies and deliveries
+    await nc.subscribe(f"coevo.{run_bus.run_id}.weights.>")  # serving weight transfers: the learner's
+    await nc.subscribe(f"coevo.{run_bus.run_id}.ev.>")  # a core tap on every event
+    await nc.flush()
+    async with asyncio.timeout(10):
+        while sum("permissions violation" in str(e) for e in errors) < 8:
+            await asyncio.sleep(0.05)
+    said = " ".join(str(e) for e in errors)
+    for what in ("publish to \"$js.api.stream.delete", "publish to \"$js.api.stream.purge.coevo_sec1",
+                 "publish to \"$js.api.stream.create", "publish to \"$kv.coevo_sec1_tasks",
+                 "publish to \"coevo.sec1.ctl", "subscription to \"_inbox_learner",
+                 "subscription to \"coevo.sec1.weights", "subscription to \"coevo.sec1.ev."):
+        assert what in said.lower(), (what, said)
+    assert (await run_bus.js.stream_info(run_bus.stream)).config.name == run_bus.stream  # still there
+    kv = await js.key_value(f"coevo_{run_bus.run_id}_tasks")  # reading is allowed
+    assert kv is not None
+    await nc.close()
