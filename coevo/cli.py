@@ -237,8 +237,13 @@ def cmd_server(args: argparse.Namespace) -> int:
         if security.token_file is not None:
             print(f"the token is in {security.token_file} (mode 0600)", flush=True)
         if security.credentials is not None:
+            from coevo.runtime.app import provision_runs
+
+            asyncio.run(provision_runs(url, security.credentials / "admin.json", tuple(args.run_id),
+                                       replicas=min(3, args.cluster or 1)))
             print(f"each role's credentials are in {security.credentials}/ROLE.json (mode 0600; admin.json for the "
-                  "process that starts the run and tools)", flush=True)
+                  f"process that starts the run and tools); the stream and buckets of {', '.join(args.run_id)} "
+                  "exist", flush=True)
         public = url.replace("0.0.0.0", socket.gethostname())
         print(f"agents connect with: {security.agent_command(public)}", flush=True)
         done.wait()

@@ -391,6 +391,11 @@ def test_coevo_server_with_a_run_id_gives_each_role_its_own_credentials(tmp_path
                         await nc.jetstream(timeout=1.0).publish(subject_for("r1", "task.scheduled"), b"{}")
                 finally:
                     await nc.close()
+                role = await NatsBus.connect(url, "r1", nats_cfg=NatsConfig(  # the stream was made by the server
+                    credentials_file=store / "credentials" / "scorer.json"))
+                assert not role.manages and role.nc._inbox_prefix.decode() == "_INBOX_scorer"
+                await role.kv("tasks")  # every bucket exists: a role only opens it
+                await role.close()
                 events = await admin.events()
                 return len(events), events[0].kind
             finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import structlog
 
-from coevo.config import CoevoConfig, NatsConfig
+from coevo.config import CoevoConfig, NatsConfig, load_config
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.credentials import ADMIN, role_users
 from coevo.runtime.logging import bind, configure_logging
@@ -90,11 +90,20 @@ async def open_bus(run_id: str, *, url: str | None = None, store: Path | None = 
         bus = await NatsBus.connect(endpoint.url, run_id, nats_cfg=endpoint.nats_config(cfg.nats), bus=cfg.bus,
                                     stream=cfg.stream, name=name)
         try:
-            if endpoint.credentials_file is not None:
+            if bus.manages:
                 await bus.provision()
             yield bus
         finally:
             await bus.close()
+
+
+async def provision_runs(url: str, admin: Path, run_ids: tuple[str, ...], replicas: int = 1) -> None:
+    """Create each run's stream, buckets and object store as its admin (``coevo server --run-id``):
+    agents started with a role's credentials may not create them."""
+    cfg = load_config(overrides={"nats.credentials_file": str(admin), "stream.replicas": replicas})
+    for run_id in run_ids:
+        async with open_bus(run_id, url=url, cfg=cfg):
+            pass
 
 
 @asynccontextmanager

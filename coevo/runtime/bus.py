@@ -33,7 +33,7 @@ from nats.js import JetStreamContext, api
 from coevo.config import BusConfig, NatsConfig, StreamConfig
 from coevo.errors import BusError, NoResponders, PublishError
 from coevo.runtime import claims, outbox
-from coevo.runtime.credentials import KV_BUCKETS, inbox_prefix, payload_bucket, read_credential
+from coevo.runtime.credentials import ADMIN, KV_BUCKETS, inbox_prefix, payload_bucket, read_credential
 from coevo.runtime.pull import Puller, read_all
 from coevo.schemas import (
     ControlReply,
@@ -166,6 +166,8 @@ class NatsBus:
         self._tokens = 0
         self._closed = False
         self._payloads: Any = None
+        self.manages = True
+        """whether this connection may create and change the run's stream and buckets (not a role's)"""
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -180,8 +182,11 @@ class NatsBus:
         stream: StreamConfig | None = None,
         name: str = "coevo",
     ) -> NatsBus:
-        nc = await connect_nats(nats_cfg or NatsConfig(), url, name=name)
+        nats_cfg = nats_cfg or NatsConfig()
+        nc = await connect_nats(nats_cfg, url, name=name)
         self = cls(nc, run_id, bus or BusConfig(), stream)
+        if nats_cfg.credentials_file is not None:  # a role's connection may not create or change the stream
+            self.manages = read_credential(nats_cfg.credentials_file).user == ADMIN
         try:
             await self.ensure_stream()
         except BaseException:
@@ -206,10 +211,17 @@ class NatsBus:
         try:
             info = await self.js.stream_info(self.stream)
         except nats.js.errors.NotFoundError:
+            if not self.manages:
+                raise BusError(f"run {self.run_id} has no stream yet, and a role may not create one: start the run "
+                               f"first (coevo run, or coevo server --run-id {self.run_id})") from None
             return await self.js.add_stream(config)
         if info.config.subjects != config.subjects or info.config.max_age != config.max_age or \
                 info.config.max_bytes != config.max_bytes or info.config.duplicate_window != \
                 config.duplicate_window or info.config.max_msg_size != config.max_msg_size:
+            if not self.manages:
+                log.warning("bus.stream_config_differs", stream=self.stream,
+                            detail="the run's admin set other stream limits; a role keeps them")
+                return info
             return await self.js.update_stream(config)
         return info
 
