@@ -232,19 +232,23 @@ async def test_coding_constraints_add_matching_tests() -> None:
     t = next(t for t in fam.initial_tasks(200, 0, 0) if t.params["problem"] == "HumanEval/2")
     harder = fam.apply(t, "constraints+")
     assert harder is not None and "do not use import statements" in fam.prompt_for(harder)
-    assert len(fam.tests_for(harder)) == len(fam.tests_for(t)) + 1
+    assert fam.tests_for(harder) == fam.tests_for(t)  # constraints are judged by coevo, not as tests
+    assert fam.checks_for(harder) == ["test 0", "test 1", "test 2", "no_imports"]
     importing = "import math\ndef truncate_number(number):\n    return number - math.floor(number)\n"
     assert (await _step(fam, t, importing)).outcome == "won"
-    assert (await _step(fam, harder, importing)).outcome == "lost"
-    assert (await _step(fam, harder, importing)).info["pass_matrix"][:-1] == [True, True, True]
+    r = await _step(fam, harder, importing)
+    assert r.outcome == "lost" and r.info["pass_matrix"] == [True, True, True, False]
+    assert r.info["constraint_violations"] == {"no_imports": ["line 1: `import math` (imports other than the prompt's own)"]}
+    assert (await _step(fam, t, importing)).info["constraint_violations"] == {}
     hidden = fam.apply(t, "examples-")
     assert hidden is not None and ">>>" in fam.prompt_for(t) and ">>>" not in fam.prompt_for(hidden)
     # a constraint the reference solution breaks is caught by the pre-check
     uses_while = next(t for t in fam.initial_tasks(200, 0, 0)
-                      if "while" in (humaneval_problems()[t.params["problem"]].solution or ""))
+                      if "\n    while " in (humaneval_problems()[t.params["problem"]].solution or ""))
     two = fam.derive(uses_while, {"constraints": 2, "examples": 1})
     pre = await fam.precheck(two)
-    assert not pre.ok and "reference solution fails" in pre.reason
+    no_while = fam.checks_for(two).index("no_while")
+    assert not pre.ok and pre.reason.startswith(f"reference solution fails tests [{no_while}]"), pre.reason
 
 
 async def test_jsonl_problems_with_call_and_io_tests(tmp_path: Path) -> None:

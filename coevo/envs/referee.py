@@ -201,7 +201,7 @@ async def run_tests(program: str, entry_point: str, tests: list[str], *, prelude
         return [], SandboxResult("ok", None, "", "", 0.0, network_isolated=isolation == "bwrap")
     ready_s = min(limits.wall_s, max(5.0, per_test_s))
     prog = _Process({"mode": "serve", "program": program, "entry": entry_point}, isolation, limits, ready_s)
-    script = _Process({"mode": "test", "program": program, "entry": entry_point, "prelude": prelude,
+    script = _Process({"mode": "test", "entry": entry_point, "prelude": prelude,
                        "helpers": helpers_of(context, entry_point)}, isolation, limits, ready_s)
     outcomes: list[Outcome] = []
     try:
