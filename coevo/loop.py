@@ -27,7 +27,7 @@ from coevo.observe.live import LiveRun, ObserveOptions, observe_run
 from coevo.observe.tally import RunTally
 from coevo.runtime.agent import Agent, run_agents
 from coevo.runtime.aio import wait_event
-from coevo.runtime.app import Runtime, open_runtime
+from coevo.runtime.app import Runtime, credentials_dir, open_runtime
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import RunFinished
 
@@ -223,7 +223,8 @@ def _observe(rt: Runtime, cfg: CoevoConfig, opts: ObserveOptions, agents: list[A
 
 def _announce(rt: Runtime, cfg: CoevoConfig, live: LiveRun) -> None:
     log.info("run.started", run_id=rt.run_id, family=cfg.env.family, loop=cfg.loop, reward=cfg.scorer.reward,
-             run_dir=str(rt.run_dir), dashboard=live.dashboard_url, metrics=live.metrics_url)
+             run_dir=str(rt.run_dir), dashboard=live.dashboard_url, metrics=live.metrics_url,
+             nats_credentials=None if cfg.nats.url else str(credentials_dir(rt.run_dir / "nats")))
     if live.dashboard_url:
         print(f"coevo run {rt.run_id}: dashboard at {live.dashboard_url}", flush=True)
     if live.metrics_url:
