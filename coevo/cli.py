@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats", dest="nats_url", metavar="URL",
                         help="server holding the run (default: the run's own store under --runs-dir)")
+    parser.add_argument("--nats-credentials", type=Path, metavar="FILE",
+                        help="credentials for --nats (a run's admin.json, docs/security.md); default: the run's "
+                        "own RUNS_DIR/RUN/nats/credentials/admin.json when it exists")
     parser.add_argument("--runs-dir", type=Path, default=Path("runs"))
 
 
@@ -265,7 +268,7 @@ def cmd_events_export(args: argparse.Namespace) -> int:
     from coevo.tools.events import export_events, open_run
 
     async def go() -> int:
-        async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
+        async with open_run(args.run, args.runs_dir, args.nats_url, args.nats_credentials) as bus:
             return await export_events(bus, args.out, args.format)
 
     n = asyncio.run(go())
@@ -274,14 +277,15 @@ def cmd_events_export(args: argparse.Namespace) -> int:
 
 
 def cmd_events_import(args: argparse.Namespace) -> int:
-    from coevo.runtime.app import make_run_id, open_bus
+    from coevo.runtime.app import make_run_id, open_bus, run_reader_config
     from coevo.tools.events import import_events, read_export
 
     run_id = args.run_id or make_run_id()
 
     async def go() -> int:
         rows = read_export(args.file)
-        async with open_bus(run_id, url=args.nats_url, store=args.runs_dir / run_id / "nats") as bus:
+        cfg = run_reader_config(args.runs_dir / run_id / "nats", args.nats_url, args.nats_credentials)
+        async with open_bus(run_id, url=args.nats_url, store=args.runs_dir / run_id / "nats", cfg=cfg) as bus:
             return await import_events(bus, rows)
 
     n = asyncio.run(go())
@@ -294,7 +298,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from coevo.tools.trace import trace
 
     async def go() -> dict[str, Any]:
-        async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
+        async with open_run(args.run, args.runs_dir, args.nats_url, args.nats_credentials) as bus:
             return await trace(bus, args.ident)
 
     try:
@@ -324,7 +328,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     cfg = run_config(args.runs_dir, args.run, overrides)
 
     async def go() -> dict[str, Any]:
-        async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
+        async with open_run(args.run, args.runs_dir, args.nats_url, args.nats_credentials) as bus:
             events = await load_events(bus, args.start, args.end)
         if args.into == "scorer":
             report = rp.replay_scorer(events, cfg)
@@ -351,7 +355,7 @@ def cmd_rejudge(args: argparse.Namespace) -> int:
     cfg = recorded_cfg if use_recorded else load_config(Path(args.judge))
 
     async def go() -> dict[str, Any]:
-        async with open_run(args.run, args.runs_dir, args.nats_url) as bus:
+        async with open_run(args.run, args.runs_dir, args.nats_url, args.nats_credentials) as bus:
             return await rejudge(bus, cfg, use_recorded)
 
     print(json.dumps(asyncio.run(go()), indent=2))
@@ -371,7 +375,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        async with open_run(args.run, args.runs_dir, args.nats_url) as bus, \
+        async with open_run(args.run, args.runs_dir, args.nats_url, args.nats_credentials) as bus, \
                 observe_run(bus, opts, title=f"coevo run {args.run}") as live:
             print(f"dashboard of run {args.run} at {live.dashboard_url} (Ctrl-C stops it)", flush=True)
             await stop.wait()
@@ -392,7 +396,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         from coevo.observe.offline import run_report
 
         out = args.out or args.runs_dir / args.run / "report"
-        path = asyncio.run(run_report(args.run, args.runs_dir, args.nats_url, out))
+        path = asyncio.run(run_report(args.run, args.runs_dir, args.nats_url, out, args.nats_credentials))
     print(f"wrote {path}")
     return 0
 

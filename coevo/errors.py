@@ -41,6 +41,11 @@ class NoResponders(BusError):
     """A request found nobody serving its subject."""
 
 
+class PayloadUnavailable(BusError):
+    """A claimed object of a large event cannot be read now (a leader change, a timeout): the event
+    is intact and will be read on a later delivery (not an invalid message: never dead-lettered as one)."""
+
+
 class PublishError(BusError):
     def __init__(self, subject: str, event_id: str, reason: str) -> None:
         super().__init__(f"publish of {event_id} on {subject} failed: {reason}")

@@ -71,6 +71,9 @@ def test_the_prompts_own_import_is_allowed() -> None:
     "def f(x):\n    return Big(x).v\n",
     "def f(s):\n    return s.count('a') + getattr(s, 'real', 0)\nif __name__ == '__main__':\n    print(f('aa'))\n",
     "def f(xs):\n    out = []\n    for x in xs:\n        out.append(x)\n    return out\n",
+    "class A:\n    def __init__(self):\n        self._x = 1\n    def _h(self):\n        return self._x\n"
+    "def f(n):\n    return A()._h()\n",  # its own private names
+    "def f(xs):\n    out = []\n    for i, x in enumerate(xs):\n        out.append(i * x)\n    return out\n",
 ])
 def test_plain_programs_pass_every_constraint(program: str) -> None:
     assert check(program) == {c: [] for c in ALL}
@@ -116,6 +119,10 @@ def test_bounded_itertools_pass_no_while() -> None:
     ("from . import x", "a relative import"),
     ("def g(x: '__import__(\"os\")'):\n    pass", "a string annotation"),
     ("match f:\n    case object(__globals__=g):\n        pass", "the dunder attribute `__globals__`"),
+    # typing's internals run a string as code (found by a second read): private attributes fail closed
+    ("from typing import List, get_args\nr = get_args(List['exec(1)'])[0]._evaluate({}, {}, frozenset())",
+     "the private attribute `_evaluate` of code the program did not write"),
+    ("import typing\nt = typing\nr = t._eval_type", "the private attribute `_eval_type`"),
 ])
 def test_escape_hatches_break_every_constraint(program: str, reason: str) -> None:
     found = check("def f(x):\n    return x\n" + program + "\n")
@@ -158,6 +165,12 @@ def test_the_imports_of_a_prompt_that_does_not_parse_are_read_line_by_line() -> 
     ("def f(x):\n    todo = [x]\n    for t in todo:\n        if t > 0:\n            todo.append(t - 1)\n    return todo",
      "line 5: a for loop over `todo`, which it grows: a while loop"),
     ("def f(x):\n    q = [x]\n    [q.append(t - 1) for t in q if t > 0]\n    return q", "which it grows"),
+    ("def f(q):\n    for i, t in enumerate(q):\n        q.append(t)\n    return q", "a for loop over `q`, which it grows"),
+    ("def f(q):\n    for t, u in zip(q, q):\n        q += [t]\n    return q", "a for loop over `q`, which it grows"),
+    ("class It:\n    def __next__(self):\n        return 1\n    def __iter__(self):\n        return self\n"
+     "def f(x):\n    for t in It():\n        return t", "a class defining `__next__`"),
+    ("class Seq:\n    def __getitem__(self, i):\n        return i\ndef f(x):\n    for t in Seq():\n        return t",
+     "a class defining `__getitem__`"),
 ])
 def test_loops_that_run_until_a_condition_break_no_while(program: str, reason: str) -> None:
     found = check(program + "\n", "no_while")["no_while"]

@@ -28,6 +28,7 @@ from coevo.runtime.credentials import (
     inbox_prefix,
     read_credential,
     role_permissions,
+    run_streams,
 )
 from coevo.schemas import KIND_TO_MODEL, control_subject, kind_of, subject_for
 
@@ -54,8 +55,14 @@ def test_no_role_changes_the_stream_or_reads_another_roles_inbox() -> None:
                                                  "$JS.API.STREAM.MSG.DELETE", "$KV.>", "_INBOX"))
                        for s in p.publish), role
         purges = [s for s in p.publish if s.startswith("$JS.API.STREAM.PURGE.")]
-        assert purges == ["$JS.API.STREAM.PURGE.OBJ_COEVO_r1_payloads", *(
+        assert purges == [f"$JS.API.STREAM.PURGE.OBJ_COEVO_r1_payloads_{role}", *(  # its own claims only
             ["$JS.API.STREAM.PURGE.COEVO_r1"] if role == "retention" else [])], role
+        assert [s for s in p.publish if s.startswith("$O.")] == [f"$O.COEVO_r1_payloads_{role}.>"]
+        assert [s for s in p.publish if s.startswith("$KV.")] == [
+            f"$KV.coevo_r1_{b}.>" for b in {"tasks": ("tasks", "llmcache_tasks"),
+                                           "judge": ("judgetests", "llmcache_judge")}.get(role, ())]
+        consumers = [s for s in p.publish if s.startswith("$JS.API.CONSUMER.")]  # on this run's streams only
+        assert consumers and all(set(s.split(".")) & set(run_streams("r1")) for s in consumers), consumers
         assert [s for s in p.subscribe if s.startswith("_INBOX")] == [f"{inbox_prefix(role)}.>"]
         assert not any(s.startswith("coevo.r1.ctl") for s in p.publish)  # commands come from admin only
         assert "coevo.r1.ev.>" not in p.subscribe and ">" not in p.subscribe
@@ -171,3 +178,72 @@ async def test_a_role_cannot_touch_the_stream_the_buckets_or_anothers_subjects(r
     kv = await js.key_value(f"coevo_{run_bus.run_id}_tasks")  # reading is allowed
     assert kv is not None
     await nc.close()
+
+
+async def test_a_push_consumer_cannot_deliver_a_forged_command(run_bus: NatsBus, tmp_path: Path) -> None:
+    """JetStream delivers a push consumer's messages to any subject, past the role's permissions: the
+    policy can aim one at an agent's control subject. What arrives there is not a request (its
+    stored subject, a ``$JS.ACK`` reply) and is dropped; a real command from the admin is answered."""
+    from nats.js import api
+
+    from coevo.schemas import ControlReply, ControlRequest
+
+    commands: list[str] = []
+
+    async def handler(req: ControlRequest) -> ControlReply:
+        commands.append(req.command)
+        return ControlReply(agent_id="victim", role="policy", state="running", uptime_s=1.0)
+
+    await run_bus.serve_control("victim", handler)
+    nc = await _connect(_url(run_bus), credentials_dir(tmp_path / "nats") / "policy.json")
+    js = nc.jetstream(timeout=5.0)
+    await js.add_consumer(run_bus.stream, api.ConsumerConfig(
+        name="forger", deliver_subject=control_subject(run_bus.run_id, "victim"), ack_policy=api.AckPolicy.NONE,
+        filter_subject=subject_for(run_bus.run_id, "agent.status")))
+    await js.publish(subject_for(run_bus.run_id, "agent.status"), ControlRequest(command="stop").model_dump_json().encode())
+    async with asyncio.timeout(20):
+        while run_bus.stats.forged_requests == 0:
+            await asyncio.sleep(0.05)
+    assert commands == []
+    reply = await run_bus.control("victim", "status")
+    assert reply.state == "running" and commands == ["status"]
+    await nc.close()
+
+
+async def test_an_event_on_another_kinds_subject_is_not_an_event(run_bus: NatsBus, tmp_path: Path) -> None:
+    """Subjects are what permissions see; the kind is in the payload: a policy's ``step.taken`` whose
+    payload is a ``GroupScored`` is refused by every reader, not trained."""
+    from tests.samples import sample_events
+
+    scored = next(e for e in sample_events(run_bus.run_id) if kind_of(e) == "group.scored")
+    nc = await _connect(_url(run_bus), credentials_dir(tmp_path / "nats") / "policy.json")
+    await nc.jetstream(timeout=5.0).publish(subject_for(run_bus.run_id, "step.taken"), scored.model_dump_json().encode())
+    await nc.close()
+    (stored,) = [m async for _, _, m in run_bus.history(["step.taken"])]
+    with pytest.raises(ValueError, match=r"a group\.scored event on the subject of step\.taken"):
+        await run_bus.decode_msg(stored)
+    assert await run_bus.events() == []
+
+
+async def test_a_role_stores_its_large_events_in_its_own_object_store(run_bus: NatsBus, tmp_path: Path) -> None:
+    from coevo.config import BusConfig, NatsConfig
+    from coevo.runtime.claims import Claim, is_claim
+    from coevo.schemas import Source, TaskScheduled, TaskSpec
+
+    creds = credentials_dir(tmp_path / "nats")
+    tasks = await NatsBus.connect(_url(run_bus), run_bus.run_id, bus=BusConfig(inline_max_bytes=1024),
+                                  nats_cfg=NatsConfig(credentials_file=creds / "tasks.json"))
+    big = TaskScheduled(run_id=run_bus.run_id, source=Source(agent_id="t", role="tasks"), group_id="g", n_rollouts=1,
+                        task=TaskSpec(task_id="t", family="quick", params={"blob": "x" * 5000}))
+    await tasks.publish_sync(big)
+    errors: list[Exception] = []
+    policy = await _connect(_url(run_bus), creds / "policy.json", errors)
+    js = policy.jetstream(timeout=1.0)
+    with pytest.raises((TimeoutError, nats.errors.TimeoutError)):  # the tasks agent's objects are its own
+        await js.purge_stream(f"OBJ_COEVO_{run_bus.run_id}_payloads_tasks")
+    await policy.close()
+    await tasks.close()
+    (stored,) = [m async for _, _, m in run_bus.history(["task.scheduled"])]
+    assert is_claim(stored.headers) and Claim.parse(stored.data).bucket == f"COEVO_{run_bus.run_id}_payloads_tasks"
+    assert await run_bus.events(["task.scheduled"]) == [big]  # every reader follows it to the tasks store
+    assert any("stream.purge.obj_coevo_sec1_payloads_tasks" in str(e).lower() for e in errors), errors

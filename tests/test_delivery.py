@@ -11,7 +11,7 @@ from nats.js.api import DiscardPolicy
 from coevo.config import CoevoConfig, load_config
 from coevo.runtime.agent import Agent, run_agents
 from coevo.runtime.bus import NatsBus
-from coevo.runtime.claims import is_claim
+from coevo.runtime.claims import Claim, is_claim
 from coevo.runtime.consumer import Subscription
 from coevo.runtime.outbox import Outbox
 from coevo.runtime.server import EmbeddedServer
@@ -201,5 +201,5 @@ async def test_a_group_larger_than_the_streams_message_limit_travels_by_referenc
         assert sum(s.samples for s in steps) == 64  # the consumer did too: every sample trained
         # a claim whose object is gone is dead-lettered with the reason, not trained
         store = await bus.payload_store()
-        await store.delete(event.event_id)
+        await store.delete(Claim.parse(stored[0].data).key)
         assert not [e async for _, e, _ in bus.history(["group.scored"]) if e is not None]

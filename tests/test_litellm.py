@@ -156,7 +156,7 @@ async def test_tasks_agent_records_the_rejection_in_a_decision_event(bus: NatsBu
 
 
 async def test_cache_hit_on_the_second_identical_call(bus: NatsBus) -> None:
-    kv = await bus.kv("llmcache")
+    kv = await bus.kv("llmcache_judge")
     first = LiteLLMClient(MODEL, api(mock_response=r"\boxed{1}"))
     first.attach_cache(kv)
     a = await first.complete("same prompt", max_tokens=16, temperature=0.8, index=0)

@@ -7,8 +7,9 @@ restarted from an older checkpoint re-announcing its restored weights) is applie
 follow the surviving lineage; the first one it sees is always applied, so a server left with
 another run's weights is brought to this run's. Weights are verified before loading (the
 manifest against the announced digest and every file's size; ``learner.verify = "full"`` also
-re-hashes the files), and only from under the publication root (``learner.publication_root``, by
-default the run's checkpoints): a ``WeightsPublished`` naming another path is refused); a local engine in the learner's own process takes the published tensors
+re-hashes the files) and loaded only from under the publication root (``learner.publication_root``,
+by default the run's checkpoints under this process's ``run.runs_dir``; a ``WeightsPublished``
+naming another path is refused); a local engine in the learner's own process takes the published tensors
 from memory (``HELD``), without reading files. Every attempt is reported as ``WeightsApplied``
 (ok or not, and how the weights travelled), so the learner and the trace know which version
 served which tokens.
@@ -92,10 +93,10 @@ class WeightsFollower:
         """Load the published weights (from memory in the learner's process, else from disk once
         verified); (error or None, pause in ms)."""
         agent: Any = self
-        path = Path(event.path)
         root = agent.cfg.learner.publication_root or checkpoint_root(agent.cfg, agent.bus.run_id)
-        if not within(path, root):
-            return f"refused: {path} is not under the publication root {root} (learner.publication_root)", 0.0
+        path = resolved_within(Path(event.path), root)
+        if path is None:
+            return f"refused: {event.path} is not under the publication root {root} (learner.publication_root)", 0.0
         try:
             held = HELD.get(path, event.sha256)
             if held is not None and hasattr(agent.client, "swap_tensors"):
@@ -124,12 +125,14 @@ class WeightsFollower:
         return offer.version, await agent.client.receive_weights(offer, lc.transfer_timeout_s)
 
 
-def within(path: Path, root: Path) -> bool:
-    """Whether ``path`` lies under ``root`` once both are resolved (``..`` and links followed)."""
+def resolved_within(path: Path, root: Path) -> Path | None:
+    """``path`` resolved (``..`` and links followed), when it lies under ``root`` resolved; else None.
+    What is loaded is the resolved path, so a link changed after the check leads nowhere new."""
     try:
-        return Path(path).resolve().is_relative_to(Path(root).resolve())
+        real = Path(path).resolve()
+        return real if real.is_relative_to(Path(root).resolve()) else None
     except (OSError, RuntimeError):
-        return False
+        return None
 
 
 def _stream_seq(delivery: Delivery | None) -> int:

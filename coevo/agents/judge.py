@@ -60,7 +60,7 @@ class JudgeAgent(WeightsFollower, Agent):
 
     async def run(self) -> None:
         if hasattr(self.client, "attach_cache"):
-            self.client.attach_cache(await self.bus.kv("llmcache"))
+            self.client.attach_cache(await self.bus.kv(f"llmcache_{self.role}"))
         async with self.client:  # type: ignore[attr-defined]
             await super().run()
 

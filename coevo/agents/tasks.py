@@ -201,7 +201,7 @@ class TasksAgent(Agent):
             await super().run()
             return
         if hasattr(self.llm_client, "attach_cache"):
-            self.llm_client.attach_cache(await self.bus.kv("llmcache"))
+            self.llm_client.attach_cache(await self.bus.kv(f"llmcache_{self.role}"))
         async with self.llm_client:
             await super().run()
 

@@ -304,8 +304,7 @@ async def run_mode(url: str, work: Path, run_id: str, overrides: dict[str, Any],
     roles = {**dict.fromkeys(ROLLOUT_ROLES, cores[0]), LEARNER_ROLE: cores[1]}
     fleet = PinnedFleet(url, run_id, overrides, logs, cores=roles, credentials=credentials_dir(work / "nats"))
     seconds = plan.minutes * 60
-    async with await NatsBus.connect(url, run_id, nats_cfg=fleet.admin()) as bus:
-        await bus.provision()  # the stream and buckets, before any role (which may not create them) needs them
+    await fleet.provision()
     try:
         for role in roles:
             await fleet.start(role)
@@ -338,8 +337,8 @@ async def bench_async(plan: AsyncPlan, *, cache: Path | None = None, workdir: Pa
     with tempfile.TemporaryDirectory(prefix="coevo-async-") as tmp:
         work = workdir or Path(tmp)
         models = cache or work / "cache"
-        runs = tuple(f"{mode}{seed}" for seed in range(plan.seeds) for mode in modes)
-        async with EmbeddedServer(work / "nats", auth=role_users(credentials_dir(work / "nats"), runs)) as server:
+        run_ids = tuple(f"{mode}{seed}" for seed in range(plan.seeds) for mode in modes)
+        async with EmbeddedServer(work / "nats", auth=role_users(credentials_dir(work / "nats"), run_ids)) as server:
             assert server.url is not None
             nats_pid = server.server_pid
             if nats_pid is not None:

@@ -168,7 +168,8 @@ async def bench_bus(count: int = 20_000, repeats: int = 5, url: str | None = Non
 
     cfg = BusConfig()
     with tempfile.TemporaryDirectory() as tmp:
-        async with nats_endpoint(url, Path(tmp) / "nats") as endpoint:
+        async with nats_endpoint(url, Path(tmp) / "nats") as where:
+            endpoint = where.url
             out: dict[str, Any] = {"count": count, "repeats": repeats, "sizes": {}}
             ratios = []
             for label, size in tracked(list(SIZES.items()), f"bench bus: {count} events x {repeats}", unit="sizes"):

@@ -26,7 +26,8 @@ from typing import Any
 
 from coevo.config import NatsConfig
 from coevo.runtime.app import credentials_dir
-from coevo.runtime.credentials import read_credential, role_users
+from coevo.runtime.bus import connect_nats
+from coevo.runtime.credentials import role_users
 from coevo.schemas import (
     DeadLettered,
     Event,
@@ -151,6 +152,16 @@ class Fleet:
         """How the bench itself connects (as the run's admin)."""
         return NatsConfig(credentials_file=self.credentials / "admin.json" if self.credentials else None)
 
+    async def provision(self) -> None:
+        """The run's stream, buckets and object store, made by the admin with the agents' stream settings
+        (replicas included) before any agent starts: a role may not create them."""
+        from coevo.config import load_config
+        from coevo.runtime.bus import NatsBus
+
+        stream = load_config(overrides={k: v for k, v in self.overrides.items() if k.startswith("stream.")}).stream
+        async with await NatsBus.connect(self.url, self.run_id, nats_cfg=self.admin(), stream=stream) as bus:
+            await bus.provision()
+
     async def start(self, role: str) -> None:
         args = self.agent_args(role)
         self.starts[role] += 1
@@ -217,13 +228,10 @@ async def _garbage(nc: Any, run_id: str, rng: random.Random) -> int:
 
 
 async def _inject(fleet: Fleet, cluster: Any, plan: ChaosPlan, until: float) -> Counter[str]:
-    import nats
 
     rng = random.Random(plan.seed)
     faults: Counter[str] = Counter()
-    admin = read_credential(fleet.admin().credentials_file) if fleet.credentials else None
-    nc = await nats.connect(cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-                            **({"user": admin.user, "password": admin.password} if admin else {}))
+    nc = await connect_nats(fleet.admin(), cluster.url, name="coevo-chaos")
     next_node = time.monotonic() + min(plan.node_every_s, (until - time.monotonic()) / 2)
     next_garbage = time.monotonic()
     try:
@@ -271,8 +279,7 @@ async def run_fleet(cluster: Any, workdir: Path, run_id: str, plan: ChaosPlan, *
     logs.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(cluster.url, run_id, chaos_overrides(workdir / "runs", cache, len(cluster.nodes)), logs,
                   credentials=credentials_dir(workdir / "nats"))
-    async with await NatsBus.connect(cluster.url, run_id, nats_cfg=fleet.admin()) as bus:
-        await bus.provision()
+    await fleet.provision()
     for role in ROLES:
         await fleet.start(role)
     t0 = time.monotonic()

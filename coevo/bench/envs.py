@@ -84,9 +84,10 @@ async def bench_envs(seconds: float = 5.0, families: tuple[str, ...] = ("quickga
 
     out: dict[str, Any] = {"seconds": seconds, "concurrency": concurrency, "families": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        async with nats_endpoint(None, Path(tmp) / "nats") as url:
+        async with nats_endpoint(None, Path(tmp) / "nats") as endpoint:
             for fam_name in tracked(families, "bench envs", unit="families"):
-                out["families"][fam_name] = await _family(url, Path(tmp) / "cache", fam_name, seconds, concurrency)
+                out["families"][fam_name] = await _family(endpoint.url, Path(tmp) / "cache", fam_name, seconds,
+                                                          concurrency)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         await run_python("print(sum(range(1000)))")

@@ -63,6 +63,8 @@ SAFE_MODULES = frozenset({
 # itertools' unbounded iterators: ``for`` over one is a ``while True`` loop
 UNBOUNDED = frozenset({"count", "cycle"})  # always unbounded; ``repeat`` is with one argument
 GROWING = frozenset({"append", "extend", "insert"})
+WRAPPERS = frozenset({"enumerate", "iter", "zip", "map", "filter", "reversed"})  # iterate their argument lazily
+ITERATOR_METHODS = frozenset({"__next__", "__getitem__"})  # a class of its own that iteration calls until it stops
 DEFERRED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.GeneratorExp)
 
 
@@ -208,10 +210,35 @@ def _escapes(facts: _Tree, allowed: frozenset[str]) -> list[str]:
             out.extend(_attribute_escape(node, name, called=False, module=None) for name in node.kwd_attrs)
         elif isinstance(node, (ast.arg, ast.FunctionDef, ast.AsyncFunctionDef, ast.AnnAssign)):
             out.extend(_string_annotations(node))
+    own = _own_names(facts)
     for node, base, name in _attribute_uses(facts):
         module = modules.get(base.id) if isinstance(base, ast.Name) else None
-        out.append(_attribute_escape(node, name, called=facts.is_callee(node), module=module))
+        out.append(_attribute_escape(node, name, called=facts.is_callee(node), module=module)
+                   or _private_escape(node, name, own))
     return [r for r in out if r]
+
+
+def _own_names(facts: _Tree) -> frozenset[str]:
+    """Every name the program binds itself: attributes it assigns, functions, classes, variables, arguments."""
+    out: set[str] = set()
+    for node, _ in facts.nodes:
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+    return frozenset(out)
+
+
+def _private_escape(node: ast.AST, name: str, own: frozenset[str]) -> str:
+    """A private attribute the program did not define is some library's internals (``typing``'s
+    ``ForwardRef._evaluate`` runs a string as code): fail closed."""
+    if name.startswith("_") and not _is_dunder(name) and name not in own:
+        return f"{_at(node)}: the private attribute `{name}` of code the program did not write"
+    return ""
 
 
 def _attribute_escape(node: ast.AST, name: str, *, called: bool, module: str | None) -> str:
@@ -268,6 +295,10 @@ def _while_loops(facts: _Tree, allowed: frozenset[str]) -> list[str]:
     for node, _ in facts.nodes:
         if isinstance(node, ast.While):
             out.append(f"{_at(node)}: a while loop")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in ITERATOR_METHODS and \
+                isinstance(facts.parents.get(node), ast.ClassDef):
+            out.append(f"{_at(node)}: a class defining `{node.name}`: iterating it runs until it says stop, "
+                       "a while loop")
         elif isinstance(node, ast.Name) and node.id == "iter" and isinstance(node.ctx, ast.Load):
             call = facts.call_of(node)
             if call is None:
@@ -298,6 +329,12 @@ def _unbounded(facts: _Tree, node: ast.AST, name: str) -> list[str]:
 
 
 def _grows(iterable: ast.expr, body: Sequence[ast.AST]) -> list[str]:
+    while isinstance(iterable, ast.Call) and isinstance(iterable.func, ast.Name) and iterable.func.id in WRAPPERS:
+        names = [a for a in iterable.args if isinstance(a, ast.Name)]  # enumerate(q), zip(q, r), map(f, q), ...
+        out = [r for a in names for r in _grows(a, body)]
+        if out or not iterable.args:
+            return out
+        iterable = iterable.args[0]
     if not isinstance(iterable, ast.Name):
         return []
     name = iterable.id

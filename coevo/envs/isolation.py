@@ -182,6 +182,11 @@ for name in names:
         ok.append(name)
     except Exception:
         pass
+try:  # what glibc loads on demand: pthread_exit's unwinder (a daemon thread ending at exit aborts without it)
+    import ctypes
+    ctypes.CDLL("libgcc_s.so.1")
+except OSError:
+    pass
 maps = set()
 for line in open("/proc/self/maps"):
     parts = line.split(None, 5)

@@ -22,6 +22,7 @@ from pydantic import TypeAdapter, ValidationError
 from coevo.envs import make_family
 from coevo.envs.base import EnvError, Environment, Observation, StepResult
 from coevo.runtime.agent import Agent
+from coevo.runtime.bus import is_request
 from coevo.schemas import TaskSpec, new_id
 from coevo.schemas.envproto import EnvClose, EnvObservation, EnvOpen, EnvReply, EnvStep, env_subject
 
@@ -53,12 +54,16 @@ class EnvHost(Agent):
         nc = self.bus.nc
         # nats-py runs one callback of a subscription at a time: hand each request to a task
         # owned here, so slow episodes do not queue behind each other.
+        subjects = (env_subject(self.bus.run_id, fam), env_subject(self.bus.run_id, fam, self.agent_id))
         async with asyncio.TaskGroup() as tg:
             async def dispatch(msg: Msg) -> None:
-                tg.create_task(self._on_request(msg), name=f"{self.agent_id}:request")
+                if any(is_request(msg, s) for s in subjects):
+                    tg.create_task(self._on_request(msg), name=f"{self.agent_id}:request")
+                else:
+                    self.counters["env.not_a_request"] += 1
 
-            shared = await nc.subscribe(env_subject(self.bus.run_id, fam), queue=f"env-{fam}", cb=dispatch)
-            own = await nc.subscribe(env_subject(self.bus.run_id, fam, self.agent_id), cb=dispatch)
+            shared = await nc.subscribe(subjects[0], queue=f"env-{fam}", cb=dispatch)
+            own = await nc.subscribe(subjects[1], cb=dispatch)
             self.log.info("env.serving", family=fam)
             try:
                 while await self.sleep(min(5.0, self.cfg.env.session_idle_s / 2)):

@@ -90,11 +90,19 @@ async def open_bus(run_id: str, *, url: str | None = None, store: Path | None = 
         bus = await NatsBus.connect(endpoint.url, run_id, nats_cfg=endpoint.nats_config(cfg.nats), bus=cfg.bus,
                                     stream=cfg.stream, name=name)
         try:
-            if bus.manages:
+            if bus.manages and not existing:  # reading a run creates nothing
                 await bus.provision()
             yield bus
         finally:
             await bus.close()
+
+
+def run_reader_config(store: Path, url: str | None, credentials: Path | None = None) -> CoevoConfig:
+    """How a tool reads a run on ``url``: with ``credentials``, else the run's own admin file in
+    ``store`` when there is one (a run's embedded server is reached through ``store`` itself)."""
+    own = credentials_dir(store) / f"{ADMIN}.json"
+    chosen = credentials or (own if url is not None and own.exists() else None)
+    return load_config(overrides={"nats.credentials_file": str(chosen)} if chosen else {})
 
 
 async def provision_runs(url: str, admin: Path, run_ids: tuple[str, ...], replicas: int = 1) -> None:

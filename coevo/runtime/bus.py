@@ -31,9 +31,16 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from coevo.config import BusConfig, NatsConfig, StreamConfig
-from coevo.errors import BusError, NoResponders, PublishError
+from coevo.errors import BusError, NoResponders, PayloadUnavailable, PublishError
 from coevo.runtime import claims, outbox
-from coevo.runtime.credentials import ADMIN, KV_BUCKETS, inbox_prefix, payload_bucket, read_credential
+from coevo.runtime.credentials import (
+    ADMIN,
+    KV_BUCKETS,
+    inbox_prefix,
+    payload_bucket,
+    payload_buckets,
+    read_credential,
+)
 from coevo.runtime.pull import Puller, read_all
 from coevo.schemas import (
     ControlReply,
@@ -44,6 +51,7 @@ from coevo.schemas import (
     decode,
     encode,
     events_prefix,
+    kind_from_subject,
     kind_of,
     new_id,
     subject_for,
@@ -52,6 +60,8 @@ from coevo.schemas import (
 log = structlog.get_logger("coevo.bus")
 
 MSG_ID = "Nats-Msg-Id"
+CLAIM_READS = 4
+"""tries at a claimed object within one decode (0.1, 0.2, 0.4 s apart) before PayloadUnavailable"""
 M = TypeVar("M", bound=Frozen)
 
 
@@ -137,6 +147,8 @@ class BusStats:
     duplicates: int = 0
     publish_retries: int = 0
     dead_lettered: int = 0
+    forged_requests: int = 0
+    """messages on a served subject that were not requests (``is_request``): dropped"""
     latencies_ms: list[float] = field(default_factory=list)
     track_latency: bool = False
 
@@ -165,9 +177,11 @@ class NatsBus:
         self._acks_lock = asyncio.Lock()
         self._tokens = 0
         self._closed = False
-        self._payloads: Any = None
         self.manages = True
         """whether this connection may create and change the run's stream and buckets (not a role's)"""
+        self.user = ADMIN
+        """whose large events this bus stores (its object store): a role's, or the run's admin"""
+        self._stores: dict[str, Any] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -186,7 +200,8 @@ class NatsBus:
         nc = await connect_nats(nats_cfg, url, name=name)
         self = cls(nc, run_id, bus or BusConfig(), stream)
         if nats_cfg.credentials_file is not None:  # a role's connection may not create or change the stream
-            self.manages = read_credential(nats_cfg.credentials_file).user == ADMIN
+            self.user = read_credential(nats_cfg.credentials_file).user
+            self.manages = self.user == ADMIN
         try:
             await self.ensure_stream()
         except BaseException:
@@ -218,9 +233,10 @@ class NatsBus:
         if info.config.subjects != config.subjects or info.config.max_age != config.max_age or \
                 info.config.max_bytes != config.max_bytes or info.config.duplicate_window != \
                 config.duplicate_window or info.config.max_msg_size != config.max_msg_size:
-            if not self.manages:
+            if not self.manages:  # the admin's limits hold, the message size included (claims start below it)
                 log.warning("bus.stream_config_differs", stream=self.stream,
                             detail="the run's admin set other stream limits; a role keeps them")
+                self.stream_cfg = self.stream_cfg.model_copy(update={"max_msg_size": info.config.max_msg_size})
                 return info
             return await self.js.update_stream(config)
         return info
@@ -351,25 +367,48 @@ class NatsBus:
 
     @property
     def payload_bucket(self) -> str:
-        return payload_bucket(self.run_id)
+        return payload_bucket(self.run_id, self.user)
 
-    async def payload_store(self) -> Any:
-        """The run's object store for large events (created on first use, same retention as the stream)."""
-        if self._payloads is None:
+    async def payload_store(self, bucket: str | None = None) -> Any:
+        """An object store of the run for large events: this bus's own (where it writes), or the one a
+        claim names (``bucket``); the admin creates them (same retention as the stream)."""
+        name = bucket or self.payload_bucket
+        if name not in self._stores:
             try:
-                self._payloads = await self.js.object_store(self.payload_bucket)
+                self._stores[name] = await self.js.object_store(name)
             except nats.js.errors.BucketNotFoundError:
-                self._payloads = await self.js.create_object_store(self.payload_bucket, api.ObjectStoreConfig(
+                if not self.manages:
+                    raise
+                self._stores[name] = await self.js.create_object_store(name, api.ObjectStoreConfig(
                     ttl=self.stream_cfg.max_age_s, replicas=self.stream_cfg.replicas,
                     storage=api.StorageType.FILE if self.stream_cfg.storage == "file" else api.StorageType.MEMORY))
-        return self._payloads
+        return self._stores[name]
 
     async def decode_msg(self, msg: Msg) -> Event:
-        """The event a stored message holds, following a claim to the object store (``ValueError``
-        subclasses for anything that is not a valid event)."""
+        """The event a stored message holds, following a claim to the object store it names.
+
+        ``ValueError`` subclasses for anything that is not a valid event of the message's subject (an
+        event whose kind is not its subject's is not valid: a role may publish only its own
+        subjects); ``PayloadUnavailable`` when a claimed object cannot be read now, after a few tries
+        (a leader change, a timeout): the message is intact, try again later."""
         if claims.is_claim(msg.headers):
-            return decode(await claims.fetch(await self.payload_store(), claims.Claim.parse(msg.data)))
-        return decode(msg.data)
+            claim = claims.Claim.parse(msg.data)
+            if claim.bucket not in payload_buckets(self.run_id):
+                raise claims.ClaimError(f"claim on {claim.bucket}, not an object store of run {self.run_id}")
+            for attempt in range(CLAIM_READS):
+                try:
+                    event = decode(await claims.fetch(await self.payload_store(claim.bucket), claim))
+                    break
+                except PayloadUnavailable:
+                    if attempt == CLAIM_READS - 1:
+                        raise
+                    await asyncio.sleep(0.1 * 2**attempt)
+        else:
+            event = decode(msg.data)
+        kind = kind_from_subject(msg.subject or "")
+        if kind is not None and kind != kind_of(event):
+            raise ValueError(f"a {kind_of(event)} event on the subject of {kind}")
+        return event
 
     async def _expire(self, sent_before: float) -> None:
         """Give up waiting for the acks of publishes sent before ``sent_before`` and publish them again."""
@@ -506,11 +545,12 @@ class NatsBus:
     # ---- key-value state ---------------------------------------------------------------------
 
     async def provision(self) -> None:
-        """Create the run's buckets and object store where missing (the admin does, before any role's
+        """Create the run's buckets and object stores where missing (the admin does, before any role's
         agent needs them: roles may not create them, ``coevo.runtime.credentials``)."""
         for name in KV_BUCKETS:
             await self.kv(name)
-        await self.payload_store()
+        for bucket in payload_buckets(self.run_id):
+            await self.payload_store(bucket)
 
     async def kv(self, name: str) -> Any:
         """The run's KV bucket ``name`` (one of ``KV_BUCKETS``, file-backed), created on first use."""
@@ -607,10 +647,14 @@ class NatsBus:
     async def serve(self, subject: str, request_type: type[M], handler: Callable[[M], Awaitable[Frozen]]) -> Any:
         """Answer requests on ``subject``, each in its own task (a slow answer holds up no other); a
         malformed request or a failing handler is answered with ``{"error": reason}`` (the requester
-        raises it), never left to time out."""
+        raises it), never left to time out. Only requests (``is_request``) are answered."""
         tasks: set[asyncio.Task[None]] = set()
 
         async def on_request(msg: Msg) -> None:
+            if not is_request(msg, subject):
+                self.stats.forged_requests += 1
+                log.warning("bus.not_a_request", subject=subject, delivered_as=msg.subject, reply=msg.reply[:80])
+                return
             task = asyncio.create_task(answer(msg))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -654,6 +698,14 @@ class NatsBus:
             return await self.request(control_subject(self.run_id, agent_id), request, ControlReply, timeout_s)
         except NoResponders as exc:
             raise NoResponders(f"no agent {agent_id} in run {self.run_id}") from exc
+
+
+def is_request(msg: Msg, subject: str) -> bool:
+    """Whether ``msg`` is a request a client sent to ``subject``: on that very subject, with a reply
+    inbox. A JetStream push consumer can deliver stored messages to any subject, the role's
+    permissions notwithstanding (the server delivers them); those keep their stored subject and
+    reply with ``$JS.ACK...``, and are not requests (a forged ``stop`` would be one)."""
+    return msg.subject == subject and bool(msg.reply) and not msg.reply.startswith("$JS.")
 
 
 def _ack_error(data: bytes) -> str | None:

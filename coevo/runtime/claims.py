@@ -1,7 +1,8 @@
 """Large events by reference (claim check): the stream holds a claim, the bytes an object store.
 
 An encoded event larger than the bus's inline limit (``bus.inline_max_bytes``, and always below the
-stream's ``max_msg_size``) is written to the run's JetStream object store under its event id, and
+stream's ``max_msg_size``) is written to its producer's object store of the run (one per role) under
+its event id and digest, and
 the stream stores a small claim instead: ``{"claim": {bucket, key, sha256, bytes}}`` with the
 header ``Coevo-Claim``. Readers (consumers, history, replay, trace) get the event back whole
 through ``NatsBus.decode_msg``; models stay the single source of truth, nothing else changes.
@@ -18,6 +19,10 @@ import io
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import nats.js.errors
+
+from coevo.errors import PayloadUnavailable
 
 CLAIM_HEADER = "Coevo-Claim"
 
@@ -48,19 +53,27 @@ def is_claim(headers: dict[str, str] | None) -> bool:
     return bool(headers) and CLAIM_HEADER in headers  # type: ignore[operator]
 
 
-async def put(store: Any, bucket: str, key: str, payload: bytes) -> Claim:
-    """Store ``payload`` under ``key`` (idempotent: the same key holds the same bytes)."""
+async def put(store: Any, bucket: str, event_id: str, payload: bytes) -> Claim:
+    """Store ``payload`` under a key of its event id and digest: a rerun that stores the same bytes
+    writes the same object, one with other bytes under the same event id (whose claim the stream
+    then drops as a duplicate) writes another, so a stored claim's object is never replaced."""
+    digest = hashlib.sha256(payload).hexdigest()
+    key = f"{event_id}.{digest[:16]}"
     await store.put(key, payload)
-    return Claim(bucket, key, hashlib.sha256(payload).hexdigest(), len(payload))
+    return Claim(bucket, key, digest, len(payload))
 
 
 async def fetch(store: Any, claim: Claim) -> bytes:
-    """The claimed bytes, verified against the claim's size and digest."""
+    """The claimed bytes, verified against the claim's size and digest. ``ClaimError`` when the object
+    is gone (deleted, expired) or does not match; ``PayloadUnavailable`` when the store cannot be read
+    now (a timeout, a leader change, no responders, a lost connection): the claim is intact."""
     buf = io.BytesIO()
     try:
         await store.get(claim.key, writeinto=buf)  # writeinto: linear in the object's size
+    except nats.js.errors.NotFoundError as exc:
+        raise ClaimError(f"claimed object {claim.bucket}/{claim.key} is gone: {exc!r}") from exc
     except Exception as exc:
-        raise ClaimError(f"claimed object {claim.bucket}/{claim.key} unreadable: {exc!r}") from exc
+        raise PayloadUnavailable(f"claimed object {claim.bucket}/{claim.key} unreadable now: {exc!r}") from exc
     data = buf.getvalue()
     if len(data) != claim.bytes or hashlib.sha256(data).hexdigest() != claim.sha256:
         raise ClaimError(f"claimed object {claim.bucket}/{claim.key} does not match its digest")

@@ -6,7 +6,8 @@ Invariants:
   ``max_ack_pending``; memory stays flat whatever the producer does;
 - every fetched message ends in exactly one of: ack (handler returned and every event it published
   is stored: the outbox, ``coevo.runtime.outbox``), nak with delay (``Retry``, a crash below
-  ``max_deliver``, outputs that could not be stored, or shutdown), or term after a stored
+  ``max_deliver``, outputs that could not be stored, a claimed payload that cannot be read now, or
+  shutdown), or term after a stored
   ``DeadLettered`` event (invalid payload, ``Reject``, or the last allowed crash);
 - handlers that run longer than ``in_progress_every_s`` keep their message with ``in_progress``.
 """
@@ -27,7 +28,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from coevo.config import BusConfig
-from coevo.errors import PublishError, Reject, Retry
+from coevo.errors import PayloadUnavailable, PublishError, Reject, Retry
 from coevo.runtime.aio import first_completed
 from coevo.runtime.bus import Delivery, NatsBus
 from coevo.runtime.outbox import Outbox, staging
@@ -165,6 +166,16 @@ class Consumer:
     async def _handle(self, msg: Msg) -> None:
         try:
             event = await self.bus.decode_msg(msg)
+        except PayloadUnavailable as exc:  # the message is intact: read it again on a later delivery
+            delivered = msg.metadata.num_delivered
+            if delivered >= self.cfg.max_deliver:
+                await self._dead_letter(msg, f"claimed payload unreadable on {delivered} deliveries: {exc}")
+                return
+            self.stats.retried += 1
+            log.warning("consumer.payload_unavailable", error=str(exc)[:300], consumer=self.sub.durable,
+                        delivered=delivered)
+            await msg.nak(delay=backoff(self.cfg.nak_backoff_s, delivered))
+            return
         except ValidationError as exc:
             await self._dead_letter(msg, f"invalid payload: {_short(exc)}")
             return

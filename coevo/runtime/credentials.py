@@ -51,9 +51,11 @@ EMITS: dict[str, tuple[str, ...]] = {
 """The event kinds each role of ``coevo.agents.ROLES`` may publish: its agent class's ``emits``
 (a test keeps them equal), besides ``agent.status`` and ``dead.lettered`` which every role publishes."""
 EVERY_ROLE_EMITS = ("agent.status", "dead.lettered")
-KV_BUCKETS = ("tasks", "llmcache", "judgetests")
-"""Every key-value bucket of a run (``NatsBus.kv``); ``admin`` creates them up front."""
-KV_WRITERS: dict[str, tuple[str, ...]] = {"tasks": ("tasks", "llmcache"), "judge": ("judgetests", "llmcache")}
+KV_BUCKETS = ("tasks", "judgetests", "llmcache_judge", "llmcache_tasks")
+"""Every key-value bucket of a run (``NatsBus.kv``); ``admin`` creates them up front. Each LLM
+client caches in its own role's bucket: a shared cache would let one role plant another's answers."""
+KV_WRITERS: dict[str, tuple[str, ...]] = {"tasks": ("tasks", "llmcache_tasks"),
+                                          "judge": ("judgetests", "llmcache_judge")}
 REQUESTS: dict[str, tuple[str, ...]] = {"policy": ("weights", "env"), "judge": ("weights",)}
 SERVES: dict[str, tuple[str, ...]] = {"learner": ("weights",), "env": ("env",)}
 PURGES_STREAM = ("retention",)
@@ -67,8 +69,20 @@ def kv_stream(run_id: str, bucket: str) -> str:
     return f"KV_coevo_{run_id}_{bucket}"
 
 
-def payload_bucket(run_id: str) -> str:
-    return f"COEVO_{run_id}_payloads"
+def payload_bucket(run_id: str, owner: str = ADMIN) -> str:
+    """The object store holding ``owner``'s large events (claim checks): one per role, so that a
+    role can write, replace and purge only its own."""
+    return f"COEVO_{run_id}_payloads" + ("" if owner == ADMIN else f"_{owner}")
+
+
+def payload_buckets(run_id: str) -> tuple[str, ...]:
+    return tuple(payload_bucket(run_id, owner) for owner in (ADMIN, *EMITS))
+
+
+def run_streams(run_id: str) -> tuple[str, ...]:
+    """Every JetStream stream of a run: its events, its key-value buckets, its object stores."""
+    return (f"COEVO_{run_id}", *(kv_stream(run_id, b) for b in KV_BUCKETS),
+            *(f"OBJ_{b}" for b in payload_buckets(run_id)))
 
 
 @dataclass(frozen=True)
@@ -99,16 +113,16 @@ def role_permissions(run_id: str, role: str) -> Permissions:
     """What ``role`` (a key of ``EMITS``) may do on run ``run_id``'s NATS."""
     if role not in EMITS:
         raise ConfigError(f"no NATS permissions for role {role!r} (known: {', '.join(sorted(EMITS))})", field=None)
-    stream = f"COEVO_{run_id}"
-    objects = f"OBJ_{payload_bucket(run_id)}"
-    streams = (stream, objects, *(kv_stream(run_id, b) for b in KV_BUCKETS))
+    stream, own = f"COEVO_{run_id}", payload_bucket(run_id, role)
     kinds = sorted({*EMITS[role], *EVERY_ROLE_EMITS})
     publish = [subject_for(run_id, k) for k in kinds]
-    publish += ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.CONSUMER.>", f"$JS.ACK.{stream}.>",
-                f"$O.{payload_bucket(run_id)}.>", f"$JS.API.STREAM.PURGE.{objects}"]
-    for s in streams:
+    publish += ["$JS.API.INFO", f"$JS.ACK.{stream}.>", f"$O.{own}.>", f"$JS.API.STREAM.PURGE.OBJ_{own}"]
+    for s in run_streams(run_id):  # read them, and run consumers on them (pull, ordered, ephemeral)
         publish += [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}",
-                    f"$JS.API.DIRECT.GET.{s}.>"]
+                    f"$JS.API.DIRECT.GET.{s}.>", f"$JS.API.CONSUMER.CREATE.{s}", f"$JS.API.CONSUMER.CREATE.{s}.>",
+                    f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.*", f"$JS.API.CONSUMER.INFO.{s}.*",
+                    f"$JS.API.CONSUMER.MSG.NEXT.{s}.*", f"$JS.API.CONSUMER.DELETE.{s}.*",
+                    f"$JS.API.CONSUMER.LIST.{s}", f"$JS.API.CONSUMER.NAMES.{s}"]
     publish += [f"$KV.coevo_{run_id}_{b}.>" for b in KV_WRITERS.get(role, ())]
     publish += [_service_subject(run_id, s) for s in REQUESTS.get(role, ())]
     if role in PURGES_STREAM:

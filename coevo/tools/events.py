@@ -22,11 +22,15 @@ from coevo.schemas import Event, decode, readable
 
 
 @asynccontextmanager
-async def open_run(run_id: str, runs_dir: Path, url: str | None = None) -> AsyncIterator[NatsBus]:
-    """The run's events: on ``url``, or on an embedded server over the run's own store."""
-    from coevo.runtime.app import open_bus
+async def open_run(run_id: str, runs_dir: Path, url: str | None = None,
+                   credentials: Path | None = None) -> AsyncIterator[NatsBus]:
+    """The run's events: on ``url`` (with ``credentials``, or the run's own admin file), or on an
+    embedded server over the run's own store."""
+    from coevo.runtime.app import open_bus, run_reader_config
 
-    async with open_bus(run_id, url=url, store=runs_dir / run_id / "nats", existing=True) as bus:
+    store = runs_dir / run_id / "nats"
+    async with open_bus(run_id, url=url, store=store, existing=True,
+                        cfg=run_reader_config(store, url, credentials)) as bus:
         yield bus
 
 

@@ -1,0 +1,92 @@
+"""Large events by reference under faults (issue #24's first finding), on the real server: a claimed
+object that cannot be read *now* is read again later instead of being dead-lettered, and a rerun of
+an event id with other bytes never replaces the object a stored claim points to."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats.errors
+import pytest
+
+from coevo.config import CoevoConfig
+from coevo.runtime.agent import Agent, run_agents
+from coevo.runtime.bus import CLAIM_READS, NatsBus
+from coevo.runtime.claims import Claim, is_claim
+from coevo.runtime.consumer import Subscription
+from coevo.schemas import Source, TaskScheduled, TaskSpec
+
+SRC = Source(agent_id="test", role="tasks")
+
+
+@pytest.fixture
+async def small_bus(nats_url: str, run_id: str, cfg: CoevoConfig) -> Any:
+    """A bus whose inline limit is 1 KiB: the events below travel by reference."""
+    b = await NatsBus.connect(nats_url, run_id, nats_cfg=cfg.nats, bus=cfg.bus.model_copy(
+        update={"inline_max_bytes": 1024}), stream=cfg.stream)
+    yield b
+    await b.close()
+
+
+def big_task(run_id: str, fill: str, event_id: str | None = None) -> TaskScheduled:
+    fields: dict[str, Any] = {"event_id": event_id} if event_id else {}
+    return TaskScheduled(run_id=run_id, source=SRC, task=TaskSpec(task_id="big", family="quick",
+                                                                  params={"blob": fill * 5000}),
+                         group_id="g-big", n_rollouts=1, **fields)
+
+
+async def test_a_rerun_with_other_bytes_under_the_same_id_keeps_the_stored_claims_object(small_bus: NatsBus) -> None:
+    first = big_task(small_bus.run_id, "x", event_id="fixed-id")
+    rerun = big_task(small_bus.run_id, "y", event_id="fixed-id")  # the same fact id, sampled again
+    await small_bus.publish_sync(first)
+    await small_bus.publish_sync(rerun)  # the stream drops its claim as a duplicate
+    stored = [m async for _, _, m in small_bus.history(["task.scheduled"])]
+    assert len(stored) == 1 and is_claim(stored[0].headers)
+    assert await small_bus.events(["task.scheduled"]) == [first]  # its object is still the first one's
+    keys = {o.name for o in await (await small_bus.payload_store()).list()}
+    assert Claim.parse(stored[0].data).key in keys and len(keys) == 2  # the rerun's bytes lie beside it
+
+
+class Reader(Agent):
+    role = "test-reader"
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.got: list[TaskScheduled] = []
+        self.seen = asyncio.Event()
+
+    def subscriptions(self) -> list[Subscription]:
+        return [Subscription("test-reader", (TaskScheduled,), self.on_task)]
+
+    async def on_task(self, event: TaskScheduled, _d: Any) -> None:
+        self.got.append(event)
+        self.seen.set()
+
+
+async def test_an_object_store_that_cannot_be_read_now_delays_the_event_instead_of_losing_it(
+        small_bus: NatsBus, cfg: CoevoConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    event = big_task(small_bus.run_id, "z")
+    await small_bus.publish_sync(event)
+    store = await small_bus.payload_store()
+    real_get, failures = store.get, CLAIM_READS + 2  # the whole first delivery fails, the second recovers
+
+    async def get(*a: Any, **kw: Any) -> Any:
+        nonlocal failures
+        if failures > 0:
+            failures -= 1
+            raise nats.errors.TimeoutError  # what a read during a leader change gives
+        return await real_get(*a, **kw)
+
+    monkeypatch.setattr(store, "get", get)
+    reader = Reader(small_bus, cfg)
+    stop = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(run_agents([reader], handle_signals=False, until=stop))
+        async with asyncio.timeout(30):
+            await reader.seen.wait()
+        stop.set()
+    assert reader.got == [event] and failures == 0
+    (consumer,) = reader._consumers
+    assert consumer.stats.retried >= 1 and consumer.stats.dead_lettered == 0
+    assert await small_bus.events(["dead.lettered"]) == []
