@@ -90,3 +90,46 @@ async def test_an_object_store_that_cannot_be_read_now_delays_the_event_instead_
     (consumer,) = reader._consumers
     assert consumer.stats.retried >= 1 and consumer.stats.dead_lettered == 0
     assert await small_bus.events(["dead.lettered"]) == []
+
+
+class Slow(Agent):
+    """Handles one scheduled task every ``HANDLE_S`` seconds per worker; two workers, batches of 4."""
+
+    role = "test-slow"
+    HANDLE_S = 0.8
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.handled: list[tuple[str, int]] = []
+        self.done = asyncio.Event()
+
+    def subscriptions(self) -> list[Subscription]:
+        return [Subscription("test-slow", (TaskScheduled,), self.on_task, concurrency=2)]
+
+    async def on_task(self, event: TaskScheduled, delivery: Any) -> None:
+        await asyncio.sleep(self.HANDLE_S)
+        self.handled.append((event.group_id, delivery.num_delivered))
+        if len({g for g, _ in self.handled}) >= 4:
+            self.done.set()
+
+
+async def test_batch_mates_waiting_in_a_worker_are_kept_alive(bus: NatsBus, cfg: CoevoConfig) -> None:
+    """One worker fetches all 4 messages and handles them one after the other: the last waits 2.4 s,
+    longer than ack_wait (2 s), while the other worker's pull waits for anything redelivered. Each one
+    waiting is kept in progress, so none is redelivered (and handled twice)."""
+    cfg = cfg.model_copy(update={"bus": cfg.bus.model_copy(update={"fetch_batch": 8})})
+    assert cfg.bus.ack_wait_s < 3 * Slow.HANDLE_S
+    for i in range(4):
+        await bus.publish(TaskScheduled(run_id=bus.run_id, source=SRC, task=TaskSpec(task_id=f"t{i}", family="quick"),
+                                        group_id=f"g{i}", n_rollouts=1))
+    await bus.flush()
+    agent = Slow(bus, cfg)
+    stop = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(run_agents([agent], handle_signals=False, until=stop))
+        async with asyncio.timeout(30):
+            await agent.done.wait()
+        stop.set()
+    assert sorted(agent.handled) == [(f"g{i}", 1) for i in range(4)]  # each once, on its first delivery
+    info = await bus.js.consumer_info(bus.stream, "test-slow")
+    assert info.num_redelivered == 0 and info.num_ack_pending == 0

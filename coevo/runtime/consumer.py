@@ -9,7 +9,8 @@ Invariants:
   ``max_deliver``, outputs that could not be stored, a claimed payload that cannot be read now, or
   shutdown), or term after a stored
   ``DeadLettered`` event (invalid payload, ``Reject``, or the last allowed crash);
-- handlers that run longer than ``in_progress_every_s`` keep their message with ``in_progress``.
+- a fetched message is kept with ``in_progress`` every ``in_progress_every_s`` from its fetch until its
+  outcome, whether its handler runs or it waits behind its batch-mates (none passes ``ack_wait``).
 """
 
 from __future__ import annotations
@@ -129,21 +130,26 @@ class Consumer:
             except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
                 await asyncio.sleep(self.cfg.fetch_timeout_s)  # a node failing over: the stream comes back
                 continue
-            held = len(self._held) + len(msgs)
-            if held > self.stats.max_inflight:
-                self.stats.max_inflight = held
-            for i, msg in enumerate(msgs):
-                if stop.is_set() or not self.resumed.is_set():
-                    await self._release(msgs[i:])
-                    break
-                self._held[id(msg)] = (msg, time.monotonic())
-                try:
-                    await self._handle(msg)
-                except asyncio.CancelledError:
-                    await self._release(msgs[i + 1:])
-                    raise
-                finally:
-                    del self._held[id(msg)]
+            fetched = time.monotonic()
+            for msg in msgs:  # the whole batch is held from now: batch-mates waiting are kept alive too
+                self._held[id(msg)] = (msg, fetched)
+            if len(self._held) > self.stats.max_inflight:
+                self.stats.max_inflight = len(self._held)
+            try:
+                for i, msg in enumerate(msgs):
+                    if stop.is_set() or not self.resumed.is_set():
+                        await self._release(msgs[i:])
+                        break
+                    try:
+                        await self._handle(msg)
+                    except asyncio.CancelledError:
+                        await self._release(msgs[i + 1:])
+                        raise
+                    finally:
+                        self._held.pop(id(msg), None)
+            finally:
+                for msg in msgs:
+                    self._held.pop(id(msg), None)
 
     async def _release(self, msgs: list[Msg]) -> None:
         """Give fetched-but-unstarted messages back at once (nak without delay)."""
