@@ -148,3 +148,50 @@ async def test_sigterm_mid_work_loses_nothing(nats_url: str, run_id: str, bus: N
     assert sorted(task_ids) == sorted(f"t{i}" for i in range(n))  # each exactly once: none lost, none twice
     stopped = [e for e in await bus.events(["agent.status"]) if e.state == "stopped"]
     assert len(stopped) == 2
+
+
+async def test_sigterm_is_honoured_within_5_s_while_the_server_is_gone(tmp_path) -> None:
+    """The agent's server dies under it (it keeps reconnecting, its publishes unacknowledged); a
+    SIGTERM then ends it within 5 s (issue #24: it took over 50 s)."""
+    from coevo.runtime.server import EmbeddedServer
+
+    server = EmbeddedServer(tmp_path / "nats")
+    url = server.start()
+    run_id = "sigterm1"
+    try:
+        env = {"COEVO_TEST_DELAY": "0.2", "COEVO_TEST_RUNS": str(tmp_path)}
+        async with await NatsBus.connect(url, run_id) as bus:
+            for i in range(20):
+                await bus.publish(Echo(bus, None).event(TaskScheduled, task=TaskSpec(task_id=f"t{i}", family="q"),
+                                                        group_id=f"g{i}", n_rollouts=1))  # type: ignore[arg-type]
+            await bus.flush()
+            agent = spawn_agent("tests.agents_for_tests:Echo", url, run_id, env)
+            async with asyncio.timeout(60):  # it works: some tasks are answered
+                while not await bus.events(["trajectory.completed"]):
+                    await asyncio.sleep(0.2)
+        server.kill()
+        await asyncio.sleep(1.0)  # it notices, and retries
+        t0 = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        await wait_exit(agent, 30)
+        assert time.monotonic() - t0 < 5.0, time.monotonic() - t0
+    finally:
+        server.stop()
+
+
+async def test_drain_waits_for_work_but_not_for_a_server_that_is_gone() -> None:
+    from coevo.runtime.aio import drain
+
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    quick = asyncio.create_task(asyncio.sleep(0.2))
+    stuck = asyncio.create_task(forever())
+    t0 = time.monotonic()
+    assert await drain([quick], 5.0, lambda: True) == set() and time.monotonic() - t0 < 1.0  # done: at once
+    assert await drain([stuck], 0.5, lambda: True) == {stuck}  # connected: the whole timeout
+    assert 0.45 <= time.monotonic() - t0 - 0.2 < 1.5
+    t1 = time.monotonic()
+    assert await drain([stuck], 60.0, lambda: False, grace_s=0.3) == {stuck}  # gone: the grace only
+    assert time.monotonic() - t1 < 1.0
+    stuck.cancel()

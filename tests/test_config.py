@@ -93,3 +93,13 @@ def test_which_judges_the_learner_trains(tmp_path) -> None:
     assert trains(judge__backend="vllm", judge__url="http://h:1/v1", judge__model=str(tmp_path))  # a dir we serve
     assert not trains(judge__backend="vllm", judge__url="http://h:1/v1", judge__model="served-name")
     assert not trains(judge__backend="litellm", judge__model="openai/gpt-4.1-mini")
+
+
+def test_a_tool_pointed_at_a_run_that_is_not_there_says_so_in_one_line(tmp_path: Path) -> None:
+    for args in (("trace", "--run", "nosuchrun", "x"), ("events", "export", "out.jsonl", "--run", "nosuchrun"),
+                 ("report", "--run", "nosuchrun")):
+        out = run_cli(*args, "--runs-dir", str(tmp_path / "runs"))
+        assert out.returncode == 2, (args, out.stderr[-2000:])
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "--runs-dir" in lines[0] and "nosuchrun" in lines[0], (args, out.stderr)
+    assert not (tmp_path / "runs").exists()  # nothing was created for it

@@ -25,7 +25,7 @@ import structlog
 from coevo.config import CoevoConfig
 from coevo.errors import AgentFailed
 from coevo.runtime import outbox
-from coevo.runtime.aio import first_completed, wait_event
+from coevo.runtime.aio import drain, first_completed, wait_event
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.consumer import Consumer, Subscription
 from coevo.schemas import AgentStatus, ControlReply, ControlRequest, Event, Source, new_id
@@ -187,11 +187,12 @@ class Agent:
             async with asyncio.TaskGroup() as tg:
                 # supervised like the rest: a status that cannot be published (NATS failing over) is
                 # retried, it never takes the agent down
-                tg.create_task(self._supervise("heartbeat", self._heartbeat), name=f"{self.agent_id}:heartbeat")
+                beat = tg.create_task(self._supervise("heartbeat", self._heartbeat), name=f"{self.agent_id}:heartbeat")
                 for c in self._consumers:
                     tg.create_task(self._supervise(c.sub.durable, lambda c=c: c.run(self.stopping)),
                                    name=f"{self.agent_id}:{c.sub.durable}")
-                tg.create_task(self._supervise("main", self._main_once), name=f"{self.agent_id}:main")
+                main = tg.create_task(self._supervise("main", self._main_once), name=f"{self.agent_id}:main")
+                tg.create_task(self._end_when_stopped([beat, main]), name=f"{self.agent_id}:stop")
         except BaseException as exc:
             failure = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
             raise failure from None
@@ -200,11 +201,20 @@ class Agent:
             await control.unsubscribe()
             await lost.unsubscribe()
             try:
-                await self._report(detail=repr(failure) if failure else None)
-                await self.bus.flush()
-            except Exception as exc:
+                await asyncio.wait_for(self._report(detail=repr(failure) if failure else None), 1.0)
+                await self.bus.flush_while_connected()
+            except Exception as exc:  # the server is gone: the status is lost, the work is redelivered
                 self.log.warning("agent.final_report_failed", error=repr(exc))
             self.log.info("agent.stopped", state=self.state, counters=self.snapshot_counters())
+
+    async def _end_when_stopped(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Once stopped, give producer work ``agent.drain_timeout_s`` to end (a second while the
+        bus is disconnected), then cancel it: a stop is honoured in every state. Consumers drain
+        their handlers by the same rule (``Consumer.run``)."""
+        await first_completed(self.stopping.wait(), asyncio.wait(tasks))
+        for task in await drain(tasks, self.cfg.agent.drain_timeout_s, self.bus.connected):
+            self.log.warning("agent.cancelled_on_stop", task=task.get_name())
+            task.cancel()
 
     async def _main_once(self) -> None:
         await self.main()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 
@@ -25,3 +25,27 @@ async def first_completed(*aws: Awaitable[Any]) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def drain(tasks: Iterable[asyncio.Task[Any]], timeout_s: float, connected: Callable[[], bool],
+                grace_s: float = 1.0, poll_s: float = 0.1) -> set[asyncio.Task[Any]]:
+    """Give ``tasks`` up to ``timeout_s`` to finish, but only ``grace_s`` while ``connected()`` says the
+    bus is gone (nothing they wait for can arrive then: their work is redelivered instead); returns
+    those still running (the caller cancels them). A stop is honoured within about ``grace_s`` when
+    disconnected, whatever the tasks are waiting on."""
+    pending = {t for t in tasks if not t.done()}
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    disconnected_since: float | None = None
+    while pending:
+        now = loop.time()
+        if now - start >= timeout_s:
+            break
+        if connected():
+            disconnected_since = None
+        else:
+            disconnected_since = now if disconnected_since is None else disconnected_since
+            if now - disconnected_since >= grace_s:
+                break
+        _, pending = await asyncio.wait(pending, timeout=min(poll_s, timeout_s - (now - start)))
+    return pending

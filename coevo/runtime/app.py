@@ -15,6 +15,7 @@ from pathlib import Path
 import structlog
 
 from coevo.config import CoevoConfig, NatsConfig, load_config
+from coevo.errors import ConfigError
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.credentials import ADMIN, role_users
 from coevo.runtime.logging import bind, configure_logging
@@ -64,7 +65,9 @@ async def nats_endpoint(url: str | None, store: Path, *, run_id: str | None = No
         yield Endpoint(url)
         return
     if existing and not (store / "jetstream").exists():
-        raise FileNotFoundError(f"no event store in {store} (pass --nats URL?)")
+        where = f"run {run_id!r} " if run_id else ""
+        raise ConfigError(f"no {where}event store at {store}: pass the --runs-dir that holds the run (now "
+                          f"{store.parent.parent}), or --nats URL for a run on a server", field="run.runs_dir")
     users = role_users(credentials_dir(store), (run_id,)) if run_id is not None else None
     async with EmbeddedServer(store, binary=binary, max_payload=max_payload, auth=users) as server:
         assert server.url is not None

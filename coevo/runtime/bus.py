@@ -33,6 +33,7 @@ from nats.js import JetStreamContext, api
 from coevo.config import BusConfig, NatsConfig, StreamConfig
 from coevo.errors import BusError, NoResponders, PayloadUnavailable, PublishError
 from coevo.runtime import claims, outbox
+from coevo.runtime.aio import drain
 from coevo.runtime.credentials import (
     ADMIN,
     KV_BUCKETS,
@@ -241,19 +242,38 @@ class NatsBus:
             return await self.js.update_stream(config)
         return info
 
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
     async def close(self, timeout_s: float = 10.0) -> None:
-        """Flush pending publishes, then drain the connection. Idempotent."""
+        """Flush pending publishes, then drain the connection, within ``timeout_s`` in all (a second
+        when the server is gone: what is not acknowledged then was guarded by its input, which is
+        redelivered, or is a status). Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
-            await self.flush(timeout_s)
+            await asyncio.wait_for(self.flush_while_connected(timeout_s), timeout_s)
+        except TimeoutError:
+            log.warning("bus.closed_unflushed", unacked=len(self._unacked), failed=len(self._failed))
         finally:
             if not self.nc.is_closed:
                 try:
-                    await asyncio.wait_for(self.nc.drain(), timeout_s)
+                    if not self.nc.is_connected:
+                        raise nats.errors.ConnectionClosedError
+                    await asyncio.wait_for(self.nc.drain(), min(timeout_s, 5.0))
                 except (TimeoutError, nats.errors.ConnectionClosedError):
                     await self.nc.close()
+
+    async def flush_while_connected(self, timeout_s: float | None = None, grace_s: float = 1.0) -> None:
+        """``flush``, given up (``TimeoutError``) once the connection has been down for ``grace_s``."""
+        flush = asyncio.ensure_future(self.flush(timeout_s))
+        try:
+            if await drain([flush], float("inf"), self.connected, grace_s):
+                raise TimeoutError("the connection is down: publishes left unacknowledged")
+            await flush
+        finally:
+            flush.cancel()
 
     async def __aenter__(self) -> NatsBus:
         return self

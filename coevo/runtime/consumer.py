@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from coevo.config import BusConfig
 from coevo.errors import PayloadUnavailable, PublishError, Reject, Retry
-from coevo.runtime.aio import first_completed
+from coevo.runtime.aio import drain, first_completed
 from coevo.runtime.bus import Delivery, NatsBus
 from coevo.runtime.outbox import Outbox, staging
 from coevo.runtime.pull import Puller
@@ -93,7 +93,7 @@ class Consumer:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set; then let each worker finish the message it handles within
-        ``drain_timeout_s`` (cancelled and nak'd after that) and nak what it fetched but did not start.
+        ``drain_timeout_s`` (cancelled and nak'd after that, or after a second without a connection) and nak what it fetched but did not start.
 
         ``concurrency`` workers each pull their own batches (``fetch_batch / concurrency``) through
         their own subscription to the shared durable, so a message is never handed between tasks.
@@ -108,8 +108,7 @@ class Consumer:
                            for i, ps in enumerate(subs)]
                 keepalive = tg.create_task(self._keepalive(), name=f"{self.sub.durable}:keepalive")
                 await first_completed(stop.wait(), asyncio.wait(workers))
-                _, pending = await asyncio.wait(workers, timeout=self.drain_timeout_s)
-                for task in pending:
+                for task in await drain(workers, self.drain_timeout_s, self.bus.connected):
                     task.cancel()
                 keepalive.cancel()
         finally:
