@@ -106,7 +106,7 @@ class PolicyAgent(WeightsFollower, Agent):
                                      log=self.log, key=key, key_file=key_file)
 
     def subscriptions(self) -> list[Subscription]:
-        return [Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16),
+        return [Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16, batch=1),  # rollouts are slow
                 *self.weight_subscriptions()]
 
     async def run(self) -> None:

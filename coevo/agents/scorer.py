@@ -2,7 +2,9 @@
 
 Invariants:
 - a group is scored exactly once (its ``GroupScored`` id is derived from the group id, so a
-  rescoring after a restart is stored once); afterwards its state is dropped (bounded memory);
+  rescoring after a restart is stored once); only once its ``GroupScored`` is stored is it
+  remembered as scored and its state dropped (bounded memory): a score that could not be stored
+  is attempted again, never skipped;
 - a group is scored when all ``n`` rollouts completed and every step of them was judged; a
   step still without votes ``vote_timeout_s`` after its trajectory completed is scored without
   step signal and listed in ``stragglers``; a group missing trajectories ``group_timeout_s``
@@ -304,8 +306,10 @@ class ScorerAgent(Agent):
                              trajectories=fields["n_trajectories"])
             self.counters[f"scored.{why}"] += 1
         assert g.scheduled is not None
-        await self.emit(self.event(GroupScored, cause=g.scheduled, event_id=scored_id(gid), correlation_id=gid,
-                                   **fields))
+        # stored before the group is forgotten as scored: a failed store leaves it open, so its
+        # redelivered input (or the next tick of the straggler clock) scores it again, under the same id
+        await self.emit_stored(self.event(GroupScored, cause=g.scheduled, event_id=scored_id(gid),
+                                          correlation_id=gid, **fields))
         self.counters["groups_scored"] += 1
         self.remember(gid)
         del self.groups[gid]

@@ -221,6 +221,7 @@ class TasksAgent(Agent):
 
         from coevo.errors import BusError
 
+        await self.load_versions()
         self._kv = await self.bus.kv("tasks")
         try:
             keys: list[str] = await self._kv.keys()
@@ -336,6 +337,17 @@ class TasksAgent(Agent):
             await wait_event(self.changed, 1.0)
 
     # ---- reacting to scores ------------------------------------------------------------------
+
+    async def load_versions(self) -> None:
+        """The lanes' versions as the stream last announced them, before anything is scheduled: a
+        restarted tasks agent labels its groups with the version being served, not 0 (its weights
+        subscription delivers only the newest announcement, of either lane, and only later)."""
+        last: dict[str, int] = {}
+        async for _, event, _m in self.bus.history(["weights.published"]):
+            if isinstance(event, WeightsPublished):
+                last[event.role] = event.version  # stream order: a restored learner's later, lower one wins
+        self.policy_version = last.get("policy", self.policy_version)
+        self.judge_version = last.get("judge", self.judge_version)
 
     async def on_weights(self, event: WeightsPublished, _d: Delivery) -> None:
         if event.role == "policy" and event.version > self.policy_version:

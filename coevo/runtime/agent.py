@@ -132,6 +132,15 @@ class Agent:
             await self.bus.publish(event)
         self.counters[f"emitted.{event.kind}"] += 1  # type: ignore[attr-defined]
 
+    async def emit_stored(self, event: Event) -> None:
+        """Publish ``event`` and wait until it is stored, inside a handler too (past the outbox): for a
+        fact this agent's own state may record only once it is stored. ``PublishError`` when it cannot
+        be (a handler's input is then redelivered, and the fact published again under its id)."""
+        if not isinstance(event, self.emits):
+            raise TypeError(f"{self.role} does not declare {type(event).__name__} in its `emits`")
+        await self.bus.publish_sync(event)
+        self.counters[f"emitted.{event.kind}"] += 1  # type: ignore[attr-defined]
+
     async def wait_resumed(self) -> bool:
         """Block while paused; False when the agent is stopping."""
         while not self._resumed.is_set() and not self.stopping.is_set():

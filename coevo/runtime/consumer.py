@@ -64,6 +64,11 @@ class Subscription:
     """True: replicas share the durable (load balancing). False: each agent instance has its own."""
     deliver: Literal["all", "last"] = "all"
     """``last``: start from the newest matching event (e.g. only the latest weights matter)."""
+    batch: int | None = None
+    """messages a worker fetches at once (default: ``bus.fetch_batch / concurrency``). 1 for handlers
+    that wait on other messages of the same subscription (the learner's wait for a checkpoint that
+    needs more groups): a message fetched waits behind its batch-mates, kept in progress, and is never
+    handed to another worker."""
     kinds: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -98,7 +103,7 @@ class Consumer:
         ``concurrency`` workers each pull their own batches (``fetch_batch / concurrency``) through
         their own subscription to the shared durable, so a message is never handed between tasks.
         """
-        per_worker = max(1, -(-self.cfg.fetch_batch // self.concurrency))
+        per_worker = self.sub.batch or max(1, -(-self.cfg.fetch_batch // self.concurrency))
         name = self.sub.durable if self.sub.shared else f"{self.sub.durable}-{self.source.agent_id}"
         subs = [await self.bus.puller(name, self.sub.kinds, deliver=self.sub.deliver, ephemeral=not self.sub.shared)
                 for _ in range(self.concurrency)]

@@ -202,7 +202,9 @@ class LearnerAgent(Agent):
 
     def subscriptions(self) -> list[Subscription]:
         # a handler waits until its group is durable: as many handlers as the server lets us hold
-        return [Subscription("learner", (GroupScored,), self.on_scored, concurrency=self.cfg.bus.max_ack_pending),
+        # one group per handler: a handler waits until its group is durable, which can take the next groups
+        return [Subscription("learner", (GroupScored,), self.on_scored, concurrency=self.cfg.bus.max_ack_pending,
+                             batch=1),
                 # per instance, from the stream's start: every verdict ever given is known after a restart
                 Subscription("learner-decisions", (TaskDecided,), self.on_decided, concurrency=1, shared=False)]
 

@@ -1,0 +1,135 @@
+"""Faults a days-long run meets (issue #24), each on the real server and each failing on the code
+before its fix: batch-mates waiting behind a slow handler, a score that could not be stored, a
+restarted tasks agent's versions."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from coevo.config import CoevoConfig
+from coevo.runtime.agent import Agent, run_agents
+from coevo.runtime.bus import NatsBus
+from coevo.runtime.consumer import Subscription
+from coevo.schemas import Source, TaskScheduled, TaskSpec
+
+SRC = Source(agent_id="test", role="tasks")
+
+
+class Slow(Agent):
+    """Handles one scheduled task every ``HANDLE_S`` seconds per worker; two workers, batches of 4."""
+
+    role = "test-slow"
+    HANDLE_S = 0.8
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.handled: list[tuple[str, int]] = []
+        self.done = asyncio.Event()
+
+    def subscriptions(self) -> list[Subscription]:
+        return [Subscription("test-slow", (TaskScheduled,), self.on_task, concurrency=2)]
+
+    async def on_task(self, event: TaskScheduled, delivery: Any) -> None:
+        await asyncio.sleep(self.HANDLE_S)
+        self.handled.append((event.group_id, delivery.num_delivered))
+        if len({g for g, _ in self.handled}) >= 4:
+            self.done.set()
+
+
+async def test_batch_mates_waiting_in_a_worker_are_kept_alive(bus: NatsBus, cfg: CoevoConfig) -> None:
+    """One worker fetches all 4 messages and handles them one after the other: the last waits 2.4 s,
+    longer than ack_wait (2 s), while the other worker's pull waits for anything redelivered. Each one
+    waiting is kept in progress, so none is redelivered (and handled twice)."""
+    cfg = cfg.model_copy(update={"bus": cfg.bus.model_copy(update={"fetch_batch": 8})})
+    assert cfg.bus.ack_wait_s < 3 * Slow.HANDLE_S
+    for i in range(4):
+        await bus.publish(TaskScheduled(run_id=bus.run_id, source=SRC, task=TaskSpec(task_id=f"t{i}", family="quick"),
+                                        group_id=f"g{i}", n_rollouts=1))
+    await bus.flush()
+    agent = Slow(bus, cfg)
+    stop = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(run_agents([agent], handle_signals=False, until=stop))
+        async with asyncio.timeout(30):
+            await agent.done.wait()
+        stop.set()
+    assert sorted(agent.handled) == [(f"g{i}", 1) for i in range(4)]  # each once, on its first delivery
+    info = await bus.js.consumer_info(bus.stream, "test-slow")
+    assert info.num_redelivered == 0 and info.num_ack_pending == 0
+
+
+async def test_a_group_whose_score_was_not_stored_is_scored_again(bus, cfg, monkeypatch) -> None:
+    """#24: the scorer forgot a group as scored before its ``GroupScored`` was stored; when the store
+    failed, the redelivered input was acknowledged as a scored group's and the group was lost until a
+    restart. Now a group is remembered only once its score is stored: the first attempt fails here, the
+    redelivery scores it."""
+    import asyncio
+
+    from coevo.agents.scorer import ScorerAgent
+    from coevo.errors import PublishError
+    from coevo.runtime.agent import run_agents
+    from coevo.schemas import GroupScored, StepTaken, TaskScheduled, TrajectoryCompleted, new_id
+    from tests.samples import sample_events
+
+    cfg = cfg.model_copy(update={"scorer": cfg.scorer.model_copy(update={"reward": "outcome-only"})})
+    proto = {type(e): e for e in sample_events(bus.run_id)}
+    step = proto[StepTaken].model_copy(update={"event_id": new_id(), "group_id": "g-once", "step_index": 0})
+    for e in (proto[TaskScheduled].model_copy(update={"event_id": new_id(), "group_id": "g-once", "n_rollouts": 1}),
+              step,
+              proto[TrajectoryCompleted].model_copy(update={"event_id": new_id(), "group_id": "g-once",
+                                                            "rollout_index": 0, "num_steps": 1,
+                                                            "trajectory_id": step.trajectory_id,
+                                                            "step_event_ids": [step.event_id]})):
+        await bus.publish_sync(e)
+    failed = []
+    real_raw, real_republish = bus.publish_raw, bus.republish
+
+    async def publish_raw(subject: str, payload: bytes, msg_id: str) -> asyncio.Future[bool]:
+        if subject.endswith(".group.scored") and not failed:
+            failed.append(msg_id)
+            future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            future.set_exception(PublishError(subject, msg_id, "injected: the stream is not there"))
+            return future
+        return await real_raw(subject, payload, msg_id)
+
+    async def republish(p):  # the confirmed path
+        if p.subject.endswith(".group.scored") and not failed:
+            failed.append(p.event_id)
+            raise PublishError(p.subject, p.event_id, "injected: the stream is not there")
+        return await real_republish(p)
+
+    monkeypatch.setattr(bus, "publish_raw", publish_raw)
+    monkeypatch.setattr(bus, "republish", republish)
+    scorer = ScorerAgent(bus, cfg)
+    stop = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(run_agents([scorer], handle_signals=False, until=stop))
+        async with asyncio.timeout(30):
+            while not [e for e in await bus.events(["group.scored"]) if isinstance(e, GroupScored)]:
+                await asyncio.sleep(0.2)
+        stop.set()
+    assert failed and [e.group_id for e in await bus.events(["group.scored"])] == ["g-once"]
+
+
+async def test_a_restarted_tasks_agent_schedules_at_the_version_being_served(bus, cfg) -> None:
+    """#24: after a restart the tasks agent labelled its groups version 0 until a new version was
+    announced (and its weights subscription delivers only the newest announcement of either lane)."""
+    from coevo.agents.tasks import TasksAgent
+    from coevo.runtime.agent import run_agents
+    from coevo.schemas import Source, TaskScheduled, WeightsPublished
+
+    src = Source(agent_id="learner-1", role="learner")
+    for role, version in (("policy", 6), ("policy", 7), ("judge", 3)):  # the judge's is the newest
+        await bus.publish_sync(WeightsPublished(run_id=bus.run_id, source=src, role=role, version=version,
+                                                path=f"/w/{role}{version}", sha256="0" * 64, bytes=1))
+    agent = TasksAgent(bus, cfg)
+    stop = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(run_agents([agent], handle_signals=False, until=stop))
+        async with asyncio.timeout(30):
+            while not (scheduled := [e for e in await bus.events(["task.scheduled"]) if isinstance(e, TaskScheduled)]):
+                await asyncio.sleep(0.1)
+        stop.set()
+    assert {e.source.model_version for e in scheduled} == {7}
+    assert (agent.policy_version, agent.judge_version) == (7, 3)
