@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from coevo.config import CoevoConfig
 from coevo.runtime.agent import Agent, run_agents
 from coevo.runtime.bus import NatsBus
@@ -133,3 +135,59 @@ async def test_a_restarted_tasks_agent_schedules_at_the_version_being_served(bus
         stop.set()
     assert {e.source.model_version for e in scheduled} == {7}
     assert (agent.policy_version, agent.judge_version) == (7, 3)
+
+
+async def test_a_publish_whose_ack_was_lost_is_sent_again_without_waiting_for_a_full_table(
+        nats_url: str, run_id: str, cfg: CoevoConfig) -> None:
+    """#24: an unanswered publish was sent again only once the table of unacked publishes was full
+    (or at a flush): a lost ack left it unconfirmed for as long as the process published little."""
+    bus = await NatsBus.connect(nats_url, run_id, bus=cfg.bus.model_copy(update={"publish_ack_timeout_s": 0.5}),
+                                stream=cfg.stream)
+    try:
+        real_on_ack, dropped = bus._on_ack, []
+
+        async def lose_first(msg: Any) -> None:
+            if not dropped:
+                dropped.append(msg.subject)  # the server stored it; its answer never arrives
+                return
+            await real_on_ack(msg)
+
+        bus._on_ack = lose_first  # type: ignore[method-assign]
+        first = TaskScheduled(run_id=run_id, source=SRC, task=TaskSpec(task_id="a", family="q"), group_id="g-a",
+                              n_rollouts=1)
+        await bus.publish(first)
+        async with asyncio.timeout(10):
+            while not dropped:
+                await asyncio.sleep(0.05)
+        assert bus.inflight == 1
+        await asyncio.sleep(0.6)  # past the ack timeout: the next publish (a heartbeat, say) sends it again
+        await bus.publish(first.model_copy(update={"event_id": "second", "group_id": "g-b"}))
+        async with asyncio.timeout(10):
+            while bus.inflight:
+                await asyncio.sleep(0.05)
+        assert bus.stats.publish_retries >= 1 and bus.stats.duplicates >= 1  # stored once
+        assert sorted(e.group_id for e in await bus.events(["task.scheduled"])) == ["g-a", "g-b"]
+    finally:
+        await bus.close()
+
+
+async def test_a_republish_that_fails_leaves_the_rest_queued(nats_url: str, run_id: str, cfg: CoevoConfig) -> None:
+    """#24: a failed republish dropped every failed publish queued after it."""
+    from coevo.errors import PublishError
+    from coevo.runtime.bus import MSG_ID, _UnackedPublish
+    from coevo.schemas import encode, subject_for
+
+    bus = await NatsBus.connect(nats_url, run_id, bus=cfg.bus.model_copy(
+        update={"publish_ack_timeout_s": 0.5, "publish_retries": 0}), stream=cfg.stream)
+    try:
+        events = [TaskScheduled(run_id=run_id, source=SRC, task=TaskSpec(task_id=f"t{i}", family="q"),
+                                group_id=f"g{i}", n_rollouts=1) for i in range(2)]
+        nowhere = _UnackedPublish("coevo.nowhere.ev.task.scheduled", b"{}", "x", 0.0, {MSG_ID: "x"})  # no stream
+        bus._failed = [nowhere] + [_UnackedPublish(subject_for(run_id, "task.scheduled"), encode(e), e.event_id, 0.0,
+                                                   {MSG_ID: e.event_id}) for e in events]
+        with pytest.raises(PublishError):
+            await bus.flush()
+        await bus.flush()  # the two behind it were kept and go now
+        assert sorted(e.group_id for e in await bus.events(["task.scheduled"])) == ["g0", "g1"]
+    finally:
+        await bus.close()

@@ -3,8 +3,10 @@
 Invariants:
 - every event is published on ``subject_for(run, kind)`` with ``Nats-Msg-Id = event_id``, so a
   retried or repeated publish of the same event is stored once (within the duplicate window);
-- at most ``bus.max_inflight_publishes`` publishes await their acknowledgement; ``flush()``
-  returns only when every publish was acknowledged (failed ones are retried with the same id);
+- at most ``bus.max_inflight_publishes`` publishes await their acknowledgement; one unanswered for
+  ``bus.publish_ack_timeout_s`` is sent again (same id) by the next publish, and ``flush()``
+  returns only when every publish was acknowledged (failed ones are retried with the same id, a
+  failure leaving the rest queued);
 - a consumed message is acked only after its handler returned and everything it published was
   stored (``coevo.runtime.outbox``); a payload that is not a valid event is terminated *after* a
   ``DeadLettered`` event holding its bytes and the reason was stored.
@@ -298,6 +300,10 @@ class NatsBus:
         unacknowledged publishes) rather than through nats-py's ``publish_async``, which keeps a
         second table, semaphore and done callback per message beside ours.
         """
+        if self._unacked:  # the oldest unanswered for a whole ack timeout: its ack was lost, send it again
+            oldest = next(iter(self._unacked.values()))
+            if time.perf_counter() - oldest.t0 > self.cfg.publish_ack_timeout_s:
+                await self._expire(time.perf_counter() - self.cfg.publish_ack_timeout_s)
         if self._failed:
             await self._retry_failed()
         while len(self._unacked) >= self.cfg.max_inflight_publishes:
@@ -441,10 +447,16 @@ class NatsBus:
         await self._retry_failed()
 
     async def _retry_failed(self) -> None:
+        """Publish the failed ones again, in order; when one cannot be stored (``PublishError``, to the
+        caller) those after it stay queued for the next try, never dropped."""
         failed, self._failed = self._failed, []
-        for pending in failed:
+        for i, pending in enumerate(failed):
             self.stats.publish_retries += 1
-            await self.republish(pending)
+            try:
+                await self.republish(pending)
+            except BaseException:
+                self._failed[:0] = failed[i + 1:]
+                raise
 
     async def republish(self, p: _UnackedPublish) -> api.PubAck:
         """Publish ``p`` again under its id and wait for the ack (stored once whatever came before)."""
