@@ -191,3 +191,36 @@ async def test_a_republish_that_fails_leaves_the_rest_queued(nats_url: str, run_
         assert sorted(e.group_id for e in await bus.events(["task.scheduled"])) == ["g0", "g1"]
     finally:
         await bus.close()
+
+
+def test_a_benchs_agents_die_with_it(tmp_path) -> None:
+    """#24: agents started by `coevo bench async` outlived the bench when it was stopped. The benches
+    start them as below (``die_with_parent``); the bench is kill -9'd, its agent follows."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import asyncio, sys\n"
+        "from coevo.runtime.proc import die_with_parent\n"
+        "async def main():\n"
+        "    child = await asyncio.create_subprocess_exec(sys.executable, '-c', 'import time; time.sleep(120)',"
+        " preexec_fn=die_with_parent)\n"
+        "    print(child.pid, flush=True)\n"
+        "    await child.wait()\n"
+        "asyncio.run(main())\n")], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the child outlived its parent")

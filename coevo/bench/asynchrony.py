@@ -30,6 +30,7 @@ from typing import Any
 from coevo.bench.chaos import Fleet
 from coevo.runtime.app import credentials_dir
 from coevo.runtime.credentials import role_users
+from coevo.runtime.proc import die_with_parent
 from coevo.schemas import (
     Event,
     GroupScored,
@@ -110,7 +111,8 @@ class PinnedFleet(Fleet):
         self.starts[role] += 1
         with (self.logs / f"{role}-{self.starts[role]}.log").open("wb") as log:
             self.procs[role] = await asyncio.create_subprocess_exec(*args, stdout=log, stderr=log,
-                                                                    env={**os.environ, **ONE_THREAD})
+                                                                    env={**os.environ, **ONE_THREAD},
+                                                                    preexec_fn=die_with_parent)
         pin(self.procs[role].pid, self.cores[role])  # before the interpreter has started a second thread
 
     def log_tail(self, role: str, chars: int = 2000) -> str:

@@ -28,6 +28,7 @@ from coevo.config import NatsConfig
 from coevo.runtime.app import credentials_dir
 from coevo.runtime.bus import connect_nats
 from coevo.runtime.credentials import role_users
+from coevo.runtime.proc import die_with_parent
 from coevo.schemas import (
     DeadLettered,
     Event,
@@ -167,7 +168,8 @@ class Fleet:
         self.starts[role] += 1
         log = (self.logs / f"{role}-{self.starts[role]}.log").open("wb")
         self.procs[role] = await asyncio.create_subprocess_exec(*args, stdout=log, stderr=log,
-                                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                                                preexec_fn=die_with_parent)
         log.close()
 
     async def revive(self) -> list[str]:

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coevo.runtime.proc import die_with_parent
+
 MB = 1024 * 1024
 
 
@@ -145,7 +147,8 @@ async def bench_soak(minutes: float = 30.0, every_s: float = 10.0, extra: list[s
         args = [sys.executable, "-m", "coevo", "run", "--minutes", str(minutes), "--run-id", run_id,
                 "--set", f"run.runs_dir={tmp}", "--set", "log.console=off", *(extra or [])]
         with (Path(tmp) / "stderr.txt").open("wb") as errf:  # a file, not a pipe: a long run cannot block on it
-            proc = await asyncio.create_subprocess_exec(*args, stdout=subprocess.DEVNULL, stderr=errf)
+            proc = await asyncio.create_subprocess_exec(*args, stdout=subprocess.DEVNULL, stderr=errf,
+                                                        preexec_fn=die_with_parent)
         run_dir = Path(tmp) / run_id
         samples: list[tuple[float, dict[str, float]]] = []
         t0 = time.monotonic()
