@@ -224,3 +224,24 @@ def test_a_benchs_agents_die_with_it(tmp_path) -> None:
         time.sleep(0.05)
     os.kill(child, signal.SIGKILL)
     raise AssertionError("the child outlived its parent")
+
+
+def test_a_candidate_refused_before_any_rollout_does_not_decide_its_later_groups() -> None:
+    """#24: a pre-check failure (no group, no accuracy) was recorded under the candidate's id and
+    rejected a later group of the same candidate, re-proposed and accepted."""
+    from coevo.schemas import GroupScored, TaskDecided
+    from coevo.training.learner import Verdicts
+    from tests.samples import sample_events
+
+    proto = {type(e): e for e in sample_events("r")}
+    refused = proto[TaskDecided].model_copy(update={"candidate_id": "c1", "group_id": None, "accepted": False,
+                                                    "candidate_accuracy": None, "reason": "pre-check failed: x"})
+    group = proto[GroupScored].model_copy(update={"task_id": "c1", "group_id": "g9", "purpose": "candidate"})
+    verdicts = Verdicts()
+    verdicts.add(refused)
+    assert verdicts.of(group) is None  # the group waits for its own verdict
+    verdicts.add(refused.model_copy(update={"group_id": "g9", "accepted": True, "candidate_accuracy": 0.5}))
+    assert verdicts.of(group) is True
+    legacy = refused.model_copy(update={"candidate_id": "c2", "candidate_accuracy": 0.25})  # before group ids
+    verdicts.add(legacy)
+    assert verdicts.of(group.model_copy(update={"task_id": "c2", "group_id": "g10"})) is False

@@ -151,6 +151,8 @@ class Verdicts:
         self.changed = asyncio.Event()
 
     def add(self, event: TaskDecided) -> None:
+        if event.group_id is None and event.candidate_accuracy is None:
+            return  # refused before any rollout (pre-check, invalid proposal): no group's verdict
         table, key = (self.by_group, event.group_id) if event.group_id else (self.legacy, event.candidate_id)
         table[key] = event.accepted
         table.move_to_end(key)
