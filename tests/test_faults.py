@@ -245,3 +245,36 @@ def test_a_candidate_refused_before_any_rollout_does_not_decide_its_later_groups
     legacy = refused.model_copy(update={"candidate_id": "c2", "candidate_accuracy": 0.25})  # before group ids
     verdicts.add(legacy)
     assert verdicts.of(group.model_copy(update={"task_id": "c2", "group_id": "g10"})) is False
+
+
+def test_a_checkpoint_rewritten_at_its_version_is_never_missing(tmp_path, monkeypatch) -> None:
+    """#24: sealing a directory over an existing one deleted the old one first; a crash before the
+    rename left no checkpoint of that version. Now the two are swapped atomically: a crash at any
+    point (here: where the old code renamed) leaves a whole one in place."""
+    import os
+
+    from coevo.inference.checkpoints import file_sha256, manifest_of
+    from coevo.training import tensorfiles
+
+    final = tmp_path / "v000003"
+
+    def written(content: str):
+        tmp = tmp_path / ".tmp-v000003"
+        tmp.mkdir()
+        (tmp / "w.bin").write_text(content)
+        return tmp, {"w.bin": {"bytes": len(content), "sha256": file_sha256(tmp / "w.bin")}}
+
+    tmp, files = written("old")
+    tensorfiles.seal(tmp, final, files, durable=True, version=3)
+    tmp, files = written("new!")
+
+    def crash(*_a: object, **_kw: object) -> None:
+        raise OSError("the process died here")
+
+    monkeypatch.setattr(os, "rename", crash)  # dies after the old one would have been deleted
+    try:
+        tensorfiles.seal(tmp, final, files, durable=True, version=3)
+    except OSError:
+        pass
+    assert final.is_dir() and manifest_of(final) is not None, "no checkpoint of version 3 left"
+    assert (final / "w.bin").read_text() == "new!" and not tmp.exists()  # swapped, the old one removed

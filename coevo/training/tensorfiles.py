@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -163,7 +164,25 @@ def seal(tmp: Path, final: Path, files: dict[str, FileInfo], *, durable: bool, *
     digest = write_manifest(tmp, files, **meta)
     if durable:
         fsync_dir(tmp)
-    if final.exists():
+    if final.exists() and exchange(tmp, final):  # the old one is in ``tmp`` now: never a moment without one
+        shutil.rmtree(tmp)
+        return digest
+    if final.exists():  # a file system without RENAME_EXCHANGE
         shutil.rmtree(final)
     os.rename(tmp, final)
     return digest
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    kernel, libc or file system cannot, and nothing was changed."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    except (AttributeError, OSError):
+        return False
+    return rc == 0
