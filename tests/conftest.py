@@ -6,6 +6,7 @@ import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -161,3 +162,22 @@ def vllm_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, _signal.SIGKILL)
+
+
+async def run_until(agents: list[Any], ready: Any, timeout_s: float = 30.0) -> None:
+    """Run ``agents`` in this loop until ``ready`` (an ``asyncio.Event``, or an async predicate
+    polled every 0.1 s) says so, then stop them and wait until they have stopped."""
+    import asyncio
+
+    from coevo.runtime.agent import run_agents
+
+    stop = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(run_agents(agents, handle_signals=False, until=stop))
+        async with asyncio.timeout(timeout_s):
+            if isinstance(ready, asyncio.Event):
+                await ready.wait()
+            else:
+                while not await ready():
+                    await asyncio.sleep(0.1)
+        stop.set()

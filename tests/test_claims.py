@@ -11,11 +11,12 @@ import nats.errors
 import pytest
 
 from coevo.config import CoevoConfig
-from coevo.runtime.agent import Agent, run_agents
+from coevo.runtime.agent import Agent
 from coevo.runtime.bus import CLAIM_READS, NatsBus
 from coevo.runtime.claims import Claim, is_claim
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import Source, TaskScheduled, TaskSpec
+from tests.conftest import run_until
 
 SRC = Source(agent_id="test", role="tasks")
 
@@ -80,12 +81,7 @@ async def test_an_object_store_that_cannot_be_read_now_delays_the_event_instead_
 
     monkeypatch.setattr(store, "get", get)
     reader = Reader(small_bus, cfg)
-    stop = asyncio.Event()
-    async with asyncio.TaskGroup() as tg:
-        tg.create_task(run_agents([reader], handle_signals=False, until=stop))
-        async with asyncio.timeout(30):
-            await reader.seen.wait()
-        stop.set()
+    await run_until([reader], reader.seen)
     assert reader.got == [event] and failures == 0
     (consumer,) = reader._consumers
     assert consumer.stats.retried >= 1 and consumer.stats.dead_lettered == 0

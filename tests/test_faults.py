@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 
 from coevo.config import CoevoConfig
-from coevo.runtime.agent import Agent, run_agents
+from coevo.runtime.agent import Agent
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import Source, TaskScheduled, TaskSpec
+from tests.conftest import run_until
 
 SRC = Source(agent_id="test", role="tasks")
 
@@ -50,12 +51,7 @@ async def test_batch_mates_waiting_in_a_worker_are_kept_alive(bus: NatsBus, cfg:
                                         group_id=f"g{i}", n_rollouts=1))
     await bus.flush()
     agent = Slow(bus, cfg)
-    stop = asyncio.Event()
-    async with asyncio.TaskGroup() as tg:
-        tg.create_task(run_agents([agent], handle_signals=False, until=stop))
-        async with asyncio.timeout(30):
-            await agent.done.wait()
-        stop.set()
+    await run_until([agent], agent.done)
     assert sorted(agent.handled) == [(f"g{i}", 1) for i in range(4)]  # each once, on its first delivery
     info = await bus.js.consumer_info(bus.stream, "test-slow")
     assert info.num_redelivered == 0 and info.num_ack_pending == 0
@@ -70,7 +66,6 @@ async def test_a_group_whose_score_was_not_stored_is_scored_again(bus, cfg, monk
 
     from coevo.agents.scorer import ScorerAgent
     from coevo.errors import PublishError
-    from coevo.runtime.agent import run_agents
     from coevo.schemas import GroupScored, StepTaken, TaskScheduled, TrajectoryCompleted, new_id
     from tests.samples import sample_events
 
@@ -103,14 +98,10 @@ async def test_a_group_whose_score_was_not_stored_is_scored_again(bus, cfg, monk
 
     monkeypatch.setattr(bus, "publish_raw", publish_raw)
     monkeypatch.setattr(bus, "republish", republish)
-    scorer = ScorerAgent(bus, cfg)
-    stop = asyncio.Event()
-    async with asyncio.TaskGroup() as tg:
-        tg.create_task(run_agents([scorer], handle_signals=False, until=stop))
-        async with asyncio.timeout(30):
-            while not [e for e in await bus.events(["group.scored"]) if isinstance(e, GroupScored)]:
-                await asyncio.sleep(0.2)
-        stop.set()
+    async def scored() -> bool:
+        return any(isinstance(e, GroupScored) for e in await bus.events(["group.scored"]))
+
+    await run_until([ScorerAgent(bus, cfg)], scored)
     assert failed and [e.group_id for e in await bus.events(["group.scored"])] == ["g-once"]
 
 
@@ -118,7 +109,6 @@ async def test_a_restarted_tasks_agent_schedules_at_the_version_being_served(bus
     """#24: after a restart the tasks agent labelled its groups version 0 until a new version was
     announced (and its weights subscription delivers only the newest announcement of either lane)."""
     from coevo.agents.tasks import TasksAgent
-    from coevo.runtime.agent import run_agents
     from coevo.schemas import Source, TaskScheduled, WeightsPublished
 
     src = Source(agent_id="learner-1", role="learner")
@@ -126,13 +116,12 @@ async def test_a_restarted_tasks_agent_schedules_at_the_version_being_served(bus
         await bus.publish_sync(WeightsPublished(run_id=bus.run_id, source=src, role=role, version=version,
                                                 path=f"/w/{role}{version}", sha256="0" * 64, bytes=1))
     agent = TasksAgent(bus, cfg)
-    stop = asyncio.Event()
-    async with asyncio.TaskGroup() as tg:
-        tg.create_task(run_agents([agent], handle_signals=False, until=stop))
-        async with asyncio.timeout(30):
-            while not (scheduled := [e for e in await bus.events(["task.scheduled"]) if isinstance(e, TaskScheduled)]):
-                await asyncio.sleep(0.1)
-        stop.set()
+
+    async def scheduled() -> bool:
+        return bool(await bus.events(["task.scheduled"]))
+
+    await run_until([agent], scheduled)
+    scheduled = [e for e in await bus.events(["task.scheduled"]) if isinstance(e, TaskScheduled)]
     assert {e.source.model_version for e in scheduled} == {7}
     assert (agent.policy_version, agent.judge_version) == (7, 3)
 
