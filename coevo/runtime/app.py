@@ -17,7 +17,7 @@ import structlog
 from coevo.config import CoevoConfig, NatsConfig, load_config
 from coevo.errors import ConfigError
 from coevo.runtime.bus import NatsBus
-from coevo.runtime.credentials import ADMIN, role_users
+from coevo.runtime.credentials import ADMIN, credentials_dir, role_users
 from coevo.runtime.logging import bind, configure_logging
 from coevo.runtime.server import EmbeddedServer
 from coevo.schemas import new_id
@@ -36,7 +36,7 @@ def make_run_id() -> str:
 
 
 @dataclass(frozen=True)
-class Endpoint:
+class NatsEndpoint:
     """Where a bus connects: a URL, and for a run's embedded server the admin's credentials file."""
 
     url: str
@@ -48,21 +48,16 @@ class Endpoint:
         return base.model_copy(update={"credentials_file": self.credentials_file})
 
 
-def credentials_dir(store: Path) -> Path:
-    """Where a run's embedded server keeps its users' credentials (``coevo.runtime.credentials``)."""
-    return Path(store) / "credentials"
-
-
 @asynccontextmanager
 async def nats_endpoint(url: str | None, store: Path, *, run_id: str | None = None, binary: str = "nats-server",
-                        max_payload: int = 8 * 1024 * 1024, existing: bool = False) -> AsyncIterator[Endpoint]:
+                        max_payload: int = 8 * 1024 * 1024, existing: bool = False) -> AsyncIterator[NatsEndpoint]:
     """``url`` as given; without one, an embedded server over ``store``, stopped on exit. For a run
     (``run_id``) it requires credentials: a user per role with that run's permissions, and ``admin``
     (whose file the endpoint names); without a run (benches of the bare server) it takes anyone on loopback.
 
     ``existing``: the store must already hold a JetStream directory (reading a finished run)."""
     if url is not None:
-        yield Endpoint(url)
+        yield NatsEndpoint(url)
         return
     if existing and not (store / "jetstream").exists():
         where = f"run {run_id!r} " if run_id else ""
@@ -73,7 +68,7 @@ async def nats_endpoint(url: str | None, store: Path, *, run_id: str | None = No
         assert server.url is not None
         structlog.get_logger("coevo.runtime").info("nats.embedded_started", url=server.url, store=str(store),
                                                    credentials=str(credentials_dir(store)) if users else None)
-        yield Endpoint(server.url, users.credentials[ADMIN].path if users else None)
+        yield NatsEndpoint(server.url, users.credentials[ADMIN].path if users else None)
 
 
 @asynccontextmanager

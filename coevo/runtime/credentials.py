@@ -10,10 +10,12 @@ Each role's permissions (``role_permissions``, a pure function of the run and th
 - it publishes events only of the kinds its agent class declares in ``emits`` (``EMITS``; plus its own
   ``agent.status`` and ``dead.lettered``): only the learner publishes ``weights.published``, only
   the tasks agent (and the policy, for the episodes its endpoint opens) ``task.scheduled``;
-- the JetStream API only to read the run's stream, buckets and object store and to run its own
-  consumers (create, read, pull, ack): no stream or bucket is created, changed, deleted or purged
-  by a role, except the object store's chunks a writer replaces and the retention keeper's purge;
-- key-value writes only to its own buckets (tasks: ``tasks``; judge: ``judgetests``; both: ``llmcache``);
+- the JetStream API only to read the run's streams (``run_streams``: events, buckets, object
+  stores) and to run consumers on them (create, read, pull, ack): no stream or bucket is created,
+  changed, deleted or purged by a role, except its own object store (``payload_bucket(run, role)``,
+  where it writes its large events) and the retention keeper's purge of old events;
+- key-value writes only to its own buckets (tasks: ``tasks``, ``llmcache_tasks``; judge:
+  ``judgetests``, ``llmcache_judge``);
 - requests only where its agent asks (followers ask the learner for weights, the policy asks env
   hosts), service subjects only where it serves (learner: weights; env: environments), control
   subjects only to answer (``coevo.<run>.ctl.*``: commands come from ``admin``);
@@ -145,7 +147,14 @@ class Credential:
     path: Path | None = None
 
 
-def _write_private(path: Path, text: str) -> None:
+def credentials_dir(store: Path) -> Path:
+    """Where a server over ``store`` keeps its users' credentials files."""
+    return Path(store) / "credentials"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a secret: the file is created (or truncated) with mode 0600 before anything is in it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -171,16 +180,17 @@ def read_credential(path: Path) -> Credential:
     return Credential(user, password, path)
 
 
-def generate_credentials(directory: Path, users: tuple[str, ...] | None = None) -> dict[str, Credential]:
-    """Every user's credential in ``directory``, created (random, 0600) where missing."""
+def generate_credentials(directory: Path) -> dict[str, Credential]:
+    """Every user's credential (``admin`` and each role) in ``directory``, created (random, 0600)
+    where missing."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     out = {}
-    for user in users or (ADMIN, *EMITS):
+    for user in (ADMIN, *EMITS):
         path = directory / f"{user}.json"
         if not path.exists():
-            _write_private(path, json.dumps({"user": user, "password": secrets.token_urlsafe(32)}) + "\n")
+            write_private(path, json.dumps({"user": user, "password": secrets.token_urlsafe(32)}) + "\n")
         out[user] = read_credential(path)
     return out
 

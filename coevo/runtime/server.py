@@ -35,6 +35,7 @@ from types import TracebackType
 from typing import Protocol, TypeVar
 
 from coevo.errors import ConfigError, ServerError
+from coevo.runtime.credentials import credentials_dir, role_users, write_private
 
 _L = TypeVar("_L", bound="_Lifecycle")
 _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+):(\d+)")
@@ -465,12 +466,8 @@ def generated_token(path: Path) -> str:
         token = path.read_text().strip()
         if token:
             return token
-    path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    write_private(path, token + "\n")
     return token
 
 
@@ -496,9 +493,7 @@ def server_security(host: str, store: Path, *, token_env: str | None = None, gen
     credentials = None
     auth: AuthBlock | None
     if run_ids:
-        from coevo.runtime.credentials import role_users
-
-        credentials = store / "credentials"
+        credentials = credentials_dir(store)
         auth = role_users(credentials, run_ids)
     elif token_env is not None:
         auth = ServerAuth(token=_env_secret(token_env, "--token-env"))
