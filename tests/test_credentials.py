@@ -247,3 +247,38 @@ async def test_a_role_stores_its_large_events_in_its_own_object_store(run_bus: N
     assert is_claim(stored.headers) and Claim.parse(stored.data).bucket == f"COEVO_{run_bus.run_id}_payloads_tasks"
     assert await run_bus.events(["task.scheduled"]) == [big]  # every reader follows it to the tasks store
     assert any("stream.purge.obj_coevo_sec1_payloads_tasks" in str(e).lower() for e in errors), errors
+
+
+async def test_a_coevo_runs_nats_refuses_strangers_and_roles_outside_their_subjects(tmp_path: Path,
+                                                                                   model_cache: Path) -> None:
+    """The whole command, as a user starts it: its server takes no connection without credentials,
+    and the policy's credentials cannot announce weights."""
+    import subprocess
+
+    from tests.conftest import PYTHON, subprocess_env
+
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([PYTHON, "-m", "coevo", "run", "--minutes", "2", "--run-id", "sec-run",
+                             "--run.runs_dir", str(runs), "--env.cache_dir", str(model_cache), "--no-dashboard",
+                             "--no-report", "--log.console", "off"], env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        log = runs / "sec-run" / "coevo.log.jsonl"
+        url = None
+        async with asyncio.timeout(120):
+            while url is None:
+                for line in log.read_text().splitlines() if log.exists() else []:
+                    if '"nats.embedded_started"' in line:
+                        url = json.loads(line)["url"]
+                await asyncio.sleep(0.2)
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await _connect(url, None)
+        errors: list[Exception] = []
+        nc = await _connect(url, runs / "sec-run" / "nats" / "credentials" / "policy.json", errors)
+        with pytest.raises((TimeoutError, nats.errors.TimeoutError)):
+            await nc.jetstream(timeout=2.0).publish(subject_for("sec-run", "weights.published"), b"{}")
+        await nc.close()
+        assert any("permissions violation" in str(e) for e in errors), errors
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=120)

@@ -169,7 +169,8 @@ async def test_policy_agent_falls_back_to_the_checkpoint_when_no_learner_pushes(
 
     url, model = vllm_server
     cfg = load_config(overrides={**_dump(loop_cfg), "policy.url": url, "policy.model": str(model),
-                                 "learner.weight_sync": "gloo", "learner.transfer_timeout_s": 60.0})
+                                 "learner.weight_sync": "gloo", "learner.transfer_timeout_s": 60.0,
+                                 "learner.publication_root": str(tmp_path)})  # where this test publishes
     lane = Lane("policy", model, tmp_path, LearnerConfig(), device="cpu")
     published: dict[str, tuple[int, Path, str]] = {}
     src = Source(agent_id="learner-test", role="learner", model_version=0)

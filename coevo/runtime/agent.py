@@ -14,12 +14,14 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
+import nats.errors
 import structlog
 
 from coevo.config import CoevoConfig
@@ -207,8 +209,9 @@ class Agent:
             raise failure from None
         finally:
             self.state = "failed" if isinstance(failure, Exception) else "stopped"
-            await control.unsubscribe()
-            await lost.unsubscribe()
+            for sub in (control, lost):  # a connection already closed has no subscriptions left
+                with contextlib.suppress(nats.errors.ConnectionClosedError):
+                    await sub.unsubscribe()
             try:
                 await asyncio.wait_for(self._report(detail=repr(failure) if failure else None), 1.0)
                 await self.bus.flush_while_connected()
