@@ -241,8 +241,9 @@ def cmd_server(args: argparse.Namespace) -> int:
             print(f"the token is in {security.token_file} (mode 0600)", flush=True)
         if security.credentials is not None:
             from coevo.runtime.app import provision_runs
+            from coevo.runtime.credentials import ADMIN, credential_path
 
-            asyncio.run(provision_runs(url, security.credentials / "admin.json", tuple(args.run_id),
+            asyncio.run(provision_runs(url, credential_path(security.credentials, ADMIN), tuple(args.run_id),
                                        replicas=min(3, args.cluster or 1)))
             print(f"each role's credentials are in {security.credentials}/ROLE.json (mode 0600; admin.json for the "
                   f"process that starts the run and tools); the stream and buckets of {', '.join(args.run_id)} "

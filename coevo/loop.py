@@ -27,8 +27,9 @@ from coevo.observe.live import LiveRun, ObserveOptions, observe_run
 from coevo.observe.tally import RunTally
 from coevo.runtime.agent import Agent, run_agents
 from coevo.runtime.aio import wait_event
-from coevo.runtime.app import Runtime, credentials_dir, open_runtime
+from coevo.runtime.app import Runtime, open_runtime
 from coevo.runtime.bus import NatsBus
+from coevo.runtime.credentials import credentials_dir
 from coevo.schemas import RunFinished
 
 __all__ = ["Progress", "RunTally", "build_agents", "describe", "run_main", "summarize"]

@@ -35,7 +35,7 @@ from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
-from coevo.runtime.server import generated_token
+from coevo.runtime.credentials import generated_token
 from coevo.schemas import (
     StepTaken,
     TaskScheduled,

@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from coevo.bench.chaos import Fleet
-from coevo.runtime.app import credentials_dir
-from coevo.runtime.credentials import role_users
+from coevo.runtime.credentials import credentials_dir, role_users
 from coevo.runtime.proc import die_with_parent
 from coevo.schemas import (
     Event,

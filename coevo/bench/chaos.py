@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from coevo.config import NatsConfig
-from coevo.runtime.app import credentials_dir
 from coevo.runtime.bus import connect_nats
-from coevo.runtime.credentials import role_users
+from coevo.runtime.credentials import ADMIN, credential_path, credentials_dir, role_users
 from coevo.runtime.proc import die_with_parent
 from coevo.schemas import (
     DeadLettered,
@@ -144,14 +143,14 @@ class Fleet:
     def agent_args(self, role: str) -> list[str]:
         args = [sys.executable, "-m", "coevo", "agent", role, "--nats", self.url, "--run-id", self.run_id]
         if self.credentials is not None:
-            args += ["--nats.credentials_file", str(self.credentials / f"{role}.json")]
+            args += ["--nats.credentials_file", str(credential_path(self.credentials, role))]
         for key, value in self.overrides.items():
             args += ["--set", f"{key}={json.dumps(value) if isinstance(value, list) else value}"]
         return args
 
     def admin(self) -> NatsConfig:
         """How the bench itself connects (as the run's admin)."""
-        return NatsConfig(credentials_file=self.credentials / "admin.json" if self.credentials else None)
+        return NatsConfig(credentials_file=credential_path(self.credentials, ADMIN) if self.credentials else None)
 
     async def provision(self) -> None:
         """The run's stream, buckets and object store, made by the admin with the agents' stream settings
@@ -230,7 +229,6 @@ async def _garbage(nc: Any, run_id: str, rng: random.Random) -> int:
 
 
 async def _inject(fleet: Fleet, cluster: Any, plan: ChaosPlan, until: float) -> Counter[str]:
-
     rng = random.Random(plan.seed)
     faults: Counter[str] = Counter()
     nc = await connect_nats(fleet.admin(), cluster.url, name="coevo-chaos")

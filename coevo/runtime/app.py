@@ -17,7 +17,7 @@ import structlog
 from coevo.config import CoevoConfig, NatsConfig, load_config
 from coevo.errors import ConfigError
 from coevo.runtime.bus import NatsBus
-from coevo.runtime.credentials import ADMIN, credentials_dir, role_users
+from coevo.runtime.credentials import ADMIN, credential_path, credentials_dir, role_users
 from coevo.runtime.logging import bind, configure_logging
 from coevo.runtime.server import EmbeddedServer
 from coevo.schemas import new_id
@@ -98,7 +98,7 @@ async def open_bus(run_id: str, *, url: str | None = None, store: Path | None = 
 def run_reader_config(store: Path, url: str | None, credentials: Path | None = None) -> CoevoConfig:
     """How a tool reads a run on ``url``: with ``credentials``, else the run's own admin file in
     ``store`` when there is one (a run's embedded server is reached through ``store`` itself)."""
-    own = credentials_dir(store) / f"{ADMIN}.json"
+    own = credential_path(credentials_dir(store), ADMIN)
     chosen = credentials or (own if url is not None and own.exists() else None)
     return load_config(overrides={"nats.credentials_file": str(chosen)} if chosen else {})
 

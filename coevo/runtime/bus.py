@@ -203,7 +203,7 @@ class NatsBus:
         nc = await connect_nats(nats_cfg, url, name=name)
         self = cls(nc, run_id, bus or BusConfig(), stream)
         if nats_cfg.credentials_file is not None:  # a role's connection may not create or change the stream
-            self.user = read_credential(nats_cfg.credentials_file).user
+            self.user = nc.options["user"]  # as connect_nats read it from the file
             self.manages = self.user == ADMIN
         try:
             await self.ensure_stream()
@@ -259,13 +259,13 @@ class NatsBus:
         except TimeoutError:
             log.warning("bus.closed_unflushed", unacked=len(self._unacked), failed=len(self._failed))
         finally:
-            if not self.nc.is_closed:
+            if self.nc.is_connected:
                 try:
-                    if not self.nc.is_connected:
-                        raise nats.errors.ConnectionClosedError
                     await asyncio.wait_for(self.nc.drain(), min(timeout_s, 5.0))
                 except (TimeoutError, nats.errors.ConnectionClosedError):
                     await self.nc.close()
+            elif not self.nc.is_closed:  # the server is gone: nothing to drain into
+                await self.nc.close()
 
     async def flush_while_connected(self, timeout_s: float | None = None, grace_s: float = 1.0) -> None:
         """``flush``, given up (``TimeoutError``) once the connection has been down for ``grace_s``."""

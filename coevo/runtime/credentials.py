@@ -152,6 +152,11 @@ def credentials_dir(store: Path) -> Path:
     return Path(store) / "credentials"
 
 
+def credential_path(directory: Path, user: str) -> Path:
+    """``user``'s credentials file in a credentials directory."""
+    return Path(directory) / f"{user}.json"
+
+
 def write_private(path: Path, text: str) -> None:
     """Write a secret: the file is created (or truncated) with mode 0600 before anything is in it."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,6 +164,17 @@ def write_private(path: Path, text: str) -> None:
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
+
+
+def generated_token(path: Path) -> str:
+    """The token in ``path``, created (random, mode 0600) if missing: a restart keeps it."""
+    if path.exists():
+        token = path.read_text().strip()
+        if token:
+            return token
+    token = secrets.token_urlsafe(32)
+    write_private(path, token + "\n")
+    return token
 
 
 def read_credential(path: Path) -> Credential:
@@ -188,7 +204,7 @@ def generate_credentials(directory: Path) -> dict[str, Credential]:
     os.chmod(directory, 0o700)
     out = {}
     for user in (ADMIN, *EMITS):
-        path = directory / f"{user}.json"
+        path = credential_path(directory, user)
         if not path.exists():
             write_private(path, json.dumps({"user": user, "password": secrets.token_urlsafe(32)}) + "\n")
         out[user] = read_credential(path)

@@ -21,7 +21,6 @@ import ipaddress
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -35,7 +34,7 @@ from types import TracebackType
 from typing import Protocol, TypeVar
 
 from coevo.errors import ConfigError, ServerError
-from coevo.runtime.credentials import credentials_dir, role_users, write_private
+from coevo.runtime.credentials import credentials_dir, generated_token, role_users
 
 _L = TypeVar("_L", bound="_Lifecycle")
 _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+):(\d+)")
@@ -458,17 +457,6 @@ def _env_secret(name: str, flag: str) -> str:
     if not value:
         raise ConfigError(f"{flag} {name}: the environment variable {name} is not set or empty", field=None)
     return value
-
-
-def generated_token(path: Path) -> str:
-    """The token in ``path``, created (random, mode 0600) if missing: a restarted server keeps it."""
-    if path.exists():
-        token = path.read_text().strip()
-        if token:
-            return token
-    token = secrets.token_urlsafe(32)
-    write_private(path, token + "\n")
-    return token
 
 
 def server_security(host: str, store: Path, *, token_env: str | None = None, generate_token: bool = False,
