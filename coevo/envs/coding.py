@@ -144,14 +144,15 @@ class CodingEnv(Environment):
         if self.done or self.task is None:
             raise EnvError("step after the episode ended (call reset)")
         self.done = True
-        passed, sandbox = await self.family.evaluate(self.task, action)
+        broken = self.family.constraint_violations(self.task, action)
+        passed, sandbox = await self.family.evaluate(self.task, action, broken)
         won = bool(passed) and all(passed)
         problem = self.family.problems(self.task)
         return StepResult(Observation(text=f"{sum(passed)}/{len(passed)} tests passed"), True,
                           "won" if won else "lost", 1 if won else -1,
                           {"pass_matrix": passed, "sandbox": sandbox.status, "detail": sandbox.detail,
                            "program": Coding.complete(problem, action), "entry_point": problem.entry_point,
-                           "constraint_violations": self.family.constraint_violations(self.task, action)})
+                           "constraint_violations": broken})
 
 
 class Coding(Family):
@@ -202,9 +203,12 @@ class Coding(Family):
         return violations(self.complete(p, program), entry_point=p.entry_point,
                           constraints=self.constraints_of(task), prompt=p.prompt)
 
-    async def evaluate(self, task: TaskSpec, program: str) -> tuple[list[bool], SandboxResult]:
+    async def evaluate(self, task: TaskSpec, program: str,
+                       broken: dict[str, list[str]] | None = None) -> tuple[list[bool], SandboxResult]:
+        """The pass list (``checks_for``) and the sandbox's result; ``broken``: the program's
+        ``constraint_violations``, when the caller has them already."""
         p = self.problems(task)
-        broken = self.constraint_violations(task, program)
+        broken = self.constraint_violations(task, program) if broken is None else broken
         program = self.complete(p, program)
         passed, result = await run_tests(program, p.entry_point, self.tests_for(task), prelude=p.prelude,
                                          context=p.prompt, isolation=self.sandbox)

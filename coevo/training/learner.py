@@ -203,8 +203,8 @@ class LearnerAgent(Agent):
         self.batching = Batching.of(self.cfg, self.flush_after_s)
 
     def subscriptions(self) -> list[Subscription]:
-        # a handler waits until its group is durable: as many handlers as the server lets us hold
-        # one group per handler: a handler waits until its group is durable, which can take the next groups
+        # a handler waits until its group is durable: as many handlers as the server lets us hold, one
+        # group each (its durability can take the groups after it, which must not wait behind it)
         return [Subscription("learner", (GroupScored,), self.on_scored, concurrency=self.cfg.bus.max_ack_pending,
                              batch=1),
                 # per instance, from the stream's start: every verdict ever given is known after a restart
