@@ -178,18 +178,24 @@ def cmd_agent(args: argparse.Namespace) -> int:
     async def go() -> int:
         from coevo.runtime.agent import run_agents
         from coevo.runtime.app import open_runtime
+        from coevo.runtime.proc import StopSignals
 
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        signals = StopSignals(stop)
+        try:
+            async with open_runtime(cfg, name=f"coevo-agent-{cls.role}") as rt:
+                signals.started()
+                agent = cls(rt.bus, cfg, agent_id=args.agent_id)
+                async with _agent_metrics(agent, args) as url:
+                    if url:
+                        print(f"{agent.agent_id}: Prometheus metrics at {url}", flush=True)
+                    await run_agents([agent], handle_signals=False, until=stop)
+        except asyncio.CancelledError:
+            if not signals.cancelled:
+                raise
+            import structlog  # nothing was consumed yet: nothing to drain
 
-        async with open_runtime(cfg, name=f"coevo-agent-{cls.role}") as rt:
-            agent = cls(rt.bus, cfg, agent_id=args.agent_id)
-            async with _agent_metrics(agent, args) as url:
-                if url:
-                    print(f"{agent.agent_id}: Prometheus metrics at {url}", flush=True)
-                await run_agents([agent], handle_signals=False, until=stop)
+            structlog.get_logger("coevo.cli").info("agent.stopped_before_start", role=cls.role)
         return 0
 
     return asyncio.run(go())
@@ -467,9 +473,15 @@ def cmd_bench_learner(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
-    from coevo.bench.chaos import ChaosPlan, bench_chaos
+    from coevo.bench.chaos import KINDS, ChaosPlan, bench_chaos
 
-    plan = ChaosPlan(minutes=args.minutes, kill_every_s=args.kill_every, node_every_s=args.node_every, seed=args.seed)
+    kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip()) if args.faults else \
+        tuple(k for k in KINDS if args.hosts or k not in ("link_cut", "sigterm_cut"))
+    try:
+        plan = ChaosPlan(minutes=args.minutes, kill_every_s=args.kill_every, node_every_s=args.node_every,
+                         seed=args.seed, faults=kinds, hosts=args.hosts, cut_every_s=args.cut_every, cut_s=args.cut_s)
+    except ValueError as exc:
+        raise SystemExit(f"coevo bench chaos: {exc}") from None
     result = asyncio.run(bench_chaos(plan, baseline=not args.no_baseline, workdir=args.workdir))
     _emit(result, args.json)
     return 0 if result["ok"] else 1
@@ -648,9 +660,15 @@ COMMANDS: tuple[Command, ...] = (
                 arg("--samples", type=int, help="samples per step (default 16 on CPU, 64 on GPU)"),
                 arg("--tokens", type=int, help="tokens per sample, a quarter response (default 128 / 512)"),
                 arg("--checkpoint-every", type=int, default=1, help="a resume checkpoint every N steps"))),
-    Command("bench chaos", "the loop as processes on a 3-node cluster under kill -9, node loss and garbage",
+    Command("bench chaos", "the loop as processes on a 3-node cluster under kill -9, node loss, garbage, failing "
+            "stores, slow handlers, lagging followers, failing ranks, a full disk and (--hosts) link cuts",
             cmd_bench_chaos, args=(
                 _JSON, arg("--minutes", type=float, default=10.0, help="with faults (and again without)"),
+                arg("--faults", help="comma-separated fault kinds (default: every kind; see coevo.bench.chaos.KINDS)"),
+                arg("--hosts", type=int, default=0, help="N >= 3: each NATS node and a share of the agents on a "
+                    "host of its own (a network namespace; needs root and iproute2); link cuts become faults"),
+                arg("--cut-every", type=float, default=90.0, help="seconds between link cuts (--hosts)"),
+                arg("--cut-s", type=float, default=30.0, help="how long a host stays cut off"),
                 arg("--kill-every", type=float, default=5.0, help="seconds between kill -9 of a random agent"),
                 arg("--node-every", type=float, default=60.0, help="seconds between NATS node kills"),
                 arg("--seed", type=int, default=0),

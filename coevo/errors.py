@@ -53,6 +53,10 @@ class PublishError(BusError):
         self.event_id = event_id
 
 
+class InjectedFault(CoevoError):
+    """A failure injected at a fault point (``COEVO_FAULTS``, ``coevo.runtime.faults``)."""
+
+
 class ServerError(CoevoError):
     """The embedded nats-server could not start or stopped unexpectedly."""
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -177,6 +179,28 @@ async def test_sigterm_is_honoured_within_5_s_while_the_server_is_gone(tmp_path)
         assert time.monotonic() - t0 < 5.0, time.monotonic() - t0
     finally:
         server.stop()
+
+
+async def test_sigterm_is_honoured_within_5_s_during_the_first_connect(tmp_path) -> None:
+    """An agent started before its server (or pointed at one that is gone) retries its first
+    connect for up to 30 s; a SIGTERM meanwhile ends it within 5 s, cleanly (issue #24)."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agent = spawn_agent("tests.agents_for_tests:Echo", f"nats://127.0.0.1:{port}", "sigterm2",
+                        {"COEVO_TEST_RUNS": str(tmp_path)})
+    assert agent.stdout is not None
+    os.set_blocking(agent.stdout.fileno(), False)
+    seen = b""
+    async with asyncio.timeout(60):  # it is inside its connect: nats-py has reported a refused attempt
+        while b"nats.error" not in seen:
+            seen += agent.stdout.read() or b""
+            await asyncio.sleep(0.1)
+    t0 = time.monotonic()
+    agent.send_signal(signal.SIGTERM)
+    code = await wait_exit(agent, 40)
+    assert time.monotonic() - t0 < 5.0, time.monotonic() - t0
+    assert code == 0
 
 
 async def test_drain_waits_for_work_but_not_for_a_server_that_is_gone() -> None:

@@ -15,6 +15,8 @@ from coevo.runtime.bus import NatsBus
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import Source, TaskScheduled, TaskSpec
 from tests.conftest import run_until
+from tests.test_learner_options import _lane
+from tests.test_training import choice_samples, tiny  # noqa: F401  (the module-scoped model fixture)
 
 SRC = Source(agent_id="test", role="tasks")
 
@@ -267,3 +269,142 @@ def test_a_checkpoint_rewritten_at_its_version_is_never_missing(tmp_path, monkey
         pass
     assert final.is_dir() and manifest_of(final) is not None, "no checkpoint of version 3 left"
     assert (final / "w.bin").read_text() == "new!" and not tmp.exists()  # swapped, the old one removed
+
+
+# ---- the learner's lanes ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def inject(monkeypatch):
+    """Set ``COEVO_FAULTS`` for this process (and forget it afterwards)."""
+    import json
+
+    from coevo.runtime import faults
+
+    def set_rules(rules: dict[str, dict[str, Any]]) -> None:
+        monkeypatch.setenv(faults.ENV, json.dumps(rules))
+        faults.reset()
+
+    yield set_rules
+    monkeypatch.delenv(faults.ENV, raising=False)
+    faults.reset()
+
+
+def _state(lane: Any) -> tuple[list[Any], dict[str, Any]]:
+    import copy
+
+    return ([p.detach().clone() for p in lane.model.parameters()],
+            copy.deepcopy({i: s for i, s in enumerate(lane.optimizer.state.values())}))
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    import torch
+
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_batch_whose_later_optimiser_step_fails_is_trained_whole_or_not_at_all(tiny, tmp_path, inject) -> None:  # noqa: F811
+    """#24: with minibatches x epochs > 1, a failure in the third optimiser step left the first two in
+    the weights, and the retry trained the groups again: partial double training. Now the lane is
+    as before the batch, and the retried batch gives the weights of one clean training."""
+
+    samples = choice_samples(tiny, 8)
+    warm = _lane(tiny, tmp_path / "a", minibatches=2, epochs=2)
+    warm.step(samples[:4], ["warm"])  # optimiser state exists: it must come back too
+    before, opt_before = _state(warm)
+    inject({"lane.optimizer_step": {"after": 2, "times": 1}})
+    with pytest.raises(Exception, match="fault injected"):
+        warm.step(samples, ["g"])
+    after, opt_after = _state(warm)
+    assert _same(before, after), "the failed batch's first optimiser steps stayed in the weights"
+    assert all(_same(list(opt_before[i].values())[1:], list(opt_after[i].values())[1:]) for i in opt_before)
+    assert (warm.version, warm.steps_total, warm.has_consumed("g")) == (1, 4, False)
+    warm.step(samples, ["g"])  # the retry (the fault fired once)
+
+    clean = _lane(tiny, tmp_path / "b", minibatches=2, epochs=2)
+    clean.step(samples[:4], ["warm"])
+    clean.step(samples, ["g"])
+    assert _same(_state(warm)[0], _state(clean)[0])  # trained once, exactly as without the fault
+    assert warm.steps_total == clean.steps_total == 8
+
+
+async def test_a_redelivery_during_the_running_step_joins_it(bus: NatsBus, tiny, tmp_path, inject) -> None:  # noqa: F811
+    """#24: a group redelivered while its step ran was queued again and trained twice."""
+    from coevo.training.learner import LaneQueue, LearnerAgent
+
+    cfg = CoevoConfig(run={"runs_dir": tmp_path})
+    learner = LearnerAgent(bus, cfg)
+    q = LaneQueue(_lane(tiny, tmp_path / "ckpt"))
+    learner.lanes["policy"] = q
+    samples = await asyncio.to_thread(choice_samples, tiny, 4)
+    inject({"lane.optimizer_step": {"delay_s": 1.0, "error": False, "times": 1}})
+    first = learner.enqueue("policy", q, "g", samples)
+    step = asyncio.create_task(learner.train("policy", q))
+    while not q.training:
+        await asyncio.sleep(0.01)
+    again = learner.enqueue("policy", q, "g", samples)  # the redelivery, while the step runs
+    await step
+    assert again is first and not q.queued
+    assert [e.group_ids for e in await bus.events(["learner.stepped"])] == [["g"]]
+    assert q.lane.steps_total == 1 and "g" in q.undurable
+
+
+async def test_a_lane_cancelled_mid_step_releases_the_batch_it_was_training(bus: NatsBus, tiny, tmp_path,  # noqa: F811
+                                                                          inject) -> None:
+    """#24: a failure of the other lane (or of main) while a step ran cancelled the lane with its batch
+    in neither ``queued`` nor ``undurable``: those groups' handlers waited for ever (the ack floor
+    pinned). Now cancellation waits for the step's thread, and the release fails the batch's futures
+    (redelivered), trained or not."""
+    from coevo.errors import Retry
+    from coevo.training.learner import LaneQueue, LearnerAgent
+
+    cfg = CoevoConfig(run={"runs_dir": tmp_path})
+    learner = LearnerAgent(bus, cfg)
+    q = LaneQueue(_lane(tiny, tmp_path / "ckpt"))
+    learner.lanes["policy"] = q
+    samples = await asyncio.to_thread(choice_samples, tiny, 4)
+    inject({"lane.optimizer_step": {"delay_s": 1.0, "error": False, "times": 1}})
+    done = learner.enqueue("policy", q, "g", samples)
+    main = asyncio.create_task(learner.main())
+    while not q.training:
+        await asyncio.sleep(0.01)
+    main.cancel()  # what the TaskGroup does when the judge lane or main fails
+    with pytest.raises(asyncio.CancelledError):
+        await main
+    assert done.done(), "the group of the step running at the cancellation was never released"
+    assert isinstance(done.exception(), Retry)
+    assert q.lane.has_consumed("g")  # the thread finished its step: a redelivery waits for a checkpoint
+
+
+def test_fault_rules_fire_as_written_and_a_wrong_field_is_named(inject, monkeypatch) -> None:
+    from coevo.errors import ConfigError, InjectedFault
+    from coevo.runtime import faults
+
+    inject({"p": {"after": 2, "times": 2}, "other": {"rank": 1}})
+    fired = []
+    for i in range(6):
+        try:
+            faults.hit("p")
+            faults.hit("other")  # rank 0 here: never
+            faults.hit("not-a-point")
+        except InjectedFault:
+            fired.append(i)
+    assert fired == [2, 3]  # after two passes, twice
+    with pytest.raises(ConfigError, match="unknown field") as err:
+        faults.parse('{"handler": {"delay": 1}}')
+    assert err.value.field == "COEVO_FAULTS.handler"
+    with pytest.raises(ConfigError, match="not JSON"):
+        faults.parse("{")
+
+
+def test_the_chaos_plan_gives_each_role_its_faults() -> None:
+    from coevo.bench.chaos import KINDS, ChaosPlan, fault_rules
+
+    every = ChaosPlan(faults=tuple(KINDS), hosts=3)
+    assert set(fault_rules(every, "learner")) == {"claims.fetch", "lane.optimizer_step"}
+    assert set(fault_rules(every, "policy")) == {"claims.fetch", "handler", "follower.load"}
+    assert fault_rules(ChaosPlan(), "policy") == {}  # kill, node, garbage: nothing inside the agents
+    with pytest.raises(ValueError, match="need hosts"):
+        ChaosPlan(faults=("link_cut",))
+    with pytest.raises(ValueError, match="unknown fault kinds"):
+        ChaosPlan(faults=("meteor",))

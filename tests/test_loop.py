@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -34,10 +35,10 @@ from tests.conftest import PYTHON, cli_args, subprocess_env
 pytestmark = pytest.mark.slow
 
 
-async def wait_for(bus: NatsBus, predicate, timeout: float = 120.0, every: float = 0.5):
+async def wait_for(bus: NatsBus, predicate, timeout: float = 120.0, every: float = 0.5, kinds=None):
     async with asyncio.timeout(timeout):
         while True:
-            events = await bus.events()
+            events = await bus.events(kinds)
             if predicate(events):
                 return events
             await asyncio.sleep(every)
@@ -370,3 +371,62 @@ async def test_learner_under_torchrun_with_two_gloo_ranks(bus: NatsBus, loop_cfg
     assert ckpt is not None and (ckpt / "optimizer.rank1.pt").exists()
     applied = [e for e in await bus.events(["weights.applied"]) if e.ok and e.role == "policy" and e.version >= 1]
     assert applied, "the policy never served weights trained by the two ranks"
+
+
+async def test_a_rank_that_fails_its_step_ends_the_group_which_resumes_from_its_checkpoint(
+        bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str, tmp_path) -> None:
+    """#24: rank 0 fails inside a step (fault point between backward and the all-reduce) while rank 1
+    waits in the step's collectives. Rank 0 used to retry the batch alone, issuing new collectives
+    against rank 1's old ones. Now the failing rank ends its process and the other follows, so
+    torchrun exits; started again (as a process manager does) the group resumes from its checkpoint:
+    nothing dead-lettered, nothing trained twice into the surviving weights, versions monotonic."""
+    from coevo.bench.chaos import _monotonic, _trained_twice
+    from coevo.inference.clients import model_dir
+    from coevo.runtime.faults import ENV
+    from coevo.training.distributed import EXIT_RANK_FAILED
+
+    model_dir(loop_cfg, "policy")
+    model_dir(loop_cfg, "judge")
+    producers = [TasksAgent(bus, loop_cfg), PolicyAgent(bus, loop_cfg), ScorerAgent(bus, loop_cfg),
+                 JudgeAgent(bus, loop_cfg)]
+    stop = asyncio.Event()
+    fault = {"lane.optimizer_step": {"rank": 0, "after": 1, "times": 1}}
+
+    def torchrun(log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "coevo", "agent",
+             "learner", "--nats", nats_url, "--run-id", run_id, *cli_args(loop_cfg),
+             "--set", "learner.checkpoint_every_steps=1"],
+            env=subprocess_env() | env, stdout=subprocess.DEVNULL, stderr=log.open("wb"), start_new_session=True)
+
+    def steps_of(ev: list) -> list[LearnerStepped]:
+        return [e for e in ev if isinstance(e, LearnerStepped)]
+
+    async def scenario() -> None:
+        first = torchrun(tmp_path / "first.log", {ENV: json.dumps(fault)})
+        try:
+            code = await asyncio.wait_for(asyncio.to_thread(first.wait), 240)
+        except TimeoutError:
+            raise AssertionError("the group neither went on nor ended after its rank failed") from None
+        finally:
+            if first.poll() is None:
+                os.killpg(first.pid, signal.SIGKILL)
+        text = (tmp_path / "first.log").read_text()
+        assert code != 0 and f"(exitcode: {EXIT_RANK_FAILED})" in text, text[-3000:]
+        before = {e.source.agent_id for e in steps_of(await bus.events(["learner.stepped"]))}
+        second = torchrun(tmp_path / "second.log", {})
+        try:
+            await wait_for(bus, lambda ev: sum(e.source.agent_id not in before for e in steps_of(ev)) >= 3,
+                           timeout=240, kinds=["learner.stepped"])
+        finally:
+            stop.set()
+            os.killpg(second.pid, signal.SIGTERM)
+            await asyncio.to_thread(second.wait, 60)
+
+    await asyncio.gather(run_agents(producers, handle_signals=False, until=stop), scenario())
+    steps = steps_of(await bus.events(["learner.stepped"]))
+    per_process = Counter(e.source.agent_id for e in steps)
+    assert _trained_twice(steps) == 0, f"trained twice: {_trained_twice(steps)} ({per_process})"
+    assert _monotonic(steps), [(e.source.agent_id, e.role, e.version) for e in steps]
+    letters = [d.reason[:200] for d in await bus.events(["dead.lettered"]) if d.original_subject.endswith("group.scored")]
+    assert not letters, letters

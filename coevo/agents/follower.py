@@ -23,6 +23,7 @@ from typing import Any
 
 from coevo.config import checkpoint_root
 from coevo.inference.checkpoints import HELD, verify
+from coevo.runtime import faults
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import (
@@ -98,6 +99,7 @@ class WeightsFollower:
         if path is None:
             return f"refused: {event.path} is not under the publication root {root} (learner.publication_root)", 0.0
         try:
+            await faults.ahit("follower.load")
             held = HELD.get(path, event.sha256)
             if held is not None and hasattr(agent.client, "swap_tensors"):
                 return None, await agent.client.swap_tensors(held, event.version)

@@ -1,9 +1,26 @@
 """``coevo bench chaos``: the closed loop as separate processes on a 3-node NATS cluster, under faults.
 
 Every role (tasks, policy, judge, scorer, learner, an env worker) runs as its own ``coevo agent``
-process. A fault injector kill -9s a random agent every ``kill_every_s`` (and starts it again),
-kills a NATS node and restarts it, and publishes garbage and schema-violating messages on every
-subject. Then faults stop, the tasks agent stops scheduling, the others drain, and the verdict is
+process. The faults (``ChaosPlan.faults``, ``KINDS``):
+
+- ``kill``: kill -9 of a random agent every ``kill_every_s`` (started again at once);
+- ``node``: a NATS node killed every ``node_every_s`` and restarted after ``node_down_s``;
+- ``garbage``: random bytes and schema-violating events on every subject;
+- ``store_reads``: reads of claimed payloads fail (fault point ``claims.fetch``; events above 4 KiB
+  go through the object store);
+- ``slow_handlers``: handlers stall for seconds (``handler``) with full fetch batches behind them;
+- ``follower_lag``: followers take longer to load weights than the learner keeps versions;
+- ``rank_failure``: the learner is two gloo ranks under torchrun, and a rank fails inside a step
+  (``lane.optimizer_step``); the group ends and is started again, as a process manager would;
+- ``disk_full``: the learner's checkpoints live on a small tmpfs, filled every ``disk_every_s``
+  for ``disk_full_s``;
+- with ``hosts`` (3 or more, ``coevo.bench.hosts``): each NATS node and a share of the agents on a
+  host of its own (a network namespace), and ``link_cut``: a host's link cut for ``cut_s`` every
+  ``cut_every_s``; ``sigterm_cut``: meanwhile one of that host's agents gets SIGTERM, and the
+  seconds it takes to end are reported (the bound: 5 s).
+
+Never two nodes out at once (a node kill and a cut wait for each other): the cluster keeps its
+quorum. Then faults stop, the tasks agent stops scheduling, the others drain, and the verdict is
 read from the stream itself (``judge_stream``, pure): every scheduled group is scored or
 dead-lettered, no group is trained twice into the surviving weights, learner versions only go up.
 The same loop without faults gives the throughput to compare with.
@@ -12,6 +29,7 @@ The same loop without faults gives the throughput to compare with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -20,9 +38,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import structlog
 
 from coevo.config import NatsConfig
 from coevo.runtime.bus import connect_nats
@@ -38,8 +59,13 @@ from coevo.schemas import (
     envelope,
 )
 
+log = structlog.get_logger("coevo.bench.chaos")
+
 ROLES = ("tasks", "policy", "judge", "scorer", "learner", "env")
 KILLABLE = ("policy", "judge", "scorer", "learner", "env", "tasks")
+KINDS = ("kill", "node", "garbage", "store_reads", "slow_handlers", "follower_lag", "rank_failure", "disk_full",
+         "link_cut", "sigterm_cut")
+BASIC = ("kill", "node", "garbage")
 
 
 @dataclass(frozen=True)
@@ -51,6 +77,39 @@ class ChaosPlan:
     garbage_every_s: float = 5.0
     drain_s: float = 120.0
     seed: int = 0
+    faults: tuple[str, ...] = BASIC
+    """which of ``KINDS`` to inject (``link_cut`` and ``sigterm_cut`` need ``hosts``)"""
+    hosts: int = 0
+    """0: everything on loopback; 3 or more: one host (network namespace) per NATS node"""
+    cut_every_s: float = 90.0
+    cut_s: float = 30.0
+    disk_every_s: float = 120.0
+    disk_full_s: float = 20.0
+    disk_mb: int = 256
+
+    def __post_init__(self) -> None:
+        unknown = set(self.faults) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
+        if self.hosts and self.hosts < 3:
+            raise ValueError(f"--hosts needs at least 3 (one per NATS node), got {self.hosts}")
+        if not self.hosts and {"link_cut", "sigterm_cut"} & set(self.faults):
+            raise ValueError("link_cut and sigterm_cut need hosts (--hosts 3)")
+
+
+def fault_rules(plan: ChaosPlan, role: str) -> dict[str, dict[str, Any]]:
+    """The ``COEVO_FAULTS`` rules of one role's processes under ``plan`` (pure)."""
+    on = set(plan.faults)
+    rules: dict[str, dict[str, Any]] = {}
+    if "store_reads" in on:
+        rules["claims.fetch"] = {"p": 0.05, "seed": plan.seed}
+    if "slow_handlers" in on and role != "learner":  # the learner's handlers wait for checkpoints anyway
+        rules["handler"] = {"p": 0.02, "delay_s": 4.0, "error": False, "seed": plan.seed}
+    if "follower_lag" in on and role in ("policy", "judge"):
+        rules["follower.load"] = {"p": 0.3, "delay_s": 20.0, "error": False, "seed": plan.seed}
+    if "rank_failure" in on and role == "learner":
+        rules["lane.optimizer_step"] = {"p": 0.03, "seed": plan.seed}
+    return rules
 
 
 # ---- the verdict, from the stream (pure) ------------------------------------------------------------
@@ -127,26 +186,50 @@ def judge_stream(events: list[Event], seconds: float) -> dict[str, Any]:
 
 @dataclass
 class Fleet:
-    """The agent processes of one run; each role can be killed and started again."""
+    """The agent processes of one run; each role can be killed and started again.
+
+    Each process runs in a session of its own (the learner under torchrun is a process group), is
+    killed as a group, and dies with the bench (``die_with_parent``)."""
 
     url: str
     run_id: str
     overrides: dict[str, Any]
     logs: Path
+    plan: ChaosPlan = field(default_factory=ChaosPlan)
+    hosts: Any = None
+    """``coevo.bench.hosts.Hosts`` when agents run on hosts of their own (role ``k`` on host ``k % n``)"""
     procs: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
     starts: Counter[str] = field(default_factory=Counter)
     exits: Counter[str] = field(default_factory=Counter)
-    """processes that exited on their own (an agent that failed) and were started again"""
+    """processes that exited on their own (an agent that failed, a learner group a rank ended) and were
+    started again"""
     credentials: Path | None = None
     """the server's credentials directory: each agent connects with its role's file only"""
 
+    def host_of(self, role: str) -> int | None:
+        return ROLES.index(role) % self.hosts.n if self.hosts is not None else None
+
     def agent_args(self, role: str) -> list[str]:
-        args = [sys.executable, "-m", "coevo", "agent", role, "--nats", self.url, "--run-id", self.run_id]
+        coevo = ["-m", "coevo", "agent", role, "--nats", self.url, "--run-id", self.run_id]
+        if role == "learner" and "rank_failure" in self.plan.faults:  # two gloo ranks; a failed group is restarted
+            args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *coevo]
+        else:
+            args = [sys.executable, *coevo]
         if self.credentials is not None:
             args += ["--nats.credentials_file", str(credential_path(self.credentials, role))]
         for key, value in self.overrides.items():
             args += ["--set", f"{key}={json.dumps(value) if isinstance(value, list) else value}"]
-        return args
+        host = self.host_of(role)
+        return [*self.hosts.prefix(host), *args] if host is not None else args
+
+    def env(self, role: str) -> dict[str, str]:
+        from coevo.runtime.faults import ENV
+
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        rules = fault_rules(self.plan, role)
+        if rules:
+            env[ENV] = json.dumps(rules)
+        return env
 
     def admin(self) -> NatsConfig:
         """How the bench itself connects (as the run's admin)."""
@@ -166,9 +249,8 @@ class Fleet:
         args = self.agent_args(role)
         self.starts[role] += 1
         log = (self.logs / f"{role}-{self.starts[role]}.log").open("wb")
-        self.procs[role] = await asyncio.create_subprocess_exec(*args, stdout=log, stderr=log,
-                                                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                                                preexec_fn=die_with_parent)
+        self.procs[role] = await asyncio.create_subprocess_exec(*args, stdout=log, stderr=log, env=self.env(role),
+                                                                preexec_fn=die_with_parent, start_new_session=True)
         log.close()
 
     async def revive(self) -> list[str]:
@@ -181,22 +263,28 @@ class Fleet:
     async def kill(self, role: str) -> None:
         proc = self.procs[role]
         if proc.returncode is None:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
 
-    async def stop(self, roles: tuple[str, ...] = ROLES, grace_s: float = 30.0) -> None:
-        procs = [self.procs[r] for r in roles if r in self.procs and self.procs[r].returncode is None]
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
+    async def terminate(self, role: str, grace_s: float = 30.0) -> float:
+        """SIGTERM one agent; the seconds until it ended (killed after ``grace_s``)."""
+        proc = self.procs[role]
+        t0 = time.monotonic()
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
             try:
-                await asyncio.wait_for(p.wait(), grace_s)
+                await asyncio.wait_for(proc.wait(), grace_s)
             except TimeoutError:
-                p.kill()
-                await p.wait()
+                await self.kill(role)
+        return time.monotonic() - t0
+
+    async def stop(self, roles: tuple[str, ...] = ROLES, grace_s: float = 30.0) -> None:
+        await asyncio.gather(*(self.terminate(r, grace_s) for r in roles if r in self.procs))
 
 
-def chaos_overrides(runs_dir: Path, cache: Path | None, replicas: int) -> dict[str, Any]:
+def chaos_overrides(runs_dir: Path, cache: Path | None, replicas: int, plan: ChaosPlan | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "run.runs_dir": str(runs_dir), "stream.replicas": replicas, "env.remote": "true",
         "log.console": "off", "agent.heartbeat_s": 2.0, "bus.ack_wait_s": 10.0, "bus.in_progress_every_s": 2.0,
@@ -205,6 +293,8 @@ def chaos_overrides(runs_dir: Path, cache: Path | None, replicas: int) -> dict[s
     }
     if cache is not None:
         out["env.cache_dir"] = str(cache)
+    if plan is not None and "store_reads" in plan.faults:
+        out["bus.inline_max_bytes"] = 4096  # most groups' events through the object store
     return out
 
 
@@ -228,34 +318,145 @@ async def _garbage(nc: Any, run_id: str, rng: random.Random) -> int:
     return n
 
 
-async def _inject(fleet: Fleet, cluster: Any, plan: ChaosPlan, until: float) -> Counter[str]:
-    rng = random.Random(plan.seed)
-    faults: Counter[str] = Counter()
-    nc = await connect_nats(fleet.admin(), cluster.url, name="coevo-chaos")
-    next_node = time.monotonic() + min(plan.node_every_s, (until - time.monotonic()) / 2)
-    next_garbage = time.monotonic()
+@dataclass
+class Injector:
+    """The bench's fault schedules, run side by side until ``until``; ``outage`` keeps at most one
+    NATS node out (killed or cut off) at a time."""
+
+    fleet: Fleet
+    cluster: Any
+    plan: ChaosPlan
+    until: float
+    disk: Path | None = None
+    """the tmpfs under the learner's checkpoints (``disk_full``)"""
+    faults: Counter[str] = field(default_factory=Counter)
+    sigterm_s: list[float] = field(default_factory=list)
+    outage: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def left(self) -> float:
+        return self.until - time.monotonic()
+
+    async def run(self) -> None:
+        rng = random.Random(self.plan.seed)
+        on = set(self.plan.faults)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.kills(rng, "kill" in on))
+            if "node" in on:
+                tg.create_task(self.nodes(random.Random(rng.random())))
+            if "garbage" in on:
+                tg.create_task(self.garbage(random.Random(rng.random())))
+            if "link_cut" in on:
+                tg.create_task(self.cuts(random.Random(rng.random()), "sigterm_cut" in on))
+            if "disk_full" in on and self.disk is not None:
+                tg.create_task(self.disk_full())
+
+    async def kills(self, rng: random.Random, kill: bool) -> None:
+        """kill -9 of a random agent; and, kill or not, agents that exited on their own come back."""
+        while self.left() > 0:
+            await asyncio.sleep(min(self.plan.kill_every_s, max(self.left(), 0.1)))
+            for gone in await self.fleet.revive():  # not a fault we injected: reported as agent_exits
+                self.fleet.exits[gone] += 1
+            if kill and self.left() > 0:
+                role = rng.choice(KILLABLE)
+                await self.fleet.kill(role)
+                await self.fleet.start(role)
+                self.faults[f"kill -9 {role}"] += 1
+
+    async def nodes(self, rng: random.Random) -> None:
+        await asyncio.sleep(min(self.plan.node_every_s, self.left() / 2))
+        while self.left() > 0:
+            async with self.outage:
+                node = rng.randrange(len(self.cluster.nodes))
+                self.cluster.kill_node(node)
+                self.faults["nats node killed"] += 1
+                await asyncio.sleep(self.plan.node_down_s)
+                await asyncio.to_thread(self.cluster.restart_node, node)
+            await asyncio.sleep(self.plan.node_every_s)
+
+    async def garbage(self, rng: random.Random) -> None:
+        nc = await connect_nats(self.fleet.admin(), self.cluster.url, name="coevo-chaos")
+        try:
+            while self.left() > 0:
+                self.faults["garbage messages"] += await _garbage(nc, self.fleet.run_id, rng)
+                await asyncio.sleep(self.plan.garbage_every_s)
+        finally:
+            await nc.close()
+
+    async def cuts(self, rng: random.Random, sigterm: bool) -> None:
+        """Cut a host's link for ``cut_s``; meanwhile SIGTERM one of its agents (timed), started again
+        once the link is back."""
+        hosts = self.fleet.hosts
+        await asyncio.sleep(min(self.plan.cut_every_s / 2, self.left() / 3))
+        while self.left() > self.plan.cut_s:
+            async with self.outage:
+                host = rng.randrange(hosts.n)
+                hosts.cut(host)
+                self.faults["link cut"] += 1
+                termed = None
+                try:
+                    await asyncio.sleep(min(5.0, self.plan.cut_s / 3))  # its agents notice
+                    on_host = [r for r in ROLES if self.fleet.host_of(r) == host and r != "learner"]
+                    if sigterm and on_host:
+                        termed = rng.choice(on_host)
+                        self.sigterm_s.append(round(await self.fleet.terminate(termed), 2))
+                        self.faults["sigterm while cut off"] += 1
+                    await asyncio.sleep(max(0.0, self.plan.cut_s - min(5.0, self.plan.cut_s / 3)))
+                finally:
+                    hosts.heal(host)
+                if termed is not None:
+                    await self.fleet.start(termed)
+            await asyncio.sleep(self.plan.cut_every_s)
+
+    async def disk_full(self) -> None:
+        """Fill the tmpfs under the learner's checkpoints for ``disk_full_s``, then free it."""
+        assert self.disk is not None
+        await asyncio.sleep(min(self.plan.disk_every_s / 2, self.left() / 3))
+        while self.left() > 0:
+            filler = self.disk / ".chaos-filler"
+            await asyncio.to_thread(_fill, filler)
+            self.faults["disk full"] += 1
+            await asyncio.sleep(self.plan.disk_full_s)
+            filler.unlink(missing_ok=True)
+            await asyncio.sleep(self.plan.disk_every_s)
+
+
+def _fill(path: Path) -> None:
+    """Write ``path`` until the file system is full."""
+    chunk = b"\0" * (1 << 20)
+    with contextlib.suppress(OSError), path.open("wb") as f:
+        while True:
+            f.write(chunk)
+            f.flush()
+
+
+@contextlib.contextmanager
+def _small_disk(path: Path, mb: int) -> Iterator[Path | None]:
+    """A tmpfs of ``mb`` MiB mounted at ``path`` (None where mounting is not allowed)."""
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        log.warning("chaos.disk_full_unavailable", error=done.stderr.strip())
+        yield None
+        return
     try:
-        while time.monotonic() < until:
-            await asyncio.sleep(plan.kill_every_s)
-            for gone in await fleet.revive():  # not a fault we injected: reported as agent_exits
-                fleet.exits[gone] += 1
-            role = rng.choice(KILLABLE)
-            await fleet.kill(role)
-            await fleet.start(role)
-            faults[f"kill -9 {role}"] += 1
-            if time.monotonic() >= next_garbage:
-                faults["garbage messages"] += await _garbage(nc, fleet.run_id, rng)
-                next_garbage = time.monotonic() + plan.garbage_every_s
-            if time.monotonic() >= next_node:
-                node = rng.randrange(len(cluster.nodes))
-                cluster.kill_node(node)
-                faults["nats node killed"] += 1
-                await asyncio.sleep(plan.node_down_s)
-                await asyncio.to_thread(cluster.restart_node, node)
-                next_node = time.monotonic() + plan.node_every_s
+        yield path
     finally:
-        await nc.close()
-    return faults
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _fault_points(run_dir: Path) -> dict[str, int]:
+    """The fault points that fired in the agents of one run, by point (from their JSON logs)."""
+    fired: Counter[str] = Counter()
+    for path in run_dir.glob("*.jsonl"):
+        with path.open(errors="replace") as f:
+            for line in f:
+                if '"fault.injected"' in line:
+                    with contextlib.suppress(ValueError):
+                        fired[json.loads(line).get("point", "?")] += 1
+    return dict(fired)
 
 
 async def _drain(fleet: Fleet, deadline: float) -> None:
@@ -272,53 +473,59 @@ async def _drain(fleet: Fleet, deadline: float) -> None:
 
 
 async def run_fleet(cluster: Any, workdir: Path, run_id: str, plan: ChaosPlan, *, faults: bool,
-                    cache: Path | None) -> dict[str, Any]:
+                    cache: Path | None, hosts: Any = None) -> dict[str, Any]:
     from coevo.runtime.bus import NatsBus
 
     logs = workdir / run_id
     logs.mkdir(parents=True, exist_ok=True)
-    fleet = Fleet(cluster.url, run_id, chaos_overrides(workdir / "runs", cache, len(cluster.nodes)), logs,
-                  credentials=credentials_dir(workdir / "nats"))
+    active = plan if faults else replace(plan, faults=())
+    fleet = Fleet(cluster.url, run_id, chaos_overrides(workdir / "runs", cache, len(cluster.nodes), active), logs,
+                  plan=active, hosts=hosts, credentials=credentials_dir(workdir / "nats"))
     await fleet.provision()
-    for role in ROLES:
-        await fleet.start(role)
-    t0 = time.monotonic()
-    until = t0 + plan.minutes * 60
-    injected: Counter[str] = Counter()
-    if faults:
-        injected = await _inject(fleet, cluster, plan, until)
-    else:
-        await asyncio.sleep(until - time.monotonic())
-    seconds = time.monotonic() - t0
-    await fleet.stop(("tasks",))  # no new groups; what was scheduled drains
-    await _drain(fleet, time.monotonic() + plan.drain_s)
-    await fleet.stop()
+    with contextlib.ExitStack() as stack:
+        disk = stack.enter_context(_small_disk(workdir / "runs" / run_id / "checkpoints", plan.disk_mb)) \
+            if "disk_full" in active.faults else None
+        for role in ROLES:
+            await fleet.start(role)
+        t0 = time.monotonic()
+        injector = Injector(fleet, cluster, active, t0 + plan.minutes * 60, disk=disk)
+        await injector.run()
+        seconds = time.monotonic() - t0
+        await fleet.stop(("tasks",))  # no new groups; what was scheduled drains
+        await _drain(fleet, time.monotonic() + plan.drain_s)
+        await fleet.stop()
     async with await NatsBus.connect(cluster.url, run_id, nats_cfg=fleet.admin()) as bus:
         verdict = judge_stream(await bus.events(), seconds)
-    return {**verdict, "seconds": round(seconds, 1), "faults_injected": sum(injected.values()),
-            "faults": dict(injected), "agent_starts": dict(fleet.starts),
-            "agent_exits": dict(fleet.exits)}
+    return {**verdict, "seconds": round(seconds, 1), "faults_injected": sum(injector.faults.values()),
+            "faults": dict(injector.faults), "fault_points_fired": _fault_points(workdir / "runs" / run_id),
+            "sigterm_while_cut_off_s": injector.sigterm_s,
+            "disk_full_unavailable": "disk_full" in active.faults and disk is None,
+            "agent_starts": dict(fleet.starts), "agent_exits": dict(fleet.exits)}
 
 
 async def bench_chaos(plan: ChaosPlan, *, cache: Path | None = None, baseline: bool = True,
                       workdir: Path | None = None) -> dict[str, Any]:
     """``workdir``: keep the cluster's stores, the runs and the agents' logs there (default: a temporary
     directory, removed)."""
+    from coevo.bench.hosts import Hosts
     from coevo.runtime.server import EmbeddedCluster
 
-    with tempfile.TemporaryDirectory(prefix="coevo-chaos-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="coevo-chaos-") as tmp, contextlib.ExitStack() as stack:
         work = workdir or Path(tmp)
         runs = (f"chaos{plan.seed}", f"calm{plan.seed}")
         users = role_users(credentials_dir(work / "nats"), runs)
-        async with EmbeddedCluster(work / "nats", nodes=3, auth=users) as cluster:
-            chaos = await run_fleet(cluster, work, runs[0], plan, faults=True, cache=cache)
-            calm = await run_fleet(cluster, work, runs[1], plan, faults=False, cache=cache) \
+        hosts = stack.enter_context(Hosts(plan.hosts, tag=str(plan.seed % 100))) if plan.hosts else None
+        placement = [(hosts.address(i), hosts.names[i]) for i in range(plan.hosts)] if hosts else None
+        async with EmbeddedCluster(work / "nats", nodes=plan.hosts or 3, auth=users, hosts=placement) as cluster:
+            chaos = await run_fleet(cluster, work, runs[0], plan, faults=True, cache=cache, hosts=hosts)
+            calm = await run_fleet(cluster, work, runs[1], plan, faults=False, cache=cache, hosts=hosts) \
                 if baseline else None
-    out: dict[str, Any] = {"plan": plan.__dict__, "chaos": chaos}
+    out: dict[str, Any] = {"plan": {**plan.__dict__, "faults": list(plan.faults)}, "chaos": chaos}
     if calm is not None:
         out["fault_free"] = calm
         out["throughput_vs_fault_free"] = round(chaos["trajectories_per_second"] /
                                                 max(calm["trajectories_per_second"], 1e-9), 3)
+    slowest_stop = max(chaos["sigterm_while_cut_off_s"], default=0.0)
     out["ok"] = (chaos["groups_lost"] == 0 and chaos["groups_trained_twice"] == 0
-                 and chaos["learner_versions_monotonic"])
+                 and chaos["learner_versions_monotonic"] and slowest_stop < 5.0)
     return out

@@ -49,3 +49,16 @@ async def drain(tasks: Iterable[asyncio.Task[Any]], timeout_s: float, connected:
                 break
         _, pending = await asyncio.wait(pending, timeout=min(poll_s, timeout_s - (now - start)))
     return pending
+
+
+async def outlast(fut: asyncio.Future[Any]) -> None:
+    """Wait until ``fut`` is done, whatever cancellation arrives meanwhile: for work that cannot be
+    stopped (a worker thread) whose outcome must be known before the caller goes. A cancellation
+    that arrived is the caller's to raise again once it has settled that outcome."""
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            continue
+        except Exception:  # its outcome, read by the caller from ``fut``
+            return

@@ -23,6 +23,7 @@ from typing import Any
 import nats.js.errors
 
 from coevo.errors import PayloadUnavailable
+from coevo.runtime import faults
 
 CLAIM_HEADER = "Coevo-Claim"
 
@@ -69,6 +70,7 @@ async def fetch(store: Any, claim: Claim) -> bytes:
     now (a timeout, a leader change, no responders, a lost connection): the claim is intact."""
     buf = io.BytesIO()
     try:
+        await faults.ahit("claims.fetch")
         await store.get(claim.key, writeinto=buf)  # writeinto: linear in the object's size
     except nats.js.errors.NotFoundError as exc:
         raise ClaimError(f"claimed object {claim.bucket}/{claim.key} is gone: {exc!r}") from exc

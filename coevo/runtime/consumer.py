@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from coevo.config import BusConfig
 from coevo.errors import PayloadUnavailable, PublishError, Reject, Retry
+from coevo.runtime import faults
 from coevo.runtime.aio import drain, first_completed
 from coevo.runtime.bus import Delivery, NatsBus
 from coevo.runtime.outbox import Outbox, staging
@@ -198,6 +199,7 @@ class Consumer:
         box = Outbox(event.event_id, self.sub.durable)
         try:
             with staging(box):
+                await faults.ahit("handler")
                 await self.sub.handler(event, Delivery(msg))
             if box.staged:  # nothing staged (most deliveries of a pure consumer): nothing to wait for
                 await box.confirm(self.bus)

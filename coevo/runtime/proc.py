@@ -3,11 +3,13 @@
 Invariant: a child started with ``preexec_fn=die_with_parent`` gets SIGTERM when the thread that
 started it ends, which for every coevo command is its main thread (the event loop's): a bench or
 run stopped by kill -9 leaves no agent behind. (The embedded NATS server needs more, a watchdog on
-a pipe, because ``start()`` may run in a worker thread: ``coevo.runtime.server``.)
+a pipe, because ``start()`` may run in a worker thread: ``coevo.runtime.server``.) A command's own
+SIGINT/SIGTERM is honoured in every state, its first connect included (``StopSignals``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import signal
 
@@ -17,3 +19,29 @@ _PR_SET_PDEATHSIG = 1
 def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """``preexec_fn``: ask the kernel for SIGTERM when the parent (its forking thread) is gone."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM set ``stop``; until ``started()`` they also cancel the task that installed
+    them, so a process still connecting (to a server that is not there: the first connect may wait
+    30 s) ends at once instead of after the connect gives up. ``cancelled`` tells that cancellation
+    apart from any other. Use from the task that runs the command, inside its event loop."""
+
+    def __init__(self, stop: asyncio.Event) -> None:
+        self.stop = stop
+        self.cancelled = False
+        self._task = asyncio.current_task()
+        self._started = False
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        self.stop.set()
+        if not self._started and self._task is not None and not self.cancelled:
+            self.cancelled = True
+            self._task.cancel()
+
+    def started(self) -> None:
+        """From here on a signal only sets ``stop``: what runs drains by its own rules."""
+        self._started = True

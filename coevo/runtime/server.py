@@ -203,8 +203,11 @@ class EmbeddedServer(_Lifecycle):
         tls: ServerTls | None = None,
         server_name: str | None = None,
         cluster: ClusterRoutes | None = None,
+        netns: str | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
+        self.netns = netns
+        """run inside this network namespace (``ip netns exec``): a host of ``coevo.bench.hosts``"""
         self.port = port
         self.host = host
         self.binary = binary
@@ -255,6 +258,7 @@ class EmbeddedServer(_Lifecycle):
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.pid_path.unlink(missing_ok=True)
         cmd = [
+            *(["ip", "netns", "exec", self.netns] if self.netns else []),
             find_server_binary(self.binary), "-a", self.host, "-p", str(self.port), "-js",
             "-sd", str(self.store_dir / "jetstream"), "-c", str(self._write_conf()), "-P", str(self.pid_path),
         ]
@@ -339,7 +343,10 @@ class EmbeddedCluster(_Lifecycle):
         ready_timeout_s: float = 30.0,
         auth: AuthBlock | None = None,
         tls: ServerTls | None = None,
+        hosts: Sequence[tuple[str, str]] | None = None,
     ) -> None:
+        """``hosts``: node ``i`` listens on address ``hosts[i][0]`` inside network namespace
+        ``hosts[i][1]`` (``coevo.bench.hosts``) instead of ``host`` on loopback."""
         if nodes < 2:
             raise ConfigError(f"a cluster needs at least 2 nodes (3 to survive losing one), got {nodes}",
                               field=None)
@@ -347,11 +354,16 @@ class EmbeddedCluster(_Lifecycle):
         self.ready_timeout_s = ready_timeout_s
         client_ports = free_ports(nodes) if port == -1 else [port + i for i in range(nodes)]
         route_ports = free_ports(nodes)
-        routes = tuple(f"nats-route://127.0.0.1:{p}" for p in route_ports)
+        where = list(hosts) if hosts is not None else [(host, "")] * nodes
+        if len(where) != nodes:
+            raise ConfigError(f"{nodes} nodes need {nodes} hosts, got {len(where)}", field=None)
+        route_host = [h if hosts is not None else "127.0.0.1" for h, _ in where]
+        routes = tuple(f"nats-route://{route_host[i]}:{p}" for i, p in enumerate(route_ports))
         self.nodes = [
-            EmbeddedServer(self.store_dir / f"n{i}", port=client_ports[i], host=host, binary=binary,
+            EmbeddedServer(self.store_dir / f"n{i}", port=client_ports[i], host=where[i][0], binary=binary,
                            max_payload=max_payload, ready_timeout_s=ready_timeout_s, auth=auth, tls=tls,
-                           server_name=f"n{i}", cluster=ClusterRoutes(name, f"127.0.0.1:{route_ports[i]}", routes))
+                           server_name=f"n{i}", netns=where[i][1] or None,
+                           cluster=ClusterRoutes(name, f"{route_host[i]}:{route_ports[i]}", routes))
             for i in range(nodes)
         ]
 

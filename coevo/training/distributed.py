@@ -1,17 +1,29 @@
 """The learner under ``torchrun``: rank 0 is the agent (it alone talks to NATS); the other ranks
 follow its commands and train their share of every batch.
 
-Invariant: every rank executes the same sequence of collective operations: rank 0 broadcasts each
-command (``step`` with the batch, ``publish``, ``checkpoint``, ``stop``) before doing it itself, and each rank
-trains its rows of the batch's shared plan (``batch.rank_plan``: the same number of micro-batches on
-every rank, padded with zero-weight rows), gradients averaged by FSDP2 or by an all-reduce.
+Invariants:
+- every rank executes the same sequence of collective operations: rank 0 broadcasts each command
+  (``step`` with the batch, ``publish``, ``checkpoint``, ``stop``) before doing it itself, and each
+  rank trains its rows of the batch's shared plan (``batch.rank_plan``: the same number of
+  micro-batches on every rank, padded with zero-weight rows), gradients averaged by FSDP2 or by an
+  all-reduce;
+- a command that fails on any rank ends that rank's process at once (``abort``): the others may be
+  inside the command's collectives, so no rank retries or goes on alone. Its peers' collectives then
+  fail on the closed connection and they end too; torchrun (``--max-restarts``) or the process
+  manager starts the group again, which resumes from the newest durable checkpoint, and the groups
+  not yet acknowledged are redelivered (the learner's invariants: none lost, none trained twice).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import structlog
 
 from coevo.schemas import TrainingSample
 from coevo.training.lane import Lane, StepMetrics
@@ -42,6 +54,30 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+EXIT_RANK_FAILED = 75
+"""the exit status of a rank that ended its process group (torchrun restarts the group)"""
+
+T = TypeVar("T")
+log = structlog.get_logger("coevo.learner")
+
+
+def abort(command: str, exc: BaseException) -> None:
+    """End this rank's process now (from any thread): its peers cannot be told where it stopped."""
+    rank, world = world_from_env()
+    log.critical("learner.rank_failed", rank=rank, world=world, command=command, error=repr(exc)[:500])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_RANK_FAILED)
+
+
+def _or_abort(command: str, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except Exception as exc:
+        abort(command, exc)
+        raise  # not reached
+
+
 _COLLECTIVES = threading.Lock()
 """Rank 0 trains its lanes from several threads; collectives must reach every rank in one order."""
 
@@ -57,18 +93,18 @@ class RankZeroLane:
 
     def step(self, samples: list[TrainingSample], groups: list[str]) -> StepMetrics:
         with _COLLECTIVES:
-            _broadcast(("step", self.lane.role, [s.model_dump() for s in samples], groups))
-            return self.lane.step(samples, groups)
+            _or_abort("step", lambda: _broadcast(("step", self.lane.role, [s.model_dump() for s in samples], groups)))
+            return _or_abort("step", lambda: self.lane.step(samples, groups))
 
     def publish(self) -> Any:
         with _COLLECTIVES:
-            _broadcast(("publish", self.lane.role, None, None))
-            return self.lane.publish()
+            _or_abort("publish", lambda: _broadcast(("publish", self.lane.role, None, None)))
+            return _or_abort("publish", self.lane.publish)
 
     def begin_checkpoint(self) -> Any:
         with _COLLECTIVES:
-            _broadcast(("checkpoint", self.lane.role, None, None))
-            return self.lane.begin_checkpoint()
+            _or_abort("checkpoint", lambda: _broadcast(("checkpoint", self.lane.role, None, None)))
+            return _or_abort("checkpoint", self.lane.begin_checkpoint)
 
     def checkpoint(self) -> Any:
         return self.begin_checkpoint().result()
@@ -88,14 +124,16 @@ def follow(lanes: dict[str, Lane]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     while True:
-        command, role, samples, groups = _broadcast(None)
+        command, role, samples, groups = _or_abort("receive", lambda: _broadcast(None))
         if command == "stop":
             return
-        lane = lanes[role]
-        if command == "step":
-            batch = [TrainingSample.model_validate(s) for s in samples]
-            lane.step(batch, groups)
-        elif command == "publish":
-            lane.publish()
-        elif command == "checkpoint":
-            lane.begin_checkpoint().result()
+        _or_abort(command, functools.partial(_follow_one, lanes[role], command, samples, groups))
+
+
+def _follow_one(lane: Lane, command: str, samples: Any, groups: Any) -> None:
+    if command == "step":
+        lane.step([TrainingSample.model_validate(s) for s in samples], groups)
+    elif command == "publish":
+        lane.publish()
+    elif command == "checkpoint":
+        lane.begin_checkpoint().result()

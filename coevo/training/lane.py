@@ -20,6 +20,9 @@ Invariants:
   the checkpoint it resumed from, and survives restarts: one version per batch however many
   optimiser steps it took (``steps_total`` counts those), so published weights, ``LearnerStepped.version``
   and what followers load agree;
+- a batch is trained whole or not at all: a step that fails leaves the weights and optimiser state
+  of before it (``_UndoPoint`` when it takes several optimiser steps), so a retried group is never
+  trained once and a part;
 - every rank plans the same minibatches and, per minibatch, the same number of micro-batches
   (``rank_plan``): the same number of optimiser steps and collectives on every rank;
 - only complete checkpoints are ever loaded; a checkpoint records the groups whose samples it has
@@ -44,6 +47,7 @@ import torch
 
 from coevo.config import LearnerConfig
 from coevo.inference.checkpoints import HELD, manifest_of
+from coevo.runtime import faults
 from coevo.schemas import TrainingSample
 from coevo.training.batch import (
     Tensors,
@@ -177,7 +181,9 @@ class Lane:
         the proximal (and ``initial`` reference) log-probs are taken once, then ``epochs`` passes over
         ``minibatches`` minibatches take one optimiser step each; the version advances by one. A batch
         the staleness bound leaves empty takes no step: version unchanged, groups not consumed,
-        ``samples`` 0."""
+        ``samples`` 0. A batch of several optimiser steps whose later step fails leaves weights,
+        optimiser state and counters as they were before it (``_UndoPoint``): retried, its groups
+        are trained once, not once and a part."""
         t0 = time.perf_counter()
         fresh, stale = split_stale(samples, self.version, self.cfg.max_staleness)
         dropping = self.cfg.stale == "drop"
@@ -193,10 +199,16 @@ class Lane:
         fixed = self._fixed_logprobs(plans)
         agg: Counter[str] = Counter()
         steps = 0
-        for _epoch in range(self.cfg.epochs):
-            for part, micro, fx in zip(parts, plans, fixed, strict=True):
-                agg.update(self._optimizer_step(micro, fx, len(part)))
-                steps += 1
+        undo = _UndoPoint.of(self) if self.cfg.epochs * len(parts) > 1 else None
+        try:
+            for _epoch in range(self.cfg.epochs):
+                for part, micro, fx in zip(parts, plans, fixed, strict=True):
+                    agg.update(self._optimizer_step(micro, fx, len(part)))
+                    steps += 1
+        except BaseException:
+            if undo is not None and steps:  # a batch is trained whole or not at all
+                undo.restore(self)
+            raise
         tokens = sum(int(t.response_mask.sum()) + int(t.attention_mask.sum()) for micro in plans for t in micro)
         hist = Counter(str(staleness(s, self.version)) for s in kept)
         self.version += 1
@@ -255,6 +267,7 @@ class Lane:
             agg["kl"] += out.kl * weight
             agg["clip_fraction"] += out.clip_fraction * weight
             agg["mismatch_kl"] += out.mismatch_kl * weight
+        faults.hit("lane.optimizer_step")  # between this step's backward and its collectives
         self.all_reduce_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip)
         agg["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -369,6 +382,34 @@ class Lane:
     def close(self) -> None:
         """Wait for a checkpoint in flight and stop the writer's thread."""
         self._writer.close()
+
+
+@dataclass
+class _UndoPoint:
+    """The lane's trainable state before a batch of several optimiser steps: parameters and optimiser
+    state copied on their device (one more copy of each while such a batch runs; a batch of one
+    step, the default, needs none: its failure happens before ``optimizer.step``)."""
+
+    params: list[torch.Tensor]
+    optimizer: dict[Any, dict[str, Any]]
+    steps_total: int
+
+    @classmethod
+    def of(cls, lane: Lane) -> _UndoPoint:
+        with torch.no_grad():
+            params = [p.detach().clone() for p in lane.model.parameters()]
+            state = {p: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                     for p, s in lane.optimizer.state.items()}
+        return cls(params, state, lane.steps_total)
+
+    def restore(self, lane: Lane) -> None:
+        with torch.no_grad():
+            for p, saved in zip(lane.model.parameters(), self.params, strict=True):
+                p.copy_(saved)
+        lane.optimizer.state.clear()
+        lane.optimizer.state.update(self.optimizer)
+        lane.optimizer.zero_grad(set_to_none=True)
+        lane.steps_total = self.steps_total
 
 
 def _rank_world() -> tuple[int, int]:

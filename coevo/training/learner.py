@@ -30,8 +30,11 @@ Invariants:
   are never trained, and one left without a verdict is retried, then dropped (counted), never held
   for ever. Verdicts are read from the whole stream at every start, so a restart loses none;
   held-out (eval) and flagged groups are never trained;
-- the learner cannot hang or double-train: a group redelivered while queued joins its queued entry;
-  a lane that stops fails its queued groups (redelivered); a sample the lane cannot train is
+- the learner cannot hang or double-train: a group redelivered while queued or being trained joins
+  that entry; a lane that stops or crashes (its own failure, the other lane's, ``main``'s) fails its
+  queued groups and those waiting for a checkpoint (redelivered), after the step running then has
+  ended in its thread and its batch went where its outcome puts it (trained: waiting for a
+  checkpoint; not: queued), so no group is left in neither; a sample the lane cannot train is
   dropped alone with its reason; a step that fails on a batch of several groups is retried group
   by group, and only a group that fails alone is rejected (dead-lettered with the error).
 """
@@ -50,7 +53,7 @@ from coevo.config import CoevoConfig, checkpoint_root
 from coevo.errors import Reject, Retry
 from coevo.inference.clients import model_dir
 from coevo.runtime.agent import Agent
-from coevo.runtime.aio import wait_event
+from coevo.runtime.aio import outlast, wait_event
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import GroupScored, LearnerStepped, TaskDecided, TrainingSample, WeightsPublished
@@ -172,6 +175,8 @@ class LaneQueue:
     queued: list[QueuedGroup] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     last_arrival: float = 0.0
+    training: list[QueuedGroup] = field(default_factory=list)
+    """the batch of the step running now (a redelivery of one of its groups joins it)"""
     undurable: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     """groups trained into the weights, waiting for a durable checkpoint (their handlers wait on these)"""
     writes: asyncio.Queue[tuple[asyncio.Future[Checkpoint], dict[str, asyncio.Future[None]]] | None] = field(
@@ -289,9 +294,9 @@ class LearnerAgent(Agent):
             q.arrived.set()
 
     def enqueue(self, role: Role, q: LaneQueue, group_id: str, samples: list[TrainingSample]) -> asyncio.Future[None]:
-        """Queue a group's trainable samples; a group already queued (a redelivery) joins that entry.
-        The future ends when the group is trained and durable."""
-        for queued in q.queued:
+        """Queue a group's trainable samples; a group already queued or in the running step (a
+        redelivery) joins that entry. The future ends when the group is trained and durable."""
+        for queued in (*q.queued, *q.training):
             if queued.group_id == group_id:
                 return queued.done
         fine = []
@@ -390,11 +395,23 @@ class LearnerAgent(Agent):
         take = self.batching.take(q.queued)
         q.scored = self.batching.after_step(q.scored)
         samples = [s for p in take for s in p.samples]
+        q.training = take
+        step = asyncio.ensure_future(asyncio.to_thread(q.lane.step, samples, [p.group_id for p in take]))
         try:
-            metrics = await asyncio.to_thread(q.lane.step, samples, [p.group_id for p in take])
+            metrics = await asyncio.shield(step)
+        except asyncio.CancelledError:  # the thread goes on: where its groups belong is known once it ends
+            await outlast(step)
+            trained = not step.cancelled() and step.exception() is None and step.result().samples > 0
+            if trained:
+                q.undurable.update((p.group_id, p.done) for p in take)
+            else:
+                q.queued[:0] = take
+            raise
         except Exception as exc:
             self.step_failed(role, q, take, exc)
             return
+        finally:
+            q.training = []
         if metrics.stale_dropped:
             self.counters[f"samples.stale_dropped.{role}"] += metrics.stale_dropped
             self.log.info("learner.stale_dropped", role=role, samples=metrics.stale_dropped, version=q.lane.version,
