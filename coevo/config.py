@@ -85,6 +85,10 @@ class BusConfig(Section):
     nak_backoff_s: list[float] = Field(default_factory=lambda: [0.2, 1.0, 5.0], min_length=1)
     handler_concurrency: int = Field(default=8, ge=1)
     in_progress_every_s: float = Field(default=10.0, gt=0, description="heartbeat for long handlers")
+    payload_wait_s: float = Field(
+        default=300.0, gt=0, description="on its last delivery, a message whose claimed payload cannot be read "
+        "now is held and read again for this long before it is dead-lettered (an object store unreachable for "
+        "longer than the redeliveries take)")
     inline_max_bytes: int = Field(
         default=256 * 1024, ge=1024, description="an event encoded larger than this is stored in the run's object "
         "store and the stream holds a claim (key + sha256); always kept below stream.max_msg_size")

@@ -83,10 +83,11 @@ async def test_control_pause_resume_stop(bus: NatsBus, cfg) -> None:
     assert echo.state == "stopped"
 
 
-def spawn_agent(target: str, nats_url: str, run_id: str, env_extra: dict[str, str]) -> subprocess.Popen[bytes]:
+def spawn_agent(target: str, nats_url: str, run_id: str, env_extra: dict[str, str],
+                prefix: list[str] | None = None) -> subprocess.Popen[bytes]:
     env = subprocess_env() | env_extra
     return subprocess.Popen(
-        [PYTHON, "-m", "coevo", "agent", target, "--nats", nats_url, "--run-id", run_id,
+        [*(prefix or []), PYTHON, "-m", "coevo", "agent", target, "--nats", nats_url, "--run-id", run_id,
          "--log.console", "json", "--agent.heartbeat_s", "0.5", "--bus.fetch_timeout_s", "0.2",
          "--agent.drain_timeout_s", "10", "--run.runs_dir", env["COEVO_TEST_RUNS"]],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -87,3 +87,29 @@ async def test_an_object_store_that_cannot_be_read_now_delays_the_event_instead_
     assert consumer.stats.retried >= 1 and consumer.stats.dead_lettered == 0
     assert await small_bus.events(["dead.lettered"]) == []
 
+
+
+async def test_an_outage_longer_than_the_redeliveries_holds_the_last_delivery_until_the_store_answers(
+        nats_url: str, run_id: str, cfg: CoevoConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partition outlasts the redeliveries (here 2, a fraction of a second apart): the last one is held
+    and its claim read again (chaos lost four groups' events this way); dead-lettered only after
+    ``bus.payload_wait_s``."""
+    bus_cfg = cfg.bus.model_copy(update={"inline_max_bytes": 1024, "max_deliver": 2, "nak_backoff_s": [0.1]})
+    async with await NatsBus.connect(nats_url, run_id, nats_cfg=cfg.nats, bus=bus_cfg, stream=cfg.stream) as bus:
+        event = big_task(run_id, "o")
+        await bus.publish_sync(event)
+        store = await bus.payload_store()
+        real_get, failures = store.get, CLAIM_READS * 4  # both deliveries and two more reads of the last
+
+        async def get(*a: Any, **kw: Any) -> Any:
+            nonlocal failures
+            if failures > 0:
+                failures -= 1
+                raise nats.errors.TimeoutError
+            return await real_get(*a, **kw)
+
+        monkeypatch.setattr(store, "get", get)
+        reader = Reader(bus, cfg.model_copy(update={"bus": bus_cfg}))
+        await run_until([reader], reader.seen)
+        assert reader.got == [event] and failures == 0
+        assert await bus.events(["dead.lettered"]) == []

@@ -51,3 +51,42 @@ async def test_a_cluster_across_hosts_loses_a_cut_off_node_and_gets_it_back(tmp_
     listed = await asyncio.create_subprocess_exec("ip", "netns", "list", stdout=asyncio.subprocess.PIPE)
     out, _ = await listed.communicate()
     assert b"coevo-99-" not in out  # what it made is gone
+
+
+async def test_an_agent_cut_off_with_its_node_honours_sigterm_within_5_s(tmp_path: Path) -> None:
+    """Its connection to its own node stays up, but nothing it publishes is acknowledged (the node lost
+    its quorum): the bus counts that as gone, so the drain does not wait its full timeout."""
+    import signal
+    import time
+
+    from coevo.runtime.bus import NatsBus
+    from coevo.schemas import TaskScheduled, TaskSpec
+    from tests.agents_for_tests import Echo
+    from tests.test_agents import spawn_agent, wait_exit
+
+    with Hosts(3, tag="98") as hosts:
+        cluster = EmbeddedCluster(tmp_path / "nats", nodes=3, hosts=[(hosts.address(i), hosts.names[i]) for i in range(3)])
+        await asyncio.to_thread(cluster.start)
+        try:
+            async with await NatsBus.connect(cluster.url, "cut1") as bus:
+                await bus.provision()
+                for i in range(40):
+                    await bus.publish(Echo(bus, None).event(TaskScheduled, task=TaskSpec(task_id=f"t{i}", family="q"),
+                                                            group_id=f"g{i}", n_rollouts=1))  # type: ignore[arg-type]
+                await bus.flush()
+                agent = spawn_agent("tests.agents_for_tests:Echo", cluster.urls[0], "cut1",
+                                    {"COEVO_TEST_DELAY": "3.0", "COEVO_TEST_RUNS": str(tmp_path)},
+                                    prefix=hosts.prefix(0))
+                async with asyncio.timeout(60):  # it works
+                    while not await bus.events(["trajectory.completed"]):
+                        await asyncio.sleep(0.2)
+            hosts.cut(0)
+            await asyncio.sleep(4.0)  # it is cut off, still connected to node 0, its handlers mid-task
+            assert agent.poll() is None
+            t0 = time.monotonic()
+            agent.send_signal(signal.SIGTERM)
+            await wait_exit(agent, 30)
+            assert time.monotonic() - t0 < 5.0, time.monotonic() - t0
+        finally:
+            hosts.heal(0)
+            cluster.stop()

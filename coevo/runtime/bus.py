@@ -65,6 +65,8 @@ log = structlog.get_logger("coevo.bus")
 MSG_ID = "Nats-Msg-Id"
 CLAIM_READS = 4
 """tries at a claimed object within one decode (0.1, 0.2, 0.4 s apart) before PayloadUnavailable"""
+UNANSWERED_S = 3.0
+"""publishes unacknowledged this long, none acknowledged meanwhile: the server does not answer"""
 M = TypeVar("M", bound=Frozen)
 
 
@@ -173,6 +175,8 @@ class NatsBus:
         self._failed: list[_UnackedPublish] = []
         self._idle = asyncio.Event()
         self._idle.set()
+        self._unanswered_since: float | None = None
+        """since when a publish has waited with no acknowledgement of any (None: all answered)"""
         self._room = asyncio.Event()
         self._room.set()
         self._acks_prefix = ""
@@ -245,7 +249,14 @@ class NatsBus:
         return info
 
     def connected(self) -> bool:
-        return self.nc.is_connected
+        """Connected to a server that answers: a connection to a node cut off from its cluster (a
+        partition) stays up while nothing it is sent is acknowledged; once publishes have waited
+        ``UNANSWERED_S`` with no acknowledgement, it counts as gone (stops then drain as when
+        disconnected)."""
+        if not self.nc.is_connected:
+            return False
+        since = self._unanswered_since
+        return since is None or time.perf_counter() - since < UNANSWERED_S
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Flush pending publishes, then drain the connection, within ``timeout_s`` in all (a second
@@ -317,6 +328,8 @@ class NatsBus:
         self._tokens += 1
         token = str(self._tokens)
         pending.future = fut = asyncio.get_running_loop().create_future()
+        if self._unanswered_since is None:
+            self._unanswered_since = time.perf_counter()
         self._unacked[token] = pending  # before sending: the ack may be read while we wait to write
         self._idle.clear()
         try:
@@ -350,6 +363,8 @@ class NatsBus:
             pending.future.set_exception(PublishError(pending.subject, pending.event_id, error))
             pending.future.exception()  # retrieved: nobody need await a publish that is retried anyway
             return
+        # an acknowledgement: the server answers (a refusal does not count: it is retried)
+        self._unanswered_since = None if not self._unacked and not self._failed else time.perf_counter()
         self.stats.published += 1
         if b'"duplicate"' in data and json.loads(data).get("duplicate"):
             self.stats.duplicates += 1

@@ -174,19 +174,36 @@ class Consumer:
                     with contextlib.suppress(Exception):
                         await msg.in_progress()
 
+    async def _decode(self, msg: Msg) -> Event | None:
+        """The message's event; None when a claim could not be read now and the message was nak'd (it
+        is intact: read again on a later delivery). On its last delivery it is held (in progress)
+        and read again until ``bus.payload_wait_s``, so an outage of the object store (a partition,
+        a leader change) longer than the redeliveries loses nothing; only then dead-lettered."""
+        delivered = msg.metadata.num_delivered
+        deadline = time.monotonic() + self.cfg.payload_wait_s
+        pause = 1.0
+        while True:
+            try:
+                return await self.bus.decode_msg(msg)
+            except PayloadUnavailable as exc:
+                self.stats.retried += 1
+                log.warning("consumer.payload_unavailable", error=str(exc)[:300], consumer=self.sub.durable,
+                            delivered=delivered)
+                if delivered < self.cfg.max_deliver:
+                    await msg.nak(delay=backoff(self.cfg.nak_backoff_s, delivered))
+                    return None
+                if time.monotonic() + pause > deadline:
+                    await self._dead_letter(msg, f"claimed payload unreadable on {delivered} deliveries and for "
+                                                 f"{self.cfg.payload_wait_s:.0f} s more: {exc}")
+                    return None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 10.0)
+
     async def _handle(self, msg: Msg) -> None:
         try:
-            event = await self.bus.decode_msg(msg)
-        except PayloadUnavailable as exc:  # the message is intact: read it again on a later delivery
-            delivered = msg.metadata.num_delivered
-            if delivered >= self.cfg.max_deliver:
-                await self._dead_letter(msg, f"claimed payload unreadable on {delivered} deliveries: {exc}")
+            event = await self._decode(msg)
+            if event is None:
                 return
-            self.stats.retried += 1
-            log.warning("consumer.payload_unavailable", error=str(exc)[:300], consumer=self.sub.durable,
-                        delivered=delivered)
-            await msg.nak(delay=backoff(self.cfg.nak_backoff_s, delivered))
-            return
         except ValidationError as exc:
             await self._dead_letter(msg, f"invalid payload: {_short(exc)}")
             return

@@ -16,9 +16,21 @@ import signal
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """``preexec_fn``: ask the kernel for SIGTERM when the parent (its forking thread) is gone."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+def die_with_parent(sig: int = signal.SIGTERM) -> None:  # pragma: no cover - runs in the child between fork and exec
+    """``preexec_fn``: ask the kernel for ``sig`` when the parent (its forking thread) is gone."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def die_with_launcher() -> None:
+    """For a process whose launcher coevo does not control (a torchrun rank): SIGKILL when the
+    launcher is gone, so a launcher killed with -9 leaves no rank behind to hold the group's work.
+    A launcher gone already ends this process now."""
+    import os
+
+    parent = os.getppid()
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
 
 
 class StopSignals:

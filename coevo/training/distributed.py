@@ -39,6 +39,10 @@ def init_distributed() -> tuple[int, int]:
     import torch.distributed as dist
 
     rank, world = world_from_env()
+    if world > 1:  # a rank outlives neither torchrun nor, through it, whoever started torchrun
+        from coevo.runtime.proc import die_with_launcher
+
+        die_with_launcher()
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
