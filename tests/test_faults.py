@@ -328,16 +328,21 @@ def test_a_batch_whose_later_optimiser_step_fails_is_trained_whole_or_not_at_all
     assert warm.steps_total == clean.steps_total == 8
 
 
-async def test_a_redelivery_during_the_running_step_joins_it(bus: NatsBus, tiny, tmp_path, inject) -> None:  # noqa: F811
-    """#24: a group redelivered while its step ran was queued again and trained twice."""
+async def _learner_with_a_slow_step(bus: NatsBus, tiny: Any, tmp_path: Any, inject: Any) -> tuple[Any, Any, Any]:  # noqa: F811
+    """A learner agent on the real bus with one real policy lane whose next step takes a second."""
     from coevo.training.learner import LaneQueue, LearnerAgent
 
-    cfg = CoevoConfig(run={"runs_dir": tmp_path})
-    learner = LearnerAgent(bus, cfg)
+    learner = LearnerAgent(bus, CoevoConfig(run={"runs_dir": tmp_path}))
     q = LaneQueue(_lane(tiny, tmp_path / "ckpt"))
     learner.lanes["policy"] = q
     samples = await asyncio.to_thread(choice_samples, tiny, 4)
     inject({"lane.optimizer_step": {"delay_s": 1.0, "error": False, "times": 1}})
+    return learner, q, samples
+
+
+async def test_a_redelivery_during_the_running_step_joins_it(bus: NatsBus, tiny, tmp_path, inject) -> None:  # noqa: F811
+    """#24: a group redelivered while its step ran was queued again and trained twice."""
+    learner, q, samples = await _learner_with_a_slow_step(bus, tiny, tmp_path, inject)
     first = learner.enqueue("policy", q, "g", samples)
     step = asyncio.create_task(learner.train("policy", q))
     while not q.training:
@@ -356,14 +361,7 @@ async def test_a_lane_cancelled_mid_step_releases_the_batch_it_was_training(bus:
     pinned). Now cancellation waits for the step's thread, and the release fails the batch's futures
     (redelivered), trained or not."""
     from coevo.errors import Retry
-    from coevo.training.learner import LaneQueue, LearnerAgent
-
-    cfg = CoevoConfig(run={"runs_dir": tmp_path})
-    learner = LearnerAgent(bus, cfg)
-    q = LaneQueue(_lane(tiny, tmp_path / "ckpt"))
-    learner.lanes["policy"] = q
-    samples = await asyncio.to_thread(choice_samples, tiny, 4)
-    inject({"lane.optimizer_step": {"delay_s": 1.0, "error": False, "times": 1}})
+    learner, q, samples = await _learner_with_a_slow_step(bus, tiny, tmp_path, inject)
     done = learner.enqueue("policy", q, "g", samples)
     main = asyncio.create_task(learner.main())
     while not q.training:
@@ -408,3 +406,47 @@ def test_the_chaos_plan_gives_each_role_its_faults() -> None:
         ChaosPlan(faults=("link_cut",))
     with pytest.raises(ValueError, match="unknown fault kinds"):
         ChaosPlan(faults=("meteor",))
+
+
+async def test_a_scorer_whose_rebuild_meets_an_outage_waits_for_it_instead_of_exiting(bus: NatsBus, cfg) -> None:
+    """#24 (chaos --hosts 3): the scorer's rebuild read the stream before the agent ran, unsupervised; a
+    node down or a claim unreadable then ended the process (12 exits in 10 minutes, each a cold
+    start). Now it is read again after the outage, and the agent runs."""
+    import nats.js.errors
+
+    from coevo.agents.scorer import ScorerAgent
+    from coevo.errors import PayloadUnavailable
+    from coevo.schemas import TaskScheduled
+    from tests.samples import sample_events
+
+    scheduled = next(e for e in sample_events(bus.run_id) if isinstance(e, TaskScheduled))
+    await bus.publish_sync(scheduled)
+    (sub,) = ScorerAgent(bus, cfg).subscriptions()
+    puller = await bus.puller(sub.durable, sub.kinds)
+    try:
+        assert await puller.fetch(1, 2.0)  # delivered before a restart, never acknowledged
+    finally:
+        await puller.unsubscribe()
+    scorer = ScorerAgent(bus, cfg)
+    real, outages = scorer.bus.js.consumer_info, [
+        nats.js.errors.ServiceUnavailableError(code=503, description="JetStream system temporarily unavailable"),
+        PayloadUnavailable("claimed object unreadable now")]
+
+    async def consumer_info(*a: Any, **kw: Any) -> Any:
+        if outages:
+            raise outages.pop(0)
+        return await real(*a, **kw)
+
+    scorer.bus.js.consumer_info = consumer_info  # type: ignore[method-assign]
+    try:
+        task = asyncio.create_task(scorer.run())
+        async with asyncio.timeout(30):
+            while scorer.state != "running":
+                assert not task.done(), task.exception()
+                await asyncio.sleep(0.05)
+        assert not outages and scorer.groups[scheduled.group_id].scheduled is not None
+        assert scorer.counters["retried.scorer.rebuild"] == 2
+        scorer.stop()
+        await task
+    finally:
+        scorer.bus.js.consumer_info = real  # type: ignore[method-assign]

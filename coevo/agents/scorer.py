@@ -231,8 +231,8 @@ class ScorerAgent(Agent):
         return [Subscription("scorer", self.KINDS, self.on_event, concurrency=1)]
 
     async def run(self) -> None:
-        await self.rebuild()
-        await super().run()
+        if await self.until_answered("scorer.rebuild", self.rebuild):
+            await super().run()
 
     async def rebuild(self) -> None:
         """Re-apply what this consumer was delivered before a restart.

@@ -6,8 +6,8 @@ process. The faults (``ChaosPlan.faults``, ``KINDS``):
 - ``kill``: kill -9 of a random agent every ``kill_every_s`` (started again at once);
 - ``node``: a NATS node killed every ``node_every_s`` and restarted after ``node_down_s``;
 - ``garbage``: random bytes and schema-violating events on every subject;
-- ``store_reads``: reads of claimed payloads fail (fault point ``claims.fetch``; events above 4 KiB
-  go through the object store);
+- ``store_reads``: reads of claimed payloads fail (fault point ``claims.fetch``; events above 32 KiB,
+  the groups' scores among them, go through the object store);
 - ``slow_handlers``: handlers stall for seconds (``handler``) with full fetch batches behind them;
 - ``follower_lag``: followers take longer to load weights than the learner keeps versions;
 - ``rank_failure``: the learner is two gloo ranks under torchrun, and a rank fails inside a step
@@ -301,7 +301,7 @@ def chaos_overrides(runs_dir: Path, cache: Path | None, replicas: int, plan: Cha
     if cache is not None:
         out["env.cache_dir"] = str(cache)
     if plan is not None and "store_reads" in plan.faults:
-        out["bus.inline_max_bytes"] = 4096  # most groups' events through the object store
+        out["bus.inline_max_bytes"] = 32768  # the groups' scores (and the longest trajectories) by claim
     return out
 
 

@@ -28,7 +28,7 @@ from coevo.config import CoevoConfig
 from coevo.errors import AgentFailed
 from coevo.runtime import outbox
 from coevo.runtime.aio import drain, first_completed, wait_event
-from coevo.runtime.bus import NatsBus
+from coevo.runtime.bus import TRANSIENT, NatsBus
 from coevo.runtime.consumer import Consumer, Subscription
 from coevo.schemas import AgentStatus, ControlReply, ControlRequest, Event, Source, new_id
 from coevo.schemas.events import AgentState
@@ -148,6 +148,25 @@ class Agent:
         while not self._resumed.is_set() and not self.stopping.is_set():
             await first_completed(self._resumed.wait(), self.stopping.wait())
         return not self.stopping.is_set()
+
+    async def until_answered(self, what: str, fn: Callable[[], Awaitable[None]]) -> bool:
+        """Run ``fn`` (work before the agent starts, such as rebuilding state from the stream: it
+        must be safe to run again), again after each transient bus failure (``bus.TRANSIENT``: a
+        node down, a partition, a claim unreadable now) with ``agent.restart_backoff_s``, until it
+        succeeds (True) or the agent is stopped (False). A restart of the whole process would only
+        meet the same outage, slower."""
+        delays = self.cfg.agent.restart_backoff_s
+        attempt = 0
+        while True:
+            try:
+                await fn()
+                return True
+            except TRANSIENT as exc:
+                self.counters[f"retried.{what}"] += 1
+                self.log.warning("agent.startup_retried", what=what, attempt=attempt + 1, error=repr(exc)[:300])
+                if not await self.sleep(delays[min(attempt, len(delays) - 1)]):
+                    return False
+                attempt += 1
 
     async def sleep(self, seconds: float) -> bool:
         """Sleep unless stopped first; returns False when stopping."""

@@ -65,6 +65,9 @@ log = structlog.get_logger("coevo.bus")
 MSG_ID = "Nats-Msg-Id"
 CLAIM_READS = 4
 """tries at a claimed object within one decode (0.1, 0.2, 0.4 s apart) before PayloadUnavailable"""
+TRANSIENT = (BusError, nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
+             nats.js.errors.ServiceUnavailableError)
+"""what the bus raises while a node is down, a partition lasts or a leader is elected: try again later"""
 UNANSWERED_S = 3.0
 """publishes unacknowledged this long, none acknowledged meanwhile: the server does not answer"""
 M = TypeVar("M", bound=Frozen)
