@@ -8,7 +8,8 @@ process. The faults (``ChaosPlan.faults``, ``KINDS``):
 - ``garbage``: random bytes and schema-violating events on every subject;
 - ``store_reads``: reads of claimed payloads fail (fault point ``claims.fetch``; events above 32 KiB,
   the groups' scores among them, go through the object store);
-- ``slow_handlers``: handlers stall for seconds (``handler``) with full fetch batches behind them;
+- ``slow_handlers``: a handler in 2,000 stalls 12 s, past ``bus.ack_wait_s`` (``handler``), with full
+  fetch batches behind it;
 - ``follower_lag``: followers take longer to load weights than the learner keeps versions;
 - ``rank_failure``: the learner is two gloo ranks under torchrun, and a rank fails inside a step
   (``lane.optimizer_step``); the group ends and is started again, as a process manager would;
@@ -104,7 +105,9 @@ def fault_rules(plan: ChaosPlan, role: str) -> dict[str, dict[str, Any]]:
     if "store_reads" in on:
         rules["claims.fetch"] = {"p": 0.05, "seed": plan.seed}
     if "slow_handlers" in on and role != "learner":  # the learner's handlers wait for checkpoints anyway
-        rules["handler"] = {"p": 0.02, "delay_s": 4.0, "error": False, "seed": plan.seed}
+        # rare but past bus.ack_wait_s (10 s): a sequential consumer (the scorer) handles every step and
+        # vote, so 2 % of 4 s stalls (the first plan) kept it stalled most of the time
+        rules["handler"] = {"p": 0.0005, "delay_s": 12.0, "error": False, "seed": plan.seed}
     if "follower_lag" in on and role in ("policy", "judge"):
         rules["follower.load"] = {"p": 0.3, "delay_s": 20.0, "error": False, "seed": plan.seed}
     if "rank_failure" in on and role == "learner":
