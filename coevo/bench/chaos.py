@@ -273,8 +273,7 @@ class Fleet:
     async def kill(self, role: str) -> None:
         proc = self.procs[role]
         if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            _signal(proc, signal.SIGKILL)
             await proc.wait()
 
     async def terminate(self, role: str, grace_s: float = 30.0) -> float:
@@ -282,8 +281,7 @@ class Fleet:
         proc = self.procs[role]
         t0 = time.monotonic()
         if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+            _signal(proc, signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), grace_s)
             except TimeoutError:
@@ -292,6 +290,16 @@ class Fleet:
 
     async def stop(self, roles: tuple[str, ...] = ROLES, grace_s: float = 30.0) -> None:
         await asyncio.gather(*(self.terminate(r, grace_s) for r in roles if r in self.procs))
+
+
+def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+    """``sig`` to the process's group when it leads one (a torchrun and its ranks), else to it alone
+    (a subclass may start its processes in the bench's own group)."""
+    with contextlib.suppress(ProcessLookupError):
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
 
 
 def chaos_overrides(runs_dir: Path, cache: Path | None, replicas: int, plan: ChaosPlan | None = None) -> dict[str, Any]:
