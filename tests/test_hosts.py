@@ -29,8 +29,7 @@ async def _published(nc: nats.NATS, data: bytes) -> object:
 
 async def test_a_cluster_across_hosts_loses_a_cut_off_node_and_gets_it_back(tmp_path: Path) -> None:
     with Hosts(3, tag="99") as hosts:
-        placement = [(hosts.address(i), hosts.names[i]) for i in range(3)]
-        cluster = EmbeddedCluster(tmp_path, nodes=3, hosts=placement)
+        cluster = EmbeddedCluster(tmp_path, nodes=3, hosts=hosts.placement())
         url = await asyncio.to_thread(cluster.start)
         try:
             assert url.split(",") == [f"nats://198.18.0.{i + 1}:{n.port}" for i, n in enumerate(cluster.nodes)]
@@ -65,7 +64,7 @@ async def test_an_agent_cut_off_with_its_node_honours_sigterm_within_5_s(tmp_pat
     from tests.test_agents import spawn_agent, wait_exit
 
     with Hosts(3, tag="98") as hosts:
-        cluster = EmbeddedCluster(tmp_path / "nats", nodes=3, hosts=[(hosts.address(i), hosts.names[i]) for i in range(3)])
+        cluster = EmbeddedCluster(tmp_path / "nats", nodes=3, hosts=hosts.placement())
         await asyncio.to_thread(cluster.start)
         try:
             async with await NatsBus.connect(cluster.url, "cut1") as bus:

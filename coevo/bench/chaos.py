@@ -531,8 +531,8 @@ async def bench_chaos(plan: ChaosPlan, *, cache: Path | None = None, baseline: b
         runs = (f"chaos{plan.seed}", f"calm{plan.seed}")
         users = role_users(credentials_dir(work / "nats"), runs)
         hosts = stack.enter_context(Hosts(plan.hosts, tag=str(plan.seed % 100))) if plan.hosts else None
-        placement = [(hosts.address(i), hosts.names[i]) for i in range(plan.hosts)] if hosts else None
-        async with EmbeddedCluster(work / "nats", nodes=plan.hosts or 3, auth=users, hosts=placement) as cluster:
+        async with EmbeddedCluster(work / "nats", nodes=plan.hosts or 3, auth=users,
+                                   hosts=hosts.placement() if hosts else None) as cluster:
             chaos = await run_fleet(cluster, work, runs[0], plan, faults=True, cache=cache, hosts=hosts)
             calm = await run_fleet(cluster, work, runs[1], plan, faults=False, cache=cache, hosts=hosts) \
                 if baseline else None

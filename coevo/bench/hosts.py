@@ -46,10 +46,13 @@ class Hosts:
         self.bridge = f"cvbr{tag}"
         self.names = [f"coevo-{tag}-h{i}" for i in range(n)]
         self._links = [f"cv{tag}h{i}" for i in range(n)]
-        self.cuts = 0
 
     def address(self, i: int) -> str:
         return f"{NET}.{i + 1}"
+
+    def placement(self) -> list[tuple[str, str]]:
+        """(address, namespace) of every host: where ``EmbeddedCluster(hosts=...)`` puts node ``i``."""
+        return [(self.address(i), self.names[i]) for i in range(self.n)]
 
     def prefix(self, i: int) -> list[str]:
         """Put in front of a command to run it on host ``i``."""
@@ -57,7 +60,6 @@ class Hosts:
 
     def cut(self, i: int) -> None:
         _ip("link", "set", self._links[i], "down")
-        self.cuts += 1
 
     def heal(self, i: int) -> None:
         _ip("link", "set", self._links[i], "up")

@@ -29,7 +29,7 @@ from coevo.errors import AgentFailed
 from coevo.runtime import outbox
 from coevo.runtime.aio import drain, first_completed, wait_event
 from coevo.runtime.bus import TRANSIENT, NatsBus
-from coevo.runtime.consumer import Consumer, Subscription
+from coevo.runtime.consumer import Consumer, Subscription, backoff
 from coevo.schemas import AgentStatus, ControlReply, ControlRequest, Event, Source, new_id
 from coevo.schemas.events import AgentState
 
@@ -155,7 +155,6 @@ class Agent:
         node down, a partition, a claim unreadable now) with ``agent.restart_backoff_s``, until it
         succeeds (True) or the agent is stopped (False). A restart of the whole process would only
         meet the same outage, slower."""
-        delays = self.cfg.agent.restart_backoff_s
         attempt = 0
         while True:
             try:
@@ -163,10 +162,10 @@ class Agent:
                 return True
             except TRANSIENT as exc:
                 self.counters[f"retried.{what}"] += 1
-                self.log.warning("agent.startup_retried", what=what, attempt=attempt + 1, error=repr(exc)[:300])
-                if not await self.sleep(delays[min(attempt, len(delays) - 1)]):
-                    return False
                 attempt += 1
+                self.log.warning("agent.startup_retried", what=what, attempt=attempt, error=repr(exc)[:300])
+                if not await self.sleep(backoff(self.cfg.agent.restart_backoff_s, attempt)):
+                    return False
 
     async def sleep(self, seconds: float) -> bool:
         """Sleep unless stopped first; returns False when stopping."""

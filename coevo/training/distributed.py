@@ -9,8 +9,8 @@ Invariants:
   all-reduce;
 - a command that fails on any rank ends that rank's process at once (``abort``): the others may be
   inside the command's collectives, so no rank retries or goes on alone. Its peers' collectives then
-  fail on the closed connection and they end too; torchrun (``--max-restarts``) or the process
-  manager starts the group again, which resumes from the newest durable checkpoint, and the groups
+  fail on the closed connection and they end too, and so does torchrun; the process manager starts
+  it again (torchrun's own ``--max-restarts`` sometimes failed to reconnect its gloo group here), which resumes from the newest durable checkpoint, and the groups
   not yet acknowledged are redelivered (the learner's invariants: none lost, none trained twice).
 """
 
