@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coevo.runtime.proc import run_stoppable
+
 
 def _config_flags(parser: argparse.ArgumentParser) -> None:
     from coevo.config import leaf_fields
@@ -411,7 +413,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_bench_bus(args: argparse.Namespace) -> int:
     from coevo.bench.bus import bench_bus
 
-    result = asyncio.run(bench_bus(count=args.count, repeats=args.repeats, url=args.nats_url))
+    result = run_stoppable(bench_bus(count=args.count, repeats=args.repeats, url=args.nats_url))
     return _emit(result, args.json)
 
 
@@ -419,20 +421,20 @@ def cmd_bench_envs(args: argparse.Namespace) -> int:
     from coevo.bench.envs import bench_envs
 
     families = tuple(f.strip() for f in args.families.split(",") if f.strip())
-    return _emit(asyncio.run(bench_envs(args.seconds, families)), args.json)
+    return _emit(run_stoppable(bench_envs(args.seconds, families)), args.json)
 
 
 def cmd_bench_learn(args: argparse.Namespace) -> int:
     from coevo.bench.learn import bench_learn
 
-    return _emit(asyncio.run(bench_learn(args.minutes, args.eval_every, args.episodes, **_over_seeds(args))),
+    return _emit(run_stoppable(bench_learn(args.minutes, args.eval_every, args.episodes, **_over_seeds(args))),
                  args.json)
 
 
 def cmd_bench_ladder(args: argparse.Namespace) -> int:
     from coevo.bench.learn import bench_ladder
 
-    return _emit(asyncio.run(bench_ladder(args.minutes, args.eval_every, args.episodes, **_over_seeds(args))),
+    return _emit(run_stoppable(bench_ladder(args.minutes, args.eval_every, args.episodes, **_over_seeds(args))),
                  args.json)
 
 
@@ -462,7 +464,7 @@ def cmd_bench_weights(args: argparse.Namespace) -> int:
     from coevo.bench.weights import bench_weights
 
     sizes = tuple(s.strip() for s in args.sizes.split(",") if s.strip())
-    return _emit(asyncio.run(bench_weights(args.vllm_python, sizes)), args.json)
+    return _emit(run_stoppable(bench_weights(args.vllm_python, sizes)), args.json)
 
 
 def cmd_bench_learner(args: argparse.Namespace) -> int:
@@ -482,7 +484,7 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
                          seed=args.seed, faults=kinds, hosts=args.hosts, cut_every_s=args.cut_every, cut_s=args.cut_s)
     except ValueError as exc:
         raise SystemExit(f"coevo bench chaos: {exc}") from None
-    result = asyncio.run(bench_chaos(plan, baseline=not args.no_baseline, workdir=args.workdir))
+    result = run_stoppable(bench_chaos(plan, baseline=not args.no_baseline, workdir=args.workdir))
     _emit(result, args.json)
     return 0 if result["ok"] else 1
 
@@ -491,7 +493,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     from coevo.bench.soak import bench_soak
 
     extra = [a for kv in args.set for a in ("--set", kv)]
-    return _emit(asyncio.run(bench_soak(args.minutes, args.every, extra)), args.json)
+    return _emit(run_stoppable(bench_soak(args.minutes, args.every, extra)), args.json)
 
 
 def cmd_bench_codec(args: argparse.Namespace) -> int:
@@ -505,7 +507,7 @@ def cmd_bench_async(args: argparse.Namespace) -> int:
 
     overrides = {k.strip(): _parse_value(v) for k, _, v in (kv.partition("=") for kv in args.set)}
     plan = AsyncPlan(minutes=args.minutes, seeds=args.seeds, loop=args.loop, overrides=overrides)
-    return _emit(asyncio.run(bench_async(plan, workdir=args.workdir)), args.json)
+    return _emit(run_stoppable(bench_async(plan, workdir=args.workdir)), args.json)
 
 
 def _emit(result: dict[str, Any], path: Path | None) -> int:

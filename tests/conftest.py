@@ -181,3 +181,19 @@ async def run_until(agents: list[Any], ready: Any, timeout_s: float = 30.0) -> N
                 while not await ready():
                     await asyncio.sleep(0.1)
         stop.set()
+
+
+@pytest.fixture
+def inject(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Set ``COEVO_FAULTS`` for this process (and forget it afterwards)."""
+    import json
+
+    from coevo.runtime import faults
+
+    def set_rules(rules: dict[str, dict[str, Any]]) -> None:
+        monkeypatch.setenv(faults.ENV, json.dumps(rules))
+        faults.reset()
+
+    yield set_rules
+    monkeypatch.delenv(faults.ENV, raising=False)
+    faults.reset()

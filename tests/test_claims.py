@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import nats.errors
 import pytest
 
 from coevo.config import CoevoConfig
+from coevo.runtime import faults
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import CLAIM_READS, NatsBus
 from coevo.runtime.claims import Claim, is_claim
@@ -66,23 +66,14 @@ class Reader(Agent):
 
 
 async def test_an_object_store_that_cannot_be_read_now_delays_the_event_instead_of_losing_it(
-        small_bus: NatsBus, cfg: CoevoConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+        small_bus: NatsBus, cfg: CoevoConfig, inject: Any) -> None:
     event = big_task(small_bus.run_id, "z")
     await small_bus.publish_sync(event)
-    store = await small_bus.payload_store()
-    real_get, failures = store.get, CLAIM_READS + 2  # the whole first delivery fails, the second recovers
-
-    async def get(*a: Any, **kw: Any) -> Any:
-        nonlocal failures
-        if failures > 0:
-            failures -= 1
-            raise nats.errors.TimeoutError  # what a read during a leader change gives
-        return await real_get(*a, **kw)
-
-    monkeypatch.setattr(store, "get", get)
+    failures = CLAIM_READS + 2  # the whole first delivery fails, the second recovers
+    inject({"claims.fetch": {"times": failures}})
     reader = Reader(small_bus, cfg)
     await run_until([reader], reader.seen)
-    assert reader.got == [event] and failures == 0
+    assert reader.got == [event] and faults.fired("claims.fetch") == failures
     (consumer,) = reader._consumers
     assert consumer.stats.retried >= 1 and consumer.stats.dead_lettered == 0
     assert await small_bus.events(["dead.lettered"]) == []
@@ -90,7 +81,7 @@ async def test_an_object_store_that_cannot_be_read_now_delays_the_event_instead_
 
 
 async def test_an_outage_longer_than_the_redeliveries_holds_the_last_delivery_until_the_store_answers(
-        nats_url: str, run_id: str, cfg: CoevoConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+        nats_url: str, run_id: str, cfg: CoevoConfig, inject: Any) -> None:
     """A partition outlasts the redeliveries (here 2, a fraction of a second apart): the last one is held
     and its claim read again (chaos lost four groups' events this way); dead-lettered only after
     ``bus.payload_wait_s``."""
@@ -98,18 +89,40 @@ async def test_an_outage_longer_than_the_redeliveries_holds_the_last_delivery_un
     async with await NatsBus.connect(nats_url, run_id, nats_cfg=cfg.nats, bus=bus_cfg, stream=cfg.stream) as bus:
         event = big_task(run_id, "o")
         await bus.publish_sync(event)
-        store = await bus.payload_store()
-        real_get, failures = store.get, CLAIM_READS * 4  # both deliveries and two more reads of the last
-
-        async def get(*a: Any, **kw: Any) -> Any:
-            nonlocal failures
-            if failures > 0:
-                failures -= 1
-                raise nats.errors.TimeoutError
-            return await real_get(*a, **kw)
-
-        monkeypatch.setattr(store, "get", get)
+        failures = CLAIM_READS * 4  # both deliveries and two more reads of the last
+        inject({"claims.fetch": {"times": failures}})
         reader = Reader(bus, cfg.model_copy(update={"bus": bus_cfg}))
         await run_until([reader], reader.seen)
-        assert reader.got == [event] and failures == 0
+        assert reader.got == [event] and faults.fired("claims.fetch") == failures
         assert await bus.events(["dead.lettered"]) == []
+
+
+async def test_a_scorer_restarted_while_its_store_is_unreadable_rebuilds_from_the_scores_ids(
+        small_bus: NatsBus, cfg: CoevoConfig, inject: Any) -> None:
+    """Chaos (three hosts): the scorer's rebuild read every ``GroupScored``, the largest events and
+    claims, and one unreadable object held the restarted scorer in its rebuild for the rest of the
+    run (20 groups unscored). It needs only which groups are scored, and their ids say it."""
+    from coevo.agents.scorer import ScorerAgent, scored_id
+    from coevo.schemas import GroupScored
+    from tests.samples import sample_events
+
+    proto = {type(e): e for e in sample_events(small_bus.run_id)}
+    done, open_ = (proto[TaskScheduled].model_copy(update={"event_id": f"sched-{g}", "group_id": g})
+                   for g in ("g-done", "g-open"))
+    score = proto[GroupScored].model_copy(update={"event_id": scored_id("g-done"), "group_id": "g-done",
+                                                  "trajectory_ids": [f"t{i:05d}" for i in range(200)]})
+    for e in (done, score, open_):
+        await small_bus.publish_sync(e)
+    (stored,) = [m async for _, _, m in small_bus.history(["group.scored"], undecoded=["group.scored"])]
+    assert is_claim(stored.headers)
+    (sub,) = ScorerAgent(small_bus, cfg).subscriptions()
+    puller = await small_bus.puller(sub.durable, sub.kinds)
+    try:
+        assert len(await puller.fetch(2, 2.0)) == 2  # both schedules delivered before the restart
+    finally:
+        await puller.unsubscribe()
+    inject({"claims.fetch": {}})  # every read of a claim fails
+    scorer = ScorerAgent(small_bus, cfg)
+    await asyncio.wait_for(scorer.rebuild(), 20)
+    assert list(scorer.scored) == ["g-done"] and list(scorer.groups) == ["g-open"]
+    assert faults.fired("claims.fetch") == 0  # nothing it needed was claimed

@@ -55,8 +55,7 @@ def test_no_role_changes_the_stream_or_reads_another_roles_inbox() -> None:
                                                  "$JS.API.STREAM.MSG.DELETE", "$KV.>", "_INBOX"))
                        for s in p.publish), role
         purges = [s for s in p.publish if s.startswith("$JS.API.STREAM.PURGE.")]
-        assert purges == [f"$JS.API.STREAM.PURGE.OBJ_COEVO_r1_payloads_{role}", *(  # its own claims only
-            ["$JS.API.STREAM.PURGE.COEVO_r1"] if role == "retention" else [])], role
+        assert purges == (["$JS.API.STREAM.PURGE.COEVO_r1"] if role == "retention" else []), role
         assert [s for s in p.publish if s.startswith("$O.")] == [f"$O.COEVO_r1_payloads_{role}.>"]
         assert [s for s in p.publish if s.startswith("$KV.")] == [
             f"$KV.coevo_r1_{b}.>" for b in {"tasks": ("tasks", "llmcache_tasks"),
@@ -225,28 +224,43 @@ async def test_an_event_on_another_kinds_subject_is_not_an_event(run_bus: NatsBu
     assert await run_bus.events() == []
 
 
-async def test_a_role_stores_its_large_events_in_its_own_object_store(run_bus: NatsBus, tmp_path: Path) -> None:
+async def test_a_role_stores_its_large_events_in_its_own_object_store_and_every_role_reads_them(
+        run_bus: NatsBus, tmp_path: Path) -> None:
+    """Through the roles' own connections: the tasks agent writes its claim, another role (the
+    scorer's consumer, the learner's history) follows it (every role's read used to time out on a
+    stream lookup it may not make), and nobody but the admin purges an object store."""
     from coevo.config import BusConfig, NatsConfig
     from coevo.runtime.claims import Claim, is_claim
     from coevo.schemas import Source, TaskScheduled, TaskSpec
 
     creds = credentials_dir(tmp_path / "nats")
-    tasks = await NatsBus.connect(_url(run_bus), run_bus.run_id, bus=BusConfig(inline_max_bytes=1024),
-                                  nats_cfg=NatsConfig(credentials_file=creds / "tasks.json"))
+
+    async def role_bus(role: str) -> NatsBus:
+        return await NatsBus.connect(_url(run_bus), run_bus.run_id, bus=BusConfig(inline_max_bytes=1024),
+                                     nats_cfg=NatsConfig(credentials_file=creds / f"{role}.json"))
+
+    tasks = await role_bus("tasks")
     big = TaskScheduled(run_id=run_bus.run_id, source=Source(agent_id="t", role="tasks"), group_id="g", n_rollouts=1,
-                        task=TaskSpec(task_id="t", family="quick", params={"blob": "x" * 5000}))
+                        task=TaskSpec(task_id="t", family="quick", params={"blob": "x" * 400_000}))  # 4 chunks
     await tasks.publish_sync(big)
+    await tasks.publish_sync(big)  # a rerun finds its object stored
     errors: list[Exception] = []
-    policy = await _connect(_url(run_bus), creds / "policy.json", errors)
-    js = policy.jetstream(timeout=1.0)
-    with pytest.raises((TimeoutError, nats.errors.TimeoutError)):  # the tasks agent's objects are its own
-        await js.purge_stream(f"OBJ_COEVO_{run_bus.run_id}_payloads_tasks")
-    await policy.close()
+    for role in ("tasks", "policy"):
+        nc = await _connect(_url(run_bus), creds / f"{role}.json", errors)
+        with pytest.raises((TimeoutError, nats.errors.TimeoutError)):  # not even the owner purges
+            await nc.jetstream(timeout=1.0).purge_stream(f"OBJ_COEVO_{run_bus.run_id}_payloads_tasks")
+        await nc.close()
     await tasks.close()
     (stored,) = [m async for _, _, m in run_bus.history(["task.scheduled"])]
-    assert is_claim(stored.headers) and Claim.parse(stored.data).bucket == f"COEVO_{run_bus.run_id}_payloads_tasks"
-    assert await run_bus.events(["task.scheduled"]) == [big]  # every reader follows it to the tasks store
-    assert any("stream.purge.obj_coevo_sec1_payloads_tasks" in str(e).lower() for e in errors), errors
+    claim = Claim.parse(stored.data)
+    assert is_claim(stored.headers) and claim.bucket == f"COEVO_{run_bus.run_id}_payloads_tasks"
+    assert [o.name for o in await (await run_bus.payload_store(claim.bucket)).list()] == [claim.key]
+    for role in ("scorer", "learner"):
+        reader = await role_bus(role)
+        assert await reader.events(["task.scheduled"]) == [big], role  # followed to the tasks store
+        await reader.close()
+    assert await run_bus.events(["task.scheduled"]) == [big]
+    assert len([e for e in errors if "stream.purge.obj_coevo_sec1_payloads_tasks" in str(e).lower()]) == 2, errors
 
 
 async def test_a_coevo_runs_nats_refuses_strangers_and_roles_outside_their_subjects(tmp_path: Path,

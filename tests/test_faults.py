@@ -217,6 +217,35 @@ def test_a_benchs_agents_die_with_it(tmp_path) -> None:
     raise AssertionError("the child outlived its parent")
 
 
+def test_a_rank_whose_launcher_is_gone_before_it_starts_ends_at_once(tmp_path) -> None:
+    """#24 (a bench stopped while torchrun started a group): the ranks asked to die with their launcher
+    only once torch was imported, seconds after it was gone, and ran on as orphans holding the
+    learner's consumer. ``coevo``'s entry point asks first; a parent gone by then ends the rank."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RUN_ID": "t"}
+    launcher = subprocess.run(["sh", "-c", f'{sys.executable} -m coevo --help > {out} 2>&1 & echo $!'],
+                              env=env, capture_output=True, text=True, check=True)  # gone at once
+    rank = int(launcher.stdout)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(rank, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(rank, 9)
+        raise AssertionError("the rank outlived its launcher")
+    assert out.read_text() == ""  # it never got to the command
+    done = subprocess.run([sys.executable, "-m", "coevo", "--help"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "usage" in done.stdout  # a rank whose launcher lives runs as before
+
+
 def test_a_candidate_refused_before_any_rollout_does_not_decide_its_later_groups() -> None:
     """#24: a pre-check failure (no group, no accuracy) was recorded under the candidate's id and
     rejected a later group of the same candidate, re-proposed and accepted."""
@@ -272,22 +301,6 @@ def test_a_checkpoint_rewritten_at_its_version_is_never_missing(tmp_path, monkey
 
 
 # ---- the learner's lanes ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def inject(monkeypatch):
-    """Set ``COEVO_FAULTS`` for this process (and forget it afterwards)."""
-    import json
-
-    from coevo.runtime import faults
-
-    def set_rules(rules: dict[str, dict[str, Any]]) -> None:
-        monkeypatch.setenv(faults.ENV, json.dumps(rules))
-        faults.reset()
-
-    yield set_rules
-    monkeypatch.delenv(faults.ENV, raising=False)
-    faults.reset()
 
 
 def _state(lane: Any) -> tuple[list[Any], dict[str, Any]]:
@@ -450,3 +463,26 @@ async def test_a_scorer_whose_rebuild_meets_an_outage_waits_for_it_instead_of_ex
         await task
     finally:
         scorer.bus.js.consumer_info = real  # type: ignore[method-assign]
+
+
+async def test_a_stop_ends_start_up_work_under_way_at_once(bus: NatsBus, cfg) -> None:
+    """#24: a SIGTERM while the scorer rebuilt (a read of the stream during a partition, minutes) waited
+    for the read: the bench's scorer outlived the bench. ``until_answered`` now cancels the work."""
+    from coevo.agents.scorer import ScorerAgent
+
+    scorer, started, cancelled = ScorerAgent(bus, cfg), asyncio.Event(), asyncio.Event()
+
+    async def rebuild() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()  # a read that does not come back
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    scorer.rebuild = rebuild  # type: ignore[method-assign]
+    task = asyncio.create_task(scorer.run())
+    await asyncio.wait_for(started.wait(), 10)
+    scorer.stop()
+    await asyncio.wait_for(task, 5)
+    assert cancelled.is_set() and scorer.state != "running"

@@ -195,14 +195,15 @@ async def test_scorer_restart_reloads_what_a_full_replay_would_from_the_oldest_o
     still open at the last event its consumer was delivered, and ends with the state a replay of the
     whole stream up to there gives (but for orphans older than that, which it would only drop) and
     every group scored so far remembered (a ``GroupScored`` can be stored after that event)."""
-    from coevo.agents.scorer import Group, ScorerAgent
+    from coevo.agents.scorer import Group, ScorerAgent, scored_id
     from coevo.schemas import GroupScored, StepJudged, StepTaken, TaskScheduled, TrajectoryCompleted, new_id
     from tests.samples import sample_events
 
     proto = {type(e): e for e in sample_events(bus.run_id)}
 
     def ev(cls: type, gid: str, **fields: object) -> object:
-        return proto[cls].model_copy(update={"event_id": new_id(), "group_id": gid, **fields})
+        event_id = scored_id(gid) if cls is GroupScored else new_id()  # as the scorer derives it
+        return proto[cls].model_copy(update={"event_id": event_id, "group_id": gid, **fields})
 
     stream = [ev(TaskScheduled, "g1"), ev(StepTaken, "g1"), ev(StepJudged, "g1"),
               ev(TrajectoryCompleted, "g1", rollout_index=0), ev(StepJudged, "old-orphan"), ev(GroupScored, "g1"),
@@ -226,9 +227,9 @@ async def test_scorer_restart_reloads_what_a_full_replay_would_from_the_oldest_o
 
     reads, history = [], bus.history
 
-    def recording(kinds, start_seq=1, end_seq=None):
+    def recording(kinds, start_seq=1, end_seq=None, **kw):
         reads.append((tuple(kinds), start_seq, end_seq))
-        return history(kinds, start_seq, end_seq)
+        return history(kinds, start_seq, end_seq, **kw)
 
     monkeypatch.setattr(bus, "history", recording)
     scorer = ScorerAgent(bus, cfg)

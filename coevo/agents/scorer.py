@@ -27,7 +27,7 @@ from typing import Any
 from coevo.algorithm import scoring
 from coevo.config import CoevoConfig
 from coevo.runtime.agent import Agent
-from coevo.runtime.bus import Delivery
+from coevo.runtime.bus import Delivery, stored_id
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import (
     Event,
@@ -40,9 +40,11 @@ from coevo.schemas import (
     TrajectoryCompleted,
 )
 
+SCORED = "scored-"
+
 
 def scored_id(group_id: str) -> str:
-    return f"scored-{group_id}"
+    return f"{SCORED}{group_id}"
 
 
 @dataclass
@@ -258,18 +260,22 @@ class ScorerAgent(Agent):
 
         Two reads, so that a restart late in a long run does not decode every step and vote ever
         stored (the bulk of the stream): the small events that say which groups exist and which are
-        scored (``task.scheduled``, ``group.scored``), then steps, trajectories and votes only from
+        scored (``task.scheduled``, and the ids of ``group.scored``, derived from their group's: their
+        payloads, the largest events and often claims, are not read, so a store that cannot be read
+        now does not hold up the rebuild), then steps, trajectories and votes only from
         the ``TaskScheduled`` of the oldest group still open. A group's events are stored after its
         ``TaskScheduled`` (the policy plays what it reads from the stream), so an open group misses
         none. Only events stored before that point of groups never scheduled (orphans, which would
         only be dropped after ``group_timeout_s``) are not reloaded.
         """
         first_seq: dict[str, int] = {}
-        async for seq, event, _msg in self.bus.history(["task.scheduled", "group.scored"]):
-            if isinstance(event, GroupScored):
-                self.remember(event.group_id)
-                self.groups.pop(event.group_id, None)
-                first_seq.pop(event.group_id, None)
+        async for seq, event, msg in self.bus.history(["task.scheduled", "group.scored"], undecoded=["group.scored"]):
+            scored = stored_id(msg) if event is None else None
+            if scored is not None and scored.startswith(SCORED):
+                gid = scored.removeprefix(SCORED)
+                self.remember(gid)
+                self.groups.pop(gid, None)
+                first_seq.pop(gid, None)
             elif isinstance(event, TaskScheduled) and event.group_id not in self.scored and seq <= delivered:
                 self.groups.setdefault(event.group_id, Group()).add(event)
                 first_seq.setdefault(event.group_id, seq)

@@ -501,15 +501,17 @@ async def run_fleet(cluster: Any, workdir: Path, run_id: str, plan: ChaosPlan, *
     with contextlib.ExitStack() as stack:
         disk = stack.enter_context(_small_disk(workdir / "runs" / run_id / "checkpoints", plan.disk_mb)) \
             if "disk_full" in active.faults else None
-        for role in ROLES:
-            await fleet.start(role)
-        t0 = time.monotonic()
-        injector = Injector(fleet, cluster, active, t0 + plan.minutes * 60, disk=disk)
-        await injector.run()
-        seconds = time.monotonic() - t0
-        await fleet.stop(("tasks",))  # no new groups; what was scheduled drains
-        await _drain(fleet, time.monotonic() + plan.drain_s)
-        await fleet.stop()
+        try:
+            for role in ROLES:
+                await fleet.start(role)
+            t0 = time.monotonic()
+            injector = Injector(fleet, cluster, active, t0 + plan.minutes * 60, disk=disk)
+            await injector.run()
+            seconds = time.monotonic() - t0
+            await fleet.stop(("tasks",))  # no new groups; what was scheduled drains
+            await _drain(fleet, time.monotonic() + plan.drain_s)
+        finally:  # stopped (SIGINT, SIGTERM) or failed: no agent outlives the bench
+            await fleet.stop(grace_s=10.0)
     async with await NatsBus.connect(cluster.url, run_id, nats_cfg=fleet.admin()) as bus:
         verdict = judge_stream(await bus.events(), seconds)
     return {**verdict, "seconds": round(seconds, 1), "faults_injected": sum(injector.faults.values()),

@@ -27,7 +27,7 @@ import structlog
 from coevo.config import CoevoConfig
 from coevo.errors import AgentFailed
 from coevo.runtime import outbox
-from coevo.runtime.aio import drain, first_completed, wait_event
+from coevo.runtime.aio import drain, first_completed, unless_set, wait_event
 from coevo.runtime.bus import TRANSIENT, NatsBus
 from coevo.runtime.consumer import Consumer, Subscription, backoff
 from coevo.schemas import AgentStatus, ControlReply, ControlRequest, Event, Source, new_id
@@ -153,13 +153,13 @@ class Agent:
         """Run ``fn`` (work before the agent starts, such as rebuilding state from the stream: it
         must be safe to run again), again after each transient bus failure (``bus.TRANSIENT``: a
         node down, a partition, a claim unreadable now) with ``agent.restart_backoff_s``, until it
-        succeeds (True) or the agent is stopped (False). A restart of the whole process would only
-        meet the same outage, slower."""
+        succeeds (True) or the agent is stopped (False), which also cancels a run of ``fn`` under
+        way (a read of the stream during a partition can wait minutes: a stop is honoured at once).
+        A restart of the whole process would only meet the same outage, slower."""
         attempt = 0
         while True:
             try:
-                await fn()
-                return True
+                return await unless_set(self.stopping, fn())
             except TRANSIENT as exc:
                 self.counters[f"retried.{what}"] += 1
                 attempt += 1

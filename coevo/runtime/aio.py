@@ -27,6 +27,24 @@ async def first_completed(*aws: Awaitable[Any]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def unless_set(event: asyncio.Event, aw: Awaitable[Any]) -> bool:
+    """Await ``aw`` unless ``event`` is set first, which cancels it (and waits for it to end): True
+    when ``aw`` completed, False when it was cancelled; its exception, if any, is raised."""
+    task = asyncio.ensure_future(aw)
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+    if task.cancelled():
+        return False
+    task.result()
+    return True
+
+
 async def drain(tasks: Iterable[asyncio.Task[Any]], timeout_s: float, connected: Callable[[], bool],
                 grace_s: float = 1.0, poll_s: float = 0.1) -> set[asyncio.Task[Any]]:
     """Give ``tasks`` up to ``timeout_s`` to finish, but only ``grace_s`` while ``connected()`` says the

@@ -63,6 +63,12 @@ from coevo.schemas import (
 log = structlog.get_logger("coevo.bus")
 
 MSG_ID = "Nats-Msg-Id"
+
+
+def stored_id(msg: Msg) -> str | None:
+    """The event id a stored message was published under (its deduplication id), read without
+    decoding the payload or following its claim."""
+    return (msg.headers or {}).get(MSG_ID)
 CLAIM_READS = 4
 """tries at a claimed object within one decode (0.1, 0.2, 0.4 s apart) before PayloadUnavailable"""
 TRANSIENT = (BusError, nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
@@ -401,7 +407,8 @@ class NatsBus:
         """What goes on the wire: the payload, or a claim on it once it is in the object store."""
         headers = {MSG_ID: msg_id}
         if len(payload) > self.inline_limit:
-            claim = await claims.put(await self.payload_store(), self.payload_bucket, msg_id, payload)
+            await self.payload_store()  # created on first use by a bus that manages the run's streams
+            claim = await claims.put(self.js, self.payload_bucket, msg_id, payload)
             payload, headers[claims.CLAIM_HEADER] = claim.body(), "1"
         return _UnackedPublish(subject, payload, msg_id, time.perf_counter(), headers)
 
@@ -441,7 +448,7 @@ class NatsBus:
                 raise claims.ClaimError(f"claim on {claim.bucket}, not an object store of run {self.run_id}")
             for attempt in range(CLAIM_READS):
                 try:
-                    event = decode(await claims.fetch(await self.payload_store(claim.bucket), claim))
+                    event = decode(await claims.fetch(self.js, claim))
                     break
                 except PayloadUnavailable:
                     if attempt == CLAIM_READS - 1:
@@ -620,12 +627,17 @@ class NatsBus:
         return info.state.last_seq
 
     async def history(
-        self, kinds: Iterable[str] | None = None, start_seq: int = 1, end_seq: int | None = None
+        self, kinds: Iterable[str] | None = None, start_seq: int = 1, end_seq: int | None = None, *,
+        undecoded: Iterable[str] = (),
     ) -> AsyncIterator[tuple[int, Event | None, Msg]]:
         """Every stored event (or those of ``kinds``) in order, up to ``end_seq`` (default: now).
 
-        Yields ``(sequence, event, msg)``; ``event`` is None for a payload that does not decode.
+        Yields ``(sequence, event, msg)``; ``event`` is None for a payload that does not decode, and
+        for every message of the kinds in ``undecoded``: those are yielded as stored, their claims
+        not followed (a reader that needs only their ids, ``stored_id(msg)``, never waits for an
+        object store nor reads their bulk).
         """
+        raw = {subject_for(self.run_id, k) for k in undecoded}
         end = end_seq if end_seq is not None else await self.last_sequence()
         if end < start_seq:
             return
@@ -664,7 +676,7 @@ class NatsBus:
                     if md.sequence.stream > end:
                         return
                     try:
-                        event: Event | None = await self.decode_msg(msg)
+                        event: Event | None = None if msg.subject in raw else await self.decode_msg(msg)
                     except ValueError:
                         event = None
                     read = md.sequence.stream

@@ -12,8 +12,9 @@ Each role's permissions (``role_permissions``, a pure function of the run and th
   the tasks agent (and the policy, for the episodes its endpoint opens) ``task.scheduled``;
 - the JetStream API only to read the run's streams (``run_streams``: events, buckets, object
   stores) and to run consumers on them (create, read, pull, ack): no stream or bucket is created,
-  changed, deleted or purged by a role, except its own object store (``payload_bucket(run, role)``,
-  where it writes its large events) and the retention keeper's purge of old events;
+  changed, deleted or purged by a role (the retention keeper purges old events); a role writes
+  objects only to its own object store (``payload_bucket(run, role)``, its large events), and
+  never purges it (``claims.put`` needs no purge);
 - key-value writes only to its own buckets (tasks: ``tasks``, ``llmcache_tasks``; judge:
   ``judgetests``, ``llmcache_judge``);
 - requests only where its agent asks (followers ask the learner for weights, the policy asks env
@@ -73,7 +74,7 @@ def kv_stream(run_id: str, bucket: str) -> str:
 
 def payload_bucket(run_id: str, owner: str = ADMIN) -> str:
     """The object store holding ``owner``'s large events (claim checks): one per role, so that a
-    role can write, replace and purge only its own."""
+    role writes only its own."""
     return f"COEVO_{run_id}_payloads" + ("" if owner == ADMIN else f"_{owner}")
 
 
@@ -118,7 +119,7 @@ def role_permissions(run_id: str, role: str) -> Permissions:
     stream, own = f"COEVO_{run_id}", payload_bucket(run_id, role)
     kinds = sorted({*EMITS[role], *EVERY_ROLE_EMITS})
     publish = [subject_for(run_id, k) for k in kinds]
-    publish += ["$JS.API.INFO", f"$JS.ACK.{stream}.>", f"$O.{own}.>", f"$JS.API.STREAM.PURGE.OBJ_{own}"]
+    publish += ["$JS.API.INFO", f"$JS.ACK.{stream}.>", f"$O.{own}.>"]
     for s in run_streams(run_id):  # read them, and run consumers on them (pull, ordered, ephemeral)
         publish += [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}",
                     f"$JS.API.DIRECT.GET.{s}.>", f"$JS.API.CONSUMER.CREATE.{s}", f"$JS.API.CONSUMER.CREATE.{s}.>",

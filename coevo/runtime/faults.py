@@ -34,7 +34,7 @@ import structlog
 
 from coevo.errors import ConfigError, InjectedFault
 
-__all__ = ["ENV", "InjectedFault", "ahit", "hit", "parse", "reset"]
+__all__ = ["ENV", "InjectedFault", "ahit", "fired", "hit", "parse", "reset"]
 
 ENV = "COEVO_FAULTS"
 log = structlog.get_logger("coevo.faults")
@@ -103,6 +103,12 @@ def reset() -> None:
     """Read ``COEVO_FAULTS`` again at the next pass (tests that set it in-process)."""
     global _rules
     _rules = None
+
+
+def fired(point: str) -> int:
+    """How often ``point``'s rule fired in this process (0 without one)."""
+    rule = _active().get(point)
+    return rule.fired if rule is not None else 0
 
 
 def _fire(point: str) -> Rule | None:

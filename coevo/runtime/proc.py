@@ -12,6 +12,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import signal
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -24,13 +28,46 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:  # pragma: no cover - ru
 def die_with_launcher() -> None:
     """For a process whose launcher coevo does not control (a torchrun rank): SIGKILL when the
     launcher is gone, so a launcher killed with -9 leaves no rank behind to hold the group's work.
-    A launcher gone already ends this process now."""
+    A launcher gone already ends this process now: it died before the request took effect, or, for
+    a rank torchrun started (``TORCHELASTIC_RUN_ID``), before this process got here (its parent is
+    then init, which is not a torchrun). ``coevo``'s entry point asks first thing, before torch is
+    imported, so that window is the interpreter's start, not seconds."""
     import os
 
     parent = os.getppid()
     die_with_parent(signal.SIGKILL)
-    if os.getppid() != parent:  # it died before the request took effect
+    if os.getppid() != parent or (parent == 1 and "TORCHELASTIC_RUN_ID" in os.environ and not _torchrun(1)):
         os._exit(1)
+
+
+def _torchrun(pid: int) -> bool:
+    """Whether process ``pid`` is a torchrun (a container may start one as its first process)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return True  # cannot tell: assume it is
+    return b"torchrun" in cmdline or b"torch.distributed.run" in cmdline
+
+
+def run_stoppable(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` for a command that owns processes and hosts (a bench): SIGTERM, like SIGINT,
+    cancels it, so its clean-up runs (agents stopped, namespaces and servers removed) instead of
+    the default action ending it with them left behind. Stopped: ``KeyboardInterrupt``."""
+
+    async def main() -> T:
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await coro
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None
 
 
 class StopSignals:
