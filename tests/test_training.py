@@ -167,3 +167,61 @@ def test_two_gloo_processes_match_single_process(tiny: Path, tmp_path: Path, par
     # rank that trained the wrong rows would be off by ~lr = 1e-2 in many weights
     for k, v in single.model.state_dict().items():
         assert torch.allclose(v, gathered[k], atol=1e-5), k
+
+
+# ---- sampling parity (#23): what the sampler truncated, the learner truncates ----------------------
+
+
+def test_truncation_keeps_what_vllms_sampler_keeps() -> None:
+    """Hand-computed on one row: probabilities .636 .234 .086 .032 .012 (logits 3, 2, 1, 0, -1)."""
+    from coevo.config import SamplingConfig
+    from coevo.inference.sampling import request_fields, truncate
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+
+    def kept(**kw: float) -> list[int]:
+        return (~truncate(logits, SamplingConfig(**kw)).isinf()).nonzero()[:, 1].tolist()
+
+    assert kept() == [0, 1, 2, 3, 4]
+    assert kept(top_k=2) == [0, 1] and kept(top_k=4) == [0, 1, 2, 3]
+    assert kept(top_p=0.95) == [0, 1, 2]  # the smallest set holding 95 %: .636 + .234 + .086
+    assert kept(top_p=0.5) == [0]  # the most likely token alone holds more
+    assert kept(min_p=0.1) == [0, 1, 2]  # .086 >= .0636 > .032
+    assert kept(top_k=3, top_p=0.9) == [0, 1]  # top-p renormalised over the top 3: .664 + .244 >= .9
+    assert kept(min_p=0.3, top_k=4) == [0, 1]
+    assert (~truncate(logits, SamplingConfig(top_k=1), keep=torch.tensor([3])).isinf()).nonzero()[:, 1].tolist() \
+        == [0, 3]  # the sampled token stays possible
+    fields = request_fields(SamplingConfig(top_k=5), 0.7)
+    assert fields == {"temperature": 0.7, "top_k": 5, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+                      "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}
+
+
+def generated_samples(tiny: Path, sampling: object, n: int = 12) -> list[TrainingSample]:
+    async def go() -> list[TrainingSample]:
+        prompt = policy_prompt("goal: take the coin. room: hall. items: coin. exits: north attic.",
+                               ["go north", "take coin"], "generate")
+        async with LocalEngine(tiny, seed=3, sampling=sampling) as eng:  # type: ignore[arg-type]
+            cs = [await eng.complete(prompt, max_tokens=12, temperature=0.7) for _ in range(n)]
+        return [TrainingSample(sample_id=f"s{i}", role="policy", prompt_token_ids=c.prompt_token_ids,
+                               response_token_ids=c.response_token_ids, logprobs=c.logprobs,
+                               advantage=1.0 if i % 2 else -1.0, model_version=0, step_event_id=f"e{i}")
+                for i, c in enumerate(cs)]
+
+    return asyncio.run(go())
+
+
+def test_a_truncated_sampler_and_the_learner_agree(tiny: Path, tmp_path: Path) -> None:
+    """The engine samples with top-k, top-p and min-p at temperature 0.7; the learner told the same
+    computes the same log-probs (mismatch 0 at version 0), and one not told is measurably off."""
+    from coevo.config import SamplingConfig
+
+    sampling = SamplingConfig(top_k=8, top_p=0.8, min_p=0.05)
+    samples = generated_samples(tiny, sampling)
+    assert max(len(s.response_token_ids) for s in samples) > 1
+    told = Lane("policy", tiny, tmp_path / "a", LearnerConfig(lr=1e-9), temperature=0.7, sampling=sampling,
+                device="cpu")
+    assert told.step(samples, ["g1"]).mismatch_kl < 1e-6
+    untold = Lane("policy", tiny, tmp_path / "b", LearnerConfig(lr=1e-9), temperature=0.7, device="cpu")
+    assert untold.step(samples, ["g1"]).mismatch_kl > 1e-3
+    plain = generated_samples(tiny, SamplingConfig())
+    assert untold.step(plain, ["g2"]).mismatch_kl < 1e-6  # neutral sampling: nothing to apply

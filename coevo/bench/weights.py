@@ -62,37 +62,17 @@ async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] =
 
 async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> dict[str, float]:
     """Median pause of a swap into a fresh vLLM server: reloaded from disk, and pushed over gloo."""
-    import os
-    import signal
-    import socket
     import statistics
-    import subprocess
     import threading
-    import urllib.request
 
-    from coevo.inference.vllm_client import SERVER_ENV, VLLMClient, server_command
+    from coevo.bench.vllm import served
+    from coevo.inference.vllm_client import VLLMClient
     from coevo.schemas import TransferEndpoint, TransferOffer
     from coevo.training.transfer import GlooCollective, Plan, load_checkpoint_tensors, send
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tempfile.TemporaryFile()
-    proc = await asyncio.create_subprocess_exec(
-        *server_command(python, model, port), env={**os.environ, **SERVER_ENV}, stdout=log,
-        stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        for _ in range(300):
-            try:
-                await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                break
-            except OSError:
-                if proc.returncode is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"vLLM exited {proc.returncode}:\n{log.read().decode()[-3000:]}") from None
-                await asyncio.sleep(1)
+    async with served(python, model) as url:
         disk, gloo = [], []
-        async with VLLMClient(f"http://127.0.0.1:{port}/v1", str(model), tokenizer_dir=model) as client:
+        async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
             for i in range(repeats):
                 disk.append(await client.swap_weights(ckpt, i + 1))
             store = GlooCollective.host_store("127.0.0.1", 2, 120.0)
@@ -110,8 +90,3 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> di
                 gloo.append(await client.receive_weights(offer, 120.0))
                 await asyncio.to_thread(sender.join)
         return {"disk": round(statistics.median(disk), 2), "gloo": round(statistics.median(gloo), 2)}
-    finally:
-        if proc.returncode is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            await asyncio.wait_for(proc.wait(), 60)
-        log.close()

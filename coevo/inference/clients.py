@@ -33,19 +33,21 @@ def make_client(cfg: CoevoConfig, role: Literal["policy", "judge", "rewriter"], 
         from coevo.inference.vllm_client import VLLMClient
 
         local = model_dir(cfg, "policy")
-        return VLLMClient(cfg.policy.url, cfg.policy.served_name or str(local), name="policy", tokenizer_dir=local)
+        return VLLMClient(cfg.policy.url, cfg.policy.served_name or str(local), name="policy", tokenizer_dir=local,
+                          sampling=cfg.policy.sampling)
     if role == "judge" and cfg.judge.backend == "vllm":
         from coevo.inference.vllm_client import VLLMClient
 
         if not cfg.judge.url:
             raise ValueError("judge.backend = 'vllm' needs judge.url")
-        return VLLMClient(cfg.judge.url, cfg.judge.model or "judge", name="judge")
+        return VLLMClient(cfg.judge.url, cfg.judge.model or "judge", name="judge", sampling=cfg.judge.sampling)
     if role == "judge" and cfg.judge.backend == "litellm":
         from coevo.inference.litellm_client import LiteLLMClient
 
         assert cfg.judge.model is not None
         return LiteLLMClient(cfg.judge.model, cfg.judge.api, api_base=cfg.judge.url, name="judge")
-    return LocalEngine(model_dir(cfg, role), name=role, device=cfg.learner.device, seed=seed)
+    return LocalEngine(model_dir(cfg, role), name=role, device=cfg.learner.device, seed=seed,
+                       sampling=cfg.policy.sampling if role == "policy" else cfg.judge.sampling)
 
 
 def _rewriter_client(cfg: CoevoConfig) -> InferenceClient:

@@ -18,6 +18,9 @@ from typing import Any, Protocol
 
 import structlog
 
+from coevo.config import SamplingConfig
+from coevo.inference.sampling import truncate
+
 log = structlog.get_logger("coevo.inference")
 
 
@@ -104,7 +107,7 @@ class LocalEngine:
     """A transformers causal LM served in process (CPU or CUDA), with hot-swappable weights."""
 
     def __init__(self, model_dir: Path, *, name: str = "local", device: str | None = None, max_batch: int = 64,
-                 seed: int = 0, version: int = 0) -> None:
+                 seed: int = 0, version: int = 0, sampling: SamplingConfig | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -117,6 +120,7 @@ class LocalEngine:
         if str(self.device).startswith("cuda"):
             self.model = self.model.to(torch.bfloat16)  # serve in bf16 on CUDA (log-probs still in fp32)
         self.max_batch = max_batch
+        self.sampling = sampling or SamplingConfig()
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._version = version
         self._queue: asyncio.Queue[_Request | _Swap] = asyncio.Queue()
@@ -268,7 +272,7 @@ class LocalEngine:
         for i, r in enumerate(batch):
             assert r.choices is not None
             allowed = self.choice_token_ids(r.choices)
-            sub = logits[i, allowed] / max(r.temperature, 1e-5)
+            sub = truncate(logits[i, allowed][None] / max(r.temperature, 1e-5), self.sampling)[0]
             logp = torch.log_softmax(sub, -1)
             k = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
             results.append(Completion(r.choices[k], prompts[i], [allowed[k]], [float(logp[k])], self._version,
@@ -288,7 +292,8 @@ class LocalEngine:
         for _ in range(r.max_tokens):
             res = self.model(input_ids=ids, cache=cache, use_cache=True)
             cache = res.cache
-            logp = torch.log_softmax(res.logits[0, -1].float().cpu() / max(r.temperature, 1e-5), -1)
+            scaled = res.logits[0, -1].float().cpu() / max(r.temperature, 1e-5)
+            logp = torch.log_softmax(truncate(scaled[None], self.sampling)[0], -1)
             tok = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
             out_ids.append(tok)
             out_lp.append(float(logp[tok]))

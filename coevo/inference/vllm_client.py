@@ -2,7 +2,8 @@
 
 Prompts are tokenized here (with the served model's own tokenizer) and sent as token ids to
 ``/v1/completions`` with ``return_token_ids`` and ``logprobs``, so the ids the learner trains on are
-exactly the ids the server saw. Constrained choices use ``allowed_token_ids``; with the server
+exactly the ids the server saw; every sampling parameter is stated (``coevo.inference.sampling``), so
+the model's ``generation_config.json`` defaults, which vLLM applies to what a request leaves out, never do. Constrained choices use ``allowed_token_ids``; with the server
 started with ``--logprobs-mode processed_logprobs`` the returned log-probs are those of the
 distribution actually sampled from.
 
@@ -25,8 +26,10 @@ from typing import Any
 
 import aiohttp
 
+from coevo.config import SamplingConfig
 from coevo.errors import CoevoError
 from coevo.inference.engine import Completion, choice_token_ids, encode_prompt, quiet_transformers
+from coevo.inference.sampling import request_fields
 from coevo.schemas import TransferOffer
 
 
@@ -79,7 +82,7 @@ class _RWLock:
 class VLLMClient:
     def __init__(self, url: str, model: str, *, name: str = "vllm", tokenizer_dir: str | Path | None = None,
                  max_concurrency: int = 64, timeout_s: float = 120.0, retries: int = 3,
-                 pause_mode: str = "wait") -> None:
+                 pause_mode: str = "wait", sampling: SamplingConfig | None = None) -> None:
         self.name = name
         self.base = url.rstrip("/")
         self.root = self.base[: -len("/v1")] if self.base.endswith("/v1") else self.base
@@ -88,6 +91,7 @@ class VLLMClient:
         self.retries = retries
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.pause_mode = pause_mode
+        self.sampling = sampling or SamplingConfig()
         self._sem = asyncio.Semaphore(max_concurrency)
         self._lock = _RWLock()
         self._session: aiohttp.ClientSession | None = None
@@ -155,7 +159,8 @@ class VLLMClient:
                        temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None) -> Completion:
         prompt_ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt)
         body: dict[str, Any] = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
-                                "temperature": temperature, "logprobs": 1, "return_token_ids": True}
+                                **request_fields(self.sampling, temperature), "logprobs": 1,
+                                "return_token_ids": True}
         allowed = None
         if choices:
             allowed = self.choice_token_ids(choices)

@@ -84,7 +84,7 @@ def backoff(delays: list[float], attempt: int) -> float:
 class Consumer:
     def __init__(
         self, bus: NatsBus, sub: Subscription, source: Source, *, cfg: BusConfig | None = None,
-        drain_timeout_s: float = 10.0,
+        drain_timeout_s: float = 3.0,
     ) -> None:
         self.bus = bus
         self.drain_timeout_s = drain_timeout_s

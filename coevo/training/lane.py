@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 
-from coevo.config import LearnerConfig
+from coevo.config import LearnerConfig, SamplingConfig
 from coevo.inference.checkpoints import HELD, manifest_of
 from coevo.runtime import faults
 from coevo.schemas import TrainingSample
@@ -59,7 +59,7 @@ from coevo.training.batch import (
     to_tensors,
 )
 from coevo.training.checkpoint import MARKER, Checkpoint, CheckpointJob, CheckpointWriter, latest_checkpoint
-from coevo.training.loss import DECOUPLED_CAP, ppo_loss, token_logprobs
+from coevo.training.loss import DECOUPLED_CAP, mismatch_kl, ppo_loss, token_logprobs
 from coevo.training.publish import clear_partial, serving_dtype, serving_tensors, write_published
 
 __all__ = ["MARKER", "Lane", "StepMetrics", "latest_checkpoint"]
@@ -91,7 +91,8 @@ Published = tuple[Path, str, int]
 
 class Lane:
     def __init__(self, role: Literal["policy", "judge"], base_model: Path, ckpt_root: Path, cfg: LearnerConfig,
-                 *, temperature: float = 1.0, lr: float | None = None, device: str | None = None) -> None:
+                 *, temperature: float = 1.0, sampling: SamplingConfig | None = None, lr: float | None = None,
+                 device: str | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         from coevo.inference.engine import quiet_transformers
@@ -106,6 +107,7 @@ class Lane:
         clear_partial(self.root)
         clear_partial(self.published_root)
         self.temperature = temperature
+        self.sampling = sampling or SamplingConfig()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.publish_dtype = serving_dtype(cfg.publish_dtype, self.device)
         resume = latest_checkpoint(self.root)
@@ -221,6 +223,16 @@ class Lane:
                            tokens / dt if dt > 0 else 0.0, agg["grad_norm"] / steps, agg["waited"],
                            stale_dropped=dropped, optimizer_steps=steps)
 
+    def mismatch_kl(self, samples: list[TrainingSample]) -> float:
+        """KL(sampler || this lane's weights) per response token on ``samples``, computed as a step
+        would compute it (temperature, truncation, precision) but without one: the parity probe's
+        measure (``coevo.training.parity``). This rank alone: never under a sharded model."""
+        with self._lock, torch.no_grad(), self._autocast():
+            t = to_tensors(samples, self.vocab, self.pad_id).to(self.device)
+            new = token_logprobs(self.model.eval(), t.input_ids, t.attention_mask, t.response_mask, t.allowed,
+                                 self.temperature, sampling=self.sampling)
+            return mismatch_kl(new, t.behav_logp, t.response_mask.float())
+
     def _autocast(self) -> Any:
         return torch.autocast("cuda", dtype=torch.bfloat16,
                               enabled=self.cfg.bf16 and str(self.device).startswith("cuda"))
@@ -229,7 +241,8 @@ class Lane:
         """Per minibatch, per micro-batch: (proximal log-probs, the KL's reference log-probs), taken
         once per batch before its first optimiser step."""
         def logp(model: torch.nn.Module, t: Tensors) -> torch.Tensor:
-            return token_logprobs(model, t.input_ids, t.attention_mask, t.response_mask, t.allowed, self.temperature)
+            return token_logprobs(model, t.input_ids, t.attention_mask, t.response_mask, t.allowed, self.temperature,
+                                  sampling=self.sampling)
 
         with torch.no_grad(), self._autocast():
             return [[(logp(self.model, t), t.behav_logp if self.reference is None else logp(self.reference, t))
@@ -254,7 +267,7 @@ class Lane:
         for t, (px, ref) in zip(micro, fixed, strict=True):
             with self._autocast():
                 new = token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
-                                     self.temperature)
+                                     self.temperature, sampling=self.sampling)
             out = ppo_loss(new, px, t.behav_logp, t.advantages, t.response_mask, clip_eps=lc.clip_eps,
                            kl_beta=lc.kl_beta, correction=lc.correction, tis_cap=lc.tis_cap, ref_logp=ref,
                            row_cap=self._row_cap(t))

@@ -70,8 +70,9 @@ def trained_roles(cfg: CoevoConfig) -> list[Role]:
 def build_lane(cfg: CoevoConfig, role: Role, ckpt_root: Path) -> Lane:
     """A lane as every rank of the learner builds it (same model, lr, temperature, checkpoints)."""
     lr = cfg.learner.judge_lr if role == "judge" else None
-    temp = cfg.policy.temperature if role == "policy" else cfg.judge.temperature
-    return Lane(role, model_dir(cfg, role), ckpt_root, cfg.learner, temperature=temp, lr=lr, device=cfg.learner.device)
+    how = cfg.policy if role == "policy" else cfg.judge
+    return Lane(role, model_dir(cfg, role), ckpt_root, cfg.learner, temperature=how.temperature, sampling=how.sampling,
+                lr=lr, device=cfg.learner.device)
 
 
 @dataclass
@@ -216,6 +217,7 @@ class LearnerAgent(Agent):
                 Subscription("learner-decisions", (TaskDecided,), self.on_decided, concurrency=1, shared=False)]
 
     async def run(self) -> None:
+        from coevo.training import parity
         from coevo.training.distributed import RankZeroLane, stop_followers
 
         roles = trained_roles(self.cfg)
@@ -226,6 +228,7 @@ class LearnerAgent(Agent):
         try:
             for role in roles:
                 lane: Any = await asyncio.to_thread(build_lane, self.cfg, role, self.ckpt_root)
+                await parity.check(self.cfg, lane)  # a server sampling another distribution is refused
                 if lane.world > 1:
                     lane = RankZeroLane(lane)
                 self.lanes[role] = LaneQueue(lane)

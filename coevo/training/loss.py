@@ -25,6 +25,9 @@ from typing import Literal
 
 import torch
 
+from coevo.config import SamplingConfig
+from coevo.inference.sampling import truncate
+
 DECOUPLED_CAP = 100.0
 
 
@@ -76,6 +79,12 @@ def ppo_loss(new_logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.
         )
 
 
+def mismatch_kl(new_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """KL(sampler || learner) per response token (k3), from both log-probs of the sampled tokens."""
+    n = mask.sum().clamp(min=1)
+    return float((_k3(new_logp - behav_logp) * mask).sum() / n)
+
+
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     """k3 estimate of KL(sampler || learner) from log(p_learner / p_sampler) on sampled tokens (≥ 0)."""
     return torch.exp(log_ratio) - 1 - log_ratio
@@ -87,14 +96,15 @@ LOGPROB_CHUNK_ELEMENTS = 1 << 25
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    response_mask: torch.Tensor, allowed: torch.Tensor | None, temperature: float = 1.0,
-                   chunk_elements: int = LOGPROB_CHUNK_ELEMENTS) -> torch.Tensor:
+                   chunk_elements: int = LOGPROB_CHUNK_ELEMENTS, sampling: SamplingConfig | None = None) -> torch.Tensor:
     """log π(token_t | prefix) for every position (0 where ``response_mask`` is 0), [batch, tokens].
 
     Memory-bounded: the model runs without its output head, the head is applied only at the
     positions that predict a response token, in chunks of ``chunk_elements // vocab`` positions
     (recomputed in the backward pass), so no [batch, tokens, vocab] tensor ever exists.
     ``allowed`` ([batch, vocab] bool or None per batch) restricts the distribution to the tokens a
-    constrained sampler could choose, so the log-probs match what was sampled from.
+    constrained sampler could choose, and ``sampling`` truncates it as the sampler did (top-k,
+    top-p, min-p: ``coevo.inference.sampling``), so the log-probs match what was sampled from.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -108,7 +118,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     parts = []
     for s in range(0, int(rows.numel()), step):
         args = (h[s:s + step], head.weight, head.bias, targets[s:s + step],
-                None if allowed is None else allowed[rows[s:s + step]], temperature, softcap)
+                None if allowed is None else allowed[rows[s:s + step]], temperature, softcap, sampling)
         parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if h.requires_grad
                      else _chunk_logprobs(*args))
     values = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
@@ -120,13 +130,16 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 
 
 def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                    allowed: torch.Tensor | None, temperature: float, softcap: float | None) -> torch.Tensor:
+                    allowed: torch.Tensor | None, temperature: float, softcap: float | None,
+                    sampling: SamplingConfig | None = None) -> torch.Tensor:
     logits = torch.nn.functional.linear(h, weight, bias).float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits / max(temperature, 1e-5)
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
+    if sampling is not None:  # the tokens the sampler could not pick (a mask: no gradient flows through it)
+        logits = truncate(logits, sampling, keep=targets)
     return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 

@@ -1,0 +1,93 @@
+"""``coevo bench parity``: is what the learner trains what vLLM sampled, on a model that ships
+instruct-style sampling defaults (#23)?
+
+The tiny policy is served twice by a real vLLM: as built, and with a ``generation_config.json`` of
+instruct-style defaults (top_k, top_p, repetition penalty, temperature), which vLLM applies to
+whatever a request leaves out. For each, the KL per token from the server's sampling to the
+learner's log-probs on fresh samples (``coevo.training.parity.probe``): requests as coevo sent them
+before (the temperature alone) and as it sends them now (every field stated), neutral and with a
+configured truncation that the learner applies too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from coevo.inference.engine import Completion
+from coevo.inference.vllm_client import VLLMClient
+
+INSTRUCT_DEFAULTS = {"do_sample": True, "temperature": 0.6, "top_k": 5, "top_p": 0.7, "repetition_penalty": 1.5}
+"""as published instruct models ship them (the values vary; the kinds are these)"""
+
+TRUNCATION = {"top_k": 5, "top_p": 0.7}
+
+
+class UnstatedClient(VLLMClient):
+    """The request coevo sent before: the temperature alone (the server fills in the rest from
+    ``generation_config.json``). For measuring what that did, never for sampling."""
+
+    async def complete(self, prompt: str, *, max_tokens: int = 64, temperature: float = 1.0,  # type: ignore[override]
+                       **_: object) -> Completion:
+        ids = self.encode(prompt)
+        data = await self._call("POST", "/v1/completions", json={
+            "model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature,
+            "logprobs": 1, "return_token_ids": True})
+        choice = data["choices"][0]
+        return Completion(choice["text"], ids, list(choice["token_ids"]),
+                          [float(x) for x in choice["logprobs"]["token_logprobs"]], self.version)
+
+
+def with_instruct_defaults(model: Path, into: Path) -> Path:
+    """A copy of ``model`` whose ``generation_config.json`` carries ``INSTRUCT_DEFAULTS``."""
+    shutil.copytree(model, into)
+    generation = into / "generation_config.json"
+    config = json.loads(generation.read_text()) if generation.exists() else {}
+    generation.write_text(json.dumps({**config, **INSTRUCT_DEFAULTS}))
+    return into
+
+
+async def measure(url: str, model: Path, work: Path, rollouts: int) -> dict[str, float]:
+    """KL per token (nats) from the server's sampling to the learner's, by request and learner."""
+    from coevo.config import LearnerConfig, SamplingConfig
+    from coevo.training.lane import Lane
+    from coevo.training.parity import probe
+
+    truncation = SamplingConfig(**TRUNCATION)
+
+    def lane(name: str, temperature: float, sampling: SamplingConfig | None = None) -> Lane:
+        return Lane("policy", model, work / name, LearnerConfig(), temperature=temperature, sampling=sampling,
+                    device="cpu")
+
+    plain, cut, uncut = lane("plain", 1.0), lane("cut", 0.6, truncation), lane("uncut", 0.6)
+    out: dict[str, float] = {}
+    async with UnstatedClient(url, str(model), tokenizer_dir=model) as client:
+        out["temperature_only"] = (await probe(client, plain, rollouts=rollouts))[0]
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+        out["stated_neutral"] = (await probe(client, plain, rollouts=rollouts))[0]
+    async with VLLMClient(url, str(model), tokenizer_dir=model, sampling=truncation) as client:
+        out["stated_truncated"] = (await probe(client, cut, rollouts=rollouts))[0]
+        out["stated_truncated_learner_untold"] = (await probe(client, uncut, rollouts=rollouts))[0]
+    return {k: round(v, 5) for k, v in out.items()}
+
+
+async def bench_parity(python: str, *, cache: Path | None = None, rollouts: int = 40) -> dict[str, Any]:
+    from coevo.bench.vllm import served
+    from coevo.inference.models import ensure_default_model
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="coevo-parity-") as tmp:
+        work = Path(tmp)
+        base = ensure_default_model("policy", cache or work / "models")
+        instruct = with_instruct_defaults(base, work / "instruct")
+        results: dict[str, Any] = {}
+        for name, model in (("without_defaults", base), ("instruct_defaults", instruct)):
+            async with served(python, model) as url:
+                results[name] = await measure(url, model, work / name, rollouts)
+    return {"bench": "parity", "model": "tiny default policy (fp32, vLLM CPU)", "rollouts_per_setting": rollouts,
+            "max_tokens": 16, "instruct_defaults": INSTRUCT_DEFAULTS, "truncation": TRUNCATION,
+            "kl_nats_per_token": results, "seconds": round(time.monotonic() - t0, 1)}
