@@ -11,12 +11,15 @@ configured truncation that the learner applies too.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import structlog
 
 from coevo.inference.engine import Completion
 from coevo.inference.vllm_client import VLLMClient
@@ -25,6 +28,8 @@ INSTRUCT_DEFAULTS = {"do_sample": True, "temperature": 0.6, "top_k": 5, "top_p":
 """as published instruct models ship them (the values vary; the kinds are these)"""
 
 TRUNCATION = {"top_k": 5, "top_p": 0.7}
+
+log = structlog.get_logger("coevo.bench.parity")
 
 
 class UnstatedClient(VLLMClient):
@@ -51,7 +56,7 @@ def with_instruct_defaults(model: Path, into: Path) -> Path:
     return into
 
 
-async def measure(url: str, model: Path, work: Path, rollouts: int) -> dict[str, float]:
+async def measure(url: str, model: Path, work: Path, rollouts: int, steps: int = 3) -> dict[str, Any]:
     """KL per token (nats) from the server's sampling to the learner's, by request and learner."""
     from coevo.config import LearnerConfig, SamplingConfig
     from coevo.training.lane import Lane
@@ -64,15 +69,40 @@ async def measure(url: str, model: Path, work: Path, rollouts: int) -> dict[str,
                     device="cpu")
 
     plain, cut, uncut = lane("plain", 1.0), lane("cut", 0.6, truncation), lane("uncut", 0.6)
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     async with UnstatedClient(url, str(model), tokenizer_dir=model) as client:
         out["temperature_only"] = (await probe(client, plain, rollouts=rollouts))[0]
-    async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
-        out["stated_neutral"] = (await probe(client, plain, rollouts=rollouts))[0]
     async with VLLMClient(url, str(model), tokenizer_dir=model, sampling=truncation) as client:
         out["stated_truncated"] = (await probe(client, cut, rollouts=rollouts))[0]
         out["stated_truncated_learner_untold"] = (await probe(client, uncut, rollouts=rollouts))[0]
-    return {k: round(v, 5) for k, v in out.items()}
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+        out["stated_neutral"] = (await probe(client, plain, rollouts=rollouts))[0]
+        trained = []  # the same, on fresh samples after each of a few steps (weights swapped into the server)
+        for _ in range(steps):
+            await asyncio.to_thread(plain.step, await _samples(client, plain, rollouts), ["g"])
+            published = await asyncio.to_thread(plain.publish)
+            assert published is not None
+            await client.swap_weights(published[0], plain.version)
+            trained.append((await probe(client, plain, rollouts=rollouts))[0])
+        out["stated_neutral_after_steps"] = trained
+    return {k: [_nats(x) for x in v] if isinstance(v, list) else _nats(v) for k, v in out.items()}
+
+
+def _nats(kl: float) -> float:
+    return float(f"{max(kl, 0.0):.3g}")  # k3 is >= 0; rounding can leave -0.0
+
+
+async def _samples(client: VLLMClient, lane: Any, rollouts: int) -> list[Any]:
+    """Fresh completions as training samples with alternating advantages (a step that moves the weights)."""
+    from coevo.schemas import TrainingSample
+    from coevo.training.parity import PROMPTS
+
+    done = [await client.complete(PROMPTS[i % len(PROMPTS)], max_tokens=16, temperature=lane.temperature)
+            for i in range(rollouts)]
+    return [TrainingSample(sample_id=f"b{i}", role="policy", prompt_token_ids=c.prompt_token_ids,
+                           response_token_ids=c.response_token_ids, logprobs=c.logprobs,
+                           advantage=1.0 if i % 2 else -1.0, model_version=c.model_version, step_event_id=f"b{i}")
+            for i, c in enumerate(done) if c.response_token_ids]
 
 
 async def bench_parity(python: str, *, cache: Path | None = None, rollouts: int = 40) -> dict[str, Any]:
@@ -88,6 +118,7 @@ async def bench_parity(python: str, *, cache: Path | None = None, rollouts: int 
         for name, model in (("without_defaults", base), ("instruct_defaults", instruct)):
             async with served(python, model) as url:
                 results[name] = await measure(url, model, work / name, rollouts)
+                log.info("parity.measured", model=name, **{k: str(v) for k, v in results[name].items()})
     return {"bench": "parity", "model": "tiny default policy (fp32, vLLM CPU)", "rollouts_per_setting": rollouts,
             "max_tokens": 16, "instruct_defaults": INSTRUCT_DEFAULTS, "truncation": TRUNCATION,
             "kl_nats_per_token": results, "seconds": round(time.monotonic() - t0, 1)}

@@ -80,9 +80,10 @@ def ppo_loss(new_logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.
 
 
 def mismatch_kl(new_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """KL(sampler || learner) per response token (k3), from both log-probs of the sampled tokens."""
-    n = mask.sum().clamp(min=1)
-    return float((_k3(new_logp - behav_logp) * mask).sum() / n)
+    """KL(sampler || learner) per response token (k3), from both log-probs of the sampled tokens; in
+    float64, where k3 of a difference of 1e-7 is not lost to cancellation (≈ d²/2)."""
+    n = mask.double().sum().clamp(min=1)
+    return float((_k3(new_logp.double() - behav_logp.double()) * mask.double()).sum() / n)
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
