@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -92,8 +93,13 @@ class _Client:
     def __init__(self) -> None:
         self.version = 0
         self.loaded: list[tuple[str, int]] = []
+        self.gate: asyncio.Event | None = None  # set: a load waits for it (a slow follower)
+        self.loading = asyncio.Event()
 
     async def swap_weights(self, path: Path, version: int) -> float:
+        self.loading.set()
+        if self.gate is not None:
+            await self.gate.wait()
         self.loaded.append((Path(path).name, version))
         self.version = version
         return 1.0
@@ -109,6 +115,7 @@ class _Follower(WeightsFollower):
         self.agent_id = "policy-test"
         self.model_version = None
         self.applied: list[tuple[int, bool, str | None]] = []
+        self.counters: Counter[str] = Counter()
 
     def event(self, _cls, **fields):
         return fields
@@ -158,3 +165,36 @@ async def test_followers_apply_in_stream_order_verified_and_follow_a_restored_le
         await deliver(published[2].model_copy(update={"version": 9, "path": str(path)}), 14)
         assert follower.applied[-1][:2] == (1, False) and "not under the publication root" in follower.applied[-1][2]
     assert len(follower.client.loaded) == 2
+
+
+async def test_a_follower_behind_the_learner_loads_the_newest_announcement_not_each_one(
+        tmp_path: Path, model_cache: Path) -> None:
+    """#24 chaos: followers loading 20 s late worked through every announcement in turn, each older
+    than the learner's newest, several already pruned ("no weights at ..."). While one load runs,
+    the announcements that arrive are held and only the newest is loaded next."""
+    from coevo.inference.checkpoints import HELD
+    from coevo.inference.models import ensure_default_model
+
+    lane = Lane("policy", ensure_default_model("policy", model_cache), tmp_path, LearnerConfig(), device="cpu")
+    src = Source(agent_id="learner", role="learner")
+    published = []
+    for version in (1, 2, 3, 4):
+        lane.version = version
+        with torch.no_grad():
+            next(lane.model.parameters()).add_(1.0)
+        path, digest, size = lane.publish()
+        published.append(WeightsPublished(run_id="r", source=src, role="policy", version=version, path=str(path),
+                                          sha256=digest, bytes=size))
+    HELD.clear()
+    follower = _Follower(LearnerConfig(publication_root=tmp_path))
+    follower.client.gate = asyncio.Event()
+    first = asyncio.create_task(follower.on_weights(published[0], SimpleNamespace(stream_seq=1)))
+    await asyncio.wait_for(follower.client.loading.wait(), 10)  # v1 is loading, slowly
+    later = [asyncio.create_task(follower.on_weights(e, SimpleNamespace(stream_seq=i + 2)))
+             for i, e in enumerate(published[1:])]
+    await asyncio.sleep(0)  # one turn of the loop: each hands its announcement over, then waits for the load
+    follower.client.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, *later), 30)  # every announcement answered
+    assert [v for _, v in follower.client.loaded] == [1, 4]  # 2 and 3 were never loaded
+    assert [v for v, ok, _ in follower.applied] == [1, 4] and follower.model_version == 4
+    assert follower.counters["weights.skipped_to_newest"] == 1

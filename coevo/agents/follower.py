@@ -1,6 +1,8 @@
 """Following published weights: every local engine or vLLM server takes each new version.
 
-Invariants: within a run a follower applies weights in stream order: an older or repeated
+Invariants: within a run a follower applies weights in stream order, skipping to the newest
+announcement it holds when it falls behind (one load at a time, never an older one after a newer):
+an older or repeated
 ``WeightsPublished`` (a redelivery behind one already applied, or the same directory again) is
 acknowledged and ignored, while a lower version published *later* in the stream with other weights (a learner
 restarted from an older checkpoint re-announcing its restored weights) is applied, so servers
@@ -52,17 +54,48 @@ class WeightsFollower:
     """stream sequence, path and digest of the event applied last"""
     _endpoint: TransferEndpoint | None = None
 
+    _newest: tuple[int, WeightsPublished | None] = (0, None)
+    """the latest-stored announcement handed to this follower: (stream sequence, event)"""
+    _attempted_seq: int = 0
+    """stream sequence of the announcement attempted last"""
+    _applying: asyncio.Lock | None = None
+
     def weight_subscriptions(self) -> list[Subscription]:
-        return [Subscription(f"{self.lane}-weights", (WeightsPublished,), self.on_weights, concurrency=1,
+        # several in flight: announcements that arrive while a load runs are seen, and only the newest
+        # of them is loaded next (``on_weights``)
+        return [Subscription(f"{self.lane}-weights", (WeightsPublished,), self.on_weights, concurrency=8,
                              shared=False, deliver="last")]
 
     async def on_weights(self, event: WeightsPublished, delivery: Delivery) -> None:
+        """Newest wins: a follower slower than the learner loads the latest announcement it was handed,
+        not each one in turn (versions it would load only to replace, and which publication pruning
+        may remove meanwhile). One load at a time; an announcement is acknowledged once one at least
+        as late in the stream was attempted (applied, or reported as failed)."""
+        agent: Any = self
+        if event.role != self.lane or not hasattr(agent.client, "swap_weights"):
+            return
+        seq = _stream_seq(delivery)
+        if seq == 0:  # no stream position (a replay, a hand-built delivery): in the order given
+            await self._apply(event, seq)
+            return
+        if seq > self._newest[0]:
+            self._newest = (seq, event)
+        if self._applying is None:
+            self._applying = asyncio.Lock()
+        async with self._applying:
+            if self._attempted_seq >= seq:
+                return  # a later announcement was attempted while this one waited
+            newest_seq, newest = self._newest
+            assert newest is not None
+            if newest_seq > seq:
+                agent.counters["weights.skipped_to_newest"] += 1
+            await self._apply(newest, newest_seq)
+            self._attempted_seq = newest_seq
+
+    async def _apply(self, event: WeightsPublished, seq: int) -> None:
         agent: Any = self
         client = agent.client
         applied = getattr(self, "_applied_version", None)
-        if event.role != self.lane or not hasattr(client, "swap_weights"):
-            return
-        seq = _stream_seq(delivery)
         last_seq, last_path, last_digest = self._applied_at
         if applied is not None and event.version <= applied and (
                 seq <= last_seq or event.path == last_path or event.sha256 == last_digest):
