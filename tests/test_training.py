@@ -163,10 +163,11 @@ def test_two_gloo_processes_match_single_process(tiny: Path, tmp_path: Path, par
     assert (ckpt / "COMPLETE").exists() and (ckpt / "optimizer.rank0.pt").exists() and (ckpt / "optimizer.rank1.pt").exists()
     gathered = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
     # Adam's first step moves a weight by lr·g/(|g|+eps): where |g| is near eps (1e-8) it amplifies the
-    # float32 rounding of summing the gradient in another order (~1e-11) up to lr·1e-11/eps = 1e-5; a
-    # rank that trained the wrong rows would be off by ~lr = 1e-2 in many weights
+    # float32 rounding of summing the gradient in another order (~1e-11) up to lr·1e-11/eps = 1e-5, a
+    # little more where |g| is nearer eps (a full-suite run once saw it just past 1e-5); a rank that
+    # trained the wrong rows would be off by ~lr = 1e-2 in many weights
     for k, v in single.model.state_dict().items():
-        assert torch.allclose(v, gathered[k], atol=1e-5), k
+        assert torch.allclose(v, gathered[k], atol=1e-4), (k, float((v - gathered[k]).abs().max()))
 
 
 # ---- sampling parity (#23): what the sampler truncated, the learner truncates ----------------------

@@ -639,10 +639,8 @@ class NatsBus:
         """Every stored event (or those of ``kinds``) in order, up to ``end_seq`` (default: now).
 
         Yields ``(sequence, event, msg)``; ``event`` is None for a payload that does not decode, and
-        for every message of the kinds in ``undecoded``: those are yielded as stored, their claims
-        not followed (a reader that needs only their ids, ``stored_id(msg)``, never waits for an
-        object store nor reads their bulk).
-        """
+        for the kinds in ``undecoded``, yielded as stored (a reader of their ids, ``stored_id(msg)``,
+        never waits for an object store nor reads their bulk)."""
         raw = {subject_for(self.run_id, k) for k in undecoded}
         end = end_seq if end_seq is not None else await self.last_sequence()
         if end < start_seq:
