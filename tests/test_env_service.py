@@ -104,3 +104,40 @@ async def test_slow_step_times_out_with_a_clear_error(nats_url: str, run_id: str
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
+
+
+async def test_a_rollout_cancelled_on_stop_does_not_wait_for_its_sessions_close(bus: NatsBus, run_id: str) -> None:
+    """#24 chaos: a policy stopped while cut off cancelled its rollouts, and each one's ``finally``
+    waited 5 s for its env worker to confirm the close (9 s for a stop). Within a cancellation the
+    close is still sent, and waited for half a second: the worker expires idle sessions anyway."""
+    import time
+
+    from coevo.schemas.envproto import env_subject
+
+    seen: list[bytes] = []
+
+    async def stalled(msg) -> None:  # a worker across a cut: it never answers
+        seen.append(msg.data)
+
+    sub = await bus.nc.subscribe(env_subject(run_id, "quick", "w1"), cb=stalled)
+    env = RemoteEnv(bus.nc, run_id, "quick")
+    env.worker_id, env.session_id = "w1", "s1"
+    entered = asyncio.Event()
+
+    async def rollout() -> None:
+        try:
+            entered.set()
+            await asyncio.Event().wait()  # a step in flight
+        finally:
+            await env.close()
+
+    task = asyncio.create_task(rollout())
+    await entered.wait()
+    t0 = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert time.monotonic() - t0 < 2.0
+    await bus.nc.flush()
+    assert seen and b"s1" in seen[0] and env.session_id is None  # the close was sent
+    await sub.unsubscribe()

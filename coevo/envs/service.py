@@ -191,11 +191,16 @@ class RemoteEnv(Environment):
         return StepResult(Observation(text=""), True, "aborted", None, {"error": why})
 
     async def close(self) -> None:
+        """End the session on its worker. Within a cancellation (an agent stopping) the answer is waited
+        for half a second only: the worker closes a session left idle for ``env.session_idle_s``
+        anyway, and a stop across a cut waited 5 s per rollout for an answer that could not come."""
         if self.session_id is None or self.worker_id is None:
             return
         sid, self.session_id = self.session_id, None
+        task = asyncio.current_task()
+        wait_s = 0.5 if task is not None and task.cancelling() else 5.0
         try:
             await self._request(env_subject(self.run_id, self.family, self.worker_id),
-                                EnvClose(session_id=sid).model_dump_json().encode(), 5.0)
+                                EnvClose(session_id=sid).model_dump_json().encode(), wait_s)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
             pass
