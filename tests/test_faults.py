@@ -486,3 +486,30 @@ async def test_a_stop_ends_start_up_work_under_way_at_once(bus: NatsBus, cfg) ->
     scorer.stop()
     await asyncio.wait_for(task, 5)
     assert cancelled.is_set() and scorer.state != "running"
+
+
+async def test_a_stop_while_a_consumer_is_being_created_ends_it_at_once(bus: NatsBus, cfg) -> None:
+    """#24 chaos: a policy told to stop while its consumer's creation waited on a node across a cut
+    took 8 s (the request's timeout): the consumer drained only once it ran."""
+    from coevo.runtime.consumer import Consumer, Subscription
+    from coevo.schemas import Source, TaskScheduled
+
+    creating = asyncio.Event()
+
+    async def puller(*_a: Any, **_kw: Any) -> Any:  # the server does not answer
+        creating.set()
+        await asyncio.Event().wait()
+
+    async def handler(_e: Any, _d: Any) -> None:
+        raise AssertionError("nothing is delivered")
+
+    consumer = Consumer(bus, Subscription("test-creating", (TaskScheduled,), handler), Source(agent_id="a", role="t"))
+    real, bus.puller = bus.puller, puller  # type: ignore[method-assign]
+    try:
+        stop = asyncio.Event()
+        task = asyncio.create_task(consumer.run(stop))
+        await asyncio.wait_for(creating.wait(), 10)
+        stop.set()
+        await asyncio.wait_for(task, 2)
+    finally:
+        bus.puller = real  # type: ignore[method-assign]

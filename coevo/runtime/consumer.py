@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from coevo.config import BusConfig
 from coevo.errors import PayloadUnavailable, PublishError, Reject, Retry
 from coevo.runtime import faults
-from coevo.runtime.aio import drain, first_completed
+from coevo.runtime.aio import drain, first_completed, unless_set
 from coevo.runtime.bus import Delivery, NatsBus
 from coevo.runtime.outbox import Outbox, staging
 from coevo.runtime.pull import Puller
@@ -106,9 +106,18 @@ class Consumer:
         """
         per_worker = self.sub.batch or max(1, -(-self.cfg.fetch_batch // self.concurrency))
         name = self.sub.durable if self.sub.shared else f"{self.sub.durable}-{self.source.agent_id}"
-        subs = [await self.bus.puller(name, self.sub.kinds, deliver=self.sub.deliver, ephemeral=not self.sub.shared)
-                for _ in range(self.concurrency)]
+        subs: list[Puller] = []
+
+        async def open_pullers() -> None:
+            for _ in range(self.concurrency):
+                subs.append(await self.bus.puller(name, self.sub.kinds, deliver=self.sub.deliver,
+                                                  ephemeral=not self.sub.shared))
+
         try:
+            # a stop while the consumer is created ends it at once (the request can take its full
+            # timeout across a cut: a policy stopped then took 8 s)
+            if not await unless_set(stop, open_pullers()):
+                return
             async with asyncio.TaskGroup() as tg:
                 workers = [tg.create_task(self._worker(ps, per_worker, stop), name=f"{self.sub.durable}:w{i}")
                            for i, ps in enumerate(subs)]
