@@ -21,6 +21,7 @@ from coevo.loop import build_agents, summarize
 from coevo.runtime.agent import run_agents
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import (
+    DeadLettered,
     GroupScored,
     LearnerStepped,
     StepJudged,
@@ -152,6 +153,14 @@ async def test_agents_as_separate_processes_and_a_judge_killed_mid_run(
         try:
             events = await wait_for(bus, lambda ev: steps <= {e.step_event_id for e in ev
                                                               if isinstance(e, StepJudged)}, timeout=120)
+        except TimeoutError:  # once in CI: say what the steps still without votes became
+            now = await bus.events()
+            still = steps - {e.step_event_id for e in now if isinstance(e, StepJudged)}
+            dead = [e for e in now if isinstance(e, DeadLettered) and any(s.encode() in e.raw for s in still)]
+            await stop_procs(last)
+            output = last.stderr.read().decode()[-3000:] if last.stderr else ""
+            raise AssertionError(f"{len(still)} of {len(missing)} steps still without votes; dead-lettered: "
+                                 f"{[e.reason for e in dead][:5]}; the last judge said:\n{output}") from None
         finally:
             await stop_procs(last)
     check_consistency(events)
