@@ -191,7 +191,6 @@ def test_a_benchs_agents_die_with_it(tmp_path) -> None:
     import signal
     import subprocess
     import sys
-    import time
 
     parent = subprocess.Popen([sys.executable, "-c", (
         "import asyncio, sys\n"
@@ -206,15 +205,23 @@ def test_a_benchs_agents_die_with_it(tmp_path) -> None:
     child = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 5
+    assert _ends(child, 5.0), "the child outlived its parent"
+
+
+def _ends(pid: int, within_s: float) -> bool:
+    """Whether process ``pid`` is gone within ``within_s`` (killed if not)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
-            os.kill(child, 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
-            return
+            return True
         time.sleep(0.05)
-    os.kill(child, signal.SIGKILL)
-    raise AssertionError("the child outlived its parent")
+    os.kill(pid, 9)
+    return False
 
 
 def test_a_rank_whose_launcher_is_gone_before_it_starts_ends_at_once(tmp_path) -> None:
@@ -224,23 +231,12 @@ def test_a_rank_whose_launcher_is_gone_before_it_starts_ends_at_once(tmp_path) -
     import os
     import subprocess
     import sys
-    import time
 
     out = tmp_path / "out"
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RUN_ID": "t"}
     launcher = subprocess.run(["sh", "-c", f'{sys.executable} -m coevo --help > {out} 2>&1 & echo $!'],
                               env=env, capture_output=True, text=True, check=True)  # gone at once
-    rank = int(launcher.stdout)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            os.kill(rank, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(rank, 9)
-        raise AssertionError("the rank outlived its launcher")
+    assert _ends(int(launcher.stdout), 20.0), "the rank outlived its launcher"
     assert out.read_text() == ""  # it never got to the command
     done = subprocess.run([sys.executable, "-m", "coevo", "--help"], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and "usage" in done.stdout  # a rank whose launcher lives runs as before
