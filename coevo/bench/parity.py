@@ -94,15 +94,10 @@ def _nats(kl: float) -> float:
 
 async def _samples(client: VLLMClient, lane: Any, rollouts: int) -> list[Any]:
     """Fresh completions as training samples with alternating advantages (a step that moves the weights)."""
-    from coevo.schemas import TrainingSample
-    from coevo.training.parity import PROMPTS
+    from coevo.training.parity import fresh_samples
 
-    done = [await client.complete(PROMPTS[i % len(PROMPTS)], max_tokens=16, temperature=lane.temperature)
-            for i in range(rollouts)]
-    return [TrainingSample(sample_id=f"b{i}", role="policy", prompt_token_ids=c.prompt_token_ids,
-                           response_token_ids=c.response_token_ids, logprobs=c.logprobs,
-                           advantage=1.0 if i % 2 else -1.0, model_version=c.model_version, step_event_id=f"b{i}")
-            for i, c in enumerate(done) if c.response_token_ids]
+    return [s.model_copy(update={"advantage": 1.0 if i % 2 else -1.0})
+            for i, s in enumerate(await fresh_samples(client, lane, rollouts=rollouts))]
 
 
 async def bench_parity(python: str, *, cache: Path | None = None, rollouts: int = 40) -> dict[str, Any]:

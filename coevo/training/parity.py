@@ -29,15 +29,20 @@ PROMPTS = ("The quick brown fox", "goal: take the coin. room: hall. items: coin.
            "def add(a, b):\n", "Once upon a time, in a", "1, 2, 3, 4,")
 
 
-async def probe(client: Any, lane: Lane, *, rollouts: int = 20, max_tokens: int = 16) -> tuple[float, int]:
-    """(KL per token from the server's sampling to the lane's, tokens compared) on ``rollouts`` fresh
-    completions of the probe prompts at the lane's temperature."""
+async def fresh_samples(client: Any, lane: Lane, *, rollouts: int = 20, max_tokens: int = 16) -> list[TrainingSample]:
+    """``rollouts`` fresh completions of the probe prompts at the lane's temperature, as samples
+    (advantage 0) with the server's behaviour log-probs."""
     done = await asyncio.gather(*(client.complete(PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
                                                   temperature=lane.temperature, index=i) for i in range(rollouts)))
-    samples = [TrainingSample(sample_id=f"probe-{i}", role=lane.role, prompt_token_ids=c.prompt_token_ids,
-                              response_token_ids=c.response_token_ids, logprobs=c.logprobs, advantage=0.0,
-                              model_version=c.model_version, step_event_id=f"probe-{i}")
-               for i, c in enumerate(done) if c.response_token_ids]
+    return [TrainingSample(sample_id=f"probe-{i}", role=lane.role, prompt_token_ids=c.prompt_token_ids,
+                           response_token_ids=c.response_token_ids, logprobs=c.logprobs, advantage=0.0,
+                           model_version=c.model_version, step_event_id=f"probe-{i}")
+            for i, c in enumerate(done) if c.response_token_ids]
+
+
+async def probe(client: Any, lane: Lane, *, rollouts: int = 20, max_tokens: int = 16) -> tuple[float, int]:
+    """(KL per token from the server's sampling to the lane's, tokens compared) on fresh samples."""
+    samples = await fresh_samples(client, lane, rollouts=rollouts, max_tokens=max_tokens)
     if not samples:
         return 0.0, 0
     return await asyncio.to_thread(lane.mismatch_kl, samples), sum(len(s.response_token_ids) for s in samples)
