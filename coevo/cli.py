@@ -582,7 +582,7 @@ COMMANDS: tuple[Command, ...] = (
         arg("--policy-url", help="vLLM server serving the policy, http://host:port/v1 [policy.url]"),
         arg("--weight-sync", choices=("disk", "gloo", "nccl"),
             help="how vLLM servers get new weights: reload the checkpoint (disk) or pushed by the learner "
-            "(gloo on CPU, nccl on GPU) [learner.weight_sync]"),
+            "(gloo on CPU, nccl on GPU) [learner.weight_sync.transport]"),
         arg("--resume", metavar="RUN", help="continue run RUN (same run id and run directory)"),
         arg("--judge", metavar="BACKEND:MODEL",
             help="e.g. litellm:openai/gpt-4.1-mini, vllm:NAME, local:DIR [judge.backend, judge.model]"),
@@ -594,7 +594,7 @@ COMMANDS: tuple[Command, ...] = (
         arg("--no-report", action="store_true", help="do not write runs/<id>/report/ at the end"),
     ), overrides={"minutes": "run.minutes", "steps": "run.steps", "family": "env.family",
                   "serve_policy": "policy.serve_port", "reward": "scorer.reward", "policy_model": "policy.model",
-                  "policy_url": "policy.url", "weight_sync": "learner.weight_sync", "resume": "run.run_id"}),
+                  "policy_url": "policy.url", "weight_sync": "learner.weight_sync.transport", "resume": "run.run_id"}),
     Command("agent", "run one agent (a role, or module:Class) against a server", cmd_agent, config=True, args=(
         arg("role", help="agent role or module:Class"),
         arg("--agent-id", help="agent id (default: role + random suffix)"),

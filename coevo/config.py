@@ -12,9 +12,17 @@ import contextvars
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from coevo.errors import ConfigError
@@ -336,6 +344,32 @@ class TasksConfig(Section):
         return self
 
 
+class DiskSync(Section):
+    """Servers reload each version from the published weights' directory: every server must see the
+    learner's files (one host, or ``learner.publication_root`` on shared storage)."""
+
+    transport: Literal["disk"] = "disk"
+
+
+class PushSync(Section):
+    """The learner pushes each version into the servers over a collective: gloo on CPU (the server runs
+    with ``--weight-transfer-config '{"backend": "coevo_gloo"}'``), nccl on GPU (``'{"backend": "nccl"}'``).
+    A server whose transfer fails reloads from disk, and connects again on the next version."""
+
+    transport: Literal["gloo", "nccl"]
+    host: str = Field(default="127.0.0.1", description="address the vLLM servers reach the learner at")
+    timeout_s: float = Field(default=120.0, gt=0, description="limit of one pushed transfer, from the offer to "
+                             "the last tensor, including the pause's wait for requests in flight")
+
+
+def _transport_named(value: Any) -> Any:
+    return {"transport": value} if isinstance(value, str) else value
+
+
+WeightSync = Annotated[DiskSync | PushSync, BeforeValidator(_transport_named), Field(discriminator="transport")]
+"""``learner.weight_sync``: only the fields of the chosen transport exist (a ``host`` with disk is an error)."""
+
+
 class LearnerConfig(Section):
     lr: float = Field(default=1e-3, gt=0, description="AdamW lr (1e-3 for tiny models; ~1e-6 for 7B)")
     judge_lr: float | None = Field(default=None, description="judge lane lr (default: lr)")
@@ -379,16 +413,11 @@ class LearnerConfig(Section):
         default="fsdp", description="under torchrun: FSDP2 sharding or replicated data parallel")
     bf16: bool = Field(default=True, description="bf16 autocast on CUDA (ignored on CPU)")
     gradient_checkpointing: bool = False
-    weight_sync: Literal["disk", "gloo", "nccl"] = Field(
-        default="disk", description="how vLLM servers get new weights: reload from the published weights' "
-        "path (disk: servers must see the learner's files), or pushed by the learner over a collective "
-        "(gloo on CPU, nccl on GPU: the server runs with --weight-transfer-config '{\"backend\": "
-        "\"coevo_gloo\"}' or '{\"backend\": \"nccl\"}'). Local engines take the published weights from memory in "
-        "the learner's process, from disk elsewhere")
-    transfer_host: str = Field(default="127.0.0.1", description="address vLLM servers reach the learner at "
-                               "(weight_sync gloo/nccl)")
-    transfer_timeout_s: float = Field(default=120.0, gt=0, description="limit of one pushed transfer, from the "
-                                      "offer to the last tensor, including the pause's wait for requests in flight")
+    weight_sync: WeightSync = Field(
+        default_factory=lambda: DiskSync(), description="how vLLM servers get new weights, tagged by "
+        "`transport`: disk (reload from the published weights' path), gloo or nccl (pushed by the learner; see "
+        "PushSync). A bare name (\"gloo\") stands for that transport with its defaults. Local engines take the "
+        "published weights from memory in the learner's process, from disk elsewhere")
     publish_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto", description="dtype of the published weights (what servers load, pushes send and "
         "WeightsPublished points at): auto = bfloat16 on CUDA, float32 on CPU")

@@ -14,8 +14,9 @@ fi
 # coevo itself (no dependencies): its vllm.general_plugins entry point registers the coevo_gloo
 # weight-transfer backend (weights pushed by the learner over gloo, vLLM's NCCL path on CPU)
 if ! .venv-vllm/bin/python -P -c "
-import sys, importlib.metadata as m, coevo.training.vllm_plugin as p
-sys.exit(not (m.entry_points(group='vllm.general_plugins', name='coevo') and p.__file__.startswith('$(pwd)/')))
+import sys, importlib.metadata as m, coevo.weights.vllm_plugin as p
+eps = m.entry_points(group='vllm.general_plugins', name='coevo')
+sys.exit(not (eps and all(e.load() is p.register for e in eps) and p.__file__.startswith('$(pwd)/')))
 " >/dev/null 2>&1; then
   .venv-vllm/bin/python -m pip install -q --no-deps -e . >&2
 fi

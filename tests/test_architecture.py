@@ -52,6 +52,9 @@ def test_import_contracts_hold() -> None:
     ("envs/quickgame.py", "import coevo.runtime.bus", "Environments know nothing of NATS"),
     ("algorithm/scoring.py", "import torch", "The algorithm does no I/O"),
     ("schemas/base.py", "import nats", "Events stay light"),
+    ("inference/engine.py", "import coevo.weights.follower", "Layers"),
+    ("weights/follower.py", "import coevo.agents.policy", "Layers"),
+    ("weights/transfer.py", "import coevo.runtime.bus", "What vLLM's workers import"),
 ])
 def test_import_contracts_catch_a_violation(tmp_path: Path, module: str, line: str, contract: str) -> None:
     shutil.copytree(REPO / "coevo", tmp_path / "coevo", ignore=shutil.ignore_patterns("__pycache__"))
@@ -83,11 +86,20 @@ def test_where_things_are_table_matches_the_contracts() -> None:
     assert {n.split(".")[1] for row in rows for n in row} == top  # every package has its row
 
 
+def test_no_client_is_asked_what_it_can_do() -> None:
+    """#23: a client's capabilities are Protocols, chosen once (``weights.transports``); nothing probes
+    a client with ``hasattr`` or ``getattr``."""
+    probes = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "coevo").rglob("*.py"))
+              for i, line in enumerate(p.read_text().splitlines(), 1)
+              if re.search(r"(hasattr|getattr)\((self\.)?(agent\.)?(llm_)?client\b", line)]
+    assert probes == []
+
+
 def test_agents_holds_only_agents_and_no_library_package_holds_a_benchmark() -> None:
     from coevo.runtime.agent import Agent
 
     for path in sorted((REPO / "coevo" / "agents").glob("*.py")):
-        if path.stem in ("__init__", "follower"):  # follower: the weights mixin of policy and judge
+        if path.stem == "__init__":
             continue
         module = importlib.import_module(f"coevo.agents.{path.stem}")
         agents = [v for v in vars(module).values()

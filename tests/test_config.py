@@ -103,3 +103,22 @@ def test_a_tool_pointed_at_a_run_that_is_not_there_says_so_in_one_line(tmp_path:
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and "--runs-dir" in lines[0] and "nosuchrun" in lines[0], (args, out.stderr)
     assert not (tmp_path / "runs").exists()  # nothing was created for it
+
+
+def test_weight_sync_is_tagged_by_its_transport(tmp_path: Path) -> None:
+    """#23: only the chosen transport's fields exist; a bare name is that transport with its defaults;
+    the command line's --weight-sync changes the transport and keeps the file's fields."""
+    from coevo.config import DiskSync, PushSync
+
+    assert load_config().learner.weight_sync == DiskSync()
+    assert load_config(overrides={"learner.weight_sync": "gloo"}).learner.weight_sync == PushSync(transport="gloo")
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"learner.weight_sync": {"transport": "disk", "host": "10.0.0.5"}})
+    assert err.value.field == "learner.weight_sync.disk.host"
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"learner.weight_sync": "tcp"})
+    assert err.value.field == "learner.weight_sync" and "'disk', 'gloo', 'nccl'" in str(err.value)
+    f = tmp_path / "c.toml"
+    f.write_text('[learner.weight_sync]\ntransport = "gloo"\nhost = "10.0.0.5"\ntimeout_s = 30\n')
+    cfg = load_config(f, {"learner.weight_sync.transport": "nccl"})
+    assert cfg.learner.weight_sync == PushSync(transport="nccl", host="10.0.0.5", timeout_s=30.0)

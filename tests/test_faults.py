@@ -269,8 +269,8 @@ def test_a_checkpoint_rewritten_at_its_version_is_never_missing(tmp_path, monkey
     point (here: where the old code renamed) leaves a whole one in place."""
     import os
 
-    from coevo.inference.checkpoints import file_sha256, manifest_of
-    from coevo.training import tensorfiles
+    from coevo.weights import tensorfiles
+    from coevo.weights.manifest import file_sha256, manifest_of
 
     final = tmp_path / "v000003"
 

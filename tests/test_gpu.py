@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coevo.config import LearnerConfig
+from coevo.config import LearnerConfig, PushSync
 from coevo.schemas import TrainingSample
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -48,7 +48,7 @@ def test_lane_steps_in_bf16_autocast_on_cuda_like_fp32_on_cpu(model_cache: Path,
     assert abs(m_gpu.loss - m_cpu.loss) < 2e-2 and abs(m_gpu.mismatch_kl - m_cpu.mismatch_kl) < 2e-2
     assert next(gpu.model.parameters()).dtype == torch.float32  # master weights stay fp32
     path, _, _ = gpu.checkpoint()
-    from coevo.training.transfer import load_checkpoint_tensors
+    from coevo.weights.transfer import load_checkpoint_tensors
 
     saved = load_checkpoint_tensors(path)
     cpu_state = cpu.model.state_dict()
@@ -70,7 +70,7 @@ async def test_weights_pushed_over_vllm_nccl_equal_the_checkpoint(bus, model_cac
         transfer_subject,
     )
     from coevo.training.lane import Lane
-    from coevo.training.weight_server import WeightServer
+    from coevo.weights.server import WeightServer
 
     model = ensure_default_model("policy", model_cache)
     torch.cuda.set_device(0)
@@ -81,7 +81,7 @@ async def test_weights_pushed_over_vllm_nccl_equal_the_checkpoint(bus, model_cac
     proc = subprocess.Popen(server_command(sys.executable, model, port, transfer_backend="nccl",
                                            extra=("--gpu-memory-utilization", "0.3")),
                             env={**os.environ, **SERVER_ENV, "CUDA_VISIBLE_DEVICES": "1"}, start_new_session=True)
-    server = WeightServer(bus, "nccl", "127.0.0.1", timeout_s=120.0)
+    server = WeightServer(bus, PushSync(transport="nccl", timeout_s=120.0))
     await server.serve("policy", lambda: (1, path, sha))
     try:
         url = f"http://127.0.0.1:{port}"

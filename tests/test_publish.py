@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from coevo.config import LearnerConfig
-from coevo.inference.checkpoints import HELD, manifest_of, verify
 from coevo.inference.engine import LocalEngine
-from coevo.training import tensorfiles
 from coevo.training.lane import Lane, latest_checkpoint
 from coevo.training.loss import token_logprobs
+from coevo.weights import tensorfiles
+from coevo.weights.manifest import HELD, manifest_of, verify
 from tests.test_training import choice_samples
 
 
@@ -91,7 +91,7 @@ def test_safetensors_written_in_one_pass_load_back_and_match_their_manifest(tmp_
     loaded = load_file(tmp_path / "x.safetensors")
     assert set(loaded) == set(tensors)
     assert all(loaded[k].dtype == t.dtype and torch.equal(loaded[k], t) for k, t in tensors.items())
-    from coevo.inference.checkpoints import file_sha256
+    from coevo.weights.manifest import file_sha256
 
     assert info == {"bytes": (tmp_path / "x.safetensors").stat().st_size,
                     "sha256": file_sha256(tmp_path / "x.safetensors")}

@@ -10,16 +10,16 @@ from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
-import structlog
 import torch
 
-from coevo.agents.follower import WeightsFollower
 from coevo.config import CoevoConfig, LearnerConfig
 from coevo.runtime.agent import run_agents
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import LearnerStepped, Source, WeightsPublished
 from coevo.training.lane import Lane, latest_checkpoint
 from coevo.training.learner import LearnerAgent
+from coevo.weights.follower import WeightsFollower
+from coevo.weights.transports import DiskReload
 from tests.test_delivery import _learner_cfg, _samples, _scored
 
 
@@ -105,29 +105,29 @@ class _Client:
         return 1.0
 
 
-class _Follower(WeightsFollower):
-    lane = "policy"
+class _Follower:
+    """A follower as an agent owns one, over a client that loads from disk; records what it reports."""
 
     def __init__(self, cfg: LearnerConfig) -> None:
         self.client = _Client()
-        self.cfg = SimpleNamespace(learner=cfg)
-        self.log = structlog.get_logger("test")
-        self.agent_id = "policy-test"
-        self.model_version = None
-        self.applied: list[tuple[int, bool, str | None]] = []
         self.counters: Counter[str] = Counter()
+        assert cfg.publication_root is not None
+        transport = DiskReload(self.client, cfg.publication_root, full_verify=cfg.verify == "full")
+        self.follower = WeightsFollower("policy", transport, lambda: self.client.version, self.counters)
+        self.applied: list[tuple[int, bool, str | None]] = []
+        self.model_version: int | None = None
 
-    def event(self, _cls, **fields):
-        return fields
-
-    async def emit(self, fields) -> None:
-        self.applied.append((fields["version"], fields["ok"], fields["error"]))
+    async def on_weights(self, event: WeightsPublished, delivery: SimpleNamespace) -> None:
+        applied = await self.follower.follow(event, delivery)  # type: ignore[arg-type]
+        if applied is not None:
+            self.applied.append((applied.version, applied.ok, applied.error))
+            self.model_version = applied.version if applied.ok else self.model_version
 
 
 async def test_followers_apply_in_stream_order_verified_and_follow_a_restored_learner(
         tmp_path: Path, model_cache: Path) -> None:
-    from coevo.inference.checkpoints import HELD
     from coevo.inference.models import ensure_default_model
+    from coevo.weights.manifest import HELD
 
     lane = Lane("policy", ensure_default_model("policy", model_cache), tmp_path, LearnerConfig(), device="cpu")
     src = Source(agent_id="learner", role="learner")
@@ -172,8 +172,8 @@ async def test_a_follower_behind_the_learner_loads_the_newest_announcement_not_e
     """#24 chaos: followers loading 20 s late worked through every announcement in turn, each older
     than the learner's newest, several already pruned ("no weights at ..."). While one load runs,
     the announcements that arrive are held and only the newest is loaded next."""
-    from coevo.inference.checkpoints import HELD
     from coevo.inference.models import ensure_default_model
+    from coevo.weights.manifest import HELD
 
     lane = Lane("policy", ensure_default_model("policy", model_cache), tmp_path, LearnerConfig(), device="cpu")
     src = Source(agent_id="learner", role="learner")
@@ -198,3 +198,42 @@ async def test_a_follower_behind_the_learner_loads_the_newest_announcement_not_e
     assert [v for _, v in follower.client.loaded] == [1, 4]  # 2 and 3 were never loaded
     assert [v for v, ok, _ in follower.applied] == [1, 4] and follower.model_version == 4
     assert follower.counters["weights.skipped_to_newest"] == 1
+
+
+async def test_publication_pruning_never_removes_a_version_a_follower_is_loading(
+        tmp_path: Path, model_cache: Path) -> None:
+    """#23: a follower loads a version slowly while the learner publishes twice KEEP_PUBLISHED newer
+    ones. The version being loaded stays whole until the load ends (its lease), and the next
+    publication after that removes it."""
+    from coevo.inference.models import ensure_default_model
+    from coevo.weights.manifest import HELD
+    from coevo.weights.publish import KEEP_PUBLISHED
+
+    lane = Lane("policy", ensure_default_model("policy", model_cache), tmp_path, LearnerConfig(), device="cpu")
+    src = Source(agent_id="learner", role="learner")
+
+    def publish(version: int) -> WeightsPublished:
+        lane.version = version
+        with torch.no_grad():
+            next(lane.model.parameters()).add_(1.0)
+        path, digest, size = lane.publish()
+        return WeightsPublished(run_id="r", source=src, role="policy", version=version, path=str(path),
+                                sha256=digest, bytes=size)
+
+    first = publish(1)
+    HELD.clear()
+    follower = _Follower(LearnerConfig(verify="full", publication_root=tmp_path))
+    follower.client.gate = asyncio.Event()
+    loading = asyncio.create_task(follower.on_weights(first, SimpleNamespace(stream_seq=1)))
+    await asyncio.wait_for(follower.client.loading.wait(), 10)  # verified, now loading under its lease
+    for version in range(2, 2 + 2 * KEEP_PUBLISHED):
+        await asyncio.to_thread(publish, version)
+    kept = sorted(p.name for p in Path(first.path).parent.glob("v*"))
+    assert Path(first.path).name in kept and len(kept) == KEEP_PUBLISHED + 1
+    assert (Path(first.path) / "model.safetensors").is_file()
+    follower.client.gate.set()
+    await asyncio.wait_for(loading, 10)
+    assert follower.applied == [(1, True, None)]
+    await asyncio.to_thread(publish, 2 + 2 * KEEP_PUBLISHED)
+    assert not Path(first.path).exists()
+    assert len(list(Path(first.path).parent.glob("v*"))) == KEEP_PUBLISHED

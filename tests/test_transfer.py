@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from coevo.config import LearnerConfig
+from coevo.config import LearnerConfig, PushSync
 from coevo.errors import BusError
 from coevo.schemas import TransferConnect, TransferEndpoint, TransferOffer, TransferRequest, transfer_subject
 from coevo.training.lane import Lane
-from coevo.training.transfer import GlooCollective, Plan, load_checkpoint_tensors, receive, send
-from coevo.training.weight_server import WeightServer
+from coevo.weights.server import WeightServer
+from coevo.weights.transfer import GlooCollective, Plan, load_checkpoint_tensors, receive, send
 
 
 def pair(timeout_s: float = 5.0) -> tuple[GlooCollective, GlooCollective]:
@@ -77,7 +77,7 @@ async def test_weight_server_connects_pushes_the_newest_checkpoint_and_refuses_c
     lane = Lane("policy", model, tmp_path, LearnerConfig(), device="cpu")
     path, sha, _ = await asyncio.to_thread(lane.checkpoint)
     published = {"policy": (lane.version, path, sha)}
-    server = WeightServer(bus, "gloo", "127.0.0.1", timeout_s=5.0)
+    server = WeightServer(bus, PushSync(transport="gloo", timeout_s=5.0))
     await server.serve("policy", lambda: published["policy"])
     push = transfer_subject(bus.run_id, "policy", "push")
     try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coevo.algorithm.prompts import INDEX_LABELS, policy_prompt
-from coevo.config import LearnerConfig, load_config
+from coevo.config import LearnerConfig, PushSync, load_config
 from coevo.inference.engine import LocalEngine
 from coevo.inference.vllm_client import VLLMClient, VLLMError
 from coevo.schemas import (
@@ -23,7 +23,7 @@ from coevo.schemas import (
     transfer_subject,
 )
 from coevo.training.lane import Lane
-from coevo.training.weight_server import WeightServer
+from coevo.weights.server import WeightServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -113,7 +113,7 @@ async def test_learner_pushes_weights_into_vllm_over_gloo(vllm_server, bus, tmp_
     url, model = vllm_server
     lane = Lane("policy", model, tmp_path, LearnerConfig(lr=5e-2), device="cpu")
     base_path, base_sha, _ = lane.checkpoint()
-    server = WeightServer(bus, "gloo", "127.0.0.1", timeout_s=60.0)
+    server = WeightServer(bus, PushSync(transport="gloo", timeout_s=60.0))
     published: dict[str, tuple[int, Path, str]] = {}
     await server.serve("policy", lambda: published["policy"])
     try:
@@ -169,7 +169,7 @@ async def test_policy_agent_falls_back_to_the_checkpoint_when_no_learner_pushes(
 
     url, model = vllm_server
     cfg = load_config(overrides={**_dump(loop_cfg), "policy.url": url, "policy.model": str(model),
-                                 "learner.weight_sync": "gloo", "learner.transfer_timeout_s": 60.0,
+                                 "learner.weight_sync": {"transport": "gloo", "timeout_s": 60.0},
                                  "learner.publication_root": str(tmp_path)})  # where this test publishes
     lane = Lane("policy", model, tmp_path, LearnerConfig(), device="cpu")
     published: dict[str, tuple[int, Path, str]] = {}
@@ -190,7 +190,7 @@ async def test_policy_agent_falls_back_to_the_checkpoint_when_no_learner_pushes(
 
     stop = asyncio.Event()
     agent = PolicyAgent(bus, cfg)
-    server = WeightServer(bus, "gloo", "127.0.0.1", timeout_s=60.0)
+    server = WeightServer(bus, PushSync(transport="gloo", timeout_s=60.0))
 
     async def drive() -> None:
         try:

@@ -13,15 +13,15 @@ import json
 import re
 from typing import Any, Literal
 
-from coevo.agents.follower import WeightsFollower
 from coevo.algorithm.prompts import VERDICT_LABELS, judge_prompt, parse_vote
 from coevo.config import JudgeConfig
 from coevo.inference.clients import make_client
-from coevo.inference.engine import Completion
+from coevo.inference.engine import CachesCalls, Completion, Metered
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
-from coevo.schemas import BudgetExceeded, StepJudged, StepTaken, Vote, WeightsApplied
+from coevo.schemas import BudgetExceeded, StepJudged, StepTaken, Vote, WeightsApplied, WeightsPublished
+from coevo.weights.follower import WeightsFollower, report_applied, weights_subscription
 
 
 def judged_id(step_event_id: str) -> str:
@@ -43,7 +43,7 @@ async def ask(client: Any, cfg: JudgeConfig, prompt: str, index: int) -> tuple[C
     return c, parsed, ("ok" if parsed is not None else "unparseable")
 
 
-class JudgeAgent(WeightsFollower, Agent):
+class JudgeAgent(Agent):
     role = "judge"
     emits = (StepJudged, WeightsApplied, BudgetExceeded)
     lane = "judge"
@@ -51,15 +51,21 @@ class JudgeAgent(WeightsFollower, Agent):
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.client = make_client(self.cfg, "judge", seed=self.cfg.run.seed + 1)
+        self.weights = WeightsFollower.of(self.cfg, self.bus, "judge", self.client, server=self.agent_id,
+                                          counters=self.counters)
         self._tests: dict[str, list[dict[str, Any]]] = {}
         self._test_locks: dict[str, asyncio.Lock] = {}
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("judge", (StepTaken,), self.on_step, concurrency=self.cfg.judge.max_concurrent_steps),
-                *self.weight_subscriptions()]
+                weights_subscription(self.lane, self.on_weights)]
+
+    async def on_weights(self, event: WeightsPublished, delivery: Delivery) -> None:
+        if (applied := await self.weights.follow(event, delivery)) is not None:
+            await report_applied(self, applied)
 
     async def run(self) -> None:
-        if hasattr(self.client, "attach_cache"):
+        if isinstance(self.client, CachesCalls):
             self.client.attach_cache(await self.bus.kv(f"llmcache_{self.role}"))
         async with self.client:  # type: ignore[attr-defined]
             await super().run()
@@ -96,7 +102,7 @@ class JudgeAgent(WeightsFollower, Agent):
         api = self.cfg.judge.api
         self.log.error("judge.budget_exceeded", error=str(exc))
         await self.emit(self.event(BudgetExceeded, backend=self.cfg.judge.backend, model=self.cfg.judge.model or "",
-                                   spent_usd=getattr(self.client, "spent_usd", 0.0), max_usd=api.max_usd or 0.0))
+                                   spent_usd=self.client.spent_usd if isinstance(self.client, Metered) else 0.0, max_usd=api.max_usd or 0.0))
 
     async def on_step(self, step: StepTaken, _d: Delivery) -> None:
         if self.cfg.env.family == "coding":

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coevo.agents.follower import WeightsFollower
 from coevo.algorithm.prompts import INDEX_LABELS, parse_action, policy_prompt
 from coevo.envs import make_family
 from coevo.envs.base import EnvError, Environment, Observation
@@ -46,6 +45,7 @@ from coevo.schemas import (
     new_id,
 )
 from coevo.schemas.events import Outcome
+from coevo.weights.follower import WeightsFollower, report_applied, weights_subscription
 
 if TYPE_CHECKING:
     from coevo.config import CoevoConfig, PolicyConfig
@@ -83,7 +83,7 @@ def endpoint_key(cfg: CoevoConfig, run_id: str) -> tuple[str | None, Path | None
     return generated_token(path), path
 
 
-class PolicyAgent(WeightsFollower, Agent):
+class PolicyAgent(Agent):
     role = "policy"
     emits = (StepTaken, TrajectoryCompleted, WeightsApplied, TaskScheduled)
     lane = "policy"
@@ -94,6 +94,8 @@ class PolicyAgent(WeightsFollower, Agent):
         super().__init__(*a, **kw)
         self.family = make_family(self.cfg.env)
         self.client = make_client(self.cfg, "policy", seed=self.cfg.run.seed)
+        self.weights = WeightsFollower.of(self.cfg, self.bus, "policy", self.client, server=self.agent_id,
+                                          counters=self.counters)
         self.rollout_permits = asyncio.Semaphore(self.cfg.policy.max_concurrent_trajectories)
         self._chat_tokens: ChatTokens | None = None
         self.endpoint: Any = None
@@ -107,7 +109,7 @@ class PolicyAgent(WeightsFollower, Agent):
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16, batch=1),  # rollouts are slow
-                *self.weight_subscriptions()]
+                weights_subscription(self.lane, self.on_weights)]
 
     async def run(self) -> None:
         async with self.client:  # type: ignore[attr-defined]
@@ -122,15 +124,16 @@ class PolicyAgent(WeightsFollower, Agent):
             await self.endpoint.expire_idle(self.stopping)
 
     async def on_weights(self, event: WeightsPublished, delivery: Delivery) -> None:
-        await super().on_weights(event, delivery)
-        self.weights_changed.set()
+        if (applied := await self.weights.follow(event, delivery)) is not None:
+            await report_applied(self, applied)
+            self.weights_changed.set()
 
     async def weights_for(self, task: TaskScheduled) -> None:
         """Wait until the client serves weights no older than ``task`` allows (at most ``weights_wait_s``:
         then it is played as it is, counted and logged)."""
         want = (task.source.model_version or 0) - self.cfg.learner.max_staleness
         deadline = time.monotonic() + self.weights_wait_s
-        while hasattr(self.client, "swap_weights") and self.client.version < want:
+        while self.weights.follows and self.client.version < want:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.counters["groups.played_behind"] += 1

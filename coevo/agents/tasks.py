@@ -33,6 +33,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from coevo.algorithm import scoring
 from coevo.algorithm.rewriter import BuiltinRewriter, Rewriter
 from coevo.envs import make_family
+from coevo.inference.engine import CachesCalls
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
 from coevo.runtime.bus import Delivery
@@ -200,7 +201,7 @@ class TasksAgent(Agent):
         if self.llm_client is None:
             await super().run()
             return
-        if hasattr(self.llm_client, "attach_cache"):
+        if isinstance(self.llm_client, CachesCalls):
             self.llm_client.attach_cache(await self.bus.kv(f"llmcache_{self.role}"))
         async with self.llm_client:
             await super().run()

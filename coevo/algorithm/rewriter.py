@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field, create_model
 
@@ -97,6 +97,13 @@ class BuiltinRewriter:
         return Proposal(None, summaries, self.name, f"every knob is at its {direction} bound")
 
 
+@runtime_checkable
+class StructuredOutput(Protocol):
+    """A client that can be asked for JSON matching a schema (``response_format``; it decides per model)."""
+
+    def supports_schema(self) -> bool: ...
+
+
 class LLMRewriter:
     """Any inference client proposes the new knobs as JSON; validated, retried, else rejected."""
 
@@ -122,7 +129,7 @@ class LLMRewriter:
         error = "no answer"
         schema = proposal_schema(family)
         for _ in range(self.retries + 1):
-            kwargs = {"response_format": schema} if hasattr(self.client, "supports_schema") else {}
+            kwargs = {"response_format": schema} if isinstance(self.client, StructuredOutput) else {}
             completion = await self.client.complete(prompt, max_tokens=self.max_tokens, **kwargs)  # type: ignore[attr-defined]
             try:
                 candidate = parse_llm_proposal(family, task, direction, completion.text)

@@ -20,10 +20,10 @@ async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] =
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from coevo.config import LearnerConfig
-    from coevo.inference.checkpoints import HELD, weights_bytes
     from coevo.inference.engine import LocalEngine
     from coevo.inference.models import build_tokenizer
     from coevo.training.lane import Lane
+    from coevo.weights.manifest import HELD, weights_bytes
 
     shapes = {"tiny": (2, 128), "small": (4, 256), "medium": (8, 512), "large": (12, 768)}
     out: dict[str, Any] = {"sizes": {}}
@@ -68,7 +68,7 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> di
     from coevo.bench.vllm import served
     from coevo.inference.vllm_client import VLLMClient
     from coevo.schemas import TransferEndpoint, TransferOffer
-    from coevo.training.transfer import GlooCollective, Plan, load_checkpoint_tensors, send
+    from coevo.weights.transfer import GlooCollective, Plan, load_checkpoint_tensors, send
 
     async with served(python, model) as url:
         disk, gloo = [], []

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import structlog
 
@@ -88,6 +88,28 @@ class InferenceClient(Protocol):
     async def aclose(self) -> None: ...
 
 
+@runtime_checkable
+class KnowsContext(Protocol):
+    """A client that knows its model's context length (prompt plus completion tokens)."""
+
+    @property
+    def context_length(self) -> int | None: ...
+
+
+@runtime_checkable
+class CachesCalls(Protocol):
+    """A client of a paid API that keeps its answers in the run's key-value store (replays cost nothing)."""
+
+    def attach_cache(self, kv: Any) -> None: ...
+
+
+@runtime_checkable
+class Metered(Protocol):
+    """A client that counts what its calls cost."""
+
+    spent_usd: float
+
+
 _Swap = tuple[Path | dict[str, Any], int, asyncio.Future[float]]
 """new weights (a directory, or tensors in memory), their version, the waiter of the pause in ms"""
 
@@ -130,6 +152,10 @@ class LocalEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
 
     async def __aenter__(self) -> LocalEngine:
         self._server = asyncio.create_task(self._serve(), name=f"engine:{self.name}")

@@ -41,6 +41,7 @@ from pydantic import ValidationError
 from coevo.config import CoevoConfig
 from coevo.errors import ConfigError
 from coevo.inference.chat import ChatTokens, Turn, completion_prompt, normalize
+from coevo.inference.engine import KnowsContext
 from coevo.schemas import TaskScheduled, TaskSpec
 from coevo.schemas.events import Outcome
 from coevo.serve import openai_api as oa
@@ -235,8 +236,7 @@ class Endpoint:
         return min(asked or self.pc.max_tokens, self.pc.serve_max_tokens)
 
     def _limit(self) -> int | None:
-        config = getattr(getattr(self.client, "model", None), "config", None)
-        return getattr(config, "max_position_embeddings", None)
+        return self.client.context_length if isinstance(self.client, KnowsContext) else None
 
     async def sample(self, prompt_ids: list[int], how: str, max_tokens: int, stops: list[str]) -> Sampled:
         limit = self._limit()

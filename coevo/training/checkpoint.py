@@ -28,13 +28,11 @@ from typing import Any
 
 import torch
 
-from coevo.inference.checkpoints import file_sha256
-from coevo.training import tensorfiles
+from coevo.weights import tensorfiles
+from coevo.weights.manifest import file_sha256
 
 MARKER = "COMPLETE"
 KEEP = 3
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -194,7 +192,7 @@ def write_checkpoint(root: Path, job: CheckpointJob, weights: dict[str, torch.Te
 def model_files(folder: Path, job: CheckpointJob) -> dict[str, tensorfiles.FileInfo]:
     """config, tokenizer files and counters beside the weights (what from_pretrained and vLLM read)."""
     files = {"config.json": tensorfiles.write_text(folder / "config.json", job.config_json)}
-    files.update(tensorfiles.copy_files(job.base_model, folder, TOKENIZER_FILES))
+    files.update(tensorfiles.copy_files(job.base_model, folder, tensorfiles.TOKENIZER_FILES))
     files["state.json"] = tensorfiles.write_text(folder / "state.json", json.dumps(
         {"version": job.version, "role": job.role, "steps_total": job.steps_total,
          "consumed_groups": job.consumed}))

@@ -4,7 +4,7 @@ resume checkpoints.
 Two artefacts, two cadences:
 - *published weights* (``publish``): the model's tensors in the serving dtype, every step or every
   ``learner.publish_every`` steps, on the critical path (step end → ``WeightsPublished``), written
-  once and held in memory for in-process engines and pushed transfers (``coevo.training.publish``);
+  once and held in memory for in-process engines and pushed transfers (``coevo.weights.publish``);
 - *resume checkpoints* (``begin_checkpoint``): fp32 weights, optimizer state, counters and the
   consumed groups, every ``learner.checkpoint_every_steps`` / ``checkpoint_every_s``, written off
   the critical path (``coevo.training.checkpoint``): the next optimiser step waits only for the
@@ -46,7 +46,6 @@ from typing import Any, Literal
 import torch
 
 from coevo.config import LearnerConfig, SamplingConfig
-from coevo.inference.checkpoints import HELD, manifest_of
 from coevo.runtime import faults
 from coevo.schemas import TrainingSample
 from coevo.training.batch import (
@@ -60,7 +59,8 @@ from coevo.training.batch import (
 )
 from coevo.training.checkpoint import MARKER, Checkpoint, CheckpointJob, CheckpointWriter, latest_checkpoint
 from coevo.training.loss import DECOUPLED_CAP, mismatch_kl, ppo_loss, token_logprobs
-from coevo.training.publish import clear_partial, serving_dtype, serving_tensors, write_published
+from coevo.weights.manifest import HELD, manifest_of
+from coevo.weights.publish import clear_partial, serving_dtype, serving_tensors, write_published
 
 __all__ = ["MARKER", "Lane", "StepMetrics", "latest_checkpoint"]
 

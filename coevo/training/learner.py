@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from coevo.config import CoevoConfig, checkpoint_root
+from coevo.config import CoevoConfig, PushSync, checkpoint_root
 from coevo.errors import Reject, Retry
 from coevo.inference.clients import model_dir
 from coevo.runtime.agent import Agent
@@ -59,6 +59,7 @@ from coevo.runtime.consumer import Subscription
 from coevo.schemas import GroupScored, LearnerStepped, TaskDecided, TrainingSample, WeightsPublished
 from coevo.training.checkpoint import Checkpoint
 from coevo.training.lane import Lane, StepMetrics
+from coevo.weights.server import WeightServer
 
 Role = Literal["policy", "judge"]
 
@@ -464,14 +465,12 @@ class LearnerAgent(Agent):
         await self.emit(self.event(WeightsPublished, role=role, version=version, path=str(path), sha256=sha,
                                    bytes=size))
 
-    async def serve_weights(self, roles: list[Role]) -> Any:
+    async def serve_weights(self, roles: list[Role]) -> WeightServer | None:
         """With ``learner.weight_sync`` gloo or nccl, answer the servers' followers' transfer requests."""
-        lc = self.cfg.learner
-        if lc.weight_sync == "disk":
+        sync = self.cfg.learner.weight_sync
+        if not isinstance(sync, PushSync):
             return None
-        from coevo.training.weight_server import WeightServer
-
-        server = WeightServer(self.bus, lc.weight_sync, lc.transfer_host, lc.transfer_timeout_s)
+        server = WeightServer(self.bus, sync)
         for role in roles:
             await server.serve(role, lambda role=role: self.published[role])
         return server

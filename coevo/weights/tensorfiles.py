@@ -29,9 +29,12 @@ from typing import Any, BinaryIO
 
 import torch
 
-from coevo.inference.checkpoints import write_manifest
+from coevo.weights.manifest import write_manifest
 
 SHARD_BYTES = 512 << 20
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "generation_config.json")
+"""the model directory's files besides weights and config that every weights directory carries"""
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL"}

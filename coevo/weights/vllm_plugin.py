@@ -7,9 +7,9 @@ native endpoints (``/init_weight_transfer_engine``, ``/start_weight_update``, ``
 ``/finish_weight_update``) exactly as with ``"nccl"``, but the bytes travel over gloo, so the
 whole in-place transfer path runs (and is tested) on CPU. On GPU, use vLLM's own ``"nccl"``.
 
-Runs inside vLLM's workers only; imports nothing of coevo but ``coevo.training.transfer``. The
+Runs inside vLLM's workers only; imports nothing of coevo but ``coevo.weights.transfer``. The
 workers' collective timeout comes from ``COEVO_TRANSFER_TIMEOUT_S`` in the server's environment
-(default 120 s; keep it at least the learner's ``learner.transfer_timeout_s``).
+(default 120 s; keep it at least the learner's ``learner.weight_sync.timeout_s``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
 def _engine_class() -> type:
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-    from coevo.training.transfer import GlooCollective, Plan, receive
+    from coevo.weights.transfer import GlooCollective, Plan, receive
 
     class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         """vLLM's dense NCCL engine with gloo underneath: same init/update info, one tensor per broadcast."""

@@ -11,7 +11,8 @@ Invariants:
   published weights are a cache a restarted learner rewrites;
 - the tensors handed to ``HELD`` and the files are the same immutable CPU copy, taken between two
   optimiser steps, so a push or an in-memory swap never races the next step;
-- the newest ``KEEP_PUBLISHED`` directories are kept.
+- the newest ``KEEP_PUBLISHED`` directories are kept, and an older one while anyone reads it (a
+  follower loading it, the weight server reading it to push: ``lease``); it goes at a later prune.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-from coevo.training import tensorfiles
-from coevo.training.checkpoint import TOKENIZER_FILES
+from coevo.weights import lease, tensorfiles
 
 KEEP_PUBLISHED = 4
 
@@ -57,16 +57,17 @@ def write_published(root: Path, version: int, tensors: dict[str, torch.Tensor], 
     tmp.mkdir(parents=True)
     files = tensorfiles.write_weights(tmp, tensors)
     files["config.json"] = tensorfiles.write_text(tmp / "config.json", config_json)
-    files.update(tensorfiles.copy_files(base_model, tmp, TOKENIZER_FILES))
+    files.update(tensorfiles.copy_files(base_model, tmp, tensorfiles.TOKENIZER_FILES))
     digest = tensorfiles.seal(tmp, root / name, files, durable=False, version=version)
     prune_published(root)
     return root / name, digest, sum(int(f["bytes"]) for f in files.values())
 
 
-def prune_published(root: Path, keep: int = KEEP_PUBLISHED) -> None:
+def prune_published(root: Path, keep: int = KEEP_PUBLISHED) -> list[Path]:
+    """Remove all but the newest ``keep`` publications, except those being read; returns those kept
+    back because they were being read."""
     done = sorted((p for p in root.glob("v*") if p.is_dir()), key=lambda p: p.stat().st_mtime_ns)
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    return [old for old in done[:-keep] if not lease.remove_unless_read(old)]
 
 
 def clear_partial(root: Path) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from coevo.inference.checkpoints import HELD
+from coevo.config import PushSync
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import (
     TransferConnect,
@@ -35,8 +35,9 @@ from coevo.schemas import (
     TransferRequest,
     transfer_subject,
 )
-from coevo.schemas.control import TransferBackend
-from coevo.training.transfer import (
+from coevo.weights import lease
+from coevo.weights.manifest import HELD
+from coevo.weights.transfer import (
     Collective,
     GlooCollective,
     NcclCollective,
@@ -66,11 +67,11 @@ class _Link:
 
 
 class WeightServer:
-    def __init__(self, bus: NatsBus, backend: TransferBackend, host: str, timeout_s: float) -> None:
+    def __init__(self, bus: NatsBus, sync: PushSync) -> None:
         self.bus = bus
-        self.backend = backend
-        self.host = host
-        self.timeout_s = timeout_s
+        self.backend = sync.transport
+        self.host = sync.host
+        self.timeout_s = sync.timeout_s
         self.links: dict[tuple[str, str], _Link] = {}
         self.sent: dict[str, int] = {}
         self._subs: list[Any] = []
@@ -151,7 +152,8 @@ class WeightServer:
             if held is not None:
                 return version, held if device == "cpu" else {k: v.to(device) for k, v in held.items()}, sha
             try:
-                return version, load_checkpoint_tensors(path, device), sha
+                with lease.reading(path):  # never pruned while it is read
+                    return version, load_checkpoint_tensors(path, device), sha
             except FileNotFoundError:
                 if attempt == 2:
                     raise

@@ -14,7 +14,7 @@ Invariants:
   transfer connects again).
 
 This module imports only torch and safetensors (and vLLM for the NCCL sender): vLLM's workers
-import it through ``coevo.training.vllm_plugin``.
+import it through ``coevo.weights.vllm_plugin``.
 """
 
 from __future__ import annotations
