@@ -370,6 +370,20 @@ WeightSync = Annotated[DiskSync | PushSync, BeforeValidator(_transport_named), F
 """``learner.weight_sync``: only the fields of the chosen transport exist (a ``host`` with disk is an error)."""
 
 
+class LoraConfig(Section):
+    """A LoRA lane: only an adapter on ``target_modules`` trains; checkpoints and published weights are
+    the adapter (PEFT's format, a few MB), loaded by vLLM servers started with ``--enable-lora``
+    (``--max-lora-rank`` at least ``rank``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) and merged by local engines."""
+
+    rank: int = Field(default=16, ge=1, le=512, description="the adapter's rank r")
+    alpha: float = Field(default=32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapter's input while training "
+                           "(> 0 makes the learner's log-probs differ from the sampler's by the dropout noise)")
+    target_modules: tuple[str, ...] = Field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), min_length=1,
+        description="names of the linear layers that get an adapter (every one of them, in every layer)")
+
+
 class LearnerConfig(Section):
     lr: float = Field(default=1e-3, gt=0, description="AdamW lr (1e-3 for tiny models; ~1e-6 for 7B)")
     judge_lr: float | None = Field(default=None, description="judge lane lr (default: lr)")
@@ -418,6 +432,8 @@ class LearnerConfig(Section):
         "`transport`: disk (reload from the published weights' path), gloo or nccl (pushed by the learner; see "
         "PushSync). A bare name (\"gloo\") stands for that transport with its defaults. Local engines take the "
         "published weights from memory in the learner's process, from disk elsewhere")
+    lora: LoraConfig | None = Field(default=None, description="train LoRA adapters instead of the full "
+                                    "models (both lanes); unset: full fine-tuning")
     publish_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto", description="dtype of the published weights (what servers load, pushes send and "
         "WeightsPublished points at): auto = bfloat16 on CUDA, float32 on CPU")

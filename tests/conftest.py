@@ -131,7 +131,7 @@ def vllm_python() -> str:
 
 
 @contextlib.contextmanager
-def serving(model: Path, log_dir: Path, extra: tuple[str, ...] = ()) -> Iterator[str]:
+def serving(model: Path, log_dir: Path, extra: tuple[str, ...] = (), lora_rank: int | None = None) -> Iterator[str]:
     """A real vLLM (CPU build) serving ``model`` as coevo starts one, until the block ends: its base URL."""
     import signal
     import subprocess
@@ -144,7 +144,7 @@ def serving(model: Path, log_dir: Path, extra: tuple[str, ...] = ()) -> Iterator
     port = _free_port()
     log_path = log_dir / "vllm.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(server_command(python, model, port, extra=extra), stdout=log,
+        proc = subprocess.Popen(server_command(python, model, port, lora_rank=lora_rank, extra=extra), stdout=log,
                                 stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -19,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import structlog
 
 from coevo.config import SamplingConfig
+from coevo.inference import adapters
 from coevo.inference.sampling import truncate
 
 log = structlog.get_logger("coevo.inference")
@@ -110,7 +112,15 @@ class Metered(Protocol):
     spent_usd: float
 
 
-_Swap = tuple[Path | dict[str, Any], int, asyncio.Future[float]]
+@dataclass(frozen=True)
+class _Adapter:
+    """A LoRA adapter to merge into the base weights: its directory, and its tensors when held in memory."""
+
+    path: Path
+    tensors: dict[str, Any] | None = None
+
+
+_Swap = tuple[Path | dict[str, Any] | _Adapter, int, asyncio.Future[float]]
 """new weights (a directory, or tensors in memory), their version, the waiter of the pause in ms"""
 
 
@@ -148,6 +158,8 @@ class LocalEngine:
         self._queue: asyncio.Queue[_Request | _Swap] = asyncio.Queue()
         self._server: asyncio.Task[None] | None = None
         self._choice_ids: dict[tuple[str, ...], list[int]] = {}
+        self._base: dict[str, Any] | None = None
+        """the base weights of the layers an adapter changes, as they were before the first adapter"""
 
     @property
     def version(self) -> int:
@@ -192,7 +204,13 @@ class LocalEngine:
         batches; returns the pause in ms."""
         return await self._enqueue_swap(tensors, version)
 
-    async def _enqueue_swap(self, source: Path | dict[str, Any], version: int) -> float:
+    async def load_adapter(self, path: Path, version: int, tensors: dict[str, Any] | None = None) -> float:
+        """Serve the base weights with the LoRA adapter at ``path`` merged in (``tensors``: the same
+        adapter held in memory), between batches; returns the pause in ms. Each adapter is merged into
+        the base weights this engine started with, never into a previous merge."""
+        return await self._enqueue_swap(_Adapter(Path(path), tensors), version)
+
+    async def _enqueue_swap(self, source: Path | dict[str, Any] | _Adapter, version: int) -> float:
         self._ensure_started()
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((source, version, fut))
@@ -225,7 +243,7 @@ class LocalEngine:
             for s in swaps:
                 await self._swap(*s)
 
-    async def _swap(self, source: Path | dict[str, Any], version: int, fut: asyncio.Future[float]) -> None:
+    async def _swap(self, source: Path | dict[str, Any] | _Adapter, version: int, fut: asyncio.Future[float]) -> None:
         import time
 
         t0 = time.perf_counter()
@@ -237,10 +255,14 @@ class LocalEngine:
         self._version = version
         fut.set_result((time.perf_counter() - t0) * 1e3)
 
-    def _load(self, source: Path | dict[str, Any]) -> None:
+    def _load(self, source: Path | dict[str, Any] | _Adapter) -> None:
         """Copy the weights into the served model (``load_state_dict`` casts to its dtype and device)."""
         from safetensors.torch import load_file
 
+        if isinstance(source, _Adapter):
+            self._load_adapter(source)
+            return
+        self._base = None  # new base weights: an adapter loaded later merges into these
         if isinstance(source, dict):
             state, where = source, "in memory"
         else:
@@ -254,6 +276,22 @@ class LocalEngine:
         real_missing = [m for m in missing if not m.endswith("lm_head.weight")]
         if real_missing or unexpected:
             raise ValueError(f"weights {where} do not fit: missing {real_missing[:3]}, unexpected {unexpected[:3]}")
+
+    def _load_adapter(self, source: _Adapter) -> None:
+        from safetensors.torch import load_file
+
+        config = json.loads((source.path / adapters.ADAPTER_CONFIG).read_text())
+        tensors = source.tensors if source.tensors is not None else load_file(source.path / adapters.ADAPTER_WEIGHTS)
+        state = self.model.state_dict()
+        if self._base is None:
+            self._base = {}
+        for key in adapters.adapted_weights(tensors):
+            if key in state and key not in self._base:
+                self._base[key] = state[key].detach().clone()
+        merged = adapters.merged(self._base, tensors, config)
+        _, unexpected = self.model.load_state_dict(merged, strict=False)
+        if unexpected:
+            raise ValueError(f"adapter at {source.path} does not fit: unexpected {unexpected[:3]}")
 
     # ---- the model work (runs in a worker thread) ---------------------------------------------
 

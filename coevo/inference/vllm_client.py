@@ -37,17 +37,26 @@ class VLLMError(CoevoError):
     pass
 
 
-SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-"""Environment of the vLLM servers coevo starts: the RL routes (pause, reload, weight transfer) on."""
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+"""Environment of the vLLM servers coevo starts: the RL routes (pause, reload, weight transfer, adapters) on."""
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""the values vLLM accepts for ``--max-lora-rank``"""
 
 
 def server_command(python: str, model: Path | str, port: int, *, transfer_backend: str = "coevo_gloo",
-                   extra: Sequence[str] = ()) -> list[str]:
+                   lora_rank: int | None = None, extra: Sequence[str] = ()) -> list[str]:
     """The command line coevo starts vLLM with (tests, benchmarks): log-probs of the distribution
-    actually sampled from, fp32, and pushed weights through ``transfer_backend``."""
+    actually sampled from, fp32, pushed weights through ``transfer_backend``, and with ``lora_rank``
+    LoRA adapters up to that rank (two at once: policy and judge on one base)."""
+    lora = []
+    if lora_rank is not None:
+        lora = ["--enable-lora", "--max-loras", "2",
+                "--max-lora-rank", str(next(r for r in LORA_RANKS if r >= lora_rank))]
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--logprobs-mode", "processed_logprobs", "--max-model-len", "512",
-            "--dtype", "float32", "--weight-transfer-config", json.dumps({"backend": transfer_backend}), *extra]
+            "--dtype", "float32", "--weight-transfer-config", json.dumps({"backend": transfer_backend}), *lora,
+            *extra]
 
 
 class _RWLock:
@@ -87,6 +96,10 @@ class VLLMClient:
         self.base = url.rstrip("/")
         self.root = self.base[: -len("/v1")] if self.base.endswith("/v1") else self.base
         self.model = model
+        self.adapter_name = f"coevo-{name}"
+        """the name this client's LoRA adapter is loaded under (``load_adapter``)"""
+        self.served = model
+        """what requests name: the model, or once an adapter was loaded, the adapter"""
         self.tokenizer_dir = Path(tokenizer_dir or model)
         self.retries = retries
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -135,7 +148,10 @@ class VLLMClient:
             try:
                 extra = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
                 async with self._session.request(method, url, json=json, params=params, **extra) as resp:
-                    body = await resp.json(content_type=None)
+                    try:
+                        body = await resp.json(content_type=None)
+                    except ValueError:  # a plain-text answer (the LoRA routes')
+                        body = {"text": await resp.text()}
                     if resp.status >= 400:
                         raise VLLMError(f"{method} {path} -> {resp.status}: {str(body)[:500]}")
                     return body if isinstance(body, dict) else {"result": body}
@@ -158,7 +174,7 @@ class VLLMClient:
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
                        temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None) -> Completion:
         prompt_ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt)
-        body: dict[str, Any] = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
+        body: dict[str, Any] = {"model": self.served, "prompt": prompt_ids, "max_tokens": max_tokens,
                                 **request_fields(self.sampling, temperature), "logprobs": 1,
                                 "return_token_ids": True}
         allowed = None
@@ -213,6 +229,22 @@ class VLLMClient:
             await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
 
         return await self._swap(version, reload)
+
+    async def load_adapter(self, path: Path, version: int, tensors: dict[str, Any] | None = None) -> float:
+        """Load the LoRA adapter at ``path`` into the server (``/v1/load_lora_adapter``, in place under
+        this client's adapter name) and send every later request to it; returns the pause in ms. The
+        server needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. ``tensors`` is
+        ignored: the server reads the files."""
+        path = Path(path)
+        if not (path / "adapter_config.json").is_file():
+            raise VLLMError(f"refusing to load an adapter from {path}: no adapter_config.json there")
+
+        async def load() -> None:
+            await self._call("POST", "/v1/load_lora_adapter", retry=False,
+                             json={"lora_name": self.adapter_name, "lora_path": str(path), "load_inplace": True})
+            self.served = self.adapter_name
+
+        return await self._swap(version, load)
 
     async def workers(self) -> int:
         """The server's worker count across data parallel replicas (its ranks in a transfer group)."""

@@ -17,6 +17,7 @@ from coevo.schemas.base import Event, Frozen, Identifier
 from coevo.schemas.packed import FloatArray, Floats, IntArray, TokenIds
 
 Role = Literal["policy", "judge"]
+WeightsFormat = Literal["full", "lora"]
 Outcome = Literal["won", "lost", "truncated", "aborted"]
 Direction = Literal["harder", "easier"]
 Purpose = Literal["train", "candidate", "eval"]
@@ -248,6 +249,9 @@ class WeightsPublished(Event):
     path: str
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     bytes: int = Field(ge=0)
+    format: WeightsFormat = Field(default="full", description="full: a model directory (every tensor, what a "
+                                  "server reloads); lora: a LoRA adapter directory (PEFT's format) of the base "
+                                  "model the servers serve")
 
 
 class WeightsApplied(Event):
@@ -260,9 +264,10 @@ class WeightsApplied(Event):
     pause_ms: float = Field(ge=0.0)
     ok: bool = True
     error: str | None = None
-    transport: Literal["disk", "gloo", "nccl"] = Field(
-        default="disk", description="how the weights got there: loaded from the checkpoint path, or pushed "
-        "by the learner over a collective")
+    transport: Literal["disk", "gloo", "nccl", "adapter"] = Field(
+        default="disk", description="how the weights got there: loaded from the published path, pushed "
+        "by the learner over a collective, or a LoRA adapter loaded beside the base (vLLM's "
+        "/v1/load_lora_adapter, merged into a local engine's base weights)")
 
 
 # ---- runtime -----------------------------------------------------------------------------------

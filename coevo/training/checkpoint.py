@@ -61,6 +61,8 @@ class CheckpointJob:
     optimizer_state: dict[str, Any]
     config_json: str
     base_model: Path
+    adapter_config_json: str | None = None
+    """a LoRA lane's: ``model_state`` is its adapter, written as a PEFT adapter directory"""
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -175,7 +177,10 @@ def write_checkpoint(root: Path, job: CheckpointJob, weights: dict[str, torch.Te
     tmp = root / f".tmp-v{job.version:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    files = tensorfiles.write_weights(tmp, weights)
+    if job.adapter_config_json is None:
+        files = tensorfiles.write_weights(tmp, weights)
+    else:
+        files = tensorfiles.write_adapter(tmp, weights, job.adapter_config_json)
     if optimizer is not None:
         files["optimizer.pt"] = tensorfiles.torch_save(tmp / "optimizer.pt", optimizer)
     for name, src in (extra or {}).items():

@@ -46,8 +46,12 @@ from typing import Any, Literal
 import torch
 
 from coevo.config import LearnerConfig, SamplingConfig
+from coevo.errors import ConfigError
+from coevo.inference import adapters
 from coevo.runtime import faults
 from coevo.schemas import TrainingSample
+from coevo.schemas.events import WeightsFormat
+from coevo.training import lora
 from coevo.training.batch import (
     Tensors,
     minibatches,
@@ -60,7 +64,13 @@ from coevo.training.batch import (
 from coevo.training.checkpoint import MARKER, Checkpoint, CheckpointJob, CheckpointWriter, latest_checkpoint
 from coevo.training.loss import DECOUPLED_CAP, mismatch_kl, ppo_loss, token_logprobs
 from coevo.weights.manifest import HELD, manifest_of
-from coevo.weights.publish import clear_partial, serving_dtype, serving_tensors, write_published
+from coevo.weights.publish import (
+    clear_partial,
+    serving_dtype,
+    serving_tensors,
+    write_published,
+    write_published_adapter,
+)
 
 __all__ = ["MARKER", "Lane", "StepMetrics", "latest_checkpoint"]
 
@@ -93,8 +103,6 @@ class Lane:
     def __init__(self, role: Literal["policy", "judge"], base_model: Path, ckpt_root: Path, cfg: LearnerConfig,
                  *, temperature: float = 1.0, sampling: SamplingConfig | None = None, lr: float | None = None,
                  device: str | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         from coevo.inference.engine import quiet_transformers
 
         quiet_transformers()
@@ -111,18 +119,19 @@ class Lane:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.publish_dtype = serving_dtype(cfg.publish_dtype, self.device)
         resume = latest_checkpoint(self.root)
-        self.model = AutoModelForCausalLM.from_pretrained(resume or self.base_model).to(self.device)
-        if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
         self.rank, self.world = _rank_world()
         self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
+        self.format: WeightsFormat = "lora" if cfg.lora is not None else "full"
+        self.model = self._model(resume)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
         if self.fsdp:  # FSDP2: every decoder layer, then the root, sharded over the ranks
             from torch.distributed.fsdp import fully_shard
 
             for layer in self.model.model.layers:
                 fully_shard(layer)
             fully_shard(self.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr or cfg.lr)
+        self.optimizer = torch.optim.AdamW(self.trainable(), lr=lr or cfg.lr)
         self.reference = self._reference_model() if cfg.kl_reference == "initial" else None
         self.version = 0
         self.consumed: deque[str] = deque(maxlen=100_000)
@@ -137,6 +146,31 @@ class Lane:
         self._lock = threading.RLock()  # steps and publications of this lane never overlap
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.vocab = int(self.model.config.vocab_size)
+
+    def _model(self, resume: Path | None) -> Any:
+        """The model to train: the resume checkpoint's, else the base; under ``learner.lora`` the base
+        with an adapter (the checkpoint's, or a fresh one)."""
+        from transformers import AutoModelForCausalLM
+
+        lc = self.cfg.lora
+        saved_adapter = resume is not None and adapters.is_adapter(resume)
+        if resume is not None and saved_adapter != (lc is not None):
+            raise ConfigError(f"{resume} holds {'an adapter' if saved_adapter else 'full weights'}: this run's "
+                              f"checkpoints were written {'with' if saved_adapter else 'without'} learner.lora",
+                              field="learner.lora")
+        if lc is None:
+            return AutoModelForCausalLM.from_pretrained(resume or self.base_model).to(self.device)
+        if self.fsdp:
+            raise ConfigError("learner.lora under torchrun needs learner.parallel = 'ddp' (adapters are not sharded)",
+                              field="learner.lora")
+        model = lora.wrap(AutoModelForCausalLM.from_pretrained(self.base_model), lc)
+        if resume is not None:
+            lora.load_adapter(model, resume)
+        return model.to(self.device)
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """What the optimiser updates: every parameter, or a LoRA lane's adapter only."""
+        return lora.trainable(self.model)
 
     def _reference_model(self) -> torch.nn.Module:
         """The KL's frozen reference (``kl_reference = "initial"``): the starting weights (version 0,
@@ -315,12 +349,19 @@ class Lane:
         if self.rank != 0:
             return None
         tensors = serving_tensors(full, self.publish_dtype)
-        path, digest, size = write_published(self.published_root, self.version, tensors,
-                                             self.model.config.to_json_string(), self.base_model)
+        if self.format == "lora":
+            path, digest, size = write_published_adapter(self.published_root, self.version, tensors,
+                                                         lora.adapter_config_json(self.model, self.base_model))
+        else:
+            path, digest, size = write_published(self.published_root, self.version, tensors,
+                                                 self.model.config.to_json_string(), self.base_model)
         HELD.put(self.role, path, digest, tensors)
         return path, digest, size
 
     def _full_state(self) -> dict[str, torch.Tensor]:
+        """What is published and checkpointed: every tensor, or a LoRA lane's adapter."""
+        if self.format == "lora":
+            return lora.adapter_state(self.model)
         if not self.fsdp:
             return self.model.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -351,8 +392,9 @@ class Lane:
                                        time.perf_counter() - t0))
             self._durable_now(done)
             return done
-        job = CheckpointJob(self.version, self.role, list(self.consumed), self.steps_total, self.model.state_dict(),
-                            self.optimizer.state_dict(), self.model.config.to_json_string(), self.base_model)
+        job = CheckpointJob(self.version, self.role, list(self.consumed), self.steps_total, self._full_state(),
+                            self.optimizer.state_dict(), self.model.config.to_json_string(), self.base_model,
+                            adapter_config_json=self._adapter_config())
         fut = self._writer.start(job)
         fut.add_done_callback(self._durable_now)
         return fut
@@ -384,13 +426,17 @@ class Lane:
         out: list[Any] = [None]
         if self.rank == 0:
             job = CheckpointJob(self.version, self.role, list(self.consumed), self.steps_total, full, {},
-                                self.model.config.to_json_string(), self.base_model)
+                                self.model.config.to_json_string(), self.base_model,
+                                adapter_config_json=self._adapter_config())
             out[0] = write_checkpoint(self.root, job, {k: v.detach().cpu() for k, v in full.items()}, None,
                                       extra={f"optimizer.rank{r}.pt": self.root / f".opt-v{self.version:06d}.rank{r}.pt"
                                              for r in range(self.world)})
         dist.broadcast_object_list(out, src=0)
         dist.barrier()  # every rank has it before any goes on (a broadcast alone does not wait for the receivers)
         return out[0]
+
+    def _adapter_config(self) -> str | None:
+        return lora.adapter_config_json(self.model, self.base_model) if self.format == "lora" else None
 
     def close(self) -> None:
         """Wait for a checkpoint in flight and stop the writer's thread."""
@@ -410,14 +456,14 @@ class _UndoPoint:
     @classmethod
     def of(cls, lane: Lane) -> _UndoPoint:
         with torch.no_grad():
-            params = [p.detach().clone() for p in lane.model.parameters()]
+            params = [p.detach().clone() for p in lane.trainable()]
             state = {p: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
                      for p, s in lane.optimizer.state.items()}
         return cls(params, state, lane.steps_total)
 
     def restore(self, lane: Lane) -> None:
         with torch.no_grad():
-            for p, saved in zip(lane.model.parameters(), self.params, strict=True):
+            for p, saved in zip(lane.trainable(), self.params, strict=True):
                 p.copy_(saved)
         lane.optimizer.state.clear()
         lane.optimizer.state.update(self.optimizer)

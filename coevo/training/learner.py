@@ -47,7 +47,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from coevo.config import CoevoConfig, PushSync, checkpoint_root
 from coevo.errors import Reject, Retry
@@ -57,11 +57,10 @@ from coevo.runtime.aio import outlast, wait_event
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import GroupScored, LearnerStepped, TaskDecided, TrainingSample, WeightsPublished
+from coevo.schemas.events import Role, WeightsFormat
 from coevo.training.checkpoint import Checkpoint
 from coevo.training.lane import Lane, StepMetrics
 from coevo.weights.server import WeightServer
-
-Role = Literal["policy", "judge"]
 
 
 def trained_roles(cfg: CoevoConfig) -> list[Role]:
@@ -458,12 +457,13 @@ class LearnerAgent(Agent):
         """The lane's current weights in the serving dtype, then ``WeightsPublished`` (the digest
         field carries the manifest's digest)."""
         path, digest, size = await asyncio.to_thread(lane.publish)
-        await self.announce(lane.role, lane.version, path, digest, size)
+        await self.announce(lane.role, lane.version, path, digest, size, lane.format)
 
-    async def announce(self, role: Role, version: int, path: Path, sha: str, size: int) -> None:
+    async def announce(self, role: Role, version: int, path: Path, sha: str, size: int,
+                       format: WeightsFormat = "full") -> None:
         self.published[role] = (version, path, sha)
         await self.emit(self.event(WeightsPublished, role=role, version=version, path=str(path), sha256=sha,
-                                   bytes=size))
+                                   bytes=size, format=format))
 
     async def serve_weights(self, roles: list[Role]) -> WeightServer | None:
         """With ``learner.weight_sync`` gloo or nccl, answer the servers' followers' transfer requests."""

@@ -39,7 +39,7 @@ from coevo.schemas import (
 from coevo.weights import lease
 from coevo.weights.manifest import HELD, HeldWeights, verify
 
-TransportName = Literal["disk", "gloo", "nccl"]
+TransportName = Literal["disk", "gloo", "nccl", "adapter"]
 
 
 @runtime_checkable
@@ -68,6 +68,13 @@ class ReceivesPushes(Reloads, Protocol):
     async def init_transfer(self, init_info: dict[str, Any], timeout_s: float) -> None: ...
 
     async def receive_weights(self, offer: TransferOffer, timeout_s: float) -> float: ...
+
+
+@runtime_checkable
+class LoadsAdapters(Reloads, Protocol):
+    """... and serves its base with a LoRA adapter (a directory; ``tensors``: the same, held in memory)."""
+
+    async def load_adapter(self, path: Path, version: int, tensors: dict[str, Any] | None = None) -> float: ...
 
 
 class LoadFailed(Exception):
@@ -104,20 +111,29 @@ class DiskReload:
         if path is None:
             raise LoadFailed(f"refused: {event.path} is not under the publication root {self.root} "
                              "(learner.publication_root)")
+        if event.format == "lora" and not isinstance(self.client, LoadsAdapters):
+            raise LoadFailed(f"{type(self.client).__name__} cannot load LoRA adapters")
         try:
             await faults.ahit("follower.load")
             tensors = self.held.get(path, event.sha256)
-            if tensors is not None and isinstance(self.client, TakesTensors):
-                return Loaded(event.version, await self.client.swap_tensors(tensors, event.version), self.name)
-            async with lease.reading_async(path):
-                problem = await asyncio.to_thread(verify, path, event.sha256, full=self.full_verify)
-                if problem is not None:
-                    raise LoadFailed(problem)
-                return Loaded(event.version, await self.client.swap_weights(path, event.version), self.name)
+            if tensors is None or event.format == "lora" or not isinstance(self.client, TakesTensors):
+                async with lease.reading_async(path):
+                    problem = await asyncio.to_thread(verify, path, event.sha256, full=self.full_verify)
+                    if problem is not None:
+                        raise LoadFailed(problem)
+                    return await self._load(path, event, tensors)
+            return Loaded(event.version, await self.client.swap_tensors(tensors, event.version), self.name)
         except LoadFailed:
             raise
         except Exception as exc:  # the client's own failure: reported, the server keeps its version
             raise LoadFailed(repr(exc)) from exc
+
+
+    async def _load(self, path: Path, event: WeightsPublished, tensors: dict[str, Any] | None) -> Loaded:
+        if event.format == "lora":
+            assert isinstance(self.client, LoadsAdapters)
+            return Loaded(event.version, await self.client.load_adapter(path, event.version, tensors), "adapter")
+        return Loaded(event.version, await self.client.swap_weights(path, event.version), self.name)
 
 
 class PushedTransfer:
@@ -137,6 +153,8 @@ class PushedTransfer:
         self.log = structlog.get_logger("coevo.weights").bind(server=server)
 
     async def load(self, event: WeightsPublished) -> Loaded:
+        if event.format == "lora":  # a few MB: the server reads them (vLLM pushes full weights only)
+            return await self.fallback.load(event)
         try:
             return await self._pull(event)
         except Exception as exc:

@@ -1,0 +1,73 @@
+"""LoRA lanes (``learner.lora``): the lane's model wrapped by PEFT, so that only the adapter trains.
+
+What a LoRA lane trains, checkpoints and publishes is the adapter: its optimiser holds the adapter's
+parameters only, its resume checkpoints and published weights are PEFT adapter directories
+(``coevo.inference.adapters``) of a few MB, and the base stays the model directory it started from.
+
+Invariants:
+- a fresh adapter computes exactly the base model (PEFT initialises ``lora_B`` to zero), so version 0
+  of a LoRA lane serves what the base serves;
+- the adapter's tensors are named as PEFT saves them (``base_model.model.<module>.lora_A.weight``),
+  the names vLLM loads and ``adapters.merged`` merges.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coevo.config import LoraConfig
+from coevo.errors import ConfigError
+from coevo.inference import adapters
+
+
+def wrap(model: torch.nn.Module, cfg: LoraConfig) -> Any:
+    """``model`` with a fresh adapter on ``cfg.target_modules``; the base's parameters frozen."""
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+    except ImportError as exc:
+        raise ConfigError(f"learner.lora needs peft: pip install 'coevo[lora]' ({exc})", field="learner.lora") from exc
+    missing = [m for m in cfg.target_modules if not any(n.split(".")[-1] == m for n, _ in model.named_modules())]
+    if missing:
+        raise ConfigError(f"learner.lora.target_modules: the model has no layer named {missing}",
+                          field="learner.lora.target_modules")
+
+    config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                            target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
+def adapter_state(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's saved names (live references: copy before the next step)."""
+    from peft import get_peft_model_state_dict
+
+    return dict(get_peft_model_state_dict(model))
+
+
+def adapter_config_json(model: Any, base_model: Path) -> str:
+    """``adapter_config.json`` of the adapter (what PEFT writes and vLLM reads)."""
+    config = model.peft_config["default"].to_dict()
+    config["base_model_name_or_path"] = str(base_model)
+    return json.dumps(config, sort_keys=True, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
+
+
+def load_adapter(model: Any, path: Path) -> None:
+    """Load the adapter saved in ``path`` (a LoRA lane's checkpoint) into the wrapped ``model``."""
+    from peft import set_peft_model_state_dict
+
+    tensors, _ = adapters.read(path)
+    result = set_peft_model_state_dict(model, tensors)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected:
+        raise ValueError(f"adapter at {path} has tensors this lane's adapter lacks: {unexpected[:3]}")
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
