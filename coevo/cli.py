@@ -67,11 +67,25 @@ def resolve_config(args: argparse.Namespace) -> Any:
         overrides["judge.backend"], overrides["judge.model"] = backend, model
     if getattr(args, "judge_api_base", None):
         overrides["judge.url"] = args.judge_api_base
+    _one_base(args, overrides)
     for key, dotted in getattr(args, "_extra_overrides", {}).items():
         value = getattr(args, key, None)
         if value is not None:
             overrides[dotted] = value
     return load_config(args.config, overrides)
+
+
+def _one_base(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
+    """``--lora``: LoRA lanes (``learner.lora`` defaults); ``--base DIR``: policy and judge from one base
+    directory, and with ``--policy-url`` (and no ``--judge``) both served by that one server."""
+    if getattr(args, "lora", False):
+        overrides.setdefault("learner.lora", {})
+    base = getattr(args, "base", None)
+    if base is None:
+        return
+    overrides["policy.model"] = overrides["judge.model"] = base
+    if getattr(args, "policy_url", None) and not getattr(args, "judge", None):
+        overrides["judge.backend"], overrides["judge.url"] = "vllm", args.judge_api_base or args.policy_url
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,12 +242,11 @@ def _agent_metrics(agent: Any, args: argparse.Namespace) -> Any:
 def _learner_follower(cfg: Any) -> int:
     from coevo.config import checkpoint_root
     from coevo.training.distributed import follow
-    from coevo.training.learner import build_lane, trained_roles
+    from coevo.training.learner import build_lanes, trained_roles
 
     if not cfg.run.run_id:
         raise SystemExit("under torchrun, pass --run-id so that every rank writes the same checkpoints")
-    root = checkpoint_root(cfg, cfg.run.run_id)
-    follow({role: build_lane(cfg, role, root) for role in trained_roles(cfg)})
+    follow({lane.role: lane for lane in build_lanes(cfg, trained_roles(cfg), checkpoint_root(cfg, cfg.run.run_id))})
     return 0
 
 
@@ -583,6 +596,9 @@ COMMANDS: tuple[Command, ...] = (
         arg("--weight-sync", choices=("disk", "gloo", "nccl"),
             help="how vLLM servers get new weights: reload the checkpoint (disk) or pushed by the learner "
             "(gloo on CPU, nccl on GPU) [learner.weight_sync.transport]"),
+        arg("--lora", action="store_true", help="train LoRA adapters instead of full models [learner.lora]"),
+        arg("--base", metavar="DIR", help="policy and judge from one base model directory (with --lora: two adapters "
+            "of one base, held once; with --policy-url: both served by that server) [policy.model, judge.model]"),
         arg("--resume", metavar="RUN", help="continue run RUN (same run id and run directory)"),
         arg("--judge", metavar="BACKEND:MODEL",
             help="e.g. litellm:openai/gpt-4.1-mini, vllm:NAME, local:DIR [judge.backend, judge.model]"),

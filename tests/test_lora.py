@@ -79,11 +79,11 @@ def test_a_lora_lane_trains_checkpoints_and_publishes_only_its_adapter(tiny: Pat
                                                        "manifest.json"]
     assert manifest_of(path)["digest"] == digest and size < 0.12 * full_bytes
     ckpt, _, _ = lane.checkpoint()
-    adapter = {k: v.clone() for k, v in lora.adapter_state(lane.model).items()}
+    adapter = {k: v.clone() for k, v in lora.adapter_state(lane.model, "policy").items()}
     lane.close()
     resumed = Lane("policy", tiny, tmp_path / "lora", LORA, device="cpu")
     assert resumed.resumed_from == ckpt and resumed.version == 3
-    assert all(torch.equal(adapter[k], v) for k, v in lora.adapter_state(resumed.model).items())
+    assert all(torch.equal(adapter[k], v) for k, v in lora.adapter_state(resumed.model, "policy").items())
     assert resumed.optimizer.state_dict()["state"].keys() == lane.optimizer.state_dict()["state"].keys()
     resumed.close()
     with pytest.raises(ConfigError) as err:  # a full lane cannot resume from an adapter, nor the reverse
@@ -100,6 +100,52 @@ def test_a_lora_config_the_model_cannot_take_names_the_field(tiny: Path, tmp_pat
     with pytest.raises(ConfigError) as err:
         Lane("policy", tiny, tmp_path, LearnerConfig(lora=LoraConfig(target_modules=("q_proj", "qkv"))), device="cpu")
     assert err.value.field == "learner.lora.target_modules" and "['qkv']" in str(err.value)
+
+
+def test_policy_and_judge_as_two_adapters_of_one_base_held_once(tiny: Path, tmp_path: Path) -> None:
+    """#23 item 4: one base model, two adapters, two optimizers: each lane's step moves its own adapter
+    only, publishes its own, and computes with its own; the base is held once."""
+    shared = lora.SharedBase(tiny, LORA.lora, "cpu")
+    policy = Lane("policy", tiny, tmp_path, LORA, device="cpu", shared=shared)
+    judge = Lane("judge", tiny, tmp_path, LORA, device="cpu", shared=shared)
+    assert policy.model is judge.model and policy._lock is judge._lock
+    assert not {id(p) for p in policy.trainable()} & {id(p) for p in judge.trainable()}
+    assert len(policy.trainable()) == len(judge.trainable()) > 0
+    before_judge = {k: v.clone() for k, v in lora.adapter_state(judge.model, "judge").items()}
+    policy.step(_samples("p1"), ["p1"])
+    policy.step(_samples("p2"), ["p2"])
+    assert all(torch.equal(before_judge[k], v) for k, v in lora.adapter_state(judge.model, "judge").items())
+    before_policy = {k: v.clone() for k, v in lora.adapter_state(policy.model, "policy").items()}
+    judge.step(_samples("j1"), ["j1"])
+    assert all(torch.equal(before_policy[k], v) for k, v in lora.adapter_state(policy.model, "policy").items())
+    assert any(not torch.equal(before_judge[k], v) for k, v in lora.adapter_state(judge.model, "judge").items())
+    p_path, _, _ = policy.publish()
+    j_path, _, _ = judge.publish()
+    p_tensors, _ = adapters.read(p_path)
+    j_tensors, _ = adapters.read(j_path)
+    assert p_tensors.keys() == j_tensors.keys() and any(not torch.equal(p_tensors[k], j_tensors[k]) for k in p_tensors)
+    # each lane computes with its own adapter: a base merged with the policy's adapter is the policy lane
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny)
+    config = __import__("json").loads((p_path / "adapter_config.json").read_text())
+    base.load_state_dict(adapters.merged(base.state_dict(), p_tensors, config), strict=False)
+    policy._activate()
+    assert (_logits(base) - _logits(policy.model)).abs().max() < 1e-4
+    judge._activate()
+    assert (_logits(base) - _logits(judge.model)).abs().max() > 1e-3
+    policy.close()
+    judge.close()
+    # resumed: both adapters back from their own checkpoints
+    policy.checkpoint()
+    judge.checkpoint()
+    again = lora.SharedBase(tiny, LORA.lora, "cpu")
+    p2 = Lane("policy", tiny, tmp_path, LORA, device="cpu", shared=again)
+    j2 = Lane("judge", tiny, tmp_path, LORA, device="cpu", shared=again)
+    assert (p2.version, j2.version) == (2, 1)
+    assert all(torch.equal(p_tensors[k], v.float()) for k, v in lora.adapter_state(p2.model, "policy").items())
+    p2.close()
+    j2.close()
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["in-memory", "from-disk"])
@@ -150,18 +196,26 @@ async def test_a_server_that_cannot_load_adapters_refuses_them_and_keeps_serving
 
 
 @pytest.mark.slow
-async def test_the_loop_trains_lora_adapters_of_both_lanes_and_the_engines_follow(bus, loop_cfg) -> None:
+@pytest.mark.parametrize("one_base", [False, True], ids=["two-bases", "one-base"])
+async def test_the_loop_trains_lora_adapters_of_both_lanes_and_the_engines_follow(bus, loop_cfg, one_base) -> None:
     """The closed loop with ``learner.lora``: both lanes publish adapter versions, policy and judge
-    engines apply them (transport ``adapter``), and rollouts come from trained adapters."""
+    engines apply them (transport ``adapter``), and rollouts come from trained adapters; with one
+    base directory for both roles the learner holds that base once."""
     from coevo.config import load_config
+    from coevo.inference.clients import model_dir
     from coevo.loop import build_agents
     from coevo.runtime.agent import run_agents
     from coevo.schemas import LearnerStepped, StepTaken, WeightsApplied
+    from coevo.training.learner import LearnerAgent
     from tests.test_loop import wait_for
     from tests.test_vllm import _dump
 
-    cfg = load_config(overrides={**_dump(loop_cfg), "learner.lora": {"rank": 4, "alpha": 8.0}})
+    base = {"policy.model": str(model_dir(loop_cfg, "policy")), "judge.model": str(model_dir(loop_cfg, "policy"))}
+    cfg = load_config(overrides={**_dump(loop_cfg), "learner.lora": {"rank": 4, "alpha": 8.0},
+                                 **(base if one_base else {})})
     assert cfg.trains_judge
+    agents = build_agents(bus, cfg)
+    learner = next(a for a in agents if isinstance(a, LearnerAgent))
     stop = asyncio.Event()
 
     def applied(events: list, role: str) -> set[int]:
@@ -175,7 +229,9 @@ async def test_the_loop_trains_lora_adapters_of_both_lanes_and_the_engines_follo
         finally:
             stop.set()
 
-    await asyncio.gather(run_agents(build_agents(bus, cfg), handle_signals=False, until=stop), until())
+    await asyncio.gather(run_agents(agents, handle_signals=False, until=stop), until())
+    policy, judge = learner.lanes["policy"].lane, learner.lanes["judge"].lane
+    assert (policy.model is judge.model) == one_base
     events = await bus.events()
     published = [e for e in events if isinstance(e, WeightsPublished)]
     assert published and {e.format for e in published} == {"lora"}
@@ -200,7 +256,8 @@ async def test_vllm_serves_each_adapter_version_as_the_learner_computes_it_and_t
         bus, loop_cfg, model_cache: Path, tmp_path: Path) -> None:
     """A real vLLM (CPU build, ``--enable-lora``): an adapter loaded at runtime samples what the LoRA
     lane computes (the parity probe on fresh samples), not the base; then the closed loop with
-    ``learner.lora`` and the policy on that server moves it through adapter versions."""
+    ``learner.lora``, policy and judge as two adapters of the one base that server serves, moves both
+    through adapter versions."""
     from coevo.config import load_config
     from coevo.inference.models import ensure_default_model
     from coevo.inference.vllm_client import VLLMClient
@@ -226,25 +283,33 @@ async def test_vllm_serves_each_adapter_version_as_the_learner_computes_it_and_t
             against_base, _ = await parity.probe(client, base)
         assert before < 0.02 and stated < 0.02 and tokens > 100, (before, stated)
         assert against_base > 1e-3, against_base  # the adapter is served, not the base (about 0.05; equal: 1e-14)
+        # one base, two roles: policy and judge are two adapters of the model this one server serves
         cfg = load_config(overrides={**_dump(loop_cfg), "policy.url": url, "policy.model": str(model),
-                                     "learner.lora": LORA.lora.model_dump(mode="json"), "learner.batch_samples": 8})
+                                     "judge.backend": "vllm", "judge.url": url, "judge.model": str(model),
+                                     "judge.mode": "verdict", "learner.lora": LORA.lora.model_dump(mode="json"),
+                                     "learner.batch_samples": 8})
+        assert cfg.trains_judge
         stop = asyncio.Event()
 
-        def served(events: list) -> list[WeightsApplied]:
-            return [e for e in events if isinstance(e, WeightsApplied) and e.role == "policy"
-                    and e.server.startswith("policy")]
+        def served(events: list, role: str) -> list[WeightsApplied]:
+            return [e for e in events if isinstance(e, WeightsApplied) and e.role == role
+                    and e.server.startswith(role)]
+
+        def advanced(events: list, role: str) -> bool:
+            return len({e.version for e in served(events, role) if e.ok}) >= 2
 
         async def until() -> None:
             try:
-                await wait_for(bus, lambda ev: len({e.version for e in served(ev) if e.ok}) >= 2
+                await wait_for(bus, lambda ev: advanced(ev, "policy") and advanced(ev, "judge")
                                and any(isinstance(e, StepTaken) and e.policy_version >= 1 for e in ev), timeout=300)
             finally:
                 stop.set()
 
         await asyncio.gather(run_agents(build_agents(bus, cfg), handle_signals=False, until=stop), until())
-    applied = served(await bus.events(["weights.applied"]))
-    assert applied and all(e.ok and e.transport == "adapter" for e in applied)
-    versions = [e.version for e in applied]
-    assert versions == sorted(versions) and versions[-1] >= 1
+    for role in ("policy", "judge"):
+        applied = served(await bus.events(["weights.applied"]), role)
+        assert applied and all(e.ok and e.transport == "adapter" for e in applied), applied
+        versions = [e.version for e in applied]
+        assert versions == sorted(versions) and versions[-1] >= 1
     trained.close()
     base.close()

@@ -232,19 +232,25 @@ class VLLMClient:
 
     async def load_adapter(self, path: Path, version: int, tensors: dict[str, Any] | None = None) -> float:
         """Load the LoRA adapter at ``path`` into the server (``/v1/load_lora_adapter``, in place under
-        this client's adapter name) and send every later request to it; returns the pause in ms. The
-        server needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. ``tensors`` is
-        ignored: the server reads the files."""
+        this client's adapter name) and send every later request to it; returns this client's pause in
+        ms. The server needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; it is not
+        paused. ``tensors`` is ignored: the server reads the files."""
         path = Path(path)
         if not (path / "adapter_config.json").is_file():
             raise VLLMError(f"refusing to load an adapter from {path}: no adapter_config.json there")
 
-        async def load() -> None:
+        await self._lock.acquire_write()  # this client's requests in flight end on the old adapter
+        t0 = time.perf_counter()
+        try:
+            # no server pause and no prefix-cache reset: other adapters (another role on this base) go
+            # on serving, and vLLM's prefix cache keys a LoRA request by its adapter's path, new per version
             await self._call("POST", "/v1/load_lora_adapter", retry=False,
                              json={"lora_name": self.adapter_name, "lora_path": str(path), "load_inplace": True})
             self.served = self.adapter_name
-
-        return await self._swap(version, load)
+            self._version = version
+        finally:
+            await self._lock.release_write()
+        return (time.perf_counter() - t0) * 1e3
 
     async def workers(self) -> int:
         """The server's worker count across data parallel replicas (its ranks in a transfer group)."""

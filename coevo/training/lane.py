@@ -102,7 +102,7 @@ Published = tuple[Path, str, int]
 class Lane:
     def __init__(self, role: Literal["policy", "judge"], base_model: Path, ckpt_root: Path, cfg: LearnerConfig,
                  *, temperature: float = 1.0, sampling: SamplingConfig | None = None, lr: float | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, shared: lora.SharedBase | None = None) -> None:
         from coevo.inference.engine import quiet_transformers
 
         quiet_transformers()
@@ -122,7 +122,9 @@ class Lane:
         self.rank, self.world = _rank_world()
         self.fsdp = self.world > 1 and cfg.parallel == "fsdp"
         self.format: WeightsFormat = "lora" if cfg.lora is not None else "full"
-        self.model = self._model(resume)
+        self.adapter = role if cfg.lora is not None else None
+        """the name of this lane's adapter in the model (a LoRA lane; the role)"""
+        self.model = self._model(resume, shared)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         if self.fsdp:  # FSDP2: every decoder layer, then the root, sharded over the ranks
@@ -143,13 +145,14 @@ class Lane:
         self._consumed_set = set(self.consumed)
         self._durable = frozenset(self.consumed)
         self._writer = CheckpointWriter(self.root)
-        self._lock = threading.RLock()  # steps and publications of this lane never overlap
+        self._lock = shared.lock if shared is not None else threading.RLock()
+        """steps and publications of this lane (of every lane on a shared base) never overlap"""
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.vocab = int(self.model.config.vocab_size)
 
-    def _model(self, resume: Path | None) -> Any:
+    def _model(self, resume: Path | None, shared: lora.SharedBase | None) -> Any:
         """The model to train: the resume checkpoint's, else the base; under ``learner.lora`` the base
-        with an adapter (the checkpoint's, or a fresh one)."""
+        with an adapter (the checkpoint's, or a fresh one), the base held once when ``shared``."""
         from transformers import AutoModelForCausalLM
 
         lc = self.cfg.lora
@@ -163,14 +166,21 @@ class Lane:
         if self.fsdp:
             raise ConfigError("learner.lora under torchrun needs learner.parallel = 'ddp' (adapters are not sharded)",
                               field="learner.lora")
-        model = lora.wrap(AutoModelForCausalLM.from_pretrained(self.base_model), lc)
+        if shared is not None:
+            return shared.attach(self.role, resume)
+        model = lora.wrap(AutoModelForCausalLM.from_pretrained(self.base_model), lc, self.role)
         if resume is not None:
-            lora.load_adapter(model, resume)
+            lora.load_adapter(model, resume, self.role)
         return model.to(self.device)
 
     def trainable(self) -> list[torch.nn.Parameter]:
         """What the optimiser updates: every parameter, or a LoRA lane's adapter only."""
-        return lora.trainable(self.model)
+        return lora.trainable(self.model, self.adapter)
+
+    def _activate(self) -> None:
+        """Make this lane's adapter the one the model computes with (lanes on one base share the model)."""
+        if self.adapter is not None:
+            self.model.set_adapter(self.adapter)
 
     def _reference_model(self) -> torch.nn.Module:
         """The KL's frozen reference (``kl_reference = "initial"``): the starting weights (version 0,
@@ -228,6 +238,7 @@ class Lane:
         if not kept:
             return StepMetrics(self.version, 0, 0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, 0.0, stale_dropped=dropped,
                                optimizer_steps=0)
+        self._activate()
         self.model.train()
         parts = minibatches(kept, self.cfg.minibatches, self.version)
         plans = [[to_tensors(mb, self.vocab, self.pad_id).to(self.device)
@@ -262,6 +273,7 @@ class Lane:
         would compute it (temperature, truncation, precision) but without one: the parity probe's
         measure (``coevo.training.parity``). This rank alone: never under a sharded model."""
         with self._lock, torch.no_grad(), self._autocast():
+            self._activate()
             t = to_tensors(samples, self.vocab, self.pad_id).to(self.device)
             new = token_logprobs(self.model.eval(), t.input_ids, t.attention_mask, t.response_mask, t.allowed,
                                  self.temperature, sampling=self.sampling)
@@ -351,7 +363,7 @@ class Lane:
         tensors = serving_tensors(full, self.publish_dtype)
         if self.format == "lora":
             path, digest, size = write_published_adapter(self.published_root, self.version, tensors,
-                                                         lora.adapter_config_json(self.model, self.base_model))
+                                                         self._adapter_config() or "")
         else:
             path, digest, size = write_published(self.published_root, self.version, tensors,
                                                  self.model.config.to_json_string(), self.base_model)
@@ -360,8 +372,8 @@ class Lane:
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         """What is published and checkpointed: every tensor, or a LoRA lane's adapter."""
-        if self.format == "lora":
-            return lora.adapter_state(self.model)
+        if self.adapter is not None:
+            return lora.adapter_state(self.model, self.adapter)
         if not self.fsdp:
             return self.model.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -436,7 +448,9 @@ class Lane:
         return out[0]
 
     def _adapter_config(self) -> str | None:
-        return lora.adapter_config_json(self.model, self.base_model) if self.format == "lora" else None
+        if self.adapter is None:
+            return None
+        return lora.adapter_config_json(self.model, self.base_model, self.adapter)
 
     def close(self) -> None:
         """Wait for a checkpoint in flight and stop the writer's thread."""

@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ from coevo.schemas import GroupScored, LearnerStepped, TaskDecided, TrainingSamp
 from coevo.schemas.events import Role, WeightsFormat
 from coevo.training.checkpoint import Checkpoint
 from coevo.training.lane import Lane, StepMetrics
+from coevo.training.lora import SharedBase
 from coevo.weights.server import WeightServer
 
 
@@ -67,12 +68,34 @@ def trained_roles(cfg: CoevoConfig) -> list[Role]:
     return ["policy", "judge"] if cfg.trains_judge else ["policy"]
 
 
-def build_lane(cfg: CoevoConfig, role: Role, ckpt_root: Path) -> Lane:
+def build_lane(cfg: CoevoConfig, role: Role, ckpt_root: Path, shared: SharedBase | None = None) -> Lane:
     """A lane as every rank of the learner builds it (same model, lr, temperature, checkpoints)."""
     lr = cfg.learner.judge_lr if role == "judge" else None
     how = cfg.policy if role == "policy" else cfg.judge
     return Lane(role, model_dir(cfg, role), ckpt_root, cfg.learner, temperature=how.temperature, sampling=how.sampling,
-                lr=lr, device=cfg.learner.device)
+                lr=lr, device=cfg.learner.device, shared=shared)
+
+
+def build_lanes(cfg: CoevoConfig, roles: list[Role], ckpt_root: Path) -> Iterator[Lane]:
+    """The lanes of ``roles``, one at a time; LoRA lanes of one base directory share one base model."""
+    shared = one_base(cfg, roles)
+    for role in roles:
+        yield build_lane(cfg, role, ckpt_root, shared)
+
+
+def one_base(cfg: CoevoConfig, roles: list[Role]) -> SharedBase | None:
+    """Policy and judge as two adapters of one base (``learner.lora``, one model directory for both):
+    the base held once. None otherwise."""
+    lc = cfg.learner.lora
+    if lc is None or len(roles) < 2:
+        return None
+    dirs = {model_dir(cfg, role).resolve() for role in roles}
+    if len(dirs) != 1:
+        return None
+    import torch
+
+    device = cfg.learner.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return SharedBase(dirs.pop(), lc, device)
 
 
 @dataclass
@@ -226,8 +249,9 @@ class LearnerAgent(Agent):
                           else f"{self.cfg.judge.backend} judge {self.cfg.judge.model!r} is not a local model dir")
         weight_server = await self.serve_weights(roles)  # before the first WeightsPublished: followers ask at once
         try:
+            building = build_lanes(self.cfg, roles, self.ckpt_root)
             for role in roles:
-                lane: Any = await asyncio.to_thread(build_lane, self.cfg, role, self.ckpt_root)
+                lane: Any = await asyncio.to_thread(next, building)
                 await parity.check(self.cfg, lane)  # a server sampling another distribution is refused
                 if lane.world > 1:
                     lane = RankZeroLane(lane)
