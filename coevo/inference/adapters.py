@@ -19,9 +19,10 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -55,6 +56,8 @@ def merged(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor]
            config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The base weights of every adapted layer with the adapter added, in the base's dtype and device
     (computed in fp32): ``{"<module>.weight": W + s B A}``."""
+    import torch
+
     s = scale(config)
     out: dict[str, torch.Tensor] = {}
     for key, a in adapter.items():
