@@ -502,7 +502,7 @@ def cmd_bench_learner(args: argparse.Namespace) -> int:
     from coevo.bench.learner import bench_learner
 
     return _emit(bench_learner(args.size, args.device, steps=args.steps, samples=args.samples, tokens=args.tokens,
-                               checkpoint_every=args.checkpoint_every), args.json)
+                               checkpoint_every=args.checkpoint_every, lora_rank=args.lora), args.json)
 
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
@@ -699,7 +699,8 @@ COMMANDS: tuple[Command, ...] = (
                 arg("--steps", type=int, help="measured steps (default 3 on CPU, 5 on GPU)"),
                 arg("--samples", type=int, help="samples per step (default 16 on CPU, 64 on GPU)"),
                 arg("--tokens", type=int, help="tokens per sample, a quarter response (default 128 / 512)"),
-                arg("--checkpoint-every", type=int, default=1, help="a resume checkpoint every N steps"))),
+                arg("--checkpoint-every", type=int, default=1, help="a resume checkpoint every N steps"),
+                arg("--lora", type=int, metavar="RANK", help="a LoRA lane of this rank, compared with full weights"))),
     Command("bench chaos", "the loop as processes on a 3-node cluster under kill -9, node loss, garbage, failing "
             "stores, slow handlers, lagging followers, failing ranks, a full disk and (--hosts) link cuts",
             cmd_bench_chaos, args=(

@@ -313,3 +313,21 @@ async def test_vllm_serves_each_adapter_version_as_the_learner_computes_it_and_t
         assert versions == sorted(versions) and versions[-1] >= 1
     trained.close()
     base.close()
+
+
+def test_bench_learner_lora_publishes_the_adapter_and_holds_one_base_for_two_roles() -> None:
+    """``coevo bench learner --lora``: the adapter of the tiny shape (2 layers, hidden 128, MLP 512)
+    has rank · (4 · 256 + 3 · 640) parameters per layer; it is what is published, a fraction of the
+    full model's bytes, and two roles on one base hold less than two full models."""
+    from coevo.bench.learner import bench_learner
+
+    report = bench_learner("tiny", steps=1, samples=4, tokens=32, lora_rank=4)
+    assert report["trainable_parameters"] == 2 * 4 * (4 * 256 + 3 * 640)
+    cmp = report["lora"]
+    assert cmp["adapter_publish_bytes"] == report["publish_bytes"]
+    assert 4 * report["trainable_parameters"] < report["publish_bytes"] < 0.05 * cmp["full_publish_bytes"]
+    assert cmp["publish_fraction"] == round(report["publish_bytes"] / cmp["full_publish_bytes"], 4)
+    # two full models: 2 × (weights + two Adam moments); one base: its weights once, plus two adapters' states
+    base = report["parameters"] - report["trainable_parameters"]
+    assert cmp["two_roles_full_held_bytes"] == pytest.approx(2 * 3 * 4 * base, rel=1e-3)  # + Adam step counters
+    assert cmp["two_roles_one_base_held_bytes"] < 0.4 * cmp["two_roles_full_held_bytes"]

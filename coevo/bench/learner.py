@@ -11,6 +11,9 @@ samples, like the learner does: step, publish the weights in the serving dtype (
   on that path;
 - ``checkpoint_s`` (background: snapshot, write, fsync) and ``checkpoint_blocking_s`` (how long the
   training waited for it, per checkpoint);
+- with ``--lora RANK`` the lane trains an adapter; ``lora`` then compares: the full model's
+  publication against the adapter's (``publish_fraction``), and what the learner holds (parameters
+  and optimiser state) for policy and judge as two full models against two adapters of one base;
 - ``train_tokens_per_s``, ``mfu`` on GPU (6 · parameters · tokens/s over the device's dense bf16
   peak), ``peak_memory_gib`` (CUDA: allocated; CPU: the process's peak RSS) and ``publish_share``
   = publish_s / (step_s + publish_s).
@@ -79,10 +82,13 @@ def random_batch(vocab: int, samples: int, prompt: int, response: int, version: 
 
 
 def bench_learner(size: str, device: str = "cpu", *, steps: int | None = None, samples: int | None = None,
-                  tokens: int | None = None, checkpoint_every: int = 1) -> dict[str, Any]:
-    """Step, publish and checkpoint costs of one lane at ``size`` on ``device``."""
-    from coevo.config import LearnerConfig
+                  tokens: int | None = None, checkpoint_every: int = 1, lora_rank: int | None = None) -> dict[str, Any]:
+    """Step, publish and checkpoint costs of one lane at ``size`` on ``device`` (a LoRA lane of rank
+    ``lora_rank``: then also the full model's publication and what two roles hold, for comparison)."""
+    from coevo.config import LearnerConfig, LoraConfig
     from coevo.training.lane import Lane
+
+    lc = LearnerConfig(lr=1e-5, lora=LoraConfig(rank=lora_rank) if lora_rank else None)
 
     gpu = device.startswith("cuda")
     steps = steps or (5 if gpu else 3)
@@ -92,7 +98,7 @@ def bench_learner(size: str, device: str = "cpu", *, steps: int | None = None, s
     shape = SIZES[size]
     with tempfile.TemporaryDirectory(prefix="coevo-bench-learner-") as tmp:
         build_model(shape, Path(tmp) / "model")
-        lane = Lane("policy", Path(tmp) / "model", Path(tmp) / "ckpt", LearnerConfig(lr=1e-5), device=device)
+        lane = Lane("policy", Path(tmp) / "model", Path(tmp) / "ckpt", lc, device=device)
         try:
             def batch(seed: int) -> list[Any]:
                 return random_batch(shape.vocab, samples, tokens - response, response, lane.version, seed)
@@ -105,7 +111,52 @@ def bench_learner(size: str, device: str = "cpu", *, steps: int | None = None, s
         finally:
             lane.close()
         params = sum(p.numel() for p in lane.model.parameters())
-    return _report(size, device, params, lane.publish_dtype, samples, tokens, steps, rows)
+        report = _report(size, device, params, lane.publish_dtype, samples, tokens, steps, rows)
+        report["trainable_parameters"] = sum(p.numel() for p in lane.trainable())
+        if lora_rank:
+            report["lora"] = _lora_comparison(Path(tmp), lc, device, report["publish_bytes"], lambda ln: random_batch(
+                shape.vocab, samples, tokens - response, response, ln.version, 0))
+    return report
+
+
+def _lora_comparison(tmp: Path, lc: Any, device: str, adapter_bytes: int, batch: Any) -> dict[str, Any]:
+    """The full model's publication next to the adapter's, and what the learner holds for policy and
+    judge as two full models or as two adapters of one base (parameters and optimiser state, after a
+    step of each: bytes of distinct tensor storage)."""
+    from coevo.config import LearnerConfig
+    from coevo.training.lane import Lane
+    from coevo.training.lora import SharedBase
+
+    full = Lane("policy", tmp / "model", tmp / "full", LearnerConfig(lr=1e-5), device=device)
+    full.step(batch(full), ["g"])
+    full_bytes = full.publish()[2]
+    two_full = 2 * _held_bytes([full])
+    full.close()
+    shared = SharedBase(tmp / "model", lc.lora, device)
+    lanes = [Lane(role, tmp / "model", tmp / "one-base", lc, device=device, shared=shared) for role in ("policy", "judge")]
+    for lane in lanes:
+        lane.step(batch(lane), ["g"])
+    one_base = _held_bytes(lanes)
+    for lane in lanes:
+        lane.close()
+    return {"rank": lc.lora.rank, "full_publish_bytes": full_bytes, "adapter_publish_bytes": adapter_bytes,
+            "publish_fraction": round(adapter_bytes / full_bytes, 4),
+            "two_roles_full_held_bytes": two_full, "two_roles_one_base_held_bytes": one_base,
+            "two_roles_held_fraction": round(one_base / two_full, 4)}
+
+
+def _held_bytes(lanes: list[Any]) -> int:
+    """Bytes of the distinct storages of the lanes' parameters and optimiser states."""
+    import torch
+
+    seen: dict[int, int] = {}
+    for lane in lanes:
+        tensors = [p.detach() for p in lane.model.parameters()]
+        tensors += [v for st in lane.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        for t in tensors:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def _measure(lane: Any, batch: Any, steps: int, checkpoint_every: int) -> dict[str, list[float]]:

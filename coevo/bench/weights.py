@@ -1,5 +1,6 @@
-"""Pause of a weight swap by model size: local engine (from disk, from memory), vLLM reload from disk, vLLM
-pushed over gloo."""
+"""Pause of a weight swap by model size: local engine (from disk, from memory, a LoRA adapter merged), vLLM
+reload from disk, vLLM pushed over gloo, a LoRA adapter loaded into vLLM at runtime; and the bytes of a
+full publication next to an adapter's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 from coevo.observe.progress import tracked
 
+LORA_RANK = 16
+
 
 async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] = ("tiny", "small", "medium"),
                         repeats: int = 5) -> dict[str, Any]:
@@ -19,7 +22,7 @@ async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] =
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from coevo.config import LearnerConfig
+    from coevo.config import LearnerConfig, LoraConfig
     from coevo.inference.engine import LocalEngine
     from coevo.inference.models import build_tokenizer
     from coevo.training.lane import Lane
@@ -43,19 +46,29 @@ async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] =
             lane = Lane("policy", d, Path(tmp) / f"ckpt-{size}", LearnerConfig(), device="cpu")
             path, digest, _ = lane.publish()  # the published weights: what every server loads
             params = sum(p.numel() for p in lane.model.parameters())
-            local, memory = [], []
+            lane.close()
+            adapter_lane = Lane("policy", d, Path(tmp) / f"lora-{size}", LearnerConfig(lora=LoraConfig(rank=LORA_RANK)),
+                                device="cpu")
+            adapter, _, adapter_bytes = adapter_lane.publish()
+            adapter_lane.close()
+            local, memory, merged = [], [], []
             async with LocalEngine(d) as eng:
                 for i in range(repeats):
                     local.append(await eng.swap_weights(path, i + 1))
                     memory.append(await eng.swap_tensors(HELD.get(path, digest) or {}, i + 1))
-            lane.close()
+                    merged.append(await eng.load_adapter(adapter, i + 1))
             entry: dict[str, Any] = {"parameters": params, "bytes": weights_bytes(path),
+                                     "adapter_rank": LORA_RANK, "adapter_bytes": adapter_bytes,
                                      "local_pause_ms_median": round(statistics.median(local), 2),
-                                     "local_memory_pause_ms_median": round(statistics.median(memory), 2)}
+                                     "local_memory_pause_ms_median": round(statistics.median(memory), 2),
+                                     "local_adapter_pause_ms_median": round(statistics.median(merged), 2)}
             if vllm_python:
                 pauses = await _vllm_pauses(vllm_python, d, path, repeats)
                 entry["vllm_pause_ms_median"] = pauses["disk"]  # reload_weights from the checkpoint path
                 entry["vllm_gloo_pause_ms_median"] = pauses["gloo"]  # pushed by the learner (coevo_gloo)
+                # a runtime LoRA load, on a server started with --enable-lora (no server pause: this
+                # client's own requests wait, other adapters go on)
+                entry["vllm_adapter_pause_ms_median"] = await _vllm_adapter_pause(vllm_python, d, adapter, repeats)
             out["sizes"][size] = entry
     return out
 
@@ -90,3 +103,17 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> di
                 gloo.append(await client.receive_weights(offer, 120.0))
                 await asyncio.to_thread(sender.join)
         return {"disk": round(statistics.median(disk), 2), "gloo": round(statistics.median(gloo), 2)}
+
+
+async def _vllm_adapter_pause(python: str, model: Path, adapter: Path, repeats: int) -> float:
+    """Median time a client waits to serve a new adapter version on a server with LoRA enabled."""
+    import statistics
+
+    from coevo.bench.vllm import served
+    from coevo.inference.vllm_client import VLLMClient
+
+    async with served(python, model, lora_rank=LORA_RANK) as url:
+        async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+            pauses = [await client.load_adapter(adapter, i + 1) for i in range(repeats)]
+            await client.complete("ping", max_tokens=2)  # the adapter serves
+    return round(statistics.median(pauses), 2)
