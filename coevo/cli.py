@@ -450,8 +450,11 @@ def cmd_bench_envs(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_learn(args: argparse.Namespace) -> int:
-    from coevo.bench.learn import bench_learn
+    from coevo.bench.learn import bench_learn, bench_learn_lora
 
+    if args.lora:
+        return _emit(run_stoppable(bench_learn_lora(args.minutes, args.eval_every, args.episodes, rank=args.lora,
+                                                    lr=args.lora_lr, **_over_seeds(args))), args.json)
     return _emit(run_stoppable(bench_learn(args.minutes, args.eval_every, args.episodes, **_over_seeds(args))),
                  args.json)
 
@@ -681,7 +684,11 @@ COMMANDS: tuple[Command, ...] = (
             cmd_bench_learn, args=(
                 _JSON, arg("--minutes", type=float, default=10.0, help="budget per configuration"),
                 arg("--eval-every", type=float, default=30.0, help="seconds between evaluations"),
-                arg("--episodes", type=int, default=64, help="episodes per evaluation"), *_seeds_args())),
+                arg("--episodes", type=int, default=64, help="episodes per evaluation"),
+                arg("--lora", type=int, metavar="RANK", help="LoRA lanes of this rank against full fine-tuning "
+                    "(both integrated) instead of integrated against outcome-only"),
+                arg("--lora-lr", type=float, default=5e-3, help="the LoRA runs' learner.lr (full: the default)"),
+                *_seeds_args())),
     Command("bench ladder", "the paper's ablation ladder at equal wall-clock budget", cmd_bench_ladder, args=(
         _JSON, arg("--minutes", type=float, default=5.0, help="budget per rung"),
         arg("--eval-every", type=float, default=30.0), arg("--episodes", type=int, default=64), *_seeds_args())),

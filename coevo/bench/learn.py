@@ -358,14 +358,15 @@ RUNG_KEYS = ("train_success", "heldout_success", "train_success_initial", "heldo
 """The metrics whose means over seeds ``ladder_result`` gives per rung (``coevo report`` plots these)."""
 
 
-def learn_result(out: dict[str, Any]) -> dict[str, Any]:
-    """``bench learn``'s result from ``run_seeds``' ``out`` over ``LEARN`` (a new dict; ``out`` is left as it
-    is): adds the paired differences integrated - outcome_only, the headline means over seeds, every run's
-    curve (``"<config> s<seed>"``) and the target."""
-    return {**out, "paired": {"integrated - outcome_only": paired(out, "integrated", "outcome_only")},
-            "headline": {f"{c}.{m}": _mean(out, c, m) for c in LEARN
+def learn_result(out: dict[str, Any], configs: dict[str, dict[str, Any]] = LEARN) -> dict[str, Any]:
+    """``bench learn``'s result from ``run_seeds``' ``out`` over ``configs`` (a new dict; ``out`` is left as
+    it is): adds the paired differences first - second configuration, the headline means over seeds,
+    every run's curve (``"<config> s<seed>"``) and the target."""
+    a, b = configs
+    return {**out, "paired": {f"{a} - {b}": paired(out, a, b)},
+            "headline": {f"{c}.{m}": _mean(out, c, m) for c in configs
                          for m in ("train_success", "heldout_success", "seconds_to_0.8")},
-            "curves": {f"{c} s{r['seed']}": r["curve"] for c in LEARN for r in out["configs"][c]["runs"]},
+            "curves": {f"{c} s{r['seed']}": r["curve"] for c in configs for r in out["configs"][c]["runs"]},
             "target": "final train success >= 0.8 within 10 minutes"}
 
 
@@ -386,6 +387,23 @@ async def bench_learn(minutes: float = 10.0, eval_every_s: float = 30.0, episode
     return learn_result(await run_seeds(LEARN, seeds=seeds, minutes=minutes, eval_every_s=eval_every_s,
                                         episodes=episodes, family=family, preset=preset, cache_dir=cache_dir,
                                         overrides=overrides))
+
+
+def lora_configs(rank: int, lr: float) -> dict[str, dict[str, Any]]:
+    """``bench learn --lora``'s configurations: a LoRA lane of ``rank`` at ``lr``, then full fine-tuning
+    (both with the integrated reward)."""
+    return {"lora": {"learner.lora": {"rank": rank, "alpha": 2.0 * rank}, "learner.lr": lr}, "full": {}}
+
+
+async def bench_learn_lora(minutes: float = 10.0, eval_every_s: float = 30.0, episodes: int = 64,
+                           cache_dir: Path | None = None, *, rank: int = 16, lr: float = 5e-3, seeds: int = 1,
+                           preset: str = "default", family: str = "quickgame",
+                           overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """LoRA lanes against full fine-tuning at equal wall clock, ``seeds`` runs each (paired by seed)."""
+    configs = lora_configs(rank, lr)
+    out = await run_seeds(configs, seeds=seeds, minutes=minutes, eval_every_s=eval_every_s, episodes=episodes,
+                          family=family, preset=preset, cache_dir=cache_dir, overrides=overrides)
+    return {**learn_result(out, configs), "lora": configs["lora"]}
 
 
 async def bench_ladder(minutes: float = 5.0, eval_every_s: float = 30.0, episodes: int = 64,
