@@ -80,6 +80,8 @@ def test_a_lora_lane_trains_checkpoints_and_publishes_only_its_adapter(tiny: Pat
     assert manifest_of(path)["digest"] == digest and size < 0.12 * full_bytes
     ckpt, _, _ = lane.checkpoint()
     adapter = {k: v.clone() for k, v in lora.adapter_state(lane.model, "policy").items()}
+    served = LocalEngine(ckpt, device="cpu")  # a LoRA checkpoint loads as a model: its base, adapter merged
+    assert (_logits(served.model) - _logits(lane.model)).abs().max() < 1e-4
     lane.close()
     resumed = Lane("policy", tiny, tmp_path / "lora", LORA, device="cpu")
     assert resumed.resumed_from == ckpt and resumed.version == 3

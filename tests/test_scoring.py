@@ -1,4 +1,4 @@
-"""ALGORITHM.md's numbers, checked against values computed by hand (no I/O, no torch)."""
+"""docs/algorithm.md's numbers, checked against values computed by hand (no I/O, no torch)."""
 
 from __future__ import annotations
 
@@ -287,7 +287,7 @@ async def test_scorer_restart_keeps_an_event_acknowledged_above_a_lost_delivery(
     assert not scorer.groups["g-gap"].steps  # stored after the last delivery: the consumer delivers it
 
 
-# ---- the critic (ALGORITHM.md §4.2) ---------------------------------------------------------------------
+# ---- the critic (docs/algorithm.md §4.2) ---------------------------------------------------------------------
 
 
 def test_critic_reads_the_judges_reasoning_and_an_unparseable_vote_is_not_a_minus_one() -> None:

@@ -117,7 +117,7 @@ class JudgeAgent(Agent):
             group_id=step.group_id, step_index=step.step_index, votes=list(votes),
             judge_version=max(versions) if versions else None))
 
-    # ---- coding variant: the judge writes unit tests (ALGORITHM.md §2) --------------------------
+    # ---- coding variant: the judge writes unit tests (docs/algorithm.md §2) --------------------------
 
     async def group_tests(self, step: StepTaken) -> list[dict[str, Any]]:
         """The ``m`` tests of this step's group, written once (first writer wins, kept in KV)."""

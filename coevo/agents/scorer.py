@@ -116,7 +116,7 @@ def group_records(g: Group) -> tuple[list[scoring.TrajRec], list[str]]:
 
 
 def policy_samples(trajs: list[scoring.TrajRec], g: Group, adv: dict[str, float]) -> list[TrainingSample]:
-    """One sample per step with a nonzero advantage (ALGORITHM.md §1)."""
+    """One sample per step with a nonzero advantage (docs/algorithm.md §1)."""
     out = []
     for s in (s for t in trajs for s in t.steps):
         st, a = g.steps[s.step_id], adv.get(s.step_id, 0.0)
@@ -126,7 +126,7 @@ def policy_samples(trajs: list[scoring.TrajRec], g: Group, adv: dict[str, float]
 
 
 def judge_vote_samples(trajs: list[scoring.TrajRec], g: Group, rewards: dict[str, float]) -> list[TrainingSample]:
-    """One sample per vote with a nonzero consistency advantage (ALGORITHM.md §2)."""
+    """One sample per vote with a nonzero consistency advantage (docs/algorithm.md §2)."""
     out = []
     for s in (s for t in trajs for s in t.steps):
         judged = g.judged.get(s.step_id)
@@ -180,7 +180,7 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, A
 
 
 def coding_judge_samples(trajs: list[scoring.TrajRec], g: Group) -> list[TrainingSample]:
-    """The judge wrote tests: each test's reward comes from which programs pass it (ALGORITHM.md §2)."""
+    """The judge wrote tests: each test's reward comes from which programs pass it (docs/algorithm.md §2)."""
     programs = [(t.outcome == "won", g.judged.get(s.step_id)) for t in trajs for s in t.steps]
     programs = [(ok, j) for ok, j in programs if j is not None]
     if not programs:

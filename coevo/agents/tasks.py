@@ -1,4 +1,4 @@
-"""The task pool and the environment rewriter agent (ALGORITHM.md §4).
+"""The task pool and the environment rewriter agent (docs/algorithm.md §4).
 
 Invariants:
 - every slot has one active task, the ids of the tasks it replaced, and at most one candidate

@@ -1,6 +1,6 @@
 """Prompt rendering and output parsing. Pure functions, tested without models.
 
-Vote parsing follows ALGORITHM.md: the vote is the content of the *last* ``\\boxed{...}`` of the
+Vote parsing follows docs/algorithm.md: the vote is the content of the *last* ``\\boxed{...}`` of the
 judge's output; ``1``/``+1`` is +1, ``-1`` is -1; anything else (missing, ``0``, ``1/2``, words,
 unbalanced braces) is unparseable.
 """

@@ -1,4 +1,4 @@
-"""Environment rewriters: critic summaries of failures, then a proposal (ALGORITHM.md §4).
+"""Environment rewriters: critic summaries of failures, then a proposal (docs/algorithm.md §4).
 
 The built-in rewriter needs no model: its critic turns each failure digest into one sentence,
 and it applies the family's operators, ordered by what the summaries say went wrong. The LLM
@@ -36,7 +36,7 @@ class Rewriter(Protocol):
 
 
 def critic_summary(f: FailureDigest) -> str:
-    """At most two sentences on why a trajectory failed (built-in critic, ALGORITHM.md §4.2): where it
+    """At most two sentences on why a trajectory failed (built-in critic, docs/algorithm.md §4.2): where it
     went wrong (the first step every judge vote called bad, else its end), then the judge's reasoning
     at that step if it wrote one, else whether it ran out of steps."""
     if f.all_negative_steps:

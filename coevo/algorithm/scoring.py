@@ -1,4 +1,4 @@
-"""The numbers of ALGORITHM.md, as pure functions (no I/O, no torch).
+"""The numbers of docs/algorithm.md, as pure functions (no I/O, no torch).
 
 - integrated reward  R_{τ_i} = O_τ + λ · mean_j S_{τ_i,j}   (unparseable votes count 0)
 - policy advantage   z-score of R across the group's trajectories at the same step index
@@ -120,7 +120,7 @@ def consistency_advantages(step_reward: float, votes: Sequence[VoteRec], eps: fl
 
 
 def coding_test_advantages(results: Sequence[Sequence[tuple[bool, bool]]], eps: float = 1e-8) -> list[float]:
-    """Coding variant (ALGORITHM.md §2): ``results[j]`` lists (program correct, program passed test j).
+    """Coding variant (docs/algorithm.md §2): ``results[j]`` lists (program correct, program passed test j).
 
     A test that every correct program passes earns the number of incorrect programs that fail it;
     any other test earns minus the number of incorrect programs that pass it; with no incorrect

@@ -34,6 +34,14 @@ def is_adapter(path: Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+def base_of(path: Path) -> Path:
+    """The base model directory an adapter was trained on (``base_model_name_or_path``)."""
+    base = json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise FileNotFoundError(f"adapter at {path}: its base model {base!r} is not a local directory")
+    return Path(base)
+
+
 def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The adapter's tensors and its config."""
     from safetensors.torch import load_file

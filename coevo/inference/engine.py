@@ -136,7 +136,8 @@ class _Request:
 
 
 class LocalEngine:
-    """A transformers causal LM served in process (CPU or CUDA), with hot-swappable weights."""
+    """A transformers causal LM served in process (CPU or CUDA), with hot-swappable weights. ``model_dir``
+    may be a LoRA adapter directory (a LoRA lane's checkpoint): its base, with the adapter merged."""
 
     def __init__(self, model_dir: Path, *, name: str = "local", device: str | None = None, max_batch: int = 64,
                  seed: int = 0, version: int = 0, sampling: SamplingConfig | None = None) -> None:
@@ -147,8 +148,10 @@ class LocalEngine:
         self.name = name
         self.model_dir = Path(model_dir)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir).to(self.device).eval()
+        adapter = self.model_dir if adapters.is_adapter(self.model_dir) else None
+        base = adapters.base_of(adapter) if adapter is not None else self.model_dir  # a LoRA lane's checkpoint
+        self.tokenizer = AutoTokenizer.from_pretrained(base)
+        self.model = AutoModelForCausalLM.from_pretrained(base).to(self.device).eval()
         if str(self.device).startswith("cuda"):
             self.model = self.model.to(torch.bfloat16)  # serve in bf16 on CUDA (log-probs still in fp32)
         self.max_batch = max_batch
@@ -160,6 +163,8 @@ class LocalEngine:
         self._choice_ids: dict[tuple[str, ...], list[int]] = {}
         self._base: dict[str, Any] | None = None
         """the base weights of the layers an adapter changes, as they were before the first adapter"""
+        if adapter is not None:
+            self._load_adapter(_Adapter(adapter))
 
     @property
     def version(self) -> int:

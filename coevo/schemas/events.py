@@ -1,4 +1,4 @@
-"""Every event of the closed loop (see ALGORITHM.md). Facts are named in the past tense.
+"""Every event of the closed loop (see docs/algorithm.md). Facts are named in the past tense.
 
 Invariant: these models are the only contract between agents; each has a unique ``kind`` literal,
 which the registry maps to a subject. Adding a field needs a default (old events stay decodable);
@@ -70,7 +70,7 @@ class TaskRewritten(Event):
 
 
 class TaskDecided(Event):
-    """The acceptance gate's verdict on a rolled-out candidate (ALGORITHM.md §4.4)."""
+    """The acceptance gate's verdict on a rolled-out candidate (docs/algorithm.md §4.4)."""
 
     kind: Literal["task.decided"] = "task.decided"
     slot_id: Identifier
@@ -182,7 +182,7 @@ class TrainingSample(Frozen):
 
 
 class FailureDigest(Frozen):
-    """What the rewriter's critic sees of one failed trajectory (ALGORITHM.md §4.2)."""
+    """What the rewriter's critic sees of one failed trajectory (docs/algorithm.md §4.2)."""
 
     trajectory_id: str
     outcome: Outcome

@@ -29,7 +29,10 @@ Invariants:
   trained, and ``is_durable`` answers from the newest *durable* one: a group is acknowledged only
   once it is durable, so a resumed learner never trains an acknowledged group twice and trains
   again exactly the groups it lost;
-- under torchrun (world > 1) publishing and checkpoints are collective and synchronous.
+- under torchrun (world > 1) publishing and checkpoints are collective and synchronous;
+- a LoRA lane (``learner.lora``, ``coevo.training.lora``) trains, checkpoints and publishes its
+  adapter only, named after its role; lanes on one base (``SharedBase``) share the model and the
+  lock, and each activates its own adapter before it computes anything.
 """
 
 from __future__ import annotations
@@ -328,7 +331,7 @@ class Lane:
             agg["mismatch_kl"] += out.mismatch_kl * weight
         faults.hit("lane.optimizer_step")  # between this step's backward and its collectives
         self.all_reduce_grads()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable(), lc.grad_clip)
         agg["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         agg["waited"] += self._writer.wait_copied()  # a checkpoint's snapshot must hold the weights before a step
         self.optimizer.step()
@@ -342,7 +345,7 @@ class Lane:
         if self.world == 1 or self.fsdp:  # FSDP reduce-scatters (averages) gradients itself
             return
         world = dist.get_world_size()
-        for p in self.model.parameters():
+        for p in self.trainable():  # a lane on a shared base: its own adapter's gradients only
             if p.grad is not None:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 p.grad /= world

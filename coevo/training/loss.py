@@ -1,4 +1,4 @@
-"""The policy-gradient loss shared by both lanes (ALGORITHM.md §3), with off-policy correction.
+"""The policy-gradient loss shared by both lanes (docs/algorithm.md §3), with off-policy correction.
 
 Per response token t of a sample with advantage A:
     r_t   = exp(logπ_θ − logπ_prox)                         (π_prox: the learner before this batch)
