@@ -5,6 +5,7 @@ exactly as the learner computes it. Against a real vLLM server: tests/test_vllm.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,7 +53,7 @@ def test_an_adapter_merged_into_the_base_computes_what_peft_computes(tiny: Path)
             if "lora_" in name:
                 p.copy_(torch.randn_like(p) * 0.3)
     state = lora.adapter_state(model)
-    config = __import__("json").loads(lora.adapter_config_json(model, tiny))
+    config = json.loads(lora.adapter_config_json(model, tiny))
     merged = adapters.merged(base, state, config)
     assert len(merged) == 7 * model.config.num_hidden_layers  # every target module of every layer
     served = AutoModelForCausalLM.from_pretrained(tiny)
@@ -107,7 +108,7 @@ def test_a_lora_config_the_model_cannot_take_names_the_field(tiny: Path, tmp_pat
 def test_policy_and_judge_as_two_adapters_of_one_base_held_once(tiny: Path, tmp_path: Path) -> None:
     """#23 item 4: one base model, two adapters, two optimizers: each lane's step moves its own adapter
     only, publishes its own, and computes with its own; the base is held once."""
-    shared = lora.SharedBase(tiny, LORA.lora, "cpu")
+    shared = lora.SharedBase(tiny, LORA.lora)
     policy = Lane("policy", tiny, tmp_path, LORA, device="cpu", shared=shared)
     judge = Lane("judge", tiny, tmp_path, LORA, device="cpu", shared=shared)
     assert policy.model is judge.model and policy._lock is judge._lock
@@ -130,7 +131,7 @@ def test_policy_and_judge_as_two_adapters_of_one_base_held_once(tiny: Path, tmp_
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny)
-    config = __import__("json").loads((p_path / "adapter_config.json").read_text())
+    config = json.loads((p_path / "adapter_config.json").read_text())
     base.load_state_dict(adapters.merged(base.state_dict(), p_tensors, config), strict=False)
     policy._activate()
     assert (_logits(base) - _logits(policy.model)).abs().max() < 1e-4
@@ -141,7 +142,7 @@ def test_policy_and_judge_as_two_adapters_of_one_base_held_once(tiny: Path, tmp_
     # resumed: both adapters back from their own checkpoints
     policy.checkpoint()
     judge.checkpoint()
-    again = lora.SharedBase(tiny, LORA.lora, "cpu")
+    again = lora.SharedBase(tiny, LORA.lora)
     p2 = Lane("policy", tiny, tmp_path, LORA, device="cpu", shared=again)
     j2 = Lane("judge", tiny, tmp_path, LORA, device="cpu", shared=again)
     assert (p2.version, j2.version) == (2, 1)
@@ -194,7 +195,6 @@ async def test_a_server_that_cannot_load_adapters_refuses_them_and_keeps_serving
     applied = await follower.follow(event, None)
     assert applied is not None and not applied.ok and "cannot load LoRA adapters" in (applied.error or "")
     lane.close()
-    await asyncio.sleep(0)
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ class JudgeAgent(Agent):
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.client = make_client(self.cfg, "judge", seed=self.cfg.run.seed + 1)
-        self.weights = WeightsFollower.of(self.cfg, self.bus, "judge", self.client, server=self.agent_id,
+        self.weights = WeightsFollower.of(self.cfg, self.bus, self.lane, self.client, server=self.agent_id,
                                           counters=self.counters)
         self._tests: dict[str, list[dict[str, Any]]] = {}
         self._test_locks: dict[str, asyncio.Lock] = {}
@@ -101,8 +101,9 @@ class JudgeAgent(Agent):
         self.counters["budget_exceeded"] = 1
         api = self.cfg.judge.api
         self.log.error("judge.budget_exceeded", error=str(exc))
+        spent = self.client.spent_usd if isinstance(self.client, Metered) else 0.0
         await self.emit(self.event(BudgetExceeded, backend=self.cfg.judge.backend, model=self.cfg.judge.model or "",
-                                   spent_usd=self.client.spent_usd if isinstance(self.client, Metered) else 0.0, max_usd=api.max_usd or 0.0))
+                                   spent_usd=spent, max_usd=api.max_usd or 0.0))
 
     async def on_step(self, step: StepTaken, _d: Delivery) -> None:
         if self.cfg.env.family == "coding":

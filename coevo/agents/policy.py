@@ -94,7 +94,7 @@ class PolicyAgent(Agent):
         super().__init__(*a, **kw)
         self.family = make_family(self.cfg.env)
         self.client = make_client(self.cfg, "policy", seed=self.cfg.run.seed)
-        self.weights = WeightsFollower.of(self.cfg, self.bus, "policy", self.client, server=self.agent_id,
+        self.weights = WeightsFollower.of(self.cfg, self.bus, self.lane, self.client, server=self.agent_id,
                                           counters=self.counters)
         self.rollout_permits = asyncio.Semaphore(self.cfg.policy.max_concurrent_trajectories)
         self._chat_tokens: ChatTokens | None = None

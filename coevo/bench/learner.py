@@ -132,7 +132,7 @@ def _lora_comparison(tmp: Path, lc: Any, device: str, adapter_bytes: int, batch:
     full_bytes = full.publish()[2]
     two_full = 2 * _held_bytes([full])
     full.close()
-    shared = SharedBase(tmp / "model", lc.lora, device)
+    shared = SharedBase(tmp / "model", lc.lora)
     lanes = [Lane(role, tmp / "model", tmp / "one-base", lc, device=device, shared=shared) for role in ("policy", "judge")]
     for lane in lanes:
         lane.step(batch(lane), ["g"])

@@ -34,9 +34,14 @@ def is_adapter(path: Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+def config_of(path: Path) -> dict[str, Any]:
+    """The adapter's ``adapter_config.json``."""
+    return json.loads((Path(path) / ADAPTER_CONFIG).read_text())
+
+
 def base_of(path: Path) -> Path:
     """The base model directory an adapter was trained on (``base_model_name_or_path``)."""
-    base = json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    base = config_of(path).get("base_model_name_or_path")
     if not base or not Path(base).is_dir():
         raise FileNotFoundError(f"adapter at {path}: its base model {base!r} is not a local directory")
     return Path(base)
@@ -47,7 +52,7 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from safetensors.torch import load_file
 
     path = Path(path)
-    return load_file(path / ADAPTER_WEIGHTS), json.loads((path / ADAPTER_CONFIG).read_text())
+    return load_file(path / ADAPTER_WEIGHTS), config_of(path)
 
 
 def scale(config: Mapping[str, Any]) -> float:

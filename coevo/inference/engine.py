@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -285,7 +284,7 @@ class LocalEngine:
     def _load_adapter(self, source: _Adapter) -> None:
         from safetensors.torch import load_file
 
-        config = json.loads((source.path / adapters.ADAPTER_CONFIG).read_text())
+        config = adapters.config_of(source.path)
         tensors = source.tensors if source.tensors is not None else load_file(source.path / adapters.ADAPTER_WEIGHTS)
         state = self.model.state_dict()
         if self._base is None:

@@ -28,6 +28,7 @@ import aiohttp
 
 from coevo.config import SamplingConfig
 from coevo.errors import CoevoError
+from coevo.inference import adapters
 from coevo.inference.engine import Completion, choice_token_ids, encode_prompt, quiet_transformers
 from coevo.inference.sampling import request_fields
 from coevo.schemas import TransferOffer
@@ -199,12 +200,17 @@ class VLLMClient:
 
     # ---- weights -----------------------------------------------------------------------------
 
-    async def _swap(self, version: int, load: Callable[[], Awaitable[None]]) -> float:
+    async def _swap(self, version: int, load: Callable[[], Awaitable[None]], *, pause_server: bool = True) -> float:
         """Wait for this client's requests in flight, pause the server, ``load``, reset the prefix
-        cache and stamp ``version``; the server is resumed whatever happened. Returns the pause in ms."""
+        cache and stamp ``version``; the server is resumed whatever happened. Returns the pause in ms.
+        Without ``pause_server`` only this client waits (``load`` and the stamp)."""
         await self._lock.acquire_write()
         t0 = time.perf_counter()
         try:
+            if not pause_server:
+                await load()
+                self._version = version
+                return (time.perf_counter() - t0) * 1e3
             await self._call("POST", "/pause", params={"mode": self.pause_mode})
             try:
                 await load()
@@ -236,21 +242,17 @@ class VLLMClient:
         ms. The server needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; it is not
         paused. ``tensors`` is ignored: the server reads the files."""
         path = Path(path)
-        if not (path / "adapter_config.json").is_file():
-            raise VLLMError(f"refusing to load an adapter from {path}: no adapter_config.json there")
+        if not adapters.is_adapter(path):
+            raise VLLMError(f"refusing to load an adapter from {path}: no {adapters.ADAPTER_CONFIG} there")
 
-        await self._lock.acquire_write()  # this client's requests in flight end on the old adapter
-        t0 = time.perf_counter()
-        try:
-            # no server pause and no prefix-cache reset: other adapters (another role on this base) go
-            # on serving, and vLLM's prefix cache keys a LoRA request by its adapter's path, new per version
+        async def load() -> None:
             await self._call("POST", "/v1/load_lora_adapter", retry=False,
                              json={"lora_name": self.adapter_name, "lora_path": str(path), "load_inplace": True})
             self.served = self.adapter_name
-            self._version = version
-        finally:
-            await self._lock.release_write()
-        return (time.perf_counter() - t0) * 1e3
+
+        # no server pause and no prefix-cache reset: other adapters (another role on this base) go on
+        # serving, and vLLM's prefix cache keys a LoRA request by its adapter's path, new per version
+        return await self._swap(version, load, pause_server=False)
 
     async def workers(self) -> int:
         """The server's worker count across data parallel replicas (its ranks in a transfer group)."""

@@ -170,7 +170,7 @@ class Lane:
             raise ConfigError("learner.lora under torchrun needs learner.parallel = 'ddp' (adapters are not sharded)",
                               field="learner.lora")
         if shared is not None:
-            return shared.attach(self.role, resume)
+            return shared.attach(self.role, resume, self.device)
         model = lora.wrap(AutoModelForCausalLM.from_pretrained(self.base_model), lc, self.role)
         if resume is not None:
             lora.load_adapter(model, resume, self.role)

@@ -90,12 +90,7 @@ def one_base(cfg: CoevoConfig, roles: list[Role]) -> SharedBase | None:
     if lc is None or len(roles) < 2:
         return None
     dirs = {model_dir(cfg, role).resolve() for role in roles}
-    if len(dirs) != 1:
-        return None
-    import torch
-
-    device = cfg.learner.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return SharedBase(dirs.pop(), lc, device)
+    return SharedBase(dirs.pop(), lc) if len(dirs) == 1 else None
 
 
 @dataclass

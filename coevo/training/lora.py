@@ -87,24 +87,22 @@ class SharedBase:
     base is held once, each lane adds its adapter. The lanes share ``lock``, so one lane's step,
     publication or checkpoint never runs while another lane's adapter is the active one."""
 
-    def __init__(self, base_model: Path, cfg: LoraConfig, device: str) -> None:
+    def __init__(self, base_model: Path, cfg: LoraConfig) -> None:
         self.base_model = Path(base_model)
         self.cfg = cfg
-        self.device = device
         self.lock = threading.RLock()
         self.model: Any = None
 
-    def attach(self, adapter: str, resume: Path | None) -> Any:
-        """The shared model with a new adapter ``adapter`` (the one saved at ``resume``, or fresh)."""
+    def attach(self, adapter: str, resume: Path | None, device: str) -> Any:
+        """The shared model on ``device`` with a new adapter ``adapter`` (the one saved at ``resume``, or fresh)."""
         from transformers import AutoModelForCausalLM
 
         with self.lock:
             if self.model is None:
                 self.model = wrap(AutoModelForCausalLM.from_pretrained(self.base_model), self.cfg, adapter)
-                self.model.to(self.device)
             else:
                 self.model.add_adapter(adapter, _peft_config(self.cfg))
-                self.model.to(self.device)
+            self.model.to(device)
             if resume is not None:
                 load_adapter(self.model, resume, adapter)
             return self.model

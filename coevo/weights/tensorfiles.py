@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from coevo.inference.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from coevo.weights.manifest import write_manifest
 
 SHARD_BYTES = 512 << 20
@@ -139,8 +140,6 @@ def write_weights(folder: Path, tensors: dict[str, torch.Tensor], shard_bytes: i
 
 def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config_json: str) -> dict[str, FileInfo]:
     """A LoRA adapter as PEFT saves it (``adapters``): its tensors and ``adapter_config.json``."""
-    from coevo.inference.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-
     return {ADAPTER_WEIGHTS: write_safetensors(folder / ADAPTER_WEIGHTS, list(tensors.items())),
             ADAPTER_CONFIG: write_text(folder / ADAPTER_CONFIG, config_json)}
 

@@ -128,7 +128,6 @@ class DiskReload:
         except Exception as exc:  # the client's own failure: reported, the server keeps its version
             raise LoadFailed(repr(exc)) from exc
 
-
     async def _load(self, path: Path, event: WeightsPublished, tensors: dict[str, Any] | None) -> Loaded:
         if event.format == "lora":
             assert isinstance(self.client, LoadsAdapters)
