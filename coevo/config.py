@@ -259,6 +259,13 @@ class PolicyConfig(Section):
                                           "on loopback only: any local user or program can then sample from the "
                                           "policy and open, reward and finish episodes (docs/security.md)")
     serve_max_tokens: int = Field(default=512, ge=1, description="cap on a request's max_tokens at the endpoint")
+    serve_max_unrecorded: int = Field(default=4, ge=1, description="calls outside episodes served at once by the "
+                                      "endpoint (more answer 429): the policy's engine is for the episodes")
+    serve_retry_after_s: float = Field(default=2.0, gt=0, description="Retry-After of the endpoint's 429 and 503 "
+                                       "answers (the OpenAI and Anthropic SDKs wait that long before retrying)")
+    serve_backlog_timeout_s: float = Field(default=120.0, gt=0, description="a finished group of the endpoint's "
+                                           "that no policy learner step names stops holding new episodes back after "
+                                           "this long (its samples were rejected)")
     episode_timeout_s: float = Field(default=600.0, gt=0, description="an endpoint episode idle this long is "
                                      "reported aborted (its group completes without it)")
 
@@ -312,6 +319,8 @@ class JudgeConfig(Section):
 class ScorerConfig(Section):
     reward: Literal["integrated", "outcome-only", "steps-only"] = "integrated"
     lam: float = Field(default=1.0, ge=0, description="weight of the step votes (λ)")
+    env_reward_weight: float = Field(default=1.0, ge=0, description="weight of an environment's own step rewards "
+                                     "(StepTaken.env_reward, e.g. POST /coevo/v1/episodes/{id}/reward), added to R_i")
     policy_band: Band = Field(default=(0.125, 0.875), description="accuracy band of tasks the policy trains on")
     judge_band: Band = Field(default=(0.2, 0.8), description="accuracy band of tasks the judge trains on")
     vote_timeout_s: float = Field(default=60.0, gt=0, description="score without missing votes after this")

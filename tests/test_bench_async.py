@@ -83,7 +83,7 @@ def test_lockstep_schedules_waves_and_waits_for_the_steps_that_train_them() -> N
 
 
 def test_backlog_holds_scored_groups_until_a_step_names_them() -> None:
-    from coevo.agents.tasks import Backlog
+    from coevo.algorithm.admission import Backlog
 
     b = Backlog(timeout_s=100.0, remember=2)
     assert b.oldest(now=0.0) is None

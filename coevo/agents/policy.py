@@ -36,6 +36,7 @@ from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
 from coevo.runtime.credentials import generated_token
 from coevo.schemas import (
+    LearnerStepped,
     StepTaken,
     TaskScheduled,
     TaskSpec,
@@ -108,8 +109,16 @@ class PolicyAgent(Agent):
                                      log=self.log, key=key, key_file=key_file)
 
     def subscriptions(self) -> list[Subscription]:
-        return [Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16, batch=1),  # rollouts are slow
+        subs = [Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16, batch=1),  # rollouts are slow
                 weights_subscription(self.lane, self.on_weights)]
+        if self.cfg.endpoint_port is not None:  # new episodes wait while the learner is behind on the endpoint's groups
+            subs.append(Subscription("policy-steps", (LearnerStepped,), self.on_stepped, concurrency=1, shared=False,
+                                     deliver="last"))
+        return subs
+
+    async def on_stepped(self, event: LearnerStepped, _d: Delivery) -> None:
+        if event.role == "policy":
+            self.endpoint.trained(list(event.group_ids))
 
     async def run(self) -> None:
         async with self.client:  # type: ignore[attr-defined]

@@ -110,7 +110,8 @@ def group_records(g: Group) -> tuple[list[scoring.TrajRec], list[str]]:
             if judged is None:
                 stragglers.append(sid)
             votes = tuple(scoring.VoteRec(v.value, v.status) for v in judged.votes) if judged else ()
-            steps.append(scoring.StepRec(sid, g.steps[sid].step_index, votes, g.steps[sid].reference_label))
+            step = g.steps[sid]
+            steps.append(scoring.StepRec(sid, step.step_index, votes, step.reference_label, step.env_reward or 0.0))
         trajs.append(scoring.TrajRec(t.trajectory_id, t.outcome, tuple(steps)))
     return trajs, stragglers
 
@@ -154,7 +155,7 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, A
     if acc is None:
         return {**fields, "accuracy": 0.0, "policy_band_ok": False, "judge_band_ok": False,
                 "flagged": "no completed trajectory"}
-    rewards = scoring.integrated_rewards(trajs, sc.lam, sc.reward)
+    rewards = scoring.integrated_rewards(trajs, sc.lam, sc.reward, sc.env_reward_weight)
     policy_ok, judge_ok = scoring.in_band(acc, *sc.policy_band), scoring.in_band(acc, *sc.judge_band)
     errors = sum(v.status == "error" for t in trajs for s in t.steps for v in s.votes)
     total_votes = sum(len(s.votes) for t in trajs for s in t.steps)

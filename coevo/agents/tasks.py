@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,6 +30,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from coevo.algorithm import scoring
+from coevo.algorithm.admission import Backlog
 from coevo.algorithm.rewriter import BuiltinRewriter, Rewriter
 from coevo.envs import make_family
 from coevo.inference.engine import CachesCalls
@@ -86,38 +86,6 @@ class InFlight(BaseModel):
     def expired(self, now: float, timeout_s: float) -> list[str]:
         """Groups scheduled more than ``timeout_s`` ago and never scored (pure)."""
         return [g for g in self.groups if now - self.scheduled_at.get(g, now) > timeout_s]
-
-
-@dataclass
-class Backlog:
-    """Train groups scored with policy samples that no policy ``LearnerStepped`` named yet: the
-    learner's queue, by the policy version each group was scheduled at (pure; times are arguments).
-    Bounded: an entry stops counting after ``timeout_s`` (its samples were rejected or dropped, so no
-    step will name it), and at most ``remember`` trained ids are kept to ignore a score that arrives
-    after the step that trained it."""
-
-    timeout_s: float
-    remember: int = 4096
-    groups: dict[str, tuple[int, float]] = field(default_factory=dict)
-    """group id -> (policy version at scheduling, time it was scored)"""
-    trained_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
-
-    def scored(self, group_id: str, version: int, now: float) -> None:
-        if group_id not in self.trained_ids:
-            self.groups[group_id] = (version, now)
-
-    def trained(self, group_ids: Iterable[str]) -> None:
-        for g in group_ids:
-            self.groups.pop(g, None)
-            self.trained_ids[g] = None
-        while len(self.trained_ids) > self.remember:
-            self.trained_ids.popitem(last=False)
-
-    def oldest(self, now: float) -> int | None:
-        """The oldest scheduling version still waiting for the learner (None: none waits)."""
-        for g in [g for g, (_, t) in self.groups.items() if now - t > self.timeout_s]:
-            del self.groups[g]
-        return min((v for v, _ in self.groups.values()), default=None)
 
 
 @dataclass

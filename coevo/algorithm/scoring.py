@@ -35,6 +35,8 @@ class StepRec:
     index: int
     votes: tuple[VoteRec, ...] = ()
     reference_label: Literal[1, -1] | None = None
+    env_reward: float = 0.0
+    """the environment's own reward for the step (0 when it gives none)"""
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,10 @@ def mean_vote(votes: Sequence[VoteRec]) -> float:
 
 
 def integrated_rewards(trajs: Sequence[TrajRec], lam: float = 1.0,
-                       mode: RewardMode = "integrated") -> dict[str, float]:
+                       mode: RewardMode = "integrated", env_weight: float = 1.0) -> dict[str, float]:
+    """R_i = O + lam * mean vote of step i (docs/algorithm.md §1), plus ``env_weight`` times the
+    environment's own reward for the step, in every mode (it is the environment's signal, not the
+    judge's: ``outcome-only`` drops only the votes)."""
     out: dict[str, float] = {}
     for t in trajs:
         if t.outcome == "aborted":
@@ -65,7 +70,7 @@ def integrated_rewards(trajs: Sequence[TrajRec], lam: float = 1.0,
         for s in t.steps:
             outcome = 0.0 if mode == "steps-only" else float(t.o)
             step = 0.0 if mode == "outcome-only" else lam * mean_vote(s.votes)
-            out[s.step_id] = outcome + step
+            out[s.step_id] = outcome + step + env_weight * s.env_reward
     return out
 
 

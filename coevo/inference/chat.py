@@ -130,7 +130,9 @@ class ChatTokens:
 def completion_prompt(tokenizer: Any, prompt: str, previous: tuple[str, list[int], str, list[int]] | None
                       ) -> tuple[list[int], TokenPath]:
     """``/v1/completions``: the ids of ``prompt`` (BOS + text, as every client encodes), reusing the
-    previous call's (prompt text, prompt ids, response text, response ids) when ``prompt`` extends it."""
+    previous call's (prompt text, prompt ids, response text, response ids) when ``prompt`` extends it
+    and the response text is exactly what those ids decode to (a stop string cut inside a token, or
+    a token the agent never saw, makes a prefix break: tokenised afresh)."""
     from coevo.inference.engine import encode_prompt
 
     fresh = encode_prompt(tokenizer, prompt)
@@ -139,6 +141,8 @@ def completion_prompt(tokenizer: Any, prompt: str, previous: tuple[str, list[int
     text, ids, response_text, response_ids = previous
     if not prompt.startswith(text + response_text):
         return fresh, "diverged"
+    if tokenizer.decode(response_ids, skip_special_tokens=True) != response_text:
+        return fresh, "diverged"  # the shown text is not what the sampled ids say (cut at a stop string)
     rest = prompt[len(text) + len(response_text):]
     out = [*ids, *response_ids, *tokenizer.encode(rest, add_special_tokens=False)]
     return out, ("reused" if out == fresh else "mismatch")

@@ -83,8 +83,10 @@ class InferenceClient(Protocol):
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
                        temperature: float = 1.0, index: int = 0,
-                       prompt_ids: list[int] | None = None) -> Completion: ...
-    # prompt_ids (token-in): sample after exactly these tokens; ``prompt`` is then only a label
+                       prompt_ids: list[int] | None = None, stop: list[str] | None = None) -> Completion: ...
+    # prompt_ids (token-in): sample after exactly these tokens; ``prompt`` is then only a label;
+    # stop: generation ends once the text holds one of these (the tokens so far are returned, the
+    # stop string's included: cutting the text is the caller's)
 
     async def aclose(self) -> None: ...
 
@@ -132,6 +134,7 @@ class _Request:
     future: asyncio.Future[Completion] = field(repr=False, default=None)  # type: ignore[assignment]
     prompt_ids: list[int] | None = None
     """token-in: the exact prompt tokens (``prompt`` is not encoded)"""
+    stop: list[str] | None = None
 
 
 class LocalEngine:
@@ -192,9 +195,10 @@ class LocalEngine:
             raise RuntimeError(f"engine {self.name} is not running (use `async with engine:`)")
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
-                       temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None) -> Completion:
+                       temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None,
+                       stop: list[str] | None = None) -> Completion:
         self._ensure_started()
-        req = _Request(prompt, choices, max_tokens, temperature, prompt_ids=prompt_ids)
+        req = _Request(prompt, choices, max_tokens, temperature, prompt_ids=prompt_ids, stop=stop)
         req.future = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(req)
         return await req.future
@@ -347,6 +351,12 @@ class LocalEngine:
                                       choice=k, allowed_token_ids=list(allowed)))
         return results
 
+    def _stopped(self, ids: list[int], stops: list[str], window: int = 32) -> bool:
+        """Whether the text of the last ``window`` tokens holds a stop string (a stop string longer
+        than that many tokens is still cut by the caller, after generation)."""
+        tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
     def _generate(self, r: _Request) -> Completion:
         import torch
 
@@ -365,7 +375,7 @@ class LocalEngine:
             tok = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
             out_ids.append(tok)
             out_lp.append(float(logp[tok]))
-            if tok == eos:
+            if tok == eos or (r.stop and self._stopped(out_ids, r.stop)):
                 finish = "stop"
                 break
             ids = torch.tensor([[tok]], device=self.device)

@@ -173,11 +173,14 @@ class VLLMClient:
         return choice_token_ids(self.tokenizer, choices, self._choice_ids)
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
-                       temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None) -> Completion:
+                       temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None,
+                       stop: list[str] | None = None) -> Completion:
         prompt_ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt)
         body: dict[str, Any] = {"model": self.served, "prompt": prompt_ids, "max_tokens": max_tokens,
                                 **request_fields(self.sampling, temperature), "logprobs": 1,
                                 "return_token_ids": True}
+        if stop:
+            body.update(stop=list(stop), include_stop_str_in_output=True)
         allowed = None
         if choices:
             allowed = self.choice_token_ids(choices)

@@ -117,6 +117,11 @@ class StepTaken(Event):
     reference_label: Literal[1, -1] | None = Field(
         default=None, description="environment's own label of this step (e.g. from a walkthrough)"
     )
+    env_reward: float | None = Field(
+        default=None, allow_inf_nan=False,
+        description="the environment's own reward for this step (an outside agent's, through the endpoint); "
+        "the scorer adds scorer.env_reward_weight times it to the step's reward",
+    )
     policy_version: int = Field(ge=0)
 
 

@@ -1,12 +1,16 @@
 """The policy endpoint: OpenAI-compatible completions in front of the policy's inference client,
 and episodes that turn an outside agent's calls into coevo's events.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; ``POST
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (OpenAI
+Responses), ``POST /v1/messages`` (Anthropic Messages), ``GET /v1/models``; ``POST
 /coevo/v1/episodes`` (``{}``: the next rollout of the run's task pool; ``{"task_id", "goal"}``: the
-agent's own task), ``POST /coevo/v1/episodes/{id}/finish`` (``{"outcome"}`` or ``{"reward"}``,
+agent's own task; the answer carries the episode's own ``key``), ``POST
+/coevo/v1/episodes/{id}/reward`` (``{"reward", "call_id"?}``: the environment's reward for the
+episode's last call), ``POST /coevo/v1/episodes/{id}/finish`` (``{"outcome"}`` or ``{"reward"}``,
 optionally the final ``"observation"``), ``GET /coevo/v1/episodes/{id}``. A call belongs to an
-episode when it names it as the OpenAI ``user`` field or in the header ``X-Coevo-Episode``; calls
-outside episodes are served and not recorded.
+episode when it is authenticated with the episode's key, or names the episode as the OpenAI
+``user`` field (Anthropic ``metadata.user_id``) or in the header ``X-Coevo-Episode``; calls outside
+episodes are served (at most ``policy.serve_max_unrecorded`` at once) and not recorded.
 
 Invariants:
 - each call of an episode is one ``StepTaken`` with the exact prompt and response token ids, the
@@ -16,7 +20,11 @@ Invariants:
 - every episode ends with exactly one ``TrajectoryCompleted`` (idle ones after
   ``policy.episode_timeout_s`` and, when the endpoint stops, open ones of the agents' own tasks,
   as ``aborted``); a pooled group abandoned by a stopping agent is redelivered, never aborted;
-- every error is OpenAI-shaped; beyond loopback every request needs the API key.
+- an episode key acts only on its own episode and dies with it; beyond loopback every other request
+  needs the run's API key;
+- while the learner is behind (``coevo.algorithm.admission``), opening an episode answers 429 with
+  ``Retry-After``: rollouts are paced instead of played and dropped as stale;
+- every error is in its API's shape (Anthropic's on ``/v1/messages``, OpenAI's elsewhere).
 
 The publishing is the policy agent's (``Sink``): this package knows no bus.
 """
@@ -30,25 +38,31 @@ import ipaddress
 import json
 import re
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
 from pydantic import ValidationError
 
+from coevo.algorithm.admission import Backlog, behind
 from coevo.config import CoevoConfig
 from coevo.errors import ConfigError
-from coevo.inference.chat import ChatTokens, Turn, completion_prompt, normalize
-from coevo.inference.engine import KnowsContext
-from coevo.schemas import TaskScheduled, TaskSpec
+from coevo.inference.chat import Turn, normalize
+from coevo.schemas import TaskScheduled, TaskSpec, new_id
 from coevo.schemas.events import Outcome
+from coevo.serve import messages_api as ma
 from coevo.serve import openai_api as oa
+from coevo.serve import responses_api as ra
 from coevo.serve.episodes import Book, Episode, OwnGroups, Pool
+from coevo.serve.sampler import Answer, ChatCall, Sampled, Sampler
 
 _IDENT = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 OUTCOMES = ("won", "lost", "truncated", "aborted")
+BOUND: web.RequestKey[Any] = web.RequestKey("coevo_episode", object)
+"""the episode a request's key binds it to (None: the run's key)"""
+MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models")
 
 
 class Sink(Protocol):
@@ -59,18 +73,6 @@ class Sink(Protocol):
     async def publish_step(self, episode: Episode, fields: dict[str, Any]) -> str: ...
 
     async def publish_end(self, episode: Episode, outcome: Outcome, error: str | None) -> None: ...
-
-
-@dataclass(frozen=True)
-class Sampled:
-    prompt_ids: list[int]
-    ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish: oa.Finish
-    version: int
-    tokens: str
-    """how the prompt was built: fresh, reused, mismatch, diverged (chat.TokenPath) or tokens (ids given)"""
 
 
 def is_loopback(host: str) -> bool:
@@ -90,6 +92,10 @@ def observation_of(messages: list[dict[str, Any]]) -> str:
     return "\n".join(parts) if parts else messages[-1]["content"]
 
 
+def action_of(answer: Answer) -> str:
+    return json.dumps([c["function"] for c in answer.calls]) if answer.calls else answer.text
+
+
 class Endpoint:
     def __init__(self, cfg: CoevoConfig, client: Any, sink: Sink, *, family: Any, counters: Any, log: Any,
                  key: str | None = None, key_file: Path | None = None) -> None:
@@ -100,18 +106,20 @@ class Endpoint:
         self.pool = Pool()
         self.own = OwnGroups(cfg.policy.n)
         self.book = Book(cfg.policy.max_concurrent_trajectories)
+        self.history = ra.History()
+        self.sampler = Sampler(client, cfg.policy.temperature, counters)
+        self.backlog = Backlog(cfg.policy.serve_backlog_timeout_s)
+        self._ends: Counter[str] = Counter()
+        self._unrecorded = asyncio.Semaphore(cfg.policy.serve_max_unrecorded)
         self.model_name = cfg.policy.served_name or "coevo-policy"
         self.key = key
         self.key_file = key_file
         self.url: str | None = None
-        self._chat: ChatTokens | None = None
         self._texts: dict[str, dict[str, Any]] = {}
 
     @property
-    def chat(self) -> ChatTokens:
-        if self._chat is None:
-            self._chat = ChatTokens(self.client.tokenizer)
-        return self._chat
+    def chat(self) -> Any:
+        return self.sampler.chat
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -136,6 +144,7 @@ class Endpoint:
         finally:
             await self.abort_open("the policy endpoint stopped")
             await runner.cleanup()
+            self.sampler.close()
 
     async def abort_open(self, why: str) -> None:
         """End the open episodes of the agents' own tasks as aborted (a pooled group is redelivered)."""
@@ -156,6 +165,10 @@ class Endpoint:
                     await self.end(ep, "aborted", f"idle for more than {timeout:g} s")
                     self.counters["episodes.expired"] += 1
 
+    def trained(self, group_ids: list[str]) -> None:
+        """A policy learner step trained these groups (``LearnerStepped``): they no longer wait."""
+        self.backlog.trained(group_ids)
+
     # ---- the HTTP surface --------------------------------------------------------------------
 
     def app(self) -> web.Application:
@@ -163,7 +176,10 @@ class Endpoint:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/coevo/v1/episodes", self.open_episode)
+        app.router.add_post("/coevo/v1/episodes/{episode_id}/reward", self.reward_step)
         app.router.add_post("/coevo/v1/episodes/{episode_id}/finish", self.finish_episode)
         app.router.add_get("/coevo/v1/episodes/{episode_id}", self.get_episode)
         return app
@@ -172,30 +188,50 @@ class Endpoint:
     async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:
         try:
-            self._authorize(request)
+            request[BOUND] = self._authorize(request)
             return await handler(request)
         except oa.ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            return self._error(request, exc)
         except ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
-            return web.json_response(oa.ApiError(400, f"{param}: {err['msg']}", param=param).body(), status=400)
+            return self._error(request, oa.ApiError(400, f"{param}: {err['msg']}", param=param))
         except web.HTTPException as exc:
-            body = oa.ApiError(exc.status, exc.reason or "error", code="not_found" if exc.status == 404 else None)
-            return web.json_response(body.body(), status=exc.status)
+            return self._error(request, oa.ApiError(exc.status, exc.reason or "error",
+                                                    code="not_found" if exc.status == 404 else None))
         except Exception as exc:
             self.log.error("policy.endpoint_failed", path=request.path, error=repr(exc), exc_info=exc)
             self.counters["endpoint.errors"] += 1
-            return web.json_response(oa.ApiError(500, f"internal error: {exc!r}"[:500], type="server_error").body(),
-                                     status=500)
+            return self._error(request, oa.ApiError(500, f"internal error: {exc!r}"[:500], type="server_error"))
 
-    def _authorize(self, request: web.Request) -> None:
-        if self.key is None:
+    @staticmethod
+    def _error(request: web.Request, exc: oa.ApiError) -> web.Response:
+        body = ma.error_body(exc) if request.path == "/v1/messages" else exc.body()
+        headers = {"Retry-After": f"{exc.retry_after:g}"} if exc.retry_after is not None else None
+        return web.json_response(body, status=exc.status, headers=headers)
+
+    def _authorize(self, request: web.Request) -> Episode | None:
+        """The episode an episode key binds the request to; None for the run's key (or none needed)."""
+        auth = request.headers.get("Authorization", "")
+        given = auth.removeprefix("Bearer ").strip() if auth else request.headers.get("x-api-key", "").strip()
+        ep = self.book.by_key(given) if given else None
+        if ep is not None:
+            self._bound_route(request, ep)
+            return ep
+        if self.key is not None and not hmac.compare_digest(given.encode(), self.key.encode()):
+            raise oa.ApiError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY); an "
+                              "episode's key stops working when the episode ends", type="authentication_error",
+                              code="invalid_api_key")
+        return None
+
+    @staticmethod
+    def _bound_route(request: web.Request, ep: Episode) -> None:
+        """An episode key may call the model and act on its own episode, nothing else."""
+        own = request.match_info.get("episode_id")
+        if request.path in MODEL_ROUTES or (own == ep.episode_id and request.path != "/coevo/v1/episodes"):
             return
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), self.key.encode()):
-            raise oa.ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                              type="authentication_error", code="invalid_api_key")
+        raise oa.ApiError(403, f"the key of episode {ep.episode_id} acts only on that episode",
+                          type="permission_error", code="episode_key_scope")
 
     @staticmethod
     async def _json(request: web.Request, *, empty_ok: bool = False) -> dict[str, Any]:
@@ -212,14 +248,21 @@ class Endpoint:
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "coevo"}]})
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "coevo", "type": "model",
+             "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}]})
 
     def _episode_of(self, request: web.Request, user: str | None) -> Episode | None:
-        """The episode a call belongs to: header ``X-Coevo-Episode``, else an ``ep-`` id as ``user``."""
+        """The episode a call belongs to: its key's, else header ``X-Coevo-Episode``, else an ``ep-``
+        id as ``user``."""
         header = request.headers.get("X-Coevo-Episode")
-        if header:
-            return self._lookup(header)
-        return self._lookup(user) if user and user.startswith("ep-") else None
+        named = header or (user if user and user.startswith("ep-") else None)
+        bound: Episode | None = request.get(BOUND)
+        if bound is not None:
+            if named is not None and named != bound.episode_id:
+                raise oa.ApiError(403, f"the key of episode {bound.episode_id} cannot call for episode {named}",
+                                  type="permission_error", code="episode_key_scope")
+            return bound
+        return self._lookup(named) if named else None
 
     def _lookup(self, episode_id: str) -> Episode:
         ep = self.book.get(episode_id)
@@ -230,118 +273,127 @@ class Endpoint:
             raise oa.ApiError(404, f"unknown episode {episode_id}", code="episode_not_found")
         return ep
 
-    # ---- sampling ----------------------------------------------------------------------------
-
     def _max_tokens(self, asked: int | None) -> int:
         return min(asked or self.pc.max_tokens, self.pc.serve_max_tokens)
 
-    def _limit(self) -> int | None:
-        return self.client.context_length if isinstance(self.client, KnowsContext) else None
+    # ---- one call, whatever the API ----------------------------------------------------------
 
-    async def sample(self, prompt_ids: list[int], how: str, max_tokens: int, stops: list[str]) -> Sampled:
-        limit = self._limit()
-        if limit is not None and len(prompt_ids) + max_tokens > limit:
-            raise oa.ApiError(400, f"{len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
-                              f"context of {limit}", param="messages", code="context_length_exceeded")
-        c = await self.client.complete("", prompt_ids=prompt_ids, max_tokens=max_tokens,
-                                       temperature=self.pc.temperature)
-        ids, lps, finish = list(c.response_token_ids), list(c.logprobs), c.finish_reason
-        text = self.client.tokenizer.decode(ids, skip_special_tokens=True)
-        if stops:
-            k, before = oa.cut_at_stop(lambda t: self.client.tokenizer.decode(t, skip_special_tokens=True), ids, stops)
-            if before is not None:
-                ids, lps, text, finish = ids[:k], lps[:k], before, "stop"
-        self.counters[f"endpoint.tokens.{how}"] += 1
-        return Sampled(list(c.prompt_token_ids), ids, lps, text, "length" if finish == "length" else "stop",
-                       c.model_version, how)
+    async def answer_chat(self, ep: Episode | None, call: ChatCall, n: int = 1) -> list[Answer]:
+        """Sample ``n`` answers to a chat-shaped call; inside an episode, record it as a step."""
+        if ep is None:
+            async with self._outside():
+                ids, how = await self.sampler.chat_prompt(call)
+                samples = await asyncio.gather(*(self.sampler.sample(ids, how, call.max_tokens, call.stops)
+                                                 for _ in range(n)))
+            return [self.sampler.answer(s, call.parse_tools) for s in samples]
+        self._check_call(ep, n)
+        async with ep.lock:
+            self._check_open(ep)
+            ids, how = await self.sampler.chat_prompt(call, ep.turn)
+            seen = observation_of(call.messages)
+            await self._flush(ep, seen)
+            s = await self.sampler.sample(ids, how, call.max_tokens, call.stops)
+            answer = self.sampler.answer(s, call.parse_tools)
+            self._record(ep, s, seen, action_of(answer))
+            assistant = ra.assistant_message(answer.text, answer.calls)
+            ep.turn = Turn(call.messages, normalize([assistant])[0], s.prompt_ids, s.ids, call.tools)
+        return [answer]
 
-    def _pieces(self, s: Sampled, shown: str) -> list[str]:
-        """The text each token added (for streaming); the whole text at once when it was rewritten."""
-        decode = self.client.tokenizer.decode
-        full = decode(s.ids, skip_special_tokens=True)
-        if full != shown:
-            return [shown] if shown else []
-        out, before = [], ""
-        for k in range(1, len(s.ids) + 1):
-            now = decode(s.ids[:k], skip_special_tokens=True)
-            if now != before:
-                out.append(now[len(before):])
-                before = now
-        return out
+    @contextlib.asynccontextmanager
+    async def _outside(self) -> AsyncIterator[None]:
+        """A call outside episodes, while fewer than ``policy.serve_max_unrecorded`` run (else 429)."""
+        if self._unrecorded.locked():
+            self.counters["endpoint.calls.refused_unrecorded"] += 1
+            raise oa.ApiError(429, f"{self.pc.serve_max_unrecorded} calls outside episodes are running "
+                              "(policy.serve_max_unrecorded): open an episode, or retry", type="rate_limit_error",
+                              code="too_many_unrecorded_calls", retry_after=1.0)
+        async with self._unrecorded:
+            yield
+        self.counters["endpoint.calls.unrecorded"] += 1
 
-    def _token_logprobs(self, s: Sampled) -> list[tuple[str, float]]:
-        tok = self.client.tokenizer
-        return [(tok.decode([t], skip_special_tokens=False), lp) for t, lp in zip(s.ids, s.logprobs, strict=True)]
-
-    # ---- completions -------------------------------------------------------------------------
+    # ---- Chat Completions and Completions ----------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = oa.ChatRequest.model_validate(await self._json(request))
+        req.check()
         ep = self._episode_of(request, req.user)
-        messages, max_tokens = normalize(req.messages), self._max_tokens(req.max_completion_tokens or req.max_tokens)
-        tools = bool(req.tools) and req.tool_choice != "none"
-        if ep is None:
-            ids, how = self.chat.prompt(messages, req.tools)
-            samples = await asyncio.gather(*(self.sample(ids, how, max_tokens, req.stops()) for _ in range(req.n)))
-            answers = [self._answer(s, tools) for s in samples]
-            self.counters["endpoint.calls.unrecorded"] += 1
-        else:
-            self._check_call(ep, req.n)
-            async with ep.lock:
-                self._check_open(ep)
-                ids, how = self.chat.prompt(messages, req.tools, ep.turn)
-                await self._flush(ep, observation_of(messages))
-                s = await self.sample(ids, how, max_tokens, req.stops())
-                shown, calls = answer = self._answer(s, tools)
-                self._record(ep, s, observation_of(messages), json.dumps([c["function"] for c in calls]) if calls
-                             else shown)
-                assistant = {"role": "assistant", "content": shown, **({"tool_calls": calls} if calls else {})}
-                ep.turn = Turn(messages, normalize([assistant])[0], s.prompt_ids, s.ids, req.tools)
-            samples, answers = [s], [answer]
-        choices = [oa.chat_choice(i, shown, calls, "tool_calls" if calls else s.finish,
-                                  self._token_logprobs(s) if req.logprobs else None)
-                   for i, (s, (shown, calls)) in enumerate(zip(samples, answers, strict=True))]
-        pieces = [self._pieces(s, shown) for s, (shown, _) in zip(samples, answers, strict=True)]
+        call = ChatCall(normalize(req.messages), req.tools, bool(req.tools) and req.tool_choice != "none",
+                        self._max_tokens(req.max_completion_tokens or req.max_tokens), req.stops())
+        answers = await self.answer_chat(ep, call, req.n)
+        choices = [oa.chat_choice(i, a.text, a.calls, a.finish,
+                                  self.sampler.token_logprobs(a.sample) if req.logprobs else None)
+                   for i, a in enumerate(answers)]
+        samples = [a.sample for a in answers]
         body = oa.envelope("chat.completion", self.model_name, choices, self._usage(samples), self._extra(ep, samples))
-        return await self._respond(request, body, pieces, req)
-
-    @staticmethod
-    def _answer(s: Sampled, tools: bool) -> tuple[str, list[dict[str, Any]]]:
-        return oa.parse_tool_calls(s.text) if tools else (s.text, [])
+        return await self._respond(request, body, [a.pieces for a in answers], req)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = oa.CompletionRequest.model_validate(await self._json(request))
+        req.check()
         ep = self._episode_of(request, req.user)
         prompt, max_tokens = req.single(), self._max_tokens(req.max_tokens)
         text = prompt if isinstance(prompt, str) else self.client.tokenizer.decode(prompt, skip_special_tokens=False)
         if ep is None:
-            ids, how = self._text_prompt(prompt, None)
-            samples = await asyncio.gather(*(self.sample(ids, how, max_tokens, req.stops()) for _ in range(req.n)))
-            self.counters["endpoint.calls.unrecorded"] += 1
+            async with self._outside():
+                ids, how = await self.sampler.text_prompt(prompt, None)
+                samples = await asyncio.gather(*(self.sampler.sample(ids, how, max_tokens, req.stops())
+                                                 for _ in range(req.n)))
         else:
             self._check_call(ep, req.n)
             async with ep.lock:
                 self._check_open(ep)
                 prev = ep.text_turn
-                ids, how = self._text_prompt(prompt, prev)
+                ids, how = await self.sampler.text_prompt(prompt, prev)
                 seen = text[len(prev[0]) + len(prev[2]):] if prev and text.startswith(prev[0] + prev[2]) else text
                 await self._flush(ep, seen)
-                s = await self.sample(ids, how, max_tokens, req.stops())
+                s = await self.sampler.sample(ids, how, max_tokens, req.stops())
                 self._record(ep, s, seen, s.text)
                 ep.text_turn = (text, s.prompt_ids, s.text, s.ids)
             samples = [s]
         echo = text if req.echo else ""
-        choices = [oa.completion_choice(i, echo + s.text, s.finish, self._token_logprobs(s) if req.logprobs else None)
+        choices = [oa.completion_choice(i, echo + s.text, s.finish,
+                                        self.sampler.token_logprobs(s) if req.logprobs is not None else None)
                    for i, s in enumerate(samples)]
         body = oa.envelope("text_completion", self.model_name, choices, self._usage(samples), self._extra(ep, samples))
-        return await self._respond(request, body, [self._pieces(s, s.text) for s in samples], req)
+        return await self._respond(request, body, [list(s.pieces) for s in samples], req)
 
-    def _text_prompt(self, prompt: str | list[int], prev: tuple[str, list[int], str, list[int]] | None
-                     ) -> tuple[list[int], str]:
-        if isinstance(prompt, list):
-            return list(prompt), "tokens"
-        ids, how = completion_prompt(self.client.tokenizer, prompt, prev)
-        return ids, how
+    # ---- Responses and Messages --------------------------------------------------------------
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        req = ra.ResponsesRequest.model_validate(await self._json(request))
+        req.check()
+        ep = self._episode_of(request, req.user)
+        owner = ep.episode_id if ep is not None else None
+        history = self.history.before(req.previous_response_id, owner)
+        conversation = normalize([*history, *ra.to_messages(req.input)])
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        call = ChatCall(normalize(system) + conversation, ra.chat_tools(req.tools), req.parse_tools,
+                        self._max_tokens(req.max_output_tokens), [])
+        (a,) = await self.answer_chat(ep, call)
+        logprobs = ra.text_logprobs(self.sampler.token_logprobs(a.sample)) if req.logprobs else None
+        items = ra.output_items(a.text, a.calls, logprobs)
+        body = ra.response_body(req, self.model_name, items, a.finish, len(a.sample.prompt_ids), len(a.sample.ids),
+                                self._extra(ep, [a.sample]))
+        if req.store is not False:
+            self.history.keep(body["id"], [*conversation, *normalize([ra.assistant_message(a.text, a.calls)])], owner)
+        if not req.stream:
+            return web.json_response(body, headers=self._headers(body))
+        return await self._events(request, body, ra.stream_events(body, a.pieces))
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        req = ma.MessagesRequest.model_validate(await self._json(request))
+        req.check()
+        ep = self._episode_of(request, req.user)
+        call = ChatCall(normalize(ma.to_messages(req)), ma.chat_tools(req.tools), req.parse_tools,
+                        self._max_tokens(req.max_tokens), req.stops())
+        (a,) = await self.answer_chat(ep, call)
+        body = ma.message_body(self.model_name, ma.content_blocks(a.text, a.calls), a.finish, a.sample.stop_hit,
+                               len(a.sample.prompt_ids), len(a.sample.ids), self._extra(ep, [a.sample]))
+        if not req.stream:
+            return web.json_response(body, headers=self._headers(body))
+        return await self._events(request, body, ma.stream_events(body, a.pieces))
+
+    # ---- recording ---------------------------------------------------------------------------
 
     def _check_call(self, ep: Episode, n: int) -> None:
         if n > 1:
@@ -360,9 +412,12 @@ class Endpoint:
         ep.pending = {"step_index": ep.calls, "observation": observation, "prompt_token_ids": s.prompt_ids,
                       "response_token_ids": s.ids, "logprobs": s.logprobs, "response_text": s.text,
                       "action_text": action, "policy_version": s.version}
+        ep.pending_call = f"call-{new_id()[:24]}"
         ep.calls += 1
         ep.last_active = time.monotonic()
         self.counters["endpoint.calls.recorded"] += 1
+        if s.tokens == "diverged":
+            self.counters["endpoint.prefix_breaks"] += 1
 
     async def _flush(self, ep: Episode, next_observation: str, done: bool = False) -> None:
         if ep.pending is None:
@@ -378,20 +433,34 @@ class Endpoint:
     def _extra(self, ep: Episode | None, samples: list[Sampled]) -> dict[str, Any]:
         info: dict[str, Any] = {"policy_version": samples[0].version, "tokens": samples[0].tokens}
         if ep is not None:
-            info.update(episode_id=ep.episode_id, step_index=ep.calls - 1)
+            info.update(episode_id=ep.episode_id, step_index=ep.calls - 1, call_id=ep.pending_call)
         return {"coevo": info}
+
+    @staticmethod
+    def _headers(body: dict[str, Any]) -> dict[str, str]:
+        info = body["coevo"]
+        return {"X-Coevo-Policy-Version": str(info["policy_version"]),
+                **({"X-Coevo-Call-Id": info["call_id"]} if info.get("call_id") else {})}
 
     async def _respond(self, request: web.Request, body: dict[str, Any], pieces: list[list[str]],
                        req: oa._Request) -> web.StreamResponse:
-        headers = {"X-Coevo-Policy-Version": str(body["coevo"]["policy_version"])}
         if not req.stream:
-            return web.json_response(body, headers=headers)
-        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+            return web.json_response(body, headers=self._headers(body))
         include = bool((req.stream_options or {}).get("include_usage"))
-        for chunk in oa.stream_chunks(body, pieces, include):
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
+        chunks = [f"data: {json.dumps(c)}\n\n".encode() for c in oa.stream_chunks(body, pieces, include)]
+        return await self._stream(request, body, [*chunks, b"data: [DONE]\n\n"])
+
+    async def _events(self, request: web.Request, body: dict[str, Any], events: list[tuple[str, dict[str, Any]]]
+                      ) -> web.StreamResponse:
+        return await self._stream(request, body, [f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+                                                  for name, data in events])
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], frames: list[bytes]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**self._headers(body), "Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for frame in frames:
+            await resp.write(frame)
         await resp.write_eof()
         return resp
 
@@ -399,12 +468,20 @@ class Endpoint:
 
     async def open_episode(self, request: web.Request) -> web.Response:
         body = await self._json(request, empty_ok=True)
-        if self.book.full():
-            raise oa.ApiError(429, f"{self.book.max_open} episodes are open (policy.max_concurrent_trajectories): "
-                              "finish some first", type="rate_limit_error", code="too_many_episodes")
-        ep = await (self._own_episode(body) if "task_id" in body else self._pooled_episode(body))
+        why = behind(self.client.version, self.backlog.oldest(time.monotonic()), len(self.backlog.groups),
+                     self.cfg.learner.max_staleness, self.cfg.tasks.max_groups_in_flight)
+        if why is not None:
+            self.counters["endpoint.episodes.refused_behind"] += 1
+            raise oa.ApiError(429, f"{why}: retry later", type="rate_limit_error", code="learner_behind",
+                              retry_after=self.pc.serve_retry_after_s)
+        with self.book.reserve() as reserved:
+            if not reserved:
+                raise oa.ApiError(429, f"{self.book.max_open} episodes are open (policy.max_concurrent_trajectories): "
+                                  "finish some first", type="rate_limit_error", code="too_many_episodes",
+                                  retry_after=self.pc.serve_retry_after_s)
+            ep = await (self._own_episode(body) if "task_id" in body else self._pooled_episode(body))
         self.counters["endpoint.episodes.opened"] += 1
-        return web.json_response({**ep.describe(), **self._texts.get(ep.episode_id, {}),
+        return web.json_response({**ep.describe(), **self._texts.get(ep.episode_id, {}), "key": ep.key,
                                   "policy_version": self.client.version})
 
     async def _own_episode(self, body: dict[str, Any]) -> Episode:
@@ -433,7 +510,7 @@ class Endpoint:
         rollout = await self.pool.take(wait_s)
         if rollout is None:
             raise oa.ApiError(503, f"no task was scheduled within {wait_s:g} s: retry", type="server_error",
-                              code="no_task_available")
+                              code="no_task_available", retry_after=self.pc.serve_retry_after_s)
         info = await self.task_text(rollout.group.scheduled.task)
         ep = self.book.add(rollout.group.scheduled, rollout.index, rollout.trajectory_id, info["goal"],
                            on_end=rollout.group.ended_one)
@@ -448,6 +525,29 @@ class Endpoint:
         finally:
             await env.close()
         return {"goal": obs.text, "candidates": list(obs.candidates), "objective": obs.objective}
+
+    async def reward_step(self, request: web.Request) -> web.Response:
+        """The environment's reward for the episode's last call (before its next call or the finish;
+        ``call_id``, when given, must name that call). Rewards of one call add up."""
+        ep = self._lookup(request.match_info["episode_id"])
+        body = await self._json(request)
+        reward = body.get("reward")
+        if not isinstance(reward, int | float) or isinstance(reward, bool) or reward != reward:
+            raise oa.ApiError(400, "give a numeric \"reward\"", param="reward")
+        async with ep.lock:
+            if ep.ended:
+                raise oa.ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
+            if ep.pending is None:
+                raise oa.ApiError(409, "no call waits for a reward: reward a call before the episode's next call",
+                                  code="no_pending_call")
+            call_id = body.get("call_id")
+            if call_id is not None and call_id != ep.pending_call:
+                raise oa.ApiError(409, f"call_id {call_id!r} is not the episode's last call ({ep.pending_call}): a "
+                                  "call's reward comes before the next call", param="call_id", code="call_published")
+            ep.pending["env_reward"] = float(ep.pending.get("env_reward") or 0.0) + float(reward)
+        self.counters["endpoint.step_rewards"] += 1
+        return web.json_response({"episode_id": ep.episode_id, "step_index": ep.pending["step_index"],
+                                  "env_reward": ep.pending["env_reward"]})
 
     async def finish_episode(self, request: web.Request) -> web.Response:
         ep = self._lookup(request.match_info["episode_id"])
@@ -470,7 +570,8 @@ class Endpoint:
         return web.json_response(self._lookup(request.match_info["episode_id"]).describe())
 
     async def end(self, ep: Episode, outcome: Outcome, error: str | None, observation: str = "") -> None:
-        """Publish the last step and the trajectory (call with ``ep.lock`` held)."""
+        """Publish the last step and the trajectory (call with ``ep.lock`` held); a group whose
+        episodes all ended waits for the learner (``trained``)."""
         if ep.ended:
             return
         await self._flush(ep, observation, done=True)
@@ -478,3 +579,9 @@ class Endpoint:
         self.book.close(ep, outcome)
         self._texts.pop(ep.episode_id, None)
         self.counters[f"endpoint.episodes.{outcome}"] += 1
+        group = ep.scheduled
+        self._ends[group.group_id] += 1
+        if self._ends[group.group_id] >= group.n_rollouts:
+            del self._ends[group.group_id]
+            if group.purpose == "train":
+                self.backlog.scored(group.group_id, group.source.model_version or 0, time.monotonic())

@@ -8,15 +8,19 @@ Invariants:
   stops), and a pooled group's ``offer`` returns once each of its rollouts ended;
 - a pooled group whose offer was abandoned (the agent stopping: the group will be redelivered)
   hands out none of its remaining rollouts;
-- open episodes are bounded (``max_open``).
+- open episodes are bounded (``max_open``), also under concurrent opens (a slot is reserved before
+  an open waits for its group or rollout);
+- an episode's key finds it while it is open, never after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +38,12 @@ class Episode:
     on_end: Callable[[], None] | None = None
     step_ids: list[str] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    key: str = field(default_factory=lambda: f"ek-{secrets.token_urlsafe(24)}")
+    """the episode's own API key: a call authenticated with it belongs to this episode"""
     pending: dict[str, Any] | None = None
     """the last call's StepTaken fields, waiting for the next observation (the next call or the finish)"""
+    pending_call: str | None = None
+    """the last call's id (``coevo.call_id`` of its answer), for its reward"""
     calls: int = 0
     turn: Turn | None = None
     """chat: what the last call left, for token-in/token-out"""
@@ -136,16 +144,32 @@ class Book:
     def __init__(self, max_open: int, remember: int = 10_000) -> None:
         self.max_open = max_open
         self.episodes: dict[str, Episode] = {}
+        self.keys: dict[str, Episode] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()
         self.remember = remember
+        self.reserved = 0
 
-    def full(self) -> bool:
-        return len(self.episodes) >= self.max_open
+    @contextlib.contextmanager
+    def reserve(self) -> Iterator[bool]:
+        """A slot for an episode being opened (False: ``max_open`` are open or being opened); the
+        slot is the episode's once it is added, and free again if the open fails."""
+        if len(self.episodes) + self.reserved >= self.max_open:
+            yield False
+            return
+        self.reserved += 1
+        try:
+            yield True
+        finally:
+            self.reserved -= 1
+
+    def by_key(self, key: str) -> Episode | None:
+        return self.keys.get(key)
 
     def add(self, scheduled: TaskScheduled, index: int, trajectory_id: str, goal: str,
             on_end: Callable[[], None] | None = None) -> Episode:
         ep = Episode(f"ep-{new_id()[:20]}", scheduled, index, trajectory_id, goal, on_end)
         self.episodes[ep.episode_id] = ep
+        self.keys[ep.key] = ep
         return ep
 
     def get(self, episode_id: str) -> Episode | None:
@@ -157,6 +181,7 @@ class Book:
             return
         ep.ended = True
         self.episodes.pop(ep.episode_id, None)
+        self.keys.pop(ep.key, None)
         self.ended[ep.episode_id] = outcome
         while len(self.ended) > self.remember:
             self.ended.popitem(last=False)

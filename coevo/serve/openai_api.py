@@ -2,12 +2,16 @@
 errors, tool calls. Pure functions and models, no I/O.
 
 Accepted and honoured: ``messages`` (text parts), ``prompt`` (text or token ids), ``max_tokens`` /
-``max_completion_tokens``, ``n``, ``stream`` (+ ``stream_options.include_usage``), ``stop``,
-``logprobs`` / ``top_logprobs`` (the sampled token's log-prob; no alternatives), ``tools`` (rendered
-by the model's chat template; ``<tool_call>{json}</tool_call>`` in the output becomes ``tool_calls``),
-``tool_choice: "none"``, ``user``. Accepted and ignored: sampling knobs (``temperature``, ``top_p``,
-penalties, ``seed``): the policy samples at ``policy.temperature``, the temperature the learner
-computes log-probs at, so what is trained is what was sampled.
+``max_completion_tokens``, ``n``, ``stream`` (+ ``stream_options.include_usage``), ``stop`` (passed
+to generation, which ends there; the text is cut before it), ``logprobs`` (chat: ``true``;
+completions: ``0``: the sampled tokens' log-probs), ``tools`` (rendered by the model's chat template;
+``<tool_call>{json}</tool_call>`` in the output becomes ``tool_calls``), ``tool_choice: "auto" |
+"none"``, ``user``. Refused with a 400 naming the parameter: ``tool_choice: "required"`` or a named
+function and ``response_format`` other than text (they need constrained decoding), log-prob
+alternatives (``top_logprobs`` > 0, completions ``logprobs`` > 0). Accepted without changing
+sampling: its knobs (``temperature``, ``top_p``, penalties, ``seed``): the policy samples at
+``policy.temperature``, the temperature the learner computes log-probs at, so what is trained is
+what was sampled.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ class ApiError(Exception):
     """An error the client gets as ``{"error": {message, type, param, code}}`` with ``status``."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.retry_after = retry_after
+        """seconds, sent as ``Retry-After`` (429 and 503: the SDKs' own retries wait that long)"""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -57,6 +63,19 @@ class ChatRequest(_Request):
     tool_choice: Any = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        """Refuse what would be accepted and ignored (a 400 naming the parameter)."""
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ApiError(400, "tool_choice must be \"auto\" or \"none\": forcing a tool needs constrained decoding, "
+                           "which this policy endpoint does not offer", param="tool_choice")
+        if (self.response_format or {}).get("type", "text") != "text":
+            raise ApiError(400, "response_format: structured output needs constrained decoding, which this policy "
+                           "endpoint does not offer", param="response_format")
+        if self.top_logprobs:
+            raise ApiError(400, "top_logprobs > 0: alternatives are not returned (logprobs: true gives the sampled "
+                           "tokens' log-probs)", param="top_logprobs")
 
 
 class CompletionRequest(_Request):
@@ -64,6 +83,11 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
+
+    def check(self) -> None:
+        if self.logprobs:
+            raise ApiError(400, "logprobs > 0: alternatives are not returned (logprobs: 0 gives the sampled tokens' "
+                           "log-probs)", param="logprobs")
 
     def single(self) -> str | list[int]:
         """The one prompt of this request (a batch of prompts is refused)."""
