@@ -1,8 +1,8 @@
 """An agent that exists on its own, trained by coevo through its OpenAI-compatible policy endpoint.
 
-It knows nothing of coevo's code: it plays its own small text game (a copy of the quick game's
-idea: walk a corridor of rooms to the coin, pits lose) and asks the model for each move with the
-official ``openai`` SDK. Pointing ``OPENAI_BASE_URL`` at coevo is all it takes to train that model:
+It knows nothing of coevo's code: it plays its own small text game (``corridor.py``, next to it, a
+copy of the quick game's idea: walk a corridor of rooms to the coin, pits lose) and asks the model
+for each move with the official ``openai`` SDK. Pointing ``OPENAI_BASE_URL`` at coevo is all it takes to train that model:
 
     coevo run --family external                       # serves http://127.0.0.1:8000/v1
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 python examples/openai_agent.py
@@ -21,68 +21,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
 import time
 import urllib.error
-import urllib.request
+from pathlib import Path
 
 from openai import APIConnectionError, AsyncOpenAI
 
-DIRECTIONS = ("north", "south", "east", "west")
-ROOMS = ("hall", "kitchen", "cellar", "attic", "garden", "library", "study", "pantry")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # corridor.py lies next to this file (also under python -I)
+from corridor import Corridor, coevo_root, post
+
 SYSTEM = "You play a text adventure. Answer with the number of one action."
-
-
-class Corridor:
-    """Rooms in a row; the right exit of each leads on, a wrong one is blocked or a pit; the coin waits
-    in the last room. The same seed always builds the same corridor."""
-
-    def __init__(self, seed: int, length: int) -> None:
-        rng = random.Random(seed)
-        self.rooms = rng.sample(ROOMS, length)
-        self.exits = []
-        for _ in range(length - 1):
-            good, bad = rng.sample(DIRECTIONS, 2)
-            self.exits.append({good: "on", bad: "pit" if rng.random() < 0.5 else "blocked"})
-        self.exits.append({})
-        self.room, self.steps_left = 0, length + 2
-
-    def actions(self) -> list[str]:
-        here = [f"go {d}" for d in sorted(self.exits[self.room])]
-        return here + (["take coin"] if self.room == len(self.rooms) - 1 else [])
-
-    def describe(self) -> str:
-        coin = " a coin lies here." if self.room == len(self.rooms) - 1 else ""
-        return f"room: {self.rooms[self.room]}.{coin} steps left: {self.steps_left}."
-
-    def step(self, action: str) -> tuple[str, str | None]:
-        """Feedback, and the outcome once the game ended."""
-        self.steps_left -= 1
-        if action == "take coin" and self.room == len(self.rooms) - 1:
-            return "you take the coin.", "won"
-        where = self.exits[self.room].get(action.removeprefix("go "))
-        if where == "pit":
-            return "you fall into a pit.", "lost"
-        if where == "on":
-            self.room += 1
-            feedback = "you walk on."
-        else:
-            feedback = "the way is blocked."
-        return feedback, ("lost" if self.steps_left <= 0 else None)
-
-
-def coevo_root(base_url: str) -> str:
-    return base_url.rstrip("/").removesuffix("/v1")
-
-
-def post(url: str, body: dict, key: str) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
 
 
 async def play(client: AsyncOpenAI, root: str, key: str, seed: int, rng: random.Random) -> str:
@@ -95,8 +46,7 @@ async def play(client: AsyncOpenAI, root: str, key: str, seed: int, rng: random.
     feedback, outcome = "", None
     while outcome is None:
         actions = game.actions()
-        listing = " | ".join(f"{i} {a}" for i, a in enumerate(actions))
-        messages.append({"role": "user", "content": f"{feedback} {game.describe()} actions: {listing}".strip()})
+        messages.append({"role": "user", "content": game.observation(feedback)})
         reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3,
                                                      user=episode["episode_id"])
         text = reply.choices[0].message.content or ""

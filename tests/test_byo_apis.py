@@ -311,3 +311,28 @@ def test_a_stop_string_cut_inside_the_sampled_tokens_makes_a_prefix_break(model_
     if tok.decode(clean, skip_special_tokens=True) == shown:  # the shown text is exactly the ids: reused
         out, how = completion_prompt(tok, nxt, (prompt, ids, shown, clean))
         assert how in ("reused", "mismatch") and out[: len(ids) + len(clean)] == ids + clean
+
+
+async def test_an_agent_key_rotates_through_episodes(bus: NatsBus, loop_cfg: CoevoConfig) -> None:
+    """A closed harness keeps one key: its calls belong to that key's current episode, and
+    /coevo/v1/episodes/rotate ends that episode and opens the next."""
+    cfg = endpoint_cfg(loop_cfg)
+    async with running([PolicyAgent(bus, cfg)], f"http://127.0.0.1:{cfg.policy.serve_port}") as http:
+        agent = (await post(http, "/coevo/v1/agent-keys", {}))["agent_key"]
+        assert agent.startswith("ak-")
+        body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3}
+        async with aiohttp.ClientSession(http._base_url, headers={"x-api-key": agent}) as harness:
+            assert (await post(harness, "/v1/chat/completions", body, 409))["error"]["code"] == "no_open_episode"
+            first = await post(harness, "/coevo/v1/episodes/rotate", {"task_id": "fixed", "goal": "g"})
+            assert (await post(harness, "/v1/chat/completions", body))["coevo"]["episode_id"] == first["episode_id"]
+            await post(harness, "/coevo/v1/episodes/rotate", {"task_id": "fixed", "goal": "g"}, 400)  # its outcome?
+            second = await post(harness, "/coevo/v1/episodes/rotate", {"outcome": "won", "task_id": "fixed", "goal": "g"})
+            assert second["episode_id"] != first["episode_id"] and second["group_id"] == first["group_id"]
+            assert (await post(harness, "/v1/chat/completions", body))["coevo"]["episode_id"] == second["episode_id"]
+            await post(harness, "/coevo/v1/agent-keys", {}, 403)
+            await post(harness, f"/coevo/v1/episodes/{second['episode_id']}/finish", {"outcome": "lost"})
+            assert (await post(harness, "/v1/chat/completions", body, 409))["error"]["code"] == "no_open_episode"
+        events = await wait_events(bus, lambda ev: sum(isinstance(e, TrajectoryCompleted) for e in ev) >= 2)
+    ends = {e.trajectory_id: e for e in events if isinstance(e, TrajectoryCompleted)}
+    assert ends[first["trajectory_id"]].outcome == "won" and ends[first["trajectory_id"]].num_steps == 1
+    assert ends[second["trajectory_id"]].outcome == "lost" and ends[second["trajectory_id"]].num_steps == 1

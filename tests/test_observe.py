@@ -93,6 +93,10 @@ def a_run() -> list[Event]:
         ev(TaskScheduled, 14, task=child, slot_id="train-0", group_id="g-7", n_rollouts=4),
         ev(AgentStatus, 15, agent_id="judge-1", role="judge", state="running", uptime_s=15,
            counters={"restarts.main": 2, "judge.handled": 5}),
+        ev(AgentStatus, 15.2, agent_id="policy-1", role="policy", state="running", uptime_s=15,
+           counters={"endpoint.tokens.reused": 5, "endpoint.tokens.diverged": 1}),
+        ev(AgentStatus, 15.4, agent_id="policy-1", role="policy", state="running", uptime_s=16,
+           counters={"endpoint.tokens.reused": 7, "endpoint.tokens.diverged": 2}),
         ev(DeadLettered, 16, original_subject="coevo.r1.ev.step.taken", consumer="judge", reason="bad", raw=b"x",
            delivery_count=3),
         ev(LearnerStepped, 20, role="policy", version=2, samples=2, tokens=20, loss=0.25, kl=0.02, clip_fraction=0.0,
@@ -126,6 +130,8 @@ def test_the_aggregator_turns_events_into_every_series() -> None:
     assert values(points, "judge_errors_total")[-1] == 1 and values(points, "judge_cost_usd_total")[-1] == 0.01
     assert values(points, 'dead_letters_total{consumer="judge"}') == [1.0]
     assert values(points, 'agent_restarts_total{agent="judge-1"}') == [2.0]
+    assert values(points, 'endpoint_prompts_total{tokens="diverged"}')[-1] == 2  # prefix breaks, not 1 + 2
+    assert values(points, 'endpoint_prompts_total{tokens="reused"}')[-1] == 7
     assert values(points, 'learner_staleness_samples_total{role="policy",staleness="1"}')[-1] == 3
     assert values(points, "trajectories_per_second") and values(points, "judge_process_accuracy")
     assert {p.name for p in points} <= set(SPECS) and {s.chart for s in SPECS.values()} <= set(CHARTS)

@@ -61,6 +61,7 @@ class Aggregator:
         self.series: dict[str, Series] = {}
         self.tally = RunTally()
         self.pool, self.agents, self.trajectories = PoolView(), AgentsView(), TrajectoriesView()
+        self._endpoint_seen: dict[tuple[str, str], float] = {}
         self.run_id: str | None = None
         self.t0: float | None = None
         self.t_last = 0.0
@@ -272,6 +273,12 @@ class Aggregator:
         restarts = self.agents.status(e)
         if restarts > before:
             self._add_total("agent_restarts_total", restarts - before, (("agent", e.agent_id),))
+        for key, total in e.counters.items():  # an agent's counters are its totals since it started
+            if key.startswith("endpoint.tokens."):
+                how, seen = key.removeprefix("endpoint.tokens."), self._endpoint_seen.get((e.agent_id, key), 0)
+                if total > seen:
+                    self._add_total("endpoint_prompts_total", total - seen, (("tokens", how),))
+                self._endpoint_seen[(e.agent_id, key)] = max(seen, total)
         return []
 
     def _dead(self, e: DeadLettered, t: float) -> list[Point]:

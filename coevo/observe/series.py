@@ -73,6 +73,10 @@ SPECS: dict[str, Spec] = {
                              "consumers", "messages", labels=("consumer",)),
     "consumer_ack_pending": Spec("messages delivered to a durable consumer and not acknowledged yet",
                                  "consumers", "messages", labels=("consumer",)),
+    "endpoint_prompts_total": Spec("prompts the policy endpoint built, by how: fresh, reused or mismatch (the "
+                                   "sampled tokens kept), diverged (a prefix break: the conversation did not extend "
+                                   "the tokens sampled, so it was tokenised afresh), tokens (ids given)", "endpoint",
+                                   "calls", counter=True, labels=("tokens",)),
     "agent_restarts_total": Spec("crashed tasks an agent restarted (its supervision)", "restarts", "restarts",
                                  counter=True, labels=("agent",)),
 }
@@ -99,6 +103,7 @@ CHARTS: dict[str, tuple[str, str]] = {
     "dead_letters": ("Dead letters per consumer", "messages"),
     "consumers": ("Consumer pending / ack pending", "messages"),
     "restarts": ("Agent restarts", "restarts"),
+    "endpoint": ("Policy endpoint prompts (diverged: prefix breaks)", "calls"),
 }
 """Dashboard and report charts: id -> (title, y axis). Every ``Spec.chart`` is a key here."""
 

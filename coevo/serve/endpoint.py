@@ -9,7 +9,9 @@ agent's own task; the answer carries the episode's own ``key``), ``POST
 episode's last call), ``POST /coevo/v1/episodes/{id}/finish`` (``{"outcome"}`` or ``{"reward"}``,
 optionally the final ``"observation"``), ``GET /coevo/v1/episodes/{id}``. A call belongs to an
 episode when it is authenticated with the episode's key, or names the episode as the OpenAI
-``user`` field (Anthropic ``metadata.user_id``) or in the header ``X-Coevo-Episode``; calls outside
+``user`` field (Anthropic ``metadata.user_id``) or in the header ``X-Coevo-Episode``, or carries an
+agent key (``POST /coevo/v1/agent-keys``: for agents whose key is fixed; its calls belong to the
+key's current episode, and ``POST /coevo/v1/episodes/rotate`` ends that one and opens the next); calls outside
 episodes are served (at most ``policy.serve_max_unrecorded`` at once) and not recorded.
 
 Invariants:
@@ -61,7 +63,9 @@ from coevo.serve.sampler import Answer, ChatCall, Sampled, Sampler
 _IDENT = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 OUTCOMES = ("won", "lost", "truncated", "aborted")
 BOUND: web.RequestKey[Any] = web.RequestKey("coevo_episode", object)
-"""the episode a request's key binds it to (None: the run's key)"""
+"""the episode a request's key binds it to (None: the run's key, or an agent key between episodes)"""
+AGENT: web.RequestKey[Any] = web.RequestKey("coevo_agent_key", object)
+"""the agent key a request carries (None: another key)"""
 MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models")
 
 
@@ -179,6 +183,8 @@ class Endpoint:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/coevo/v1/episodes", self.open_episode)
+        app.router.add_post("/coevo/v1/agent-keys", self.agent_key)
+        app.router.add_post("/coevo/v1/episodes/rotate", self.rotate)
         app.router.add_post("/coevo/v1/episodes/{episode_id}/reward", self.reward_step)
         app.router.add_post("/coevo/v1/episodes/{episode_id}/finish", self.finish_episode)
         app.router.add_get("/coevo/v1/episodes/{episode_id}", self.get_episode)
@@ -188,7 +194,7 @@ class Endpoint:
     async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:
         try:
-            request[BOUND] = self._authorize(request)
+            request[BOUND], request[AGENT] = self._authorize(request)
             return await handler(request)
         except oa.ApiError as exc:
             return self._error(request, exc)
@@ -210,28 +216,36 @@ class Endpoint:
         headers = {"Retry-After": f"{exc.retry_after:g}"} if exc.retry_after is not None else None
         return web.json_response(body, status=exc.status, headers=headers)
 
-    def _authorize(self, request: web.Request) -> Episode | None:
-        """The episode an episode key binds the request to; None for the run's key (or none needed)."""
+    def _authorize(self, request: web.Request) -> tuple[Episode | None, str | None]:
+        """(the episode the request's key binds it to, the agent key it carries); (None, None) for
+        the run's key, or when none is needed."""
         auth = request.headers.get("Authorization", "")
         given = auth.removeprefix("Bearer ").strip() if auth else request.headers.get("x-api-key", "").strip()
+        if given in self.book.agents:
+            ep = self.book.get(self.book.agents[given] or "")
+            self._bound_route(request, ep, agent=True)
+            return ep, given
         ep = self.book.by_key(given) if given else None
         if ep is not None:
             self._bound_route(request, ep)
-            return ep
+            return ep, None
         if self.key is not None and not hmac.compare_digest(given.encode(), self.key.encode()):
             raise oa.ApiError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY); an "
                               "episode's key stops working when the episode ends", type="authentication_error",
                               code="invalid_api_key")
-        return None
+        return None, None
 
     @staticmethod
-    def _bound_route(request: web.Request, ep: Episode) -> None:
-        """An episode key may call the model and act on its own episode, nothing else."""
+    def _bound_route(request: web.Request, ep: Episode | None, agent: bool = False) -> None:
+        """An episode key may call the model and act on its own episode; an agent key also rotates."""
         own = request.match_info.get("episode_id")
-        if request.path in MODEL_ROUTES or (own == ep.episode_id and request.path != "/coevo/v1/episodes"):
+        if request.path in MODEL_ROUTES or (agent and request.path == "/coevo/v1/episodes/rotate"):
             return
-        raise oa.ApiError(403, f"the key of episode {ep.episode_id} acts only on that episode",
-                          type="permission_error", code="episode_key_scope")
+        if ep is not None and own == ep.episode_id:
+            return
+        who = "an agent key" if agent else f"the key of episode {ep.episode_id if ep else '?'}"
+        raise oa.ApiError(403, f"{who} acts only on its own episode", type="permission_error",
+                          code="episode_key_scope")
 
     @staticmethod
     async def _json(request: web.Request, *, empty_ok: bool = False) -> dict[str, Any]:
@@ -257,6 +271,9 @@ class Endpoint:
         header = request.headers.get("X-Coevo-Episode")
         named = header or (user if user and user.startswith("ep-") else None)
         bound: Episode | None = request.get(BOUND)
+        if bound is None and request.get(AGENT) is not None:
+            raise oa.ApiError(409, "this agent key has no open episode: POST /coevo/v1/episodes/rotate opens its next",
+                              code="no_open_episode")
         if bound is not None:
             if named is not None and named != bound.episode_id:
                 raise oa.ApiError(403, f"the key of episode {bound.episode_id} cannot call for episode {named}",
@@ -467,7 +484,11 @@ class Endpoint:
     # ---- episodes ----------------------------------------------------------------------------
 
     async def open_episode(self, request: web.Request) -> web.Response:
-        body = await self._json(request, empty_ok=True)
+        ep = await self._open(await self._json(request, empty_ok=True))
+        return self._opened(ep)
+
+    async def _open(self, body: dict[str, Any]) -> Episode:
+        """A new episode (``{"task_id", "goal"}``: of the agent's own task; else the pool's next)."""
         why = behind(self.client.version, self.backlog.oldest(time.monotonic()), len(self.backlog.groups),
                      self.cfg.learner.max_staleness, self.cfg.tasks.max_groups_in_flight)
         if why is not None:
@@ -481,8 +502,38 @@ class Endpoint:
                                   retry_after=self.pc.serve_retry_after_s)
             ep = await (self._own_episode(body) if "task_id" in body else self._pooled_episode(body))
         self.counters["endpoint.episodes.opened"] += 1
+        return ep
+
+    def _opened(self, ep: Episode) -> web.Response:
         return web.json_response({**ep.describe(), **self._texts.get(ep.episode_id, {}), "key": ep.key,
                                   "policy_version": self.client.version})
+
+    async def agent_key(self, request: web.Request) -> web.Response:
+        """A long-lived key for an agent whose key is fixed (a closed harness): its calls belong to
+        the key's current episode; ``/coevo/v1/episodes/rotate`` ends that and opens the next."""
+        if request.get(BOUND) is not None or request.get(AGENT) is not None:
+            raise oa.ApiError(403, "agent keys are made with the run's key", type="permission_error",
+                              code="episode_key_scope")
+        key = self.book.new_agent()
+        return web.json_response({"agent_key": key})
+
+    async def rotate(self, request: web.Request) -> web.Response:
+        """An agent key's next episode: its current one (if open) ends with the body's ``outcome`` /
+        ``reward``; the rest of the body opens the next, as ``POST /coevo/v1/episodes`` does."""
+        agent = request.get(AGENT)
+        if agent is None:
+            raise oa.ApiError(403, "rotate needs an agent key (POST /coevo/v1/agent-keys)", type="permission_error",
+                              code="episode_key_scope")
+        body = await self._json(request, empty_ok=True)
+        current: Episode | None = request.get(BOUND)
+        if current is not None:
+            outcome, error, observation = self._outcome(body)
+            async with current.lock:
+                await self.end(current, outcome, error, observation)
+        rest = {k: v for k, v in body.items() if k not in ("outcome", "reward", "error", "observation")}
+        ep = await self._open(rest)
+        self.book.agents[agent] = ep.episode_id
+        return self._opened(ep)
 
     async def _own_episode(self, body: dict[str, Any]) -> Episode:
         task_id, goal = body.get("task_id"), body.get("goal", "")
@@ -549,20 +600,23 @@ class Endpoint:
         return web.json_response({"episode_id": ep.episode_id, "step_index": ep.pending["step_index"],
                                   "env_reward": ep.pending["env_reward"]})
 
-    async def finish_episode(self, request: web.Request) -> web.Response:
-        ep = self._lookup(request.match_info["episode_id"])
-        body = await self._json(request, empty_ok=True)
+    def _outcome(self, body: dict[str, Any]) -> tuple[Outcome, str | None, str]:
+        """(outcome, error, final observation) of a finish: ``{"outcome"}`` or a numeric ``{"reward"}``."""
         outcome = body.get("outcome")
         if outcome is None and isinstance(body.get("reward"), int | float):
             outcome = "won" if float(body["reward"]) > self.cfg.env.win_threshold else "lost"
         if outcome not in OUTCOMES:
             raise oa.ApiError(400, f"give \"outcome\" (one of {', '.join(OUTCOMES)}) or a numeric \"reward\"",
                               param="outcome")
-        observation = body.get("observation", "")
+        return outcome, body.get("error") if outcome == "aborted" else None, str(body.get("observation", ""))
+
+    async def finish_episode(self, request: web.Request) -> web.Response:
+        ep = self._lookup(request.match_info["episode_id"])
+        outcome, error, observation = self._outcome(await self._json(request, empty_ok=True))
         async with ep.lock:
             if ep.ended:  # finished concurrently
                 raise oa.ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
-            await self.end(ep, outcome, body.get("error") if outcome == "aborted" else None, str(observation))
+            await self.end(ep, outcome, error, observation)
         return web.json_response({"episode_id": ep.episode_id, "trajectory_id": ep.trajectory_id, "outcome": outcome,
                                   "steps": len(ep.step_ids)})
 

@@ -145,6 +145,8 @@ class Book:
         self.max_open = max_open
         self.episodes: dict[str, Episode] = {}
         self.keys: dict[str, Episode] = {}
+        self.agents: dict[str, str | None] = {}
+        """agent key -> the id of its current episode (None before its first)"""
         self.ended: OrderedDict[str, str] = OrderedDict()
         self.remember = remember
         self.reserved = 0
@@ -164,6 +166,11 @@ class Book:
 
     def by_key(self, key: str) -> Episode | None:
         return self.keys.get(key)
+
+    def new_agent(self) -> str:
+        key = f"ak-{secrets.token_urlsafe(24)}"
+        self.agents[key] = None
+        return key
 
     def add(self, scheduled: TaskScheduled, index: int, trajectory_id: str, goal: str,
             on_end: Callable[[], None] | None = None) -> Episode:
