@@ -64,6 +64,29 @@ async def test_generation_returns_token_ids_and_sampling_logprobs(vllm_server) -
         assert all(lp <= 0 for lp in g.logprobs)
 
 
+async def test_a_stop_string_ends_generation_on_the_server(vllm_server) -> None:
+    """``stop`` reaches vLLM: greedy generation with the text of two of its own tokens as a stop
+    string ends at the first token whose text completes it, those tokens and their log-probs come back
+    as sampled, and the text keeps the stop string for the caller to cut (``include_stop_str_in_output``).
+    More stop strings than vLLM takes are not an error (the client sends its first 4)."""
+    url, model = vllm_server
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+        free = await client.complete(PROMPT, max_tokens=16, temperature=0.0)
+        ids = free.response_token_ids
+        assert len(ids) == 16 and free.finish_reason == "length"
+
+        def text(xs: list[int]) -> str:
+            return client.tokenizer.decode(xs, skip_special_tokens=True)
+
+        stop = text(ids[4:6])
+        assert stop.strip(), ids
+        k = next(k for k in range(1, 17) if stop in text(ids[:k]))  # where it first completes: 6 at the latest
+        cut = await client.complete(PROMPT, max_tokens=16, temperature=0.0, stop=[stop, *"\x00\x01\x02\x03\x04"])
+        assert cut.finish_reason == "stop"
+        assert cut.response_token_ids == ids[:k] and len(cut.logprobs) == k
+        assert cut.text.endswith(stop) and stop not in cut.text[:-1]
+
+
 async def test_learner_update_is_pushed_and_outputs_change(vllm_server, tmp_path: Path) -> None:
     url, model = vllm_server
     async with VLLMClient(url, str(model), tokenizer_dir=model) as client:

@@ -86,7 +86,8 @@ class InferenceClient(Protocol):
                        prompt_ids: list[int] | None = None, stop: list[str] | None = None) -> Completion: ...
     # prompt_ids (token-in): sample after exactly these tokens; ``prompt`` is then only a label;
     # stop: generation ends once the text holds one of these (the tokens so far are returned, the
-    # stop string's included: cutting the text is the caller's)
+    # stop string's included: cutting the text is the caller's, and a client may end at fewer stop
+    # strings than given, vLLM's 4 first, so the caller cuts at every one of them)
 
     async def aclose(self) -> None: ...
 

@@ -41,6 +41,9 @@ class VLLMError(CoevoError):
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 """Environment of the vLLM servers coevo starts: the RL routes (pause, reload, weight transfer, adapters) on."""
 
+MAX_STOPS = 4
+"""the stop strings vLLM's completions API takes (it refuses more with a 400)"""
+
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """the values vLLM accepts for ``--max-lora-rank``"""
 
@@ -179,8 +182,8 @@ class VLLMClient:
         body: dict[str, Any] = {"model": self.served, "prompt": prompt_ids, "max_tokens": max_tokens,
                                 **request_fields(self.sampling, temperature), "logprobs": 1,
                                 "return_token_ids": True}
-        if stop:
-            body.update(stop=list(stop), include_stop_str_in_output=True)
+        if stop:  # vLLM takes at most 4 (a 400 beyond): the caller cuts at every stop string anyway
+            body.update(stop=list(stop)[:MAX_STOPS], include_stop_str_in_output=True)
         allowed = None
         if choices:
             allowed = self.choice_token_ids(choices)
