@@ -120,30 +120,33 @@ class AgentConfig(Section):
                                     "count against agent.max_restarts (rare transient crashes never add up)")
 
 
-BUILTIN_FAMILIES = ("quickgame", "quickgame-hard", "textworld", "coding")
 FAMILY_ENTRY_POINTS = "coevo.families"
-"""The entry-point group through which installed packages add task families (``coevo.envs.make_family``)."""
+"""The entry-point group of every task family, coevo's own included (``coevo.envs.make_family``)."""
 _GYM_SPEC = re.compile(r"^gym:[A-Za-z_][\w.]*:[A-Za-z_][\w.\-]*$")
 
 
-def plugin_families() -> list[str]:
-    """Names of the families installed packages register under ``coevo.families`` (metadata only)."""
+def registered_families() -> list[str]:
+    """Names of the families registered under ``coevo.families`` (metadata only): coevo's own
+    (quickgame, quickgame-hard, textworld, coding) and installed plugins'."""
     from importlib.metadata import entry_points
 
     return sorted({ep.name for ep in entry_points(group=FAMILY_ENTRY_POINTS)})
 
 
 def family_problem(name: str, *, external: bool = True) -> str | None:
-    """Why ``name`` is not a family coevo can build (None when it is): a built-in, ``external``, a
-    ``gym:<module>:<EnvClass or id>`` spec, or a plugin registered under ``coevo.families``."""
-    if name in BUILTIN_FAMILIES or (external and name == "external") or _GYM_SPEC.match(name):
+    """Why ``name`` is not a family coevo can build (None when it is): ``external``, a
+    ``gym:<module>:<EnvClass or id>`` spec, or a family registered under ``coevo.families``."""
+    if (external and name == "external") or _GYM_SPEC.match(name):
         return None
     if name.startswith("gym:"):
         return f"{name!r} is not gym:<module>:<EnvClass or registered id> (no '/' and no spaces)"
-    plugins = plugin_families()
-    if name in plugins:
+    registered = registered_families()
+    if name in registered:
         return None
-    known = [*BUILTIN_FAMILIES, *(["external"] if external else []), "gym:<module>:<EnvClass or id>", *plugins]
+    if "quickgame" not in registered:
+        return f"unknown family {name!r}: no family is registered, not even coevo's own (they are entry points " \
+               f"of the group {FAMILY_ENTRY_POINTS!r}, registered when coevo is installed: pip install -e .)"
+    known = [*registered, *(["external"] if external else []), "gym:<module>:<EnvClass or id>"]
     return f"unknown family {name!r} (known: {', '.join(known)}; plugins register under the entry-point " \
            f"group {FAMILY_ENTRY_POINTS!r})"
 

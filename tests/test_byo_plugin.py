@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from coevo.config import load_config, plugin_families
+from coevo.config import load_config, registered_families
 from coevo.envs import make_family
 from coevo.errors import ConfigError
 from coevo.schemas import Event
@@ -32,12 +32,30 @@ def test_a_family_is_found_through_its_entry_point(plugin_on_path: Path) -> None
     from importlib.metadata import distribution
 
     assert distribution("coevo-demo-family").version == "0.1.0"  # a real distribution, not a patch
-    assert {"demo-counter", "demo-broken"} <= set(plugin_families())
+    assert {"demo-counter", "demo-broken"} <= set(registered_families())
     cfg = load_config(overrides={"env.family": "demo-counter"})
     family = make_family(cfg.env)
     assert family.name == "demo-counter" and [k.name for k in family.knobs] == ["target", "hints"]
     tasks = family.initial_tasks(2, 1, 0)
     assert [t.split for t in tasks] == ["train", "train", "heldout"] and all(t.family == "demo-counter" for t in tasks)
+
+
+def test_coevo_s_own_families_are_entry_points_like_a_plugin_s(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib.metadata import distribution
+
+    own = {ep.name: ep.value for ep in distribution("coevo").entry_points if ep.group == "coevo.families"}
+    assert set(own) == {"quickgame", "quickgame-hard", "textworld", "coding"}
+    for name in own:
+        assert make_family(load_config(overrides={"env.family": name}).env).name == name
+    # a second distribution registering one of those names: refused, naming both, not a silent pick
+    info = tmp_path / "coevo_twin-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: coevo-twin\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[coevo.families]\ncoding = coevo.envs.quickgame:QuickGame\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="registered twice.*coevo.envs.coding:family.*coevo.envs.quickgame:QuickGame"):
+        make_family(load_config(overrides={"env.family": "coding"}).env)
 
 
 async def test_a_plugin_family_plays_rewrites_and_prechecks(plugin_on_path: Path) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from coevo.config import BUILTIN_FAMILIES, CoevoConfig, EnvConfig, PolicyConfig, load_config
+from coevo.config import CoevoConfig, EnvConfig, PolicyConfig, load_config, registered_families
 from coevo.observe.progress import progress_bar, tracked
 from coevo.schemas import TaskSpec
 
@@ -288,7 +288,7 @@ def family_of(family: str, preset: str) -> str:
         raise ValueError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
     if preset == "default":
         return family
-    if f"{family}-{preset}" not in BUILTIN_FAMILIES:
+    if f"{family}-{preset}" not in registered_families():
         raise ValueError(f"family {family!r} has no {preset} preset (the quick game has: quickgame-hard)")
     return f"{family}-{preset}"
 

@@ -23,7 +23,7 @@ import json
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coevo.envs import referee
 from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult
@@ -31,6 +31,9 @@ from coevo.envs.constraints import violations
 from coevo.envs.isolation import ISOLATIONS, Isolation, warn_unisolated
 from coevo.envs.sandbox import SandboxLimits, SandboxResult, run_python
 from coevo.schemas import TaskSpec
+
+if TYPE_CHECKING:
+    from coevo.config import EnvConfig
 
 # constraint → the rule stated in the prompt; judged by ``coevo.envs.constraints.violations``
 CONSTRAINTS: dict[str, str] = {
@@ -260,3 +263,8 @@ class Coding(Family):
 
 def _slug(pid: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in pid)
+
+
+def family(cfg: EnvConfig) -> Coding:
+    """The ``coding`` entry point of ``coevo.families``: ``env.jsonl`` (or HumanEval) under ``env.sandbox``."""
+    return Coding(cfg.jsonl, sandbox=cfg.sandbox)

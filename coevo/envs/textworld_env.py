@@ -20,7 +20,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from coevo.envs.base import (
     EnvError,
@@ -33,6 +33,9 @@ from coevo.envs.base import (
     spec_hash,
 )
 from coevo.schemas import TaskSpec
+
+if TYPE_CHECKING:
+    from coevo.config import EnvConfig
 
 # TextWorld's own games are not in jericho's list of known games; the warning says nothing useful.
 warnings.filterwarnings("ignore", message=r".*is not fully supported\. Score, move, change detection")
@@ -239,3 +242,8 @@ class TextWorldEnv(Environment):
         if self._env is not None:
             env, self._env = self._env, None
             await _tw(env.close)
+
+
+def family(cfg: EnvConfig) -> TextWorld:
+    """The ``textworld`` entry point of ``coevo.families``: games compiled into ``env.cache_dir``."""
+    return TextWorld(cfg.cache_dir)
