@@ -1,8 +1,36 @@
-"""coevo's exception hierarchy, in one place.
+"""coevo's exceptions, every one of them, in one place (the sandbox harness's ``NotPlainData`` excepted:
+``envs/harness.py`` runs inside the sandbox with only the standard library).
 
-Handler outcomes map to acknowledgements explicitly: returning normally acks; ``Retry`` naks with
-a delay; ``Reject`` terminates the message and dead-letters it with the reason; any other
-exception is a crash: nak with backoff, counted, dead-lettered after ``bus.max_deliver`` tries.
+    CoevoError                      every error coevo raises on purpose
+    ├── ConfigError                 .field: the dotted name of the bad config value
+    ├── BusError                    the message bus failed
+    │   ├── NoResponders            a request found nobody serving its subject
+    │   ├── PayloadUnavailable      a claimed object cannot be read now (read again on a later delivery)
+    │   ├── ClaimError              (also a ValueError) a claim that does not lead to its bytes
+    │   └── PublishError            .subject, .event_id
+    ├── ServerError                 the embedded nats-server could not start or stopped
+    ├── InjectedFault               a failure injected at a fault point (COEVO_FAULTS)
+    ├── HandlerOutcome              raised by a handler to choose its message's acknowledgement
+    │   ├── Retry                   .delay_s: nak, redeliver after it
+    │   └── Reject                  terminate and dead-letter with the reason
+    ├── AgentFailed                 .agent_id, .restarts: an agent exceeded its restart budget
+    ├── EnvError                    an environment used wrongly or unable to go on
+    │   ├── EnvTimeout              .worker_id: an environment worker did not answer in time
+    │   ├── SandboxUnavailable      the configured isolation cannot run on this host
+    │   ├── ChannelClosed           the sandboxed process closed its channel
+    │   └── BadFrame                (also a ValueError) the sandboxed process sent a malformed frame
+    ├── InferenceError              a model server or API did not answer as asked
+    │   ├── VLLMError               .status, .param: the HTTP answer (None: no answer at all)
+    │   └── ExternalCallFailed      .model: a LiteLLM call failed after its retries and fallbacks
+    │       └── OverBudget          api.max_usd is spent: no further call is made
+    ├── LoadFailed                  a weights version was not loaded (the server serves the one before)
+    ├── ApiError                    .status, .type, .code, .param, .retry_after: the policy endpoint's answer
+    └── HostsUnavailable            network namespaces cannot be made here (bench hosts)
+
+Callers branch on types and on the attributes after the dots, never on messages. Handler outcomes
+map to acknowledgements explicitly: returning normally acks; ``Retry`` naks with a delay; ``Reject``
+terminates the message and dead-letters it with the reason; any other exception is a crash: nak
+with backoff, counted, dead-lettered after ``bus.max_deliver`` tries.
 """
 
 from __future__ import annotations
@@ -46,6 +74,10 @@ class PayloadUnavailable(BusError):
     is intact and will be read on a later delivery (not an invalid message: never dead-lettered as one)."""
 
 
+class ClaimError(BusError, ValueError):
+    """A claim that does not lead to its bytes (missing object, digest mismatch, malformed claim)."""
+
+
 class PublishError(BusError):
     def __init__(self, subject: str, event_id: str, reason: str) -> None:
         super().__init__(f"publish of {event_id} on {subject} failed: {reason}")
@@ -84,3 +116,71 @@ class AgentFailed(CoevoError):
         super().__init__(f"agent {agent_id} failed after {restarts} restarts: {cause!r}")
         self.agent_id = agent_id
         self.restarts = restarts
+
+
+class EnvError(CoevoError):
+    """The environment was used wrongly (e.g. a step after the episode ended), or cannot go on."""
+
+
+class EnvTimeout(EnvError):
+    def __init__(self, worker_id: str, timeout_s: float) -> None:
+        super().__init__(f"environment worker {worker_id} did not answer a step within {timeout_s}s")
+        self.worker_id = worker_id
+
+
+class SandboxUnavailable(EnvError):
+    """The configured isolation cannot run on this host (e.g. bubblewrap is missing)."""
+
+
+class ChannelClosed(EnvError):
+    """The sandboxed process closed its channel (it exited, or was killed)."""
+
+
+class BadFrame(EnvError, ValueError):
+    """The sandboxed process sent something that is not a well-formed frame."""
+
+
+class InferenceError(CoevoError):
+    """A model server or API did not answer as asked."""
+
+
+class VLLMError(InferenceError):
+    """A vLLM server refused a request (``status``: its HTTP status; ``param``: the request field it
+    named) or did not answer (``status`` None)."""
+
+    def __init__(self, message: str, *, status: int | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+class ExternalCallFailed(InferenceError):
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(f"{model}: {reason}")
+        self.model = model
+
+
+class OverBudget(ExternalCallFailed):
+    """``api.max_usd`` has been spent: no further call is made (the judge publishes ``BudgetExceeded``)."""
+
+
+class LoadFailed(CoevoError):
+    """The version was not loaded; the server serves what it served before."""
+
+
+class ApiError(CoevoError):
+    """An error the policy endpoint's client gets as ``{"error": {message, type, param, code}}`` with
+    ``status`` (``code``: what a client branches on, e.g. ``learner_behind``)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.retry_after = retry_after
+        """seconds, sent as ``Retry-After`` (429 and 503: the SDKs' own retries wait that long)"""
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class HostsUnavailable(CoevoError):
+    """Network namespaces cannot be made here (not root, no ``ip``)."""

@@ -15,13 +15,13 @@ import pytest
 
 from coevo.agents.policy import PolicyAgent
 from coevo.config import CoevoConfig
+from coevo.errors import ApiError
 from coevo.inference.chat import ChatTokens, Turn, completion_prompt, normalize
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import LearnerStepped, StepTaken, TrajectoryCompleted
 from coevo.schemas.base import Source
 from coevo.serve import messages_api as ma
 from coevo.serve import responses_api as ra
-from coevo.serve.openai_api import ApiError
 from tests.test_byo_endpoint import endpoint_cfg, need, post, running, wait_events
 
 STOPS = list(string.ascii_letters + string.digits + string.punctuation + " ")

@@ -19,7 +19,7 @@ import pytest
 from coevo.agents.policy import PolicyAgent
 from coevo.agents.scorer import ScorerAgent
 from coevo.config import CoevoConfig, load_config
-from coevo.errors import ConfigError
+from coevo.errors import ApiError, ConfigError
 from coevo.runtime.agent import Agent, run_agents
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import GroupScored, StepTaken, TaskScheduled, TrajectoryCompleted
@@ -304,7 +304,7 @@ def test_tool_calls_stops_and_prompts_in_the_wire_format() -> None:
     assert oa.cut_at_stop(decode, [0, 1, 2, 3], ["."]) == (3, "go north")
     assert oa.cut_at_stop(decode, [0, 1], ["."]) == (2, None)
     assert oa.CompletionRequest(prompt=[[1, 2, 3]]).single() == [1, 2, 3]
-    with pytest.raises(oa.ApiError, match="one prompt per request"):
+    with pytest.raises(ApiError, match="one prompt per request"):
         oa.CompletionRequest(prompt=["a", "b"]).single()
     body = oa.envelope("chat.completion", "m", [oa.chat_choice(0, "", calls, "tool_calls", None)], oa.usage(3, 2), {})
     chunks = oa.stream_chunks(body, [[]], include_usage=True)

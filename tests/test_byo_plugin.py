@@ -54,7 +54,7 @@ def test_coevo_s_own_families_are_entry_points_like_a_plugin_s(tmp_path: Path,
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: coevo-twin\nVersion: 0.1.0\n")
     (info / "entry_points.txt").write_text("[coevo.families]\ncoding = coevo.envs.quickgame:QuickGame\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ValueError, match="registered twice.*coevo.envs.coding:family.*coevo.envs.quickgame:QuickGame"):
+    with pytest.raises(ValueError, match=r"registered twice.*coevo.envs.coding:family.*coevo.envs.quickgame:QuickGame"):
         make_family(load_config(overrides={"env.family": "coding"}).env)
 
 

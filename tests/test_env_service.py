@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from coevo.envs.base import EnvError
 from coevo.envs.quickgame import QuickGame
-from coevo.envs.service import EnvTimeout, RemoteEnv
+from coevo.envs.service import RemoteEnv
+from coevo.errors import EnvError, EnvTimeout
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import TaskSpec
 from tests.conftest import PYTHON, subprocess_env

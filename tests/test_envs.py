@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from coevo.envs.base import EnvError
 from coevo.envs.coding import Coding, humaneval_problems
 from coevo.envs.quickgame import QuickGame, build_world
 from coevo.envs.textworld_env import TextWorld
+from coevo.errors import EnvError
 from coevo.schemas import TaskSpec
 
 

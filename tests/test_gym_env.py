@@ -11,8 +11,7 @@ import pytest
 
 from coevo.config import load_config
 from coevo.envs import make_family
-from coevo.envs.base import EnvError
-from coevo.errors import ConfigError
+from coevo.errors import ConfigError, EnvError
 
 if importlib.util.find_spec("gymnasium") is None:
     if os.environ.get("CI"):

@@ -15,7 +15,8 @@ from coevo.agents.scorer import Group, score_group
 from coevo.algorithm.rewriter import LLMRewriter
 from coevo.config import ApiConfig, CoevoConfig, load_config
 from coevo.envs.quickgame import QuickGame
-from coevo.inference.litellm_client import BudgetExceeded, ExternalCallFailed, LiteLLMClient
+from coevo.errors import ExternalCallFailed, OverBudget
+from coevo.inference.litellm_client import LiteLLMClient
 from coevo.runtime.agent import run_agents
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import (
@@ -173,7 +174,7 @@ async def test_max_usd_stops_calls(bus: NatsBus, cfg: CoevoConfig) -> None:
     client = LiteLLMClient(MODEL, api(mock_response=r"\boxed{1}", max_usd=1e-6))
     await client.complete("one")
     assert client.spent_usd > 1e-6
-    with pytest.raises(BudgetExceeded, match="max_usd"):
+    with pytest.raises(OverBudget, match="max_usd"):
         await client.complete("two")
     jcfg = judge_cfg(cfg, mock_response=r"\boxed{1}", max_usd=1e-6, cache=False, max_concurrency=1)
     _, judged = await judge_steps(bus, jcfg, [step(bus.run_id, i) for i in range(3)])

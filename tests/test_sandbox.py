@@ -18,7 +18,7 @@ import pytest
 from coevo.config import load_config
 from coevo.envs import isolation
 from coevo.envs.harness import NotPlainData, decode, encode, pack, unpack
-from coevo.envs.isolation import HostLayout, SandboxUnavailable, bwrap_argv, harness_command
+from coevo.envs.isolation import HostLayout, bwrap_argv, harness_command
 from coevo.envs.referee import run_tests
 from coevo.envs.sandbox import SandboxLimits, bwrap_returncode, classify, run_python
 from coevo.envs.seccomp import ARCHES, filter_for
@@ -32,7 +32,7 @@ from coevo.envs.verdict import (
     parse_reply,
     plan_test,
 )
-from coevo.errors import ConfigError
+from coevo.errors import ConfigError, SandboxUnavailable
 
 LIMITS = SandboxLimits(wall_s=4, cpu_s=2, memory_mb=256, file_mb=1)
 BOTH = pytest.mark.parametrize("isolation", ["bwrap", "process"])

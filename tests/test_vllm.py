@@ -10,8 +10,9 @@ import torch
 
 from coevo.algorithm.prompts import INDEX_LABELS, policy_prompt
 from coevo.config import LearnerConfig, PushSync, load_config
+from coevo.errors import VLLMError
 from coevo.inference.engine import LocalEngine
-from coevo.inference.vllm_client import VLLMClient, VLLMError
+from coevo.inference.vllm_client import VLLMClient
 from coevo.schemas import (
     LearnerStepped,
     TrainingSample,
@@ -85,6 +86,14 @@ async def test_a_stop_string_ends_generation_on_the_server(vllm_server) -> None:
         assert cut.finish_reason == "stop"
         assert cut.response_token_ids == ids[:k] and len(cut.logprobs) == k
         assert cut.text.endswith(stop) and stop not in cut.text[:-1]
+
+
+async def test_a_model_the_server_does_not_serve_is_a_404_naming_the_model(vllm_server) -> None:
+    url, model = vllm_server
+    async with VLLMClient(url, "not-served", tokenizer_dir=model) as client:
+        with pytest.raises(VLLMError, match="does not exist") as caught:
+            await client.complete(PROMPT, max_tokens=2)
+    assert caught.value.status == 404 and caught.value.param == "model"  # what parity.check branches on
 
 
 async def test_learner_update_is_pushed_and_outputs_change(vllm_server, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from coevo.algorithm.prompts import VERDICT_LABELS, judge_prompt, parse_vote
 from coevo.config import JudgeConfig
+from coevo.errors import OverBudget
 from coevo.inference.clients import make_client
 from coevo.inference.engine import CachesCalls, Completion, Metered
 from coevo.runtime.agent import Agent
@@ -71,8 +72,6 @@ class JudgeAgent(Agent):
             await super().run()
 
     async def vote(self, prompt: str, index: int) -> Vote:
-        from coevo.inference.litellm_client import BudgetExceeded as OverBudget
-
         cfg = self.cfg.judge
         external = cfg.backend == "litellm"
         try:

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from coevo.algorithm.prompts import INDEX_LABELS, parse_action, policy_prompt
 from coevo.envs import make_family
-from coevo.envs.base import EnvError, Environment, Observation
+from coevo.envs.base import Environment, Observation
+from coevo.errors import EnvError
 from coevo.inference.chat import ChatTokens, Conversation
 from coevo.inference.clients import make_client
 from coevo.inference.engine import Completion

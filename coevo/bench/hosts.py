@@ -20,15 +20,11 @@ import shutil
 import subprocess
 from types import TracebackType
 
-from coevo.errors import CoevoError
+from coevo.errors import HostsUnavailable
 
 NET = "198.18.0"
 """the test network's first three octets (RFC 2544 benchmarking range)"""
 GATEWAY = f"{NET}.254"
-
-
-class HostsUnavailable(CoevoError):
-    """Network namespaces cannot be made here (not root, no ``ip``)."""
 
 
 def _ip(*args: str) -> None:

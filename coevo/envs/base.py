@@ -16,13 +16,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from coevo.errors import CoevoError
+from coevo.errors import EnvError
 from coevo.schemas import TaskSpec
 from coevo.schemas.events import Direction, Outcome
-
-
-class EnvError(CoevoError):
-    """The environment was used wrongly (e.g. a step after the episode ended)."""
 
 
 @dataclass(frozen=True)

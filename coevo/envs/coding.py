@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coevo.envs import referee
-from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult
+from coevo.envs.base import Environment, Family, Knob, Observation, PrecheckResult, StepResult
 from coevo.envs.constraints import violations
 from coevo.envs.isolation import ISOLATIONS, Isolation, warn_unisolated
 from coevo.envs.sandbox import SandboxLimits, SandboxResult, run_python
+from coevo.errors import EnvError
 from coevo.schemas import TaskSpec
 
 if TYPE_CHECKING:

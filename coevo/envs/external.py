@@ -7,7 +7,8 @@ With ``env.tasks_from`` set, ``make_family`` returns that family instead (its po
 
 from __future__ import annotations
 
-from coevo.envs.base import EnvError, Environment, Family, PrecheckResult
+from coevo.envs.base import Environment, Family, PrecheckResult
+from coevo.errors import EnvError
 from coevo.schemas import TaskSpec
 
 

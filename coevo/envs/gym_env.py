@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from coevo.config import EnvConfig
-from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult
+from coevo.envs.base import Environment, Family, Knob, Observation, PrecheckResult, StepResult
+from coevo.errors import EnvError
 from coevo.schemas import TaskSpec
 
 CANDIDATE_KEYS = ("candidates", "admissible_commands", "valid_actions")

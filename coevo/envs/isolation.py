@@ -34,8 +34,8 @@ from typing import Literal
 
 import structlog
 
-from coevo.envs.base import EnvError
 from coevo.envs.seccomp import host_filter
+from coevo.errors import SandboxUnavailable
 
 Isolation = Literal["bwrap", "process"]
 ISOLATIONS: tuple[Isolation, ...] = ("bwrap", "process")
@@ -48,10 +48,6 @@ _SYSTEM_LIB_DIRS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32", "/lib
 _PACKAGE_DIRS = ("site-packages", "dist-packages")
 
 log = structlog.get_logger("coevo.sandbox")
-
-
-class SandboxUnavailable(EnvError):
-    """The configured isolation cannot run on this host (e.g. bubblewrap is missing)."""
 
 
 @dataclass(frozen=True)

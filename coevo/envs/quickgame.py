@@ -21,7 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult
+from coevo.envs.base import Environment, Family, Knob, Observation, PrecheckResult, StepResult
+from coevo.errors import EnvError
 from coevo.schemas import TaskSpec
 
 DIRS = ("north", "south", "east", "west")

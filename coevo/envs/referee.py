@@ -28,7 +28,7 @@ from typing import Any
 
 from coevo.envs.harness import decode, encode
 from coevo.envs.isolation import Isolation
-from coevo.envs.sandbox import BadFrame, ChannelClosed, Sandbox, SandboxLimits, SandboxResult, Status
+from coevo.envs.sandbox import Sandbox, SandboxLimits, SandboxResult, Status
 from coevo.envs.verdict import (
     CallCheck,
     ConstCheck,
@@ -39,6 +39,7 @@ from coevo.envs.verdict import (
     parse_reply,
     plan_test,
 )
+from coevo.errors import BadFrame, ChannelClosed
 
 
 @dataclass(frozen=True)

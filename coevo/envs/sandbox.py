@@ -38,6 +38,7 @@ from coevo.envs.isolation import (
     seccomp_memfd,
     warn_unisolated,
 )
+from coevo.errors import BadFrame, ChannelClosed
 
 Status = Literal["ok", "error", "timeout", "memory", "forbidden", "output_limit", "killed", "invalid_value"]
 
@@ -103,14 +104,6 @@ def _marker(stderr: str) -> str:
         if line.startswith("COEVO_SANDBOX: "):
             return line.removeprefix("COEVO_SANDBOX: ")
     return "forbidden"
-
-
-class ChannelClosed(Exception):
-    """The sandboxed process closed its channel (it exited, or was killed)."""
-
-
-class BadFrame(ValueError):
-    """The sandboxed process sent something that is not a well-formed frame."""
 
 
 _NET_OK: bool | None = None

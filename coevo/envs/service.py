@@ -20,19 +20,14 @@ from nats.aio.msg import Msg
 from pydantic import TypeAdapter, ValidationError
 
 from coevo.envs import make_family
-from coevo.envs.base import EnvError, Environment, Observation, StepResult
+from coevo.envs.base import Environment, Observation, StepResult
+from coevo.errors import EnvError, EnvTimeout
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import is_request
 from coevo.schemas import TaskSpec, new_id
 from coevo.schemas.envproto import EnvClose, EnvObservation, EnvOpen, EnvReply, EnvStep, env_subject
 
 _REQUEST: TypeAdapter[EnvOpen | EnvStep | EnvClose] = TypeAdapter(EnvOpen | EnvStep | EnvClose)
-
-
-class EnvTimeout(EnvError):
-    def __init__(self, worker_id: str, timeout_s: float) -> None:
-        super().__init__(f"environment worker {worker_id} did not answer a step within {timeout_s}s")
-        self.worker_id = worker_id
 
 
 def _obs(o: Observation) -> EnvObservation:

@@ -6,7 +6,7 @@ Invariants:
   that still fails raises ``ExternalCallFailed``: callers turn it into an ``error`` vote, never a −1;
 - responses are cached in JetStream KV by (model, prompt hash, sampling parameters, vote index), so a
   re-run or a replay does not pay twice; every call records tokens, cost and latency;
-- once ``max_usd`` has been spent no further call is made (``BudgetExceeded``).
+- once ``max_usd`` has been spent no further call is made (``OverBudget``).
 """
 
 from __future__ import annotations
@@ -20,23 +20,13 @@ import time
 from typing import Any
 
 from coevo.config import ApiConfig
-from coevo.errors import CoevoError
+from coevo.errors import ExternalCallFailed, OverBudget
 from coevo.inference.engine import Completion
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-list download at import
 
 RETRYABLE = ("RateLimitError", "Timeout", "APIConnectionError", "ServiceUnavailableError", "InternalServerError",
              "APIError")
-
-
-class ExternalCallFailed(CoevoError):
-    def __init__(self, model: str, reason: str) -> None:
-        super().__init__(f"{model}: {reason}")
-        self.model = model
-
-
-class BudgetExceeded(ExternalCallFailed):
-    pass
 
 
 class LiteLLMClient:
@@ -130,7 +120,7 @@ class LiteLLMClient:
                               completion_tokens=hit.get("completion_tokens", 0))
         async with self._sem:  # checked inside: at most max_concurrency calls can overshoot the cap
             if self.api.max_usd is not None and self.spent_usd >= self.api.max_usd:
-                raise BudgetExceeded(self.model, f"spent ${self.spent_usd:.4f} of max_usd ${self.api.max_usd}")
+                raise OverBudget(self.model, f"spent ${self.spent_usd:.4f} of max_usd ${self.api.max_usd}")
             fmt = response_format if response_format is not None and self.supports_schema() else None
             response, latency = await self._call(prompt, max_tokens, temperature, fmt)
             cost = self._cost(response)

@@ -27,16 +27,11 @@ from typing import Any
 import aiohttp
 
 from coevo.config import SamplingConfig
-from coevo.errors import CoevoError
+from coevo.errors import VLLMError
 from coevo.inference import adapters
 from coevo.inference.engine import Completion, choice_token_ids, encode_prompt, quiet_transformers
 from coevo.inference.sampling import request_fields
 from coevo.schemas import TransferOffer
-
-
-class VLLMError(CoevoError):
-    pass
-
 
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 """Environment of the vLLM servers coevo starts: the RL routes (pause, reload, weight transfer, adapters) on."""
@@ -157,7 +152,10 @@ class VLLMClient:
                     except ValueError:  # a plain-text answer (the LoRA routes')
                         body = {"text": await resp.text()}
                     if resp.status >= 400:
-                        raise VLLMError(f"{method} {path} -> {resp.status}: {str(body)[:500]}")
+                        error = body.get("error") if isinstance(body, dict) else None
+                        param = error.get("param") if isinstance(error, dict) else None
+                        raise VLLMError(f"{method} {path} -> {resp.status}: {str(body)[:500]}", status=resp.status,
+                                        param=param if isinstance(param, str) else None)
                     return body if isinstance(body, dict) else {"result": body}
             except (aiohttp.ClientError, TimeoutError) as exc:
                 last = exc

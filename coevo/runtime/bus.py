@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from coevo.config import BusConfig, NatsConfig, StreamConfig
-from coevo.errors import BusError, NoResponders, PayloadUnavailable, PublishError
+from coevo.errors import BusError, ClaimError, NoResponders, PayloadUnavailable, PublishError
 from coevo.runtime import claims, outbox
 from coevo.runtime.aio import drain
 from coevo.runtime.credentials import (
@@ -451,7 +451,7 @@ class NatsBus:
         if claims.is_claim(msg.headers):
             claim = claims.Claim.parse(msg.data)
             if claim.bucket not in payload_buckets(self.run_id):
-                raise claims.ClaimError(f"claim on {claim.bucket}, not an object store of run {self.run_id}")
+                raise ClaimError(f"claim on {claim.bucket}, not an object store of run {self.run_id}")
             for attempt in range(CLAIM_READS):
                 try:
                     event = decode(await claims.fetch(self.js, claim))

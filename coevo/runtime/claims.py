@@ -25,14 +25,10 @@ from typing import Any
 import nats.js.errors
 from nats.js import api
 
-from coevo.errors import PayloadUnavailable
+from coevo.errors import ClaimError, PayloadUnavailable
 from coevo.runtime import faults
 
 CLAIM_HEADER = "Coevo-Claim"
-
-
-class ClaimError(ValueError):
-    """A claim that does not lead to its bytes (missing object, digest mismatch, malformed claim)."""
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from pydantic import ValidationError
 
 from coevo.algorithm.admission import Backlog, behind
 from coevo.config import CoevoConfig
-from coevo.errors import ConfigError
+from coevo.errors import ApiError, ConfigError
 from coevo.inference.chat import Turn, normalize
 from coevo.schemas import TaskScheduled, TaskSpec, new_id
 from coevo.schemas.events import Outcome
@@ -196,22 +196,22 @@ class Endpoint:
         try:
             request[BOUND], request[AGENT] = self._authorize(request)
             return await handler(request)
-        except oa.ApiError as exc:
+        except ApiError as exc:
             return self._error(request, exc)
         except ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
-            return self._error(request, oa.ApiError(400, f"{param}: {err['msg']}", param=param))
+            return self._error(request, ApiError(400, f"{param}: {err['msg']}", param=param))
         except web.HTTPException as exc:
-            return self._error(request, oa.ApiError(exc.status, exc.reason or "error",
+            return self._error(request, ApiError(exc.status, exc.reason or "error",
                                                     code="not_found" if exc.status == 404 else None))
         except Exception as exc:
             self.log.error("policy.endpoint_failed", path=request.path, error=repr(exc), exc_info=exc)
             self.counters["endpoint.errors"] += 1
-            return self._error(request, oa.ApiError(500, f"internal error: {exc!r}"[:500], type="server_error"))
+            return self._error(request, ApiError(500, f"internal error: {exc!r}"[:500], type="server_error"))
 
     @staticmethod
-    def _error(request: web.Request, exc: oa.ApiError) -> web.Response:
+    def _error(request: web.Request, exc: ApiError) -> web.Response:
         body = ma.error_body(exc) if request.path == "/v1/messages" else exc.body()
         headers = {"Retry-After": f"{exc.retry_after:g}"} if exc.retry_after is not None else None
         return web.json_response(body, status=exc.status, headers=headers)
@@ -230,7 +230,7 @@ class Endpoint:
             self._bound_route(request, ep)
             return ep, None
         if self.key is not None and not hmac.compare_digest(given.encode(), self.key.encode()):
-            raise oa.ApiError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY); an "
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY); an "
                               "episode's key stops working when the episode ends", type="authentication_error",
                               code="invalid_api_key")
         return None, None
@@ -244,7 +244,7 @@ class Endpoint:
         if ep is not None and own == ep.episode_id:
             return
         who = "an agent key" if agent else f"the key of episode {ep.episode_id if ep else '?'}"
-        raise oa.ApiError(403, f"{who} acts only on its own episode", type="permission_error",
+        raise ApiError(403, f"{who} acts only on its own episode", type="permission_error",
                           code="episode_key_scope")
 
     @staticmethod
@@ -255,9 +255,9 @@ class Endpoint:
         try:
             body = json.loads(raw)
         except ValueError:
-            raise oa.ApiError(400, "the body is not JSON") from None
+            raise ApiError(400, "the body is not JSON") from None
         if not isinstance(body, dict):
-            raise oa.ApiError(400, "the body must be a JSON object")
+            raise ApiError(400, "the body must be a JSON object")
         return body
 
     async def models(self, _request: web.Request) -> web.Response:
@@ -272,11 +272,11 @@ class Endpoint:
         named = header or (user if user and user.startswith("ep-") else None)
         bound: Episode | None = request.get(BOUND)
         if bound is None and request.get(AGENT) is not None:
-            raise oa.ApiError(409, "this agent key has no open episode: POST /coevo/v1/episodes/rotate opens its next",
+            raise ApiError(409, "this agent key has no open episode: POST /coevo/v1/episodes/rotate opens its next",
                               code="no_open_episode")
         if bound is not None:
             if named is not None and named != bound.episode_id:
-                raise oa.ApiError(403, f"the key of episode {bound.episode_id} cannot call for episode {named}",
+                raise ApiError(403, f"the key of episode {bound.episode_id} cannot call for episode {named}",
                                   type="permission_error", code="episode_key_scope")
             return bound
         return self._lookup(named) if named else None
@@ -285,9 +285,9 @@ class Endpoint:
         ep = self.book.get(episode_id)
         if ep is None:
             if episode_id in self.book.ended:
-                raise oa.ApiError(409, f"episode {episode_id} has ended ({self.book.ended[episode_id]})",
+                raise ApiError(409, f"episode {episode_id} has ended ({self.book.ended[episode_id]})",
                                   code="episode_ended")
-            raise oa.ApiError(404, f"unknown episode {episode_id}", code="episode_not_found")
+            raise ApiError(404, f"unknown episode {episode_id}", code="episode_not_found")
         return ep
 
     def _max_tokens(self, asked: int | None) -> int:
@@ -321,7 +321,7 @@ class Endpoint:
         """A call outside episodes, while fewer than ``policy.serve_max_unrecorded`` run (else 429)."""
         if self._unrecorded.locked():
             self.counters["endpoint.calls.refused_unrecorded"] += 1
-            raise oa.ApiError(429, f"{self.pc.serve_max_unrecorded} calls outside episodes are running "
+            raise ApiError(429, f"{self.pc.serve_max_unrecorded} calls outside episodes are running "
                               "(policy.serve_max_unrecorded): open an episode, or retry", type="rate_limit_error",
                               code="too_many_unrecorded_calls", retry_after=1.0)
         async with self._unrecorded:
@@ -414,14 +414,14 @@ class Endpoint:
 
     def _check_call(self, ep: Episode, n: int) -> None:
         if n > 1:
-            raise oa.ApiError(400, "n > 1 inside an episode: an episode is one sequence of calls (open n episodes "
+            raise ApiError(400, "n > 1 inside an episode: an episode is one sequence of calls (open n episodes "
                               "instead)", param="n")
 
     def _check_open(self, ep: Episode) -> None:
         if ep.ended:
-            raise oa.ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
+            raise ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
         if ep.calls >= self.cfg.env.max_steps:
-            raise oa.ApiError(409, f"episode {ep.episode_id} made env.max_steps = {self.cfg.env.max_steps} calls: "
+            raise ApiError(409, f"episode {ep.episode_id} made env.max_steps = {self.cfg.env.max_steps} calls: "
                               "finish it", code="episode_step_cap")
 
     def _record(self, ep: Episode, s: Sampled, observation: str, action: str) -> None:
@@ -493,11 +493,11 @@ class Endpoint:
                      self.cfg.learner.max_staleness, self.cfg.tasks.max_groups_in_flight)
         if why is not None:
             self.counters["endpoint.episodes.refused_behind"] += 1
-            raise oa.ApiError(429, f"{why}: retry later", type="rate_limit_error", code="learner_behind",
+            raise ApiError(429, f"{why}: retry later", type="rate_limit_error", code="learner_behind",
                               retry_after=self.pc.serve_retry_after_s)
         with self.book.reserve() as reserved:
             if not reserved:
-                raise oa.ApiError(429, f"{self.book.max_open} episodes are open (policy.max_concurrent_trajectories): "
+                raise ApiError(429, f"{self.book.max_open} episodes are open (policy.max_concurrent_trajectories): "
                                   "finish some first", type="rate_limit_error", code="too_many_episodes",
                                   retry_after=self.pc.serve_retry_after_s)
             ep = await (self._own_episode(body) if "task_id" in body else self._pooled_episode(body))
@@ -512,7 +512,7 @@ class Endpoint:
         """A long-lived key for an agent whose key is fixed (a closed harness): its calls belong to
         the key's current episode; ``/coevo/v1/episodes/rotate`` ends that and opens the next."""
         if request.get(BOUND) is not None or request.get(AGENT) is not None:
-            raise oa.ApiError(403, "agent keys are made with the run's key", type="permission_error",
+            raise ApiError(403, "agent keys are made with the run's key", type="permission_error",
                               code="episode_key_scope")
         key = self.book.new_agent()
         return web.json_response({"agent_key": key})
@@ -522,7 +522,7 @@ class Endpoint:
         ``reward``; the rest of the body opens the next, as ``POST /coevo/v1/episodes`` does."""
         agent = request.get(AGENT)
         if agent is None:
-            raise oa.ApiError(403, "rotate needs an agent key (POST /coevo/v1/agent-keys)", type="permission_error",
+            raise ApiError(403, "rotate needs an agent key (POST /coevo/v1/agent-keys)", type="permission_error",
                               code="episode_key_scope")
         body = await self._json(request, empty_ok=True)
         current: Episode | None = request.get(BOUND)
@@ -538,9 +538,9 @@ class Endpoint:
     async def _own_episode(self, body: dict[str, Any]) -> Episode:
         task_id, goal = body.get("task_id"), body.get("goal", "")
         if not isinstance(task_id, str) or not _IDENT.match(task_id):
-            raise oa.ApiError(400, "task_id must be 1-128 characters of A-Z a-z 0-9 _ . : -", param="task_id")
+            raise ApiError(400, "task_id must be 1-128 characters of A-Z a-z 0-9 _ . : -", param="task_id")
         if not isinstance(goal, str):
-            raise oa.ApiError(400, "goal must be text", param="goal")
+            raise ApiError(400, "goal must be text", param="goal")
         async with self.own.lock:
             slot = self.own.next_slot(task_id)
             if slot is None:
@@ -552,15 +552,15 @@ class Endpoint:
 
     async def _pooled_episode(self, body: dict[str, Any]) -> Episode:
         if self.cfg.env.family != "external":
-            raise oa.ApiError(409, f"this run's pool ({self.cfg.env.family}) is played by coevo's policy agent: send "
+            raise ApiError(409, f"this run's pool ({self.cfg.env.family}) is played by coevo's policy agent: send "
                               "your own {\"task_id\", \"goal\"}, or run with --family external", code="no_pool")
         if self.cfg.env.tasks_from is None:
-            raise oa.ApiError(409, "this run has no task pool (env.tasks_from is not set): send your own "
+            raise ApiError(409, "this run has no task pool (env.tasks_from is not set): send your own "
                               "{\"task_id\", \"goal\"}", code="no_pool")
         wait_s = min(max(float(body.get("wait_s", 30.0)), 0.0), 300.0)
         rollout = await self.pool.take(wait_s)
         if rollout is None:
-            raise oa.ApiError(503, f"no task was scheduled within {wait_s:g} s: retry", type="server_error",
+            raise ApiError(503, f"no task was scheduled within {wait_s:g} s: retry", type="server_error",
                               code="no_task_available", retry_after=self.pc.serve_retry_after_s)
         info = await self.task_text(rollout.group.scheduled.task)
         ep = self.book.add(rollout.group.scheduled, rollout.index, rollout.trajectory_id, info["goal"],
@@ -584,16 +584,16 @@ class Endpoint:
         body = await self._json(request)
         reward = body.get("reward")
         if not isinstance(reward, int | float) or isinstance(reward, bool) or reward != reward:
-            raise oa.ApiError(400, "give a numeric \"reward\"", param="reward")
+            raise ApiError(400, "give a numeric \"reward\"", param="reward")
         async with ep.lock:
             if ep.ended:
-                raise oa.ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
+                raise ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
             if ep.pending is None:
-                raise oa.ApiError(409, "no call waits for a reward: reward a call before the episode's next call",
+                raise ApiError(409, "no call waits for a reward: reward a call before the episode's next call",
                                   code="no_pending_call")
             call_id = body.get("call_id")
             if call_id is not None and call_id != ep.pending_call:
-                raise oa.ApiError(409, f"call_id {call_id!r} is not the episode's last call ({ep.pending_call}): a "
+                raise ApiError(409, f"call_id {call_id!r} is not the episode's last call ({ep.pending_call}): a "
                                   "call's reward comes before the next call", param="call_id", code="call_published")
             ep.pending["env_reward"] = float(ep.pending.get("env_reward") or 0.0) + float(reward)
         self.counters["endpoint.step_rewards"] += 1
@@ -606,7 +606,7 @@ class Endpoint:
         if outcome is None and isinstance(body.get("reward"), int | float):
             outcome = "won" if float(body["reward"]) > self.cfg.env.win_threshold else "lost"
         if outcome not in OUTCOMES:
-            raise oa.ApiError(400, f"give \"outcome\" (one of {', '.join(OUTCOMES)}) or a numeric \"reward\"",
+            raise ApiError(400, f"give \"outcome\" (one of {', '.join(OUTCOMES)}) or a numeric \"reward\"",
                               param="outcome")
         return outcome, body.get("error") if outcome == "aborted" else None, str(body.get("observation", ""))
 
@@ -615,7 +615,7 @@ class Endpoint:
         outcome, error, observation = self._outcome(await self._json(request, empty_ok=True))
         async with ep.lock:
             if ep.ended:  # finished concurrently
-                raise oa.ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
+                raise ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
             await self.end(ep, outcome, error, observation)
         return web.json_response({"episode_id": ep.episode_id, "trajectory_id": ep.trajectory_id, "outcome": outcome,
                                   "steps": len(ep.step_ids)})

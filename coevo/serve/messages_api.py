@@ -22,8 +22,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coevo.errors import ApiError
 from coevo.schemas import new_id
-from coevo.serve.openai_api import ApiError, Finish
+from coevo.serve.openai_api import Finish
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",

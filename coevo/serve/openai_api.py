@@ -23,21 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coevo.errors import ApiError
 from coevo.schemas import new_id
-
-
-class ApiError(Exception):
-    """An error the client gets as ``{"error": {message, type, param, code}}`` with ``status``."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
-        self.retry_after = retry_after
-        """seconds, sent as ``Retry-After`` (429 and 503: the SDKs' own retries wait that long)"""
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class _Request(BaseModel):

@@ -26,9 +26,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coevo.errors import ApiError
 from coevo.inference.chat import message_text
 from coevo.schemas import new_id
-from coevo.serve.openai_api import ApiError, Finish
+from coevo.serve.openai_api import Finish
 
 REFUSED = ("conversation", "background", "prompt")
 """request fields that change what is generated or where state lives, and that this endpoint lacks"""

@@ -17,6 +17,7 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from coevo.errors import ApiError
 from coevo.inference.chat import ChatTokens, TokenPath, Turn, completion_prompt
 from coevo.inference.engine import KnowsContext
 from coevo.serve import openai_api as oa
@@ -106,7 +107,7 @@ class Sampler:
     async def sample(self, prompt_ids: list[int], how: str, max_tokens: int, stops: list[str]) -> Sampled:
         limit = self.client.context_length if isinstance(self.client, KnowsContext) else None
         if limit is not None and len(prompt_ids) + max_tokens > limit:
-            raise oa.ApiError(400, f"{len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
+            raise ApiError(400, f"{len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
                               f"context of {limit}", param="messages", code="context_length_exceeded")
         c = await self.client.complete("", prompt_ids=prompt_ids, max_tokens=max_tokens,
                                        temperature=self.temperature, stop=stops or None)

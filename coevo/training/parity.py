@@ -18,8 +18,7 @@ from typing import Any
 import structlog
 
 from coevo.config import CoevoConfig
-from coevo.errors import ConfigError
-from coevo.inference.vllm_client import VLLMError
+from coevo.errors import ConfigError, VLLMError
 from coevo.schemas import TrainingSample
 from coevo.training.lane import Lane
 
@@ -84,7 +83,7 @@ async def check(cfg: CoevoConfig, lane: Lane) -> float | None:
         try:
             kl, tokens = await probe(client, lane)
         except VLLMError as exc:
-            if "does not exist" not in str(exc):
+            if exc.status != 404 or exc.param != "model":  # vLLM: "The model `...` does not exist."
                 raise
             field = "policy.served_name" if lane.role == "policy" else "judge.model"
             raise ConfigError(f"the {lane.role} server at {url} does not serve model {client.model!r} ({field}): "

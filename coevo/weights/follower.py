@@ -20,12 +20,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from coevo.config import CoevoConfig, checkpoint_root
+from coevo.errors import LoadFailed
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import Delivery, NatsBus
 from coevo.runtime.consumer import Subscription
 from coevo.schemas import WeightsApplied, WeightsPublished
 from coevo.schemas.events import Role
-from coevo.weights.transports import Loaded, LoadFailed, Reloads, Transport, TransportName, transport_for
+from coevo.weights.transports import Loaded, Reloads, Transport, TransportName, transport_for
 
 
 def weights_subscription(lane: str, handler: Callable[[WeightsPublished, Delivery], Awaitable[None]]) -> Subscription:

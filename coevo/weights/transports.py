@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import structlog
 
 from coevo.config import DiskSync, PushSync
+from coevo.errors import LoadFailed
 from coevo.runtime import faults
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import (
@@ -75,10 +76,6 @@ class LoadsAdapters(Reloads, Protocol):
     """... and serves its base with a LoRA adapter (a directory; ``tensors``: the same, held in memory)."""
 
     async def load_adapter(self, path: Path, version: int, tensors: dict[str, Any] | None = None) -> float: ...
-
-
-class LoadFailed(Exception):
-    """The version was not loaded; the server serves what it served before."""
 
 
 @dataclass(frozen=True)

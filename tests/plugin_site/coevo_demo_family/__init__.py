@@ -11,7 +11,8 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult
+from coevo.envs.base import Environment, Family, Knob, Observation, PrecheckResult, StepResult
+from coevo.errors import EnvError
 from coevo.schemas import TaskSpec
 
 ACTIONS = ["add 1", "add 2"]
