@@ -258,9 +258,7 @@ def test_a_candidate_refused_before_any_rollout_does_not_decide_its_later_groups
     assert verdicts.of(group) is None  # the group waits for its own verdict
     verdicts.add(refused.model_copy(update={"group_id": "g9", "accepted": True, "candidate_accuracy": 0.5}))
     assert verdicts.of(group) is True
-    legacy = refused.model_copy(update={"candidate_id": "c2", "candidate_accuracy": 0.25})  # before group ids
-    verdicts.add(legacy)
-    assert verdicts.of(group.model_copy(update={"task_id": "c2", "group_id": "g10"})) is False
+    assert verdicts.of(group.model_copy(update={"group_id": "g10"})) is None  # another proposal's group: its own
 
 
 def test_a_checkpoint_rewritten_at_its_version_is_never_missing(tmp_path, monkeypatch) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from coevo.algorithm import scoring
 from coevo.algorithm.admission import Backlog
@@ -57,12 +57,10 @@ class Slot(BaseModel):
     split: Literal["train", "heldout"]
     active: TaskSpec
     history: list[str] = Field(default_factory=list)
-    # the rewrite under measurement (stored as "pending*" by earlier versions: still read)
-    candidate: TaskSpec | None = Field(default=None, validation_alias=AliasChoices("candidate", "pending"))
-    candidate_direction: Literal["harder", "easier"] | None = Field(
-        default=None, validation_alias=AliasChoices("candidate_direction", "pending_direction"))
-    candidate_scheduled: bool = Field(default=False,
-                                      validation_alias=AliasChoices("candidate_scheduled", "pending_scheduled"))
+    candidate: TaskSpec | None = None
+    """the rewrite under measurement"""
+    candidate_direction: Literal["harder", "easier"] | None = None
+    candidate_scheduled: bool = False
     parent_accuracy: float | None = None
     groups_since_rewrite: int = 0
     last_accuracy: float | None = None

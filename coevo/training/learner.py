@@ -163,29 +163,24 @@ class Batching:
 
 
 class Verdicts:
-    """Rewrite verdicts per candidate group (and per candidate id for events that predate
-    ``TaskDecided.group_id``); the oldest are forgotten beyond ``limit`` (bounded memory)."""
+    """Rewrite verdicts per candidate group; the oldest are forgotten beyond ``limit`` (bounded memory)."""
 
     def __init__(self, limit: int = 100_000) -> None:
         self.by_group: OrderedDict[str, bool] = OrderedDict()
-        self.legacy: OrderedDict[str, bool] = OrderedDict()
         self.limit = limit
         self.changed = asyncio.Event()
 
     def add(self, event: TaskDecided) -> None:
-        if event.group_id is None and event.candidate_accuracy is None:
+        if event.group_id is None:
             return  # refused before any rollout (pre-check, invalid proposal): no group's verdict
-        table, key = (self.by_group, event.group_id) if event.group_id else (self.legacy, event.candidate_id)
-        table[key] = event.accepted
-        table.move_to_end(key)
-        while len(table) > self.limit:
-            table.popitem(last=False)
+        self.by_group[event.group_id] = event.accepted
+        self.by_group.move_to_end(event.group_id)
+        while len(self.by_group) > self.limit:
+            self.by_group.popitem(last=False)
         self.changed.set()
 
     def of(self, event: GroupScored) -> bool | None:
-        if event.group_id in self.by_group:
-            return self.by_group[event.group_id]
-        return self.legacy.get(event.task_id)
+        return self.by_group.get(event.group_id)
 
 
 @dataclass
