@@ -14,7 +14,8 @@ bench:
     .venv/bin/coevo bench codec --json runs/bench/codec.json
 
 lint:
-    .venv/bin/ruff check coevo tests
+    .venv/bin/ruff check coevo tests examples
+    .venv/bin/mypy
     .venv/bin/lint-imports
 
 check: lint test

@@ -21,7 +21,17 @@ from coevo.inference.engine import CachesCalls, Completion, Metered
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
-from coevo.schemas import BudgetExceeded, StepJudged, StepTaken, Vote, WeightsApplied, WeightsPublished
+from coevo.schemas import (
+    BudgetExceeded,
+    FloatArray,
+    IntArray,
+    StepJudged,
+    StepTaken,
+    Vote,
+    WeightsApplied,
+    WeightsPublished,
+)
+from coevo.schemas.events import Role
 from coevo.weights.follower import WeightsFollower, report_applied, weights_subscription
 
 
@@ -33,7 +43,8 @@ def step_prompt(step: StepTaken, mode: Literal["verdict", "reasoned"]) -> str:
     return judge_prompt(step.objective, step.observation, step.action_text, step.next_observation, mode)
 
 
-async def ask(client: Any, cfg: JudgeConfig, prompt: str, index: int) -> tuple[Completion, Literal[1, -1] | None, str]:
+async def ask(client: Any, cfg: JudgeConfig, prompt: str, index: int
+              ) -> tuple[Completion, Literal[1, -1] | None, Literal["ok", "unparseable"]]:
     """One vote: (completion, value, ``ok`` or ``unparseable``). A failed call raises.
     Used by the judge agent, and by replay and re-judge with other clients."""
     if cfg.effective_mode == "verdict":
@@ -47,7 +58,7 @@ async def ask(client: Any, cfg: JudgeConfig, prompt: str, index: int) -> tuple[C
 class JudgeAgent(Agent):
     role = "judge"
     emits = (StepJudged, WeightsApplied, BudgetExceeded)
-    lane = "judge"
+    lane: Role = "judge"
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
@@ -88,8 +99,9 @@ class JudgeAgent(Agent):
         self.counters[f"votes.{status}"] += 1
         return Vote(index=index, value=value, status=status,
                     rationale=c.text if cfg.effective_mode == "reasoned" else "",
-                    prompt_token_ids=c.prompt_token_ids, response_token_ids=c.response_token_ids,
-                    logprobs=c.logprobs, allowed_token_ids=c.allowed_token_ids,
+                    prompt_token_ids=IntArray(c.prompt_token_ids), response_token_ids=IntArray(c.response_token_ids),
+                    logprobs=FloatArray(c.logprobs),
+                    allowed_token_ids=None if c.allowed_token_ids is None else IntArray(c.allowed_token_ids),
                     model_version=None if external else c.model_version, cost_usd=c.cost_usd,
                     prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
                     latency_ms=c.latency_ms, cached=c.cached)

@@ -22,7 +22,7 @@ import asyncio
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from coevo.algorithm.prompts import INDEX_LABELS, parse_action, policy_prompt
 from coevo.envs import make_family
@@ -46,7 +46,7 @@ from coevo.schemas import (
     WeightsPublished,
     new_id,
 )
-from coevo.schemas.events import Outcome
+from coevo.schemas.events import Outcome, Role
 from coevo.weights.follower import WeightsFollower, report_applied, weights_subscription
 
 if TYPE_CHECKING:
@@ -67,7 +67,8 @@ async def choose(client: Any, cfg: PolicyConfig, obs: Observation, cands: list[s
         c = await client.complete(policy_prompt(obs.text, obs.candidates, cfg.mode),
                                   choices=list(INDEX_LABELS[: len(cands)]), temperature=cfg.temperature)
         return c, c.choice, None
-    c = await client.complete(policy_prompt(obs.text, obs.candidates, cfg.mode), max_tokens=cfg.max_tokens,
+    mode: Literal["choice", "generate"] = "choice" if cfg.mode == "choice" else "generate"  # chat has a conversation
+    c = await client.complete(policy_prompt(obs.text, obs.candidates, mode), max_tokens=cfg.max_tokens,
                               temperature=cfg.temperature)
     return c, (parse_action(c.text, len(cands)) if cands else None), None
 
@@ -88,7 +89,7 @@ def endpoint_key(cfg: CoevoConfig, run_id: str) -> tuple[str | None, Path | None
 class PolicyAgent(Agent):
     role = "policy"
     emits = (StepTaken, TrajectoryCompleted, WeightsApplied, TaskScheduled)
-    lane = "policy"
+    lane: Role = "policy"
     weights_wait_s = 120.0
     """how long a group waits for the weights it was scheduled at before it is played with older ones"""
 

@@ -211,7 +211,7 @@ def failure_digest(t: scoring.TrajRec, g: Group) -> FailureDigest:
             why = next((v.rationale.strip() for v in judged.votes if v.rationale.strip()), "") if judged else ""
             if why:
                 rationales.append(f"step {k}: {why[-300:]}")
-    return FailureDigest(trajectory_id=t.trajectory_id, outcome=t.outcome, steps=lines,  # type: ignore[arg-type]
+    return FailureDigest(trajectory_id=t.trajectory_id, outcome=t.outcome, steps=lines,
                          all_negative_steps=negative, rationales=rationales)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field, create_model
 
@@ -144,8 +144,8 @@ class LLMRewriter:
 def proposal_schema(family: Family) -> type[BaseModel]:
     """The JSON the LLM rewriter must return, as a pydantic model (``response_format`` where the
     provider supports structured output; validated by ``parse_llm_proposal`` in every case)."""
-    knobs = create_model(f"{family.name.title()}Knobs",
-                         **{k.name: (int | None, Field(default=None, ge=k.low, le=k.high)) for k in family.knobs})
+    fields: dict[str, Any] = {k.name: (int | None, Field(default=None, ge=k.low, le=k.high)) for k in family.knobs}
+    knobs = create_model(f"{family.name.title()}Knobs", **fields)
     return create_model("Rewrite", knobs=(knobs, ...), reason=(str, ""))
 
 

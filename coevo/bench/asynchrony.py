@@ -348,7 +348,7 @@ async def bench_async(plan: AsyncPlan, *, cache: Path | None = None, workdir: Pa
             for seed in range(plan.seeds):
                 base = load_config(overrides=run_overrides(plan, work, models, seed, 0))
                 for role in ("policy", "judge"):  # built once here, not by three agents at once
-                    await asyncio.to_thread(model_dir, base, role)  # type: ignore[arg-type]
+                    await asyncio.to_thread(model_dir, base, role)
                 sync = await run_mode(server.url, work, f"sync{seed}", run_overrides(plan, work, models, seed, 0),
                                       plan, cores)
                 overrides = async_overrides(run_overrides(plan, work, models, seed, modes["async"]), plan, sync)

@@ -133,7 +133,11 @@ async def _plain_once(url: str, run_id: str, payloads: list[bytes], max_pending:
         for p in payloads:
             start = time.perf_counter()
             fut = await js.publish_async(subject, p, headers={"Nats-Msg-Id": new_id()})
-            fut.add_done_callback(lambda _f, s=start: lat.append((time.perf_counter() - s) * 1e3))
+
+            def acked(_f: asyncio.Future[Any], s: float = start) -> None:
+                lat.append((time.perf_counter() - s) * 1e3)
+
+            fut.add_done_callback(acked)
         await js.publish_async_completed()
         t_pub = time.perf_counter() - t0
         sub = await js.pull_subscribe(subject, durable="plain", stream=stream,
@@ -173,7 +177,8 @@ async def bench_bus(count: int = 20_000, repeats: int = 5, url: str | None = Non
             out: dict[str, Any] = {"count": count, "repeats": repeats, "sizes": {}}
             ratios = []
             for label, size in tracked(list(SIZES.items()), f"bench bus: {count} events x {repeats}", unit="sizes"):
-                coevo_runs, plain_runs = [], []
+                coevo_runs: list[dict[str, float]] = []
+                plain_runs: list[dict[str, float]] = []
                 for rep in range(repeats):
                     run_id = f"bench{new_id()[:8]}"
                     events: list[Event] = [make_event(run_id, size, i) for i in range(count)]

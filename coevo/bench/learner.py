@@ -71,14 +71,14 @@ def build_model(shape: Shape, folder: Path) -> None:
 def random_batch(vocab: int, samples: int, prompt: int, response: int, version: int, seed: int) -> list[Any]:
     import torch
 
-    from coevo.schemas import TrainingSample
+    from coevo.schemas import FloatArray, IntArray, TrainingSample
 
     g = torch.Generator().manual_seed(seed)
     return [TrainingSample(sample_id=f"{seed}-{i}", role="policy",
-                           prompt_token_ids=torch.randint(4, vocab, (prompt,), generator=g).tolist(),
-                           response_token_ids=torch.randint(4, vocab, (response,), generator=g).tolist(),
-                           logprobs=[-7.0] * response, advantage=1.0 if i % 2 else -1.0, model_version=version,
-                           step_event_id=f"e{seed}") for i in range(samples)]
+                           prompt_token_ids=IntArray(torch.randint(4, vocab, (prompt,), generator=g).tolist()),
+                           response_token_ids=IntArray(torch.randint(4, vocab, (response,), generator=g).tolist()),
+                           logprobs=FloatArray([-7.0] * response), advantage=1.0 if i % 2 else -1.0,
+                           model_version=version, step_event_id=f"e{seed}") for i in range(samples)]
 
 
 def bench_learner(size: str, device: str = "cpu", *, steps: int | None = None, samples: int | None = None,
@@ -124,16 +124,18 @@ def _lora_comparison(tmp: Path, lc: Any, device: str, adapter_bytes: int, batch:
     judge as two full models or as two adapters of one base (parameters and optimiser state, after a
     step of each: bytes of distinct tensor storage)."""
     from coevo.config import LearnerConfig
+    from coevo.schemas.events import Role
     from coevo.training.lane import Lane
     from coevo.training.lora import SharedBase
 
     full = Lane("policy", tmp / "model", tmp / "full", LearnerConfig(lr=1e-5), device=device)
     full.step(batch(full), ["g"])
-    full_bytes = full.publish()[2]
+    full_bytes = full.publish_alone()[2]
     two_full = 2 * _held_bytes([full])
     full.close()
     shared = SharedBase(tmp / "model", lc.lora)
-    lanes = [Lane(role, tmp / "model", tmp / "one-base", lc, device=device, shared=shared) for role in ("policy", "judge")]
+    roles: tuple[Role, ...] = ("policy", "judge")
+    lanes = [Lane(role, tmp / "model", tmp / "one-base", lc, device=device, shared=shared) for role in roles]
     for lane in lanes:
         lane.step(batch(lane), ["g"])
     one_base = _held_bytes(lanes)
@@ -169,7 +171,7 @@ def _measure(lane: Any, batch: Any, steps: int, checkpoint_every: int) -> dict[s
         metrics = lane.step(data, [f"g{k}"])
         _sync(lane.device)
         t1 = time.perf_counter()
-        _, _, size = lane.publish()
+        _, _, size = lane.publish_alone()
         rows["publish_s"].append(time.perf_counter() - t1)
         rows["step_s"].append(t1 - t0)
         rows["publish_bytes"].append(size)

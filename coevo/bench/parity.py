@@ -36,7 +36,7 @@ class UnstatedClient(VLLMClient):
     """The request coevo sent before: the temperature alone (the server fills in the rest from
     ``generation_config.json``). For measuring what that did, never for sampling."""
 
-    async def complete(self, prompt: str, *, max_tokens: int = 64, temperature: float = 1.0,  # type: ignore[override]
+    async def complete(self, prompt: str, *, max_tokens: int = 64, temperature: float = 1.0,
                        **_: object) -> Completion:
         ids = self.encode(prompt)
         data = await self._call("POST", "/v1/completions", json={

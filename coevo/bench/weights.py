@@ -44,12 +44,12 @@ async def bench_weights(vllm_python: str | None = None, sizes: tuple[str, ...] =
             torch.manual_seed(0)
             Qwen2ForCausalLM(cfg).save_pretrained(d)
             lane = Lane("policy", d, Path(tmp) / f"ckpt-{size}", LearnerConfig(), device="cpu")
-            path, digest, _ = lane.publish()  # the published weights: what every server loads
+            path, digest, _ = lane.publish_alone()  # the published weights: what every server loads
             params = sum(p.numel() for p in lane.model.parameters())
             lane.close()
             adapter_lane = Lane("policy", d, Path(tmp) / f"lora-{size}", LearnerConfig(lora=LoraConfig(rank=LORA_RANK)),
                                 device="cpu")
-            adapter, _, adapter_bytes = adapter_lane.publish()
+            adapter, _, adapter_bytes = adapter_lane.publish_alone()
             adapter_lane.close()
             local, memory, merged = [], [], []
             async with LocalEngine(d) as eng:
@@ -97,7 +97,7 @@ async def _vllm_pauses(python: str, model: Path, ckpt: Path, repeats: int) -> di
             tensors = load_checkpoint_tensors(ckpt)
             plan = Plan.of(tensors)
             for i in range(repeats):
-                offer = TransferOffer(version=repeats + i + 1, sha256="", **plan.update_info())  # type: ignore[arg-type]
+                offer = TransferOffer(version=repeats + i + 1, sha256="", **plan.update_info())
                 sender = threading.Thread(target=send, args=(group, tensors, plan))
                 sender.start()
                 gloo.append(await client.receive_weights(offer, 120.0))

@@ -58,7 +58,9 @@ class Problem:
 def split_check(test_src: str) -> tuple[str, list[str]]:
     """Split HumanEval's ``check(candidate)`` into one test per top-level assert-bearing statement."""
     module = ast.parse(test_src)
-    prelude, tests, setup = [], [], []
+    prelude: list[str] = []
+    tests: list[str] = []
+    setup: list[str] = []
     for node in module.body:
         if isinstance(node, ast.FunctionDef) and node.name == "check":
             for stmt in node.body:

@@ -148,7 +148,7 @@ def _prompt_imports(prompt: str) -> frozenset[str]:
             return frozenset(ast.dump(n) for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Import, ast.ImportFrom)))
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue
-    out = set()
+    out: set[str] = set()
     for line in prompt.splitlines():
         try:
             stmts = ast.parse(line.strip()).body

@@ -136,7 +136,7 @@ async def _sandbox_gone(info_fd: int, within_s: float = 5.0) -> None:
         return  # bwrap never started a sandbox, or it is already gone
     loop = asyncio.get_running_loop()
     gone = loop.create_future()
-    loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
+    loop.add_reader(pidfd, lambda: None if gone.done() else gone.set_result(None))
     try:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(gone, within_s)

@@ -57,7 +57,8 @@ def _insn(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
 def filter_for(arch: str) -> bytes:
     """The compiled program for ``arch`` (a ``platform.machine()`` name); KeyError if unsupported."""
     a = ARCHES[arch]
-    eperm, enosys = [], []  # syscall numbers answered with each errno
+    eperm: list[int] = []  # syscall numbers answered with each errno
+    enosys: list[int] = []
     eperm.extend(a.forks)
     eperm.extend(a.denied)
     enosys.append(a.clone3)

@@ -27,7 +27,8 @@ from coevo.runtime.bus import is_request
 from coevo.schemas import TaskSpec, new_id
 from coevo.schemas.envproto import EnvClose, EnvObservation, EnvOpen, EnvReply, EnvStep, env_subject
 
-_REQUEST: TypeAdapter[EnvOpen | EnvStep | EnvClose] = TypeAdapter(EnvOpen | EnvStep | EnvClose)
+_REQUEST_TYPE: Any = EnvOpen | EnvStep | EnvClose  # a union: pydantic takes it, its stub says type[T]
+_REQUEST: TypeAdapter[EnvOpen | EnvStep | EnvClose] = TypeAdapter(_REQUEST_TYPE)
 
 
 def _obs(o: Observation) -> EnvObservation:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import structlog
 
@@ -132,7 +132,7 @@ class _Request:
     choices: list[str] | None
     max_tokens: int
     temperature: float
-    future: asyncio.Future[Completion] = field(repr=False, default=None)  # type: ignore[assignment]
+    future: asyncio.Future[Completion] = field(repr=False)
     prompt_ids: list[int] | None = None
     """token-in: the exact prompt tokens (``prompt`` is not encoded)"""
     stop: list[str] | None = None
@@ -154,7 +154,8 @@ class LocalEngine:
         adapter = self.model_dir if adapters.is_adapter(self.model_dir) else None
         base = adapters.base_of(adapter) if adapter is not None else self.model_dir  # a LoRA lane's checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(base)
-        self.model = AutoModelForCausalLM.from_pretrained(base).to(self.device).eval()
+        # transformers' @wraps(Module.to) is not a bound method to mypy: it wants the model as first argument
+        self.model = AutoModelForCausalLM.from_pretrained(base).to(self.device).eval()  # type: ignore[arg-type]
         if str(self.device).startswith("cuda"):
             self.model = self.model.to(torch.bfloat16)  # serve in bf16 on CUDA (log-probs still in fp32)
         self.max_batch = max_batch
@@ -199,8 +200,8 @@ class LocalEngine:
                        temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None,
                        stop: list[str] | None = None) -> Completion:
         self._ensure_started()
-        req = _Request(prompt, choices, max_tokens, temperature, prompt_ids=prompt_ids, stop=stop)
-        req.future = asyncio.get_running_loop().create_future()
+        req = _Request(prompt, choices, max_tokens, temperature, asyncio.get_running_loop().create_future(),
+                       prompt_ids=prompt_ids, stop=stop)
         self._queue.put_nowait(req)
         return await req.future
 
@@ -380,6 +381,6 @@ class LocalEngine:
                 finish = "stop"
                 break
             ids = torch.tensor([[tok]], device=self.device)
-        text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+        text = cast(str, self.tokenizer.decode(out_ids, skip_special_tokens=True))  # one sequence: one string
         return Completion(text, prompt, out_ids, out_lp, self._version, finish_reason=finish)
 

@@ -108,9 +108,13 @@ class LiteLLMClient:
             return False
 
     async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 256,
-                       temperature: float = 1.0, index: int = 0, response_format: Any = None) -> Completion:
+                       temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None,
+                       stop: list[str] | None = None, response_format: Any = None) -> Completion:
+        # stop: not sent (the text is the caller's to cut at every stop string, as InferenceClient says)
         if choices:
             raise ExternalCallFailed(self.model, "constrained choices need a local model (use a reasoned prompt)")
+        if prompt_ids is not None:
+            raise ExternalCallFailed(self.model, "token-in prompts (prompt_ids) need a local model or a vLLM server")
         key = self.cache_key(prompt, max_tokens, temperature, index)
         hit = await self._cached(key)
         if hit is not None:

@@ -145,8 +145,8 @@ class VLLMClient:
         last: Exception | None = None
         for attempt in range(self.retries + 1 if retry else 1):
             try:
-                extra = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
-                async with self._session.request(method, url, json=json, params=params, **extra) as resp:
+                timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self._session.timeout
+                async with self._session.request(method, url, json=json, params=params, timeout=timeout) as resp:
                     try:
                         body = await resp.json(content_type=None)
                     except ValueError:  # a plain-text answer (the LoRA routes')
@@ -196,10 +196,10 @@ class VLLMClient:
         choice = data["choices"][0]
         out_ids = list(choice.get("token_ids") or [])
         lps = [float(x) if x is not None else 0.0 for x in (choice.get("logprobs") or {}).get("token_logprobs", [])]
-        index = allowed.index(out_ids[0]) if allowed and out_ids and out_ids[0] in allowed else None
+        picked = allowed.index(out_ids[0]) if allowed and out_ids and out_ids[0] in allowed else None
         return Completion(text=choice.get("text", ""), prompt_token_ids=list(choice.get("prompt_token_ids") or
                                                                              prompt_ids),
-                          response_token_ids=out_ids, logprobs=lps, model_version=version, choice=index,
+                          response_token_ids=out_ids, logprobs=lps, model_version=version, choice=picked,
                           allowed_token_ids=allowed, finish_reason=choice.get("finish_reason") or "stop")
 
     # ---- weights -----------------------------------------------------------------------------

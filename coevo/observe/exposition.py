@@ -7,11 +7,12 @@ blocks the event loop on I/O; leaving ``serve`` closes the listening socket and 
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -75,9 +76,9 @@ def registry_for(*, agents: Sequence[Agent] = (), aggregator: Aggregator | None 
     registry = CollectorRegistry(auto_describe=False)
     ProcessCollector(registry=registry)
     if agents:
-        registry.register(AgentCollector(agents))  # type: ignore[arg-type]
+        registry.register(AgentCollector(agents))
     if aggregator is not None:
-        registry.register(SeriesCollector(aggregator))  # type: ignore[arg-type]
+        registry.register(SeriesCollector(aggregator))
     return registry
 
 
@@ -117,7 +118,8 @@ async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
     await runner.setup()
     try:
         site = await _start(runner, host, port, fallback_any_port)
-        sockets: Iterable[Any] = site._server.sockets if site._server else ()  # type: ignore[union-attr]
+        server = cast("asyncio.Server | None", site._server)  # TCPSite's: what loop.create_server returned
+        sockets: Iterable[Any] = server.sockets if server else ()
         bound = next(iter(sockets)).getsockname()[1]
         yield f"http://{host}:{bound}"
     finally:

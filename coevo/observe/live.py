@@ -87,7 +87,7 @@ async def agent_metrics(agents: Sequence[Agent], port: int | None, host: str = "
     if port is None:
         yield None
         return
-    aggregator = next((a.aggregator for a in agents if isinstance(getattr(a, "aggregator", None), Aggregator)), None)
+    aggregator = next((agg for a in agents if isinstance(agg := getattr(a, "aggregator", None), Aggregator)), None)
     app = metrics_app(registry_for(agents=agents, aggregator=aggregator), agents_health(agents))
     async with serve(app, host, port) as url:
         yield url + "/metrics"

@@ -34,12 +34,13 @@ async def tail(bus: NatsBus, stop: asyncio.Event, *, start_seq: int = 1, wait_s:
                on_caught_up: Callable[[], None] | None = None) -> AsyncIterator[tuple[int, Event | None]]:
     """``(sequence, event)`` from ``start_seq`` on (``event`` None: undecodable), live until ``stop``;
     ``on_caught_up`` is called whenever everything stored so far was yielded."""
+    name = f"{OBSERVER_PREFIX}{new_id()[:16]}"
     config = api.ConsumerConfig(
-        name=f"{OBSERVER_PREFIX}{new_id()[:16]}", ack_policy=api.AckPolicy.NONE,
+        name=name, ack_policy=api.AckPolicy.NONE,
         deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq),
         filter_subject=f"{events_prefix(bus.run_id)}.>", inactive_threshold=60.0, max_ack_pending=-1)
     await bus.js.add_consumer(bus.stream, config)
-    sub = await Puller(bus.nc, bus.stream, config.name).start()
+    sub = await Puller(bus.nc, bus.stream, name).start()
     try:
         caught_up = False
         read = max(1, start_seq) - 1  # the last sequence yielded
@@ -51,7 +52,7 @@ async def tail(bus: NatsBus, stop: asyncio.Event, *, start_seq: int = 1, wait_s:
                 empty += 1
                 caught_up = empty >= LOST_AFTER  # what is left when the server does not answer
                 with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-                    info = await bus.js.consumer_info(bus.stream, config.name)
+                    info = await bus.js.consumer_info(bus.stream, name)
                     caught_up = read_all(info, read) or (info.num_pending == 0 and empty >= LOST_AFTER)
                 if caught_up and on_caught_up is not None:
                     on_caught_up()
@@ -70,7 +71,7 @@ async def tail(bus: NatsBus, stop: asyncio.Event, *, start_seq: int = 1, wait_s:
     finally:
         with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
             await sub.unsubscribe()
-            await bus.js.delete_consumer(bus.stream, config.name)
+            await bus.js.delete_consumer(bus.stream, name)
 
 
 async def consumer_infos(bus: NatsBus) -> list[ConsumerInfo]:

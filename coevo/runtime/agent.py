@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import time
 from collections import Counter, deque
@@ -218,7 +219,7 @@ class Agent:
                 # retried, it never takes the agent down
                 beat = tg.create_task(self._supervise("heartbeat", self._heartbeat), name=f"{self.agent_id}:heartbeat")
                 for c in self._consumers:
-                    tg.create_task(self._supervise(c.sub.durable, lambda c=c: c.run(self.stopping)),
+                    tg.create_task(self._supervise(c.sub.durable, functools.partial(c.run, self.stopping)),
                                    name=f"{self.agent_id}:{c.sub.durable}")
                 main = tg.create_task(self._supervise("main", self._main_once), name=f"{self.agent_id}:main")
                 tg.create_task(self._end_when_stopped([beat, main]), name=f"{self.agent_id}:stop")

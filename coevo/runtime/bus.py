@@ -567,9 +567,8 @@ class NatsBus:
         """A ``DeadLettered`` event holding the message's bytes and the reason, stored before returning."""
         from coevo.schemas import DeadLettered
 
-        ident = {"event_id": event_id} if event_id else {}
         event = DeadLettered(
-            **ident, run_id=self.run_id, source=source, original_subject=subject, consumer=consumer,
+            event_id=event_id or new_id(), run_id=self.run_id, source=source, original_subject=subject, consumer=consumer,
             reason=reason[:4000], raw=bytes(data or b""), delivery_count=delivered,
             headers={k: str(v) for k, v in (headers or {}).items()},
         )

@@ -15,6 +15,7 @@ with that reason like any other undecodable payload).
 from __future__ import annotations
 
 import base64
+import builtins
 import hashlib
 import json
 import uuid
@@ -38,11 +39,11 @@ class Claim:
     sha256: str
     bytes: int
 
-    def body(self) -> bytes:
+    def body(self) -> builtins.bytes:  # ``bytes`` is the field here
         return json.dumps({"claim": asdict(self)}).encode()
 
     @classmethod
-    def parse(cls, body: bytes) -> Claim:
+    def parse(cls, body: builtins.bytes) -> Claim:
         try:
             return cls(**json.loads(body)["claim"])
         except (ValueError, KeyError, TypeError) as exc:
@@ -72,7 +73,8 @@ def _object_digest(payload: bytes) -> str:
 async def _info(js: Any, bucket: str, key: str) -> api.ObjectInfo:
     """The object's meta, from the stream's leader (``NotFoundError`` when there is none)."""
     msg = await js.get_last_msg(_stream(bucket), _meta_subject(bucket, key))
-    return api.ObjectInfo.from_response(json.loads(msg.data or b"{}"))
+    info: api.ObjectInfo = api.ObjectInfo.from_response(json.loads(msg.data or b"{}"))
+    return info
 
 
 async def put(js: Any, bucket: str, event_id: str, payload: bytes) -> Claim:

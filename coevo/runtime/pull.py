@@ -42,7 +42,7 @@ def read_all(info: ConsumerInfo, read: int, end: int | None = None) -> bool:
     stream sequence ``end``) and every message it delivered (up to ``end``) was read, ``read`` being
     the last sequence read. A timeout alone proves neither: a delivered message can still be on its
     way (it is then handed out by the next fetch)."""
-    delivered = info.delivered.stream_seq or 0
+    delivered = (info.delivered.stream_seq if info.delivered is not None else None) or 0
     nothing_left = info.num_pending == 0 or (end is not None and delivered >= end)
     return nothing_left and read >= (delivered if end is None else min(delivered, end))
 

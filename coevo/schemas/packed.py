@@ -32,7 +32,7 @@ import re
 import struct
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Annotated, Any, ClassVar, Self, overload
+from typing import Annotated, Any, ClassVar, Literal, Self, overload
 
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic.json_schema import JsonSchemaValue
@@ -45,7 +45,7 @@ _HEAD = struct.Struct("<4sI")
 _REF = re.compile(r"^@([0-9]{1,10}):([0-9]{1,10})$")
 
 
-def _swapped(typecode: str, data: memoryview) -> array.array[Any]:
+def _swapped(typecode: Literal["i", "d"], data: memoryview) -> array.array[Any]:
     """A copy of ``data``'s bytes as ``typecode`` elements, byte order reversed (for big-endian hosts)."""
     buf = array.array(typecode, data.cast("B").tobytes())
     buf.byteswap()
@@ -56,7 +56,7 @@ class PackedSequence(Sequence[Any]):
     """An immutable sequence of numbers over one buffer (native order in memory, LE on the wire)."""
 
     __slots__ = ("_view",)
-    typecode: ClassVar[str]
+    typecode: ClassVar[Literal["i", "d"]]
     item: ClassVar[str]
 
     def __init__(self, values: Iterable[Any] = ()) -> None:

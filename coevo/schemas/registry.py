@@ -49,7 +49,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     RunFinished,
 )
 
-AnyEvent = Annotated[Union[EVENT_TYPES], Field(discriminator="kind")]  # noqa: UP007
+AnyEvent: Any = Annotated[Union[EVENT_TYPES], Field(discriminator="kind")]  # noqa: UP007  (built at run time)
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(AnyEvent)
 
 KIND_TO_MODEL: dict[str, type[Event]] = {

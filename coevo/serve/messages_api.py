@@ -165,6 +165,7 @@ def stream_events(body: dict[str, Any], pieces: list[str]) -> list[tuple[str, di
     start = {**body, "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
     out: list[tuple[str, dict[str, Any]]] = [("message_start", {"type": "message_start", "message": start})]
     for k, block in enumerate(body["content"]):
+        first: dict[str, Any]
         if block["type"] == "text":
             first, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": p} for p in pieces]
         else:

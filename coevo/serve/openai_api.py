@@ -82,7 +82,7 @@ class CompletionRequest(_Request):
         if isinstance(p, list) and p and isinstance(p[0], str | list):
             if len(p) != 1:
                 raise ApiError(400, "one prompt per request (send a batch as separate requests)", param="prompt")
-            p = p[0]  # type: ignore[assignment]
+            p = p[0]
         if isinstance(p, list) and not all(isinstance(t, int) for t in p):
             raise ApiError(400, "prompt must be text or a list of token ids", param="prompt")
         return p  # type: ignore[return-value]

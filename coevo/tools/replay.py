@@ -148,7 +148,7 @@ async def judge_votes(client: Any, cfg: CoevoConfig, step: StepTaken) -> list[di
     from coevo.agents.judge import ask, step_prompt
 
     prompt = step_prompt(step, cfg.judge.effective_mode)
-    out = []
+    out: list[dict[str, Any]] = []
     for j in range(cfg.judge.m):
         try:
             _, value, status = await ask(client, cfg.judge, prompt, j)

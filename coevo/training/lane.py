@@ -40,11 +40,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -165,7 +165,9 @@ class Lane:
                               f"checkpoints were written {'with' if saved_adapter else 'without'} learner.lora",
                               field="learner.lora")
         if lc is None:
-            return AutoModelForCausalLM.from_pretrained(resume or self.base_model).to(self.device)
+            # transformers' @wraps(Module.to) is not a bound method to mypy: it wants the model as first argument
+            loaded = AutoModelForCausalLM.from_pretrained(resume or self.base_model)
+            return loaded.to(self.device)  # type: ignore[arg-type]
         if self.fsdp:
             raise ConfigError("learner.lora under torchrun needs learner.parallel = 'ddp' (adapters are not sharded)",
                               field="learner.lora")
@@ -191,7 +193,8 @@ class Lane:
         from transformers import AutoModelForCausalLM
 
         dtype = torch.bfloat16 if str(self.device).startswith("cuda") else torch.float32
-        ref = AutoModelForCausalLM.from_pretrained(self.base_model, dtype=dtype).to(self.device)
+        loaded = AutoModelForCausalLM.from_pretrained(self.base_model, dtype=dtype)
+        ref = loaded.to(self.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to), as in _model
         ref.eval()
         ref.requires_grad_(False)
         return ref
@@ -247,13 +250,14 @@ class Lane:
         plans = [[to_tensors(mb, self.vocab, self.pad_id).to(self.device)
                   for mb in rank_plan(part, self.rank, self.world, self.cfg.max_batch_tokens)] for part in parts]
         fixed = self._fixed_logprobs(plans)
-        agg: Counter[str] = Counter()
+        agg: defaultdict[str, float] = defaultdict(float)
         steps = 0
         undo = _UndoPoint.of(self) if self.cfg.epochs * len(parts) > 1 else None
         try:
             for _epoch in range(self.cfg.epochs):
                 for part, micro, fx in zip(parts, plans, fixed, strict=True):
-                    agg.update(self._optimizer_step(micro, fx, len(part)))
+                    for k, v in self._optimizer_step(micro, fx, len(part)).items():
+                        agg[k] += v
                     steps += 1
         except BaseException:
             if undo is not None and steps:  # a batch is trained whole or not at all
@@ -308,11 +312,11 @@ class Lane:
                             device=t.advantages.device)
 
     def _optimizer_step(self, micro: list[Tensors], fixed: list[tuple[torch.Tensor, torch.Tensor]],
-                        total: int) -> Counter[str]:
+                        total: int) -> dict[str, float]:
         """One optimiser step on one minibatch of ``total`` samples (this rank's micro-batches)."""
         lc = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
-        agg: Counter[str] = Counter()
+        agg: defaultdict[str, float] = defaultdict(float)
         for t, (px, ref) in zip(micro, fixed, strict=True):
             with self._autocast():
                 new = token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
@@ -356,6 +360,13 @@ class Lane:
         with self._lock:
             return self._publish()
 
+    def publish_alone(self) -> Published:
+        """``publish`` in a process that is the whole learner (benchmarks, tools): rank 0 by construction."""
+        published = self.publish()
+        if published is None:
+            raise RuntimeError(f"lane {self.role} is rank {self.rank} of {self.world}: only rank 0 publishes")
+        return published
+
     def _publish(self) -> Published | None:
         """The current weights in the serving dtype: written once (hashed while written) and held in
         memory (``HELD``) for in-process engines and pushed transfers. Call between steps (every
@@ -381,7 +392,8 @@ class Lane:
             return self.model.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return cast(dict[str, torch.Tensor], full)  # full_state_dict: plain tensors, no DTensor shards
 
     # ---- resume checkpoints --------------------------------------------------------------------
 

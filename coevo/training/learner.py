@@ -486,5 +486,8 @@ class LearnerAgent(Agent):
             return None
         server = WeightServer(self.bus, sync)
         for role in roles:
-            await server.serve(role, lambda role=role: self.published[role])
+            def newest(role: Role = role) -> tuple[int, Path, str]:
+                return self.published[role]
+
+            await server.serve(role, newest)
         return server

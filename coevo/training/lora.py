@@ -31,7 +31,8 @@ def _peft_config(cfg: LoraConfig) -> Any:
         from peft import LoraConfig as PeftLoraConfig
     except ImportError as exc:
         raise ConfigError(f"learner.lora needs peft: pip install 'coevo[lora]' ({exc})", field="learner.lora") from exc
-    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+    # peft annotates lora_alpha int; it only divides by it (alpha / r), a float alpha is meant
+    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
                           target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
 
 

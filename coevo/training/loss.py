@@ -20,8 +20,9 @@ the loss is plain PPO: the correction is a no-op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -110,7 +111,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     from torch.utils.checkpoint import checkpoint
 
     hidden = _final_hidden(model, input_ids, attention_mask)
-    head = model.get_output_embeddings()
+    head = _output_head(model)
     rows, cols = response_mask[:, 1:].nonzero(as_tuple=True)  # position cols predicts token cols + 1
     h = hidden[:, :-1][rows, cols]
     targets = input_ids[:, 1:][rows, cols]
@@ -144,6 +145,11 @@ def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def _output_head(model: torch.nn.Module) -> torch.nn.Linear:
+    """The causal LM's output head (transformers' ``get_output_embeddings``, reached through any wrapper)."""
+    return cast(Callable[[], torch.nn.Linear], model.get_output_embeddings)()
+
+
 def _final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The hidden states the output head would see, [batch, tokens, hidden]: the model runs whole
     (so FSDP and any wrapping stay in charge) while a pre-hook hands its head an empty slice."""
@@ -153,7 +159,7 @@ def _final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
         box["hidden"] = args[0]
         return (args[0][:, :0], *args[1:])
 
-    handle = model.get_output_embeddings().register_forward_pre_hook(grab)
+    handle = _output_head(model).register_forward_pre_hook(grab)
     try:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)

@@ -13,7 +13,7 @@ learner, whose ranks would have to run the forward pass together).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
@@ -21,6 +21,9 @@ from coevo.config import CoevoConfig
 from coevo.errors import ConfigError, VLLMError
 from coevo.schemas import TrainingSample
 from coevo.training.lane import Lane
+
+if TYPE_CHECKING:
+    from coevo.inference.vllm_client import VLLMClient
 
 log = structlog.get_logger("coevo.parity")
 
@@ -74,7 +77,8 @@ async def check(cfg: CoevoConfig, lane: Lane) -> float | None:
     if lane.world > 1:
         log.info("parity.skipped", role=lane.role, reason=f"a sharded learner ({lane.world} ranks)")
         return None
-    async with make_client(cfg, lane.role) as client:  # type: ignore[arg-type, attr-defined]
+    # a role a vLLM server serves (served_roles) gets a VLLMClient
+    async with cast("VLLMClient", make_client(cfg, lane.role)) as client:
         served = served_version(await client.weight_version())
         if served != lane.version:
             log.info("parity.skipped", role=lane.role, reason=f"the server serves version {served} "

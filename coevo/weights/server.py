@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,7 @@ class WeightServer:
         if (old := self.links.pop(key, None)) is not None:
             old.close()
         world = 1 + req.workers
+        opening: Awaitable[Collective]
         if self.backend == "gloo":
             store = GlooCollective.host_store(self.host, world, self.timeout_s)
             port = int(store.port)

@@ -45,7 +45,7 @@ FileInfo = dict[str, Any]
 def _raw(t: torch.Tensor) -> memoryview:
     """The tensor's bytes (a CPU tensor; no copy when it is contiguous)."""
     flat = t.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 def _header(items: list[tuple[str, torch.Tensor]]) -> bytes:
@@ -192,7 +192,7 @@ def exchange(a: Path, b: Path) -> bool:
     kernel, libc or file system cannot, and nothing was changed."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        rc = libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+        rc = int(libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE))
     except (AttributeError, OSError):
         return False
     return rc == 0

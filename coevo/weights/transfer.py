@@ -116,7 +116,7 @@ class GlooCollective:
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([tensor], opts).wait()
+        self.pg.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]  # torch's stub of ProcessGroupGloo lacks it
 
     def close(self) -> None:
         self.pg = None  # type: ignore[assignment]

@@ -54,7 +54,7 @@ def _engine_class() -> type:
             rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
             self.shutdown()
             timeout_s = float(os.environ.get("COEVO_TRANSFER_TIMEOUT_S", "120"))  # vLLM's init info has no field
-            self.model_update_group = GlooCollective.join(init_info.master_address, init_info.master_port, rank,
+            self.model_update_group: GlooCollective | None = GlooCollective.join(init_info.master_address, init_info.master_port, rank,
                                                      init_info.world_size, timeout_s=timeout_s)
 
         def receive_weights(self, update_info: Any) -> None:
