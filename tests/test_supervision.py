@@ -186,7 +186,7 @@ async def test_a_failing_kv_read_propagates_and_seeds_nothing(
 
 async def _stored_slots(bus: NatsBus) -> dict[str, bytes]:
     kv = await bus.kv("tasks")
-    return {k: (await kv.get(k)).value for k in await kv.keys() if k.startswith("slot.")}
+    return {k: v for k in await kv.keys() if k.startswith("slot.") and (v := await kv.get(k)) is not None}
 
 
 async def test_no_keys_listed_but_entries_stored_is_not_an_empty_pool(bus: NatsBus, cfg: CoevoConfig) -> None:
@@ -195,10 +195,12 @@ async def test_no_keys_listed_but_entries_stored_is_not_an_empty_pool(bus: NatsB
     seeded; deleting the bucket starts a fresh pool."""
     await TasksAgent(bus, cfg).load()
     kv = await bus.kv("tasks")
-    for key in await kv.keys():
+    keys = await kv.keys()
+    for key in keys:
         await kv.delete(key)
-    with pytest.raises(nats.js.errors.NoKeysError):
+    with pytest.raises(BusError, match="lists no keys but holds"):
         await kv.keys()
+    assert [await kv.get(key) for key in keys] == [None] * len(keys)  # deleted: no value, not an error
     agent = TasksAgent(bus, cfg)
     with pytest.raises(BusError, match="lists no keys but holds"):
         await agent.load()
@@ -207,3 +209,6 @@ async def test_no_keys_listed_but_entries_stored_is_not_an_empty_pool(bus: NatsB
     fresh = TasksAgent(bus, cfg)
     await fresh.load()
     assert len(fresh.slots) == cfg.env.n_train + cfg.env.n_heldout
+    kv = await bus.kv("tasks")  # create: stored once, the first writer's value stays
+    assert await kv.create("probe", b"first") and not await kv.create("probe", b"second")
+    assert await kv.get("probe") == b"first" and await kv.get("never-written") is None

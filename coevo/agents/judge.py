@@ -138,9 +138,10 @@ class JudgeAgent(Agent):
             if step.group_id in self._tests:
                 return self._tests[step.group_id]
             kv = await self.bus.kv("judgetests")
-            try:
-                tests = json.loads((await kv.get(step.group_id)).value)
-            except Exception:  # not written yet
+            stored = await kv.get(step.group_id)
+            if stored is not None:
+                tests = json.loads(stored)
+            else:  # not written yet
                 entry = entry_point(step.objective)
                 prompt = test_prompt(step.observation, entry)
                 tests = []
@@ -154,10 +155,9 @@ class JudgeAgent(Agent):
                     tests.append({"index": j, "code": extract_test(c.text, entry), "text": c.text,
                                   "prompt_token_ids": c.prompt_token_ids, "response_token_ids": c.response_token_ids,
                                   "logprobs": c.logprobs, "model_version": c.model_version})
-                try:
-                    await kv.create(step.group_id, json.dumps(tests).encode())
-                except Exception:  # another judge wrote them first: use theirs
-                    tests = json.loads((await kv.get(step.group_id)).value)
+                if not await kv.create(step.group_id, json.dumps(tests).encode()):
+                    theirs = await kv.get(step.group_id)  # another judge wrote them first: use theirs
+                    tests = json.loads(theirs) if theirs is not None else tests
             self._tests[step.group_id] = tests
             while len(self._tests) > 256:
                 oldest = next(iter(self._tests))

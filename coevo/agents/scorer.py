@@ -244,13 +244,7 @@ class ScorerAgent(Agent):
         acknowledged, and one acknowledged above it is not delivered again (a lost delivery or ack
         leaves such a gap until it is redelivered). Events between the two that were not
         acknowledged come again: ``Group.add`` is idempotent."""
-        import nats.js.errors
-
-        try:
-            info = await self.bus.js.consumer_info(self.bus.stream, "scorer")
-        except nats.js.errors.NotFoundError:
-            return
-        delivered = info.delivered.stream_seq or 0
+        delivered = await self.bus.consumer_position("scorer")
         if delivered:
             await self.replay(delivered)
 

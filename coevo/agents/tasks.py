@@ -38,6 +38,7 @@ from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
 from coevo.runtime.bus import Delivery
 from coevo.runtime.consumer import Subscription
+from coevo.runtime.kv import Bucket
 from coevo.schemas import (
     GroupScored,
     LearnerStepped,
@@ -146,7 +147,7 @@ class TasksAgent(Agent):
         self.policy_version = 0
         self.judge_version = 0
         self.changed = asyncio.Event()
-        self._kv: Any = None
+        self._kv: Bucket | None = None
         self._rr = itertools.count()
         self.eval_queue: list[str] = []
         self.lockstep = Lockstep(self.cfg.tasks.max_groups_in_flight, self.lockstep_timeout_s)
@@ -184,24 +185,12 @@ class TasksAgent(Agent):
     async def load(self) -> None:
         """Resume the pool from KV, or seed it when the bucket holds nothing. Any KV error propagates
         (the supervisor restarts ``main``): seeding over saved slots would lose them."""
-        from nats.js.errors import NoKeysError
-
-        from coevo.errors import BusError
-
         await self.load_versions()
         self._kv = await self.bus.kv("tasks")
-        try:
-            keys: list[str] = await self._kv.keys()
-        except NoKeysError:  # nats-py's answer for an empty bucket, and only for that
-            keys = []
-            # ... or for a listing served by a replica still catching up after a restart: the stream
-            # leader's count decides (deleted keys count too: delete the bucket to start afresh)
-            status = await self._kv.status()
-            if status.values:
-                raise BusError(f"KV bucket {status.bucket} lists no keys but holds {status.values} entries; "
-                               "not seeding over them (delete the bucket to start a fresh pool)") from None
-        for key in keys:
-            raw = (await self._kv.get(key)).value
+        for key in await self._kv.keys():  # [] only for an empty bucket (coevo.runtime.kv)
+            raw = await self._kv.get(key)
+            if raw is None:  # deleted since the listing
+                continue
             if key == "inflight":
                 self.inflight = InFlight.model_validate_json(raw)
                 for group_id in self.inflight.groups:  # saved by a version without times: count from now
@@ -220,10 +209,15 @@ class TasksAgent(Agent):
         await self.save_inflight()
 
     async def save(self, slot: Slot) -> None:
-        await self._kv.put(f"slot.{slot.slot_id}", slot.model_dump_json().encode())
+        await self._loaded().put(f"slot.{slot.slot_id}", slot.model_dump_json().encode())
 
     async def save_inflight(self) -> None:
-        await self._kv.put("inflight", self.inflight.model_dump_json().encode())
+        await self._loaded().put("inflight", self.inflight.model_dump_json().encode())
+
+    def _loaded(self) -> Bucket:
+        if self._kv is None:
+            raise RuntimeError("task pool not loaded yet")  # a handler naks: redelivered once main() loaded it
+        return self._kv
 
     # ---- scheduling --------------------------------------------------------------------------
 
@@ -330,8 +324,7 @@ class TasksAgent(Agent):
             self.changed.set()
 
     async def on_scored(self, event: GroupScored, _d: Delivery) -> None:
-        if self._kv is None:
-            raise RuntimeError("task pool not loaded yet")  # nak: redelivered once main() loaded it
+        self._loaded()
         version = self.inflight.groups.get(event.group_id)
         if version is not None and event.purpose == "train" and event.policy_samples and not event.flagged:
             self.backlog.scored(event.group_id, version, time.monotonic())

@@ -86,10 +86,10 @@ class LiteLLMClient:
         if self._cache is None:
             return None
         try:
-            entry = await self._cache.get(key)
-        except Exception:  # nats-py raises KeyNotFoundError
+            entry = await self._cache.get(key)  # None: not cached
+        except Exception:  # the bucket is unreachable: the call is made (the cache is an optimisation)
             return None
-        return json.loads(entry.value) if entry and entry.value else None
+        return json.loads(entry) if entry else None
 
     def _mock(self) -> Any:
         """Offline testing: the n-th attempt of this client gets the n-th mock (the last one repeats)."""

@@ -44,6 +44,7 @@ from coevo.runtime.credentials import (
     payload_buckets,
     read_credential,
 )
+from coevo.runtime.kv import Bucket
 from coevo.runtime.pull import Puller, read_all
 from coevo.schemas import (
     ControlReply,
@@ -614,18 +615,27 @@ class NatsBus:
         for bucket in payload_buckets(self.run_id):
             await self.payload_store(bucket)
 
-    async def kv(self, name: str) -> Any:
+    async def kv(self, name: str) -> Bucket:
         """The run's KV bucket ``name`` (one of ``KV_BUCKETS``, file-backed), created on first use."""
         if name not in KV_BUCKETS:
             raise ValueError(f"unknown bucket {name!r}: add it to coevo.runtime.credentials.KV_BUCKETS")
         bucket = f"coevo_{self.run_id}_{name}"
         try:
-            return await self.js.key_value(bucket)
+            return Bucket(await self.js.key_value(bucket), bucket)
         except nats.js.errors.BucketNotFoundError:
-            return await self.js.create_key_value(bucket=bucket, storage=api.StorageType.FILE, history=1,
-                                                  replicas=self.stream_cfg.replicas)
+            return Bucket(await self.js.create_key_value(bucket=bucket, storage=api.StorageType.FILE, history=1,
+                                                         replicas=self.stream_cfg.replicas), bucket)
 
     # ---- reading history ---------------------------------------------------------------------
+
+    async def consumer_position(self, durable: str) -> int | None:
+        """The last stream sequence the durable consumer ``durable`` was delivered (0: nothing yet);
+        None when there is no such consumer."""
+        try:
+            info = await self.js.consumer_info(self.stream, durable)
+        except nats.js.errors.NotFoundError:
+            return None
+        return (info.delivered.stream_seq if info.delivered is not None else None) or 0
 
     async def last_sequence(self) -> int:
         info = await self.js.stream_info(self.stream)
