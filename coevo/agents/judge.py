@@ -19,8 +19,7 @@ from coevo.errors import OverBudget
 from coevo.inference.clients import make_client
 from coevo.inference.engine import CachesCalls, Completion, Metered
 from coevo.runtime.agent import Agent
-from coevo.runtime.bus import Delivery
-from coevo.runtime.consumer import Subscription
+from coevo.runtime.consumer import Delivery, Subscription
 from coevo.schemas import (
     BudgetExceeded,
     FloatArray,

@@ -33,8 +33,7 @@ from coevo.inference.clients import make_client
 from coevo.inference.engine import Completion
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
-from coevo.runtime.bus import Delivery
-from coevo.runtime.consumer import Subscription
+from coevo.runtime.consumer import Delivery, Subscription
 from coevo.runtime.credentials import generated_token
 from coevo.schemas import (
     LearnerStepped,

@@ -27,8 +27,8 @@ from typing import Any
 from coevo.algorithm import scoring
 from coevo.config import CoevoConfig
 from coevo.runtime.agent import Agent
-from coevo.runtime.bus import Delivery, stored_id
-from coevo.runtime.consumer import Subscription
+from coevo.runtime.bus import stored_id
+from coevo.runtime.consumer import Delivery, Subscription
 from coevo.schemas import (
     Event,
     FailureDigest,

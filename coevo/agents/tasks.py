@@ -36,8 +36,7 @@ from coevo.envs import make_family
 from coevo.inference.engine import CachesCalls
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
-from coevo.runtime.bus import Delivery
-from coevo.runtime.consumer import Subscription
+from coevo.runtime.consumer import Delivery, Subscription
 from coevo.runtime.kv import Bucket
 from coevo.schemas import (
     GroupScored,

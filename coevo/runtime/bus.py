@@ -799,31 +799,3 @@ def _ack_error(data: bytes) -> str | None:
 
 def _error_reply(reason: str) -> bytes:
     return json.dumps({"error": reason[:2000]}).encode()
-
-
-HandlerFn = Callable[[Event, "Delivery"], Awaitable[None]]
-
-
-class Delivery:
-    """What a handler knows about the message it handles (metadata parsed on demand)."""
-
-    __slots__ = ("msg",)
-
-    def __init__(self, msg: Msg) -> None:
-        self.msg = msg
-
-    @property
-    def subject(self) -> str:
-        return self.msg.subject
-
-    @property
-    def stream_seq(self) -> int:
-        return self.msg.metadata.sequence.stream
-
-    @property
-    def num_delivered(self) -> int:
-        return self.msg.metadata.num_delivered
-
-    async def in_progress(self) -> None:
-        """Tell the server the work goes on (resets the ack timer)."""
-        await self.msg.in_progress()

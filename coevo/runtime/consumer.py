@@ -32,10 +32,36 @@ from coevo.config import BusConfig
 from coevo.errors import PayloadUnavailable, PublishError, Reject, Retry
 from coevo.runtime import faults
 from coevo.runtime.aio import drain, first_completed, unless_set
-from coevo.runtime.bus import Delivery, NatsBus
+from coevo.runtime.bus import NatsBus
 from coevo.runtime.outbox import Outbox, staging
 from coevo.runtime.pull import Puller
 from coevo.schemas import Event, Source, kind_of
+
+
+class Delivery:
+    """What a handler knows about the message it handles (metadata parsed on demand)."""
+
+    __slots__ = ("msg",)
+
+    def __init__(self, msg: Msg) -> None:
+        self.msg = msg
+
+    @property
+    def subject(self) -> str:
+        return self.msg.subject
+
+    @property
+    def stream_seq(self) -> int:
+        return self.msg.metadata.sequence.stream
+
+    @property
+    def num_delivered(self) -> int:
+        return self.msg.metadata.num_delivered
+
+    async def in_progress(self) -> None:
+        """Tell the server the work goes on (resets the ack timer)."""
+        await self.msg.in_progress()
+
 
 log = structlog.get_logger("coevo.consumer")
 

@@ -54,8 +54,7 @@ from coevo.errors import Reject, Retry
 from coevo.inference.clients import model_dir
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import outlast, wait_event
-from coevo.runtime.bus import Delivery
-from coevo.runtime.consumer import Subscription
+from coevo.runtime.consumer import Delivery, Subscription
 from coevo.schemas import GroupScored, LearnerStepped, TaskDecided, TrainingSample, WeightsPublished
 from coevo.schemas.events import Role, WeightsFormat
 from coevo.training.checkpoint import Checkpoint

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from coevo.config import CoevoConfig, checkpoint_root
 from coevo.errors import LoadFailed
 from coevo.runtime.agent import Agent
-from coevo.runtime.bus import Delivery, NatsBus
-from coevo.runtime.consumer import Subscription
+from coevo.runtime.bus import NatsBus
+from coevo.runtime.consumer import Delivery, Subscription
 from coevo.schemas import WeightsApplied, WeightsPublished
 from coevo.schemas.events import Role
 from coevo.weights.transports import Loaded, Reloads, Transport, TransportName, transport_for
