@@ -61,7 +61,8 @@ class Aggregator:
         self.series: dict[str, Series] = {}
         self.tally = RunTally()
         self.pool, self.agents, self.trajectories = PoolView(), AgentsView(), TrajectoriesView()
-        self._endpoint_seen: dict[tuple[str, str], float] = {}
+        self._last_totals: dict[tuple[str, str], float] = {}
+        """(agent, counter) -> the running total its last heartbeat reported"""
         self.run_id: str | None = None
         self.t0: float | None = None
         self.t_last = 0.0
@@ -269,17 +270,20 @@ class Aggregator:
         return []
 
     def _status(self, e: AgentStatus, t: float) -> list[Point]:
-        before = (self.agents.agents.get(e.agent_id) or {}).get("restarts", 0)
         restarts = self.agents.status(e)
-        if restarts > before:
-            self._add_total("agent_restarts_total", restarts - before, (("agent", e.agent_id),))
+        self._add_total("agent_restarts_total", self._growth(e.agent_id, "restarts", restarts),
+                        (("agent", e.agent_id),))
         for key, total in e.counters.items():  # an agent's counters are its totals since it started
             if key.startswith("endpoint.tokens."):
-                how, seen = key.removeprefix("endpoint.tokens."), self._endpoint_seen.get((e.agent_id, key), 0)
-                if total > seen:
-                    self._add_total("endpoint_prompts_total", total - seen, (("tokens", how),))
-                self._endpoint_seen[(e.agent_id, key)] = max(seen, total)
+                self._add_total("endpoint_prompts_total", self._growth(e.agent_id, key, total),
+                                (("tokens", key.removeprefix("endpoint.tokens.")),))
         return []
+
+    def _growth(self, agent_id: str, key: str, total: float) -> float:
+        """How much an agent's running total ``key`` grew since its last heartbeat (all of it at the first)."""
+        last = self._last_totals.get((agent_id, key), 0.0)
+        self._last_totals[(agent_id, key)] = total
+        return max(total - last, 0.0)
 
     def _dead(self, e: DeadLettered, t: float) -> list[Point]:
         self.agents.dead_lettered(e, t)

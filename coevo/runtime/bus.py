@@ -45,7 +45,7 @@ from coevo.runtime.credentials import (
     read_credential,
 )
 from coevo.runtime.kv import Bucket
-from coevo.runtime.pull import Puller, read_all
+from coevo.runtime.pull import Puller, delivered_seq, read_all
 from coevo.schemas import (
     ControlReply,
     ControlRequest,
@@ -635,7 +635,7 @@ class NatsBus:
             info = await self.js.consumer_info(self.stream, durable)
         except nats.js.errors.NotFoundError:
             return None
-        return (info.delivered.stream_seq if info.delivered is not None else None) or 0
+        return delivered_seq(info)
 
     async def last_sequence(self) -> int:
         info = await self.js.stream_info(self.stream)

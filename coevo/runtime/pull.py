@@ -37,12 +37,17 @@ _GRACE_S = 0.5  # past the request's expiry, for the server's 408 to arrive
 _CONFLICT_PAUSE_S = 0.1
 
 
+def delivered_seq(info: ConsumerInfo) -> int:
+    """The last stream sequence the consumer of ``info`` was delivered (0: nothing yet)."""
+    return (info.delivered.stream_seq if info.delivered is not None else None) or 0
+
+
 def read_all(info: ConsumerInfo, read: int, end: int | None = None) -> bool:
     """After a fetch timed out: True when ``info``'s consumer has nothing left to deliver (up to
     stream sequence ``end``) and every message it delivered (up to ``end``) was read, ``read`` being
     the last sequence read. A timeout alone proves neither: a delivered message can still be on its
     way (it is then handed out by the next fetch)."""
-    delivered = (info.delivered.stream_seq if info.delivered is not None else None) or 0
+    delivered = delivered_seq(info)
     nothing_left = info.num_pending == 0 or (end is not None and delivered >= end)
     return nothing_left and read >= (delivered if end is None else min(delivered, end))
 
