@@ -453,21 +453,34 @@ def cmd_bench_learn(args: argparse.Namespace) -> int:
     from coevo.bench.learn import bench_learn, bench_learn_lora
 
     if args.lora:
-        return _emit(run_stoppable(bench_learn_lora(args.minutes, args.eval_every, args.episodes, rank=args.lora,
-                                                    lr=args.lora_lr, **_over_seeds(args))), args.json)
-    return _emit(run_stoppable(bench_learn(args.minutes, args.eval_every, args.episodes, **_over_seeds(args))),
+        return _emit(run_stoppable(bench_learn_lora(_bench_budget(args), args.eval_every, args.episodes,
+                                                    rank=args.lora, lr=args.lora_lr, **_over_seeds(args))), args.json)
+    return _emit(run_stoppable(bench_learn(_bench_budget(args), args.eval_every, args.episodes, **_over_seeds(args))),
                  args.json)
 
 
 def cmd_bench_ladder(args: argparse.Namespace) -> int:
     from coevo.bench.learn import bench_ladder
 
-    return _emit(run_stoppable(bench_ladder(args.minutes, args.eval_every, args.episodes, **_over_seeds(args))),
-                 args.json)
+    return _emit(run_stoppable(bench_ladder(_bench_budget(args), args.eval_every, args.episodes,
+                                            **_over_seeds(args))), args.json)
+
+
+def _bench_budget(args: argparse.Namespace) -> Any:
+    """``--budget steps:N|minutes:M|seconds:S`` (default: ``--minutes``)."""
+    from coevo.bench.learn import Budget
+
+    if args.budget is None:
+        return Budget("seconds", args.minutes * 60)
+    try:
+        return Budget.parse(args.budget, cap_s=args.max_minutes * 60)
+    except ValueError as exc:
+        raise SystemExit(f"coevo bench: --budget: {exc}") from None
 
 
 def _over_seeds(args: argparse.Namespace) -> dict[str, Any]:
-    """bench learn / ladder: seeds, preset, family and cache, checked before anything runs."""
+    """bench learn / ladder: seeds, preset, family, cache and the judge to start from, checked before
+    anything runs."""
     from coevo.bench.learn import family_of
 
     try:
@@ -476,7 +489,13 @@ def _over_seeds(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"coevo bench: {exc}") from None
     if args.seeds < 1:
         raise SystemExit("coevo bench: --seeds must be >= 1")
-    return {"seeds": args.seeds, "preset": args.preset, "family": args.family, "cache_dir": args.cache_dir}
+    overrides: dict[str, Any] = {}
+    if args.judge_from is not None:
+        if not (args.judge_from / "config.json").is_file():
+            raise SystemExit(f"coevo bench: --judge-from {args.judge_from}: not a model directory (no config.json)")
+        overrides["judge.model"] = str(args.judge_from.resolve())
+    return {"seeds": args.seeds, "preset": args.preset, "family": args.family, "cache_dir": args.cache_dir,
+            "overrides": overrides}
 
 
 def _seeds_args() -> tuple[Arg, ...]:
@@ -485,7 +504,13 @@ def _seeds_args() -> tuple[Arg, ...]:
             arg("--preset", default="default", choices=("default", "hard"),
                 help="initial task pool; hard: the quick game's sparse-reward pool (family quickgame-hard)"),
             arg("--family", default="quickgame", help="quickgame or textworld"),
-            arg("--cache-dir", type=Path, help="models and compiled games (default: a temporary directory)"))
+            arg("--cache-dir", type=Path, help="models and compiled games (default: a temporary directory)"),
+            arg("--budget", help="per run: steps:N (equal policy learner steps; --eval-every counts steps), "
+                "minutes:M or seconds:S (default: --minutes)"),
+            arg("--max-minutes", type=float, default=30.0, help="wall-clock cap of a steps:N run"),
+            arg("--judge-from", type=Path, metavar="DIR", help="the judge starts from this model directory (a "
+                "judge trained beforehand, e.g. runs/<id>/checkpoints/judge/published/v…): frozen in the "
+                "policy-only rung and with outcome-only reward, trained on elsewhere"))
 
 
 def cmd_bench_weights(args: argparse.Namespace) -> int:
@@ -683,7 +708,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("bench learn", "policy success over time, integrated vs outcome-only, over seeds",
             cmd_bench_learn, args=(
                 _JSON, arg("--minutes", type=float, default=10.0, help="budget per configuration"),
-                arg("--eval-every", type=float, default=30.0, help="seconds between evaluations"),
+                arg("--eval-every", type=float, default=30.0, help="seconds (steps under --budget steps:N) between evaluations"),
                 arg("--episodes", type=int, default=64, help="episodes per evaluation"),
                 arg("--lora", type=int, metavar="RANK", help="LoRA lanes of this rank against full fine-tuning "
                     "(both integrated) instead of integrated against outcome-only"),

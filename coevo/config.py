@@ -432,6 +432,11 @@ class LearnerConfig(Section):
                                         "log-probs are further than this (KL per token, nats) from the learner's "
                                         "own (a server applying sampling defaults coevo does not compute); None: "
                                         "no probe")
+    max_step_kl: float | None = Field(
+        default=None, gt=0, description="step rejection: after a batch's optimiser steps, the KL per response token "
+        "from the weights before it to those after (k3 on the batch's sampled tokens); above this the batch is undone "
+        "(weights and optimiser state restored, version unchanged, its groups acknowledged untrained) and counted "
+        "in the next LearnerStepped.kl_rejected. None: no guard (one more forward pass per batch when set)")
     correction: Literal["tis", "decoupled"] = Field(default="tis", description="off-policy correction")
     tis_cap: float = Field(default=2.0, ge=1.0, description="truncated importance sampling cap c")
     device: str | None = Field(default=None, description="torch device (default: cuda if available)")

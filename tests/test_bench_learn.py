@@ -20,6 +20,7 @@ from coevo.bench.learn import (
     METRICS,
     PAIRED,
     RUNG_KEYS,
+    Budget,
     aggregate_seeds,
     bench_config,
     bench_learn,
@@ -132,7 +133,7 @@ def test_presets_select_families() -> None:
 
 async def test_bench_learn_two_seeds_smoke(model_cache: Path) -> None:
     t0 = time.monotonic()
-    out = await bench_learn(minutes=0.04, eval_every_s=1.0, episodes=4, cache_dir=model_cache, seeds=2,
+    out = await bench_learn(0.04, eval_every=1.0, episodes=4, cache_dir=model_cache, seeds=2,
                             overrides={"env.n_train": 2, "env.n_heldout": 2, "policy.n": 4})
     assert out["seeds"] == [0, 1]
     assert out["family"] == "quickgame"
@@ -199,7 +200,7 @@ LADDER_RUNS = {  # three seeds per rung; only policy+judge's seed 2 and every fu
 
 def _ladder_out() -> dict[str, Any]:
     return aggregate_seeds(copy.deepcopy(LADDER_RUNS), seeds=3, family="quickgame-hard", preset="hard",
-                           minutes=1.0, episodes=64)
+                           budget=Budget("seconds", 60.0), episodes=64)
 
 
 def _interval(mean: float, sd: float, t: float, n: int) -> dict[str, Any]:
@@ -237,7 +238,7 @@ def test_aggregate_seeds_summarises_each_configuration() -> None:
 def test_aggregate_seeds_wants_every_seed_once_in_order(seeds: list[int]) -> None:
     runs = {**copy.deepcopy(LADDER_RUNS), "full": [_run(s, 0.9, 0.8, 30.0, 0.7) for s in seeds]}
     with pytest.raises(ValueError, match="'full' has runs for seeds"):
-        aggregate_seeds(runs, seeds=3, family="quickgame", preset="default", minutes=1.0, episodes=4)
+        aggregate_seeds(runs, seeds=3, family="quickgame", preset="default", budget=Budget("seconds", 60.0), episodes=4)
 
 
 def test_ladder_result_pairs_each_rung_with_the_bottom_one() -> None:
@@ -266,7 +267,7 @@ def test_ladder_result_pairs_each_rung_with_the_bottom_one() -> None:
 def test_learn_result_pairs_integrated_with_outcome_only() -> None:
     runs = {"integrated": [_run(0, 0.9, 0.6, 40.0, 0.8), _run(1, 0.7, 0.5, None, 0.6)],
             "outcome_only": [_run(0, 0.6, 0.4, None, 0.5), _run(1, 0.8, 0.45, 50.0, 0.5)]}
-    out = aggregate_seeds(runs, seeds=2, family="quickgame", preset="default", minutes=1.0, episodes=4)
+    out = aggregate_seeds(runs, seeds=2, family="quickgame", preset="default", budget=Budget("seconds", 60.0), episodes=4)
     before = copy.deepcopy(out)
     result = learn_result(out)
     assert out == before
@@ -299,3 +300,39 @@ async def test_evaluator_plays_textworld_and_its_heldout_games(model_cache: Path
     base = model_dir(cfg, "policy")
     for split in ("train", "heldout"):
         assert 0.0 <= (await ev.success(base, split, seed=0) or 0.0) <= 1.0
+
+
+# ---- step budgets --------------------------------------------------------------------------------
+
+
+def test_a_budget_parses_steps_minutes_and_seconds_and_names_what_is_wrong() -> None:
+    assert Budget.parse("steps:60") == Budget("steps", 60)
+    assert Budget.parse("minutes:2") == Budget("seconds", 120.0)
+    assert Budget.parse("3") == Budget("seconds", 180.0)
+    assert Budget.parse("seconds:30", cap_s=99).seconds == 30.0
+    assert Budget.parse("steps:5", cap_s=99).seconds == 99  # a step budget's wall clock is its cap
+    for bad, why in (("steps:2.5", "positive integer"), ("steps:0", "positive integer"), ("hours:1", "unknown unit"),
+                     ("steps:x", "expected steps:N")):
+        with pytest.raises(ValueError, match=why):
+            Budget.parse(bad)
+
+
+def test_step_milestones_end_on_the_budget() -> None:
+    assert Budget("steps", 10).milestones(4) == [4, 8, 10]
+    assert Budget("steps", 8).milestones(4) == [4, 8]
+    assert Budget("steps", 3).milestones(10) == [3]
+    assert Budget("steps", 3).milestones(0.5) == [1, 2, 3]
+
+
+async def test_a_step_budget_ends_each_run_at_that_policy_version_and_evaluates_it(model_cache: Path) -> None:
+    out = await bench_learn(Budget("steps", 3, cap_s=240), eval_every=2, episodes=4, cache_dir=model_cache,
+                            overrides={"env.n_train": 2, "env.n_heldout": 2, "policy.n": 4,
+                                       "learner.batch_samples": 8})
+    assert out["budget"] == "3 policy steps" and out["steps_per_run"] == 3 and out["minutes_per_run"] is None
+    for c in ("integrated", "outcome_only"):
+        (run,) = out["configs"][c]["runs"]
+        assert run["budget_reached"] is True and run["policy_steps"] == 3
+        # step 0 is the base model; then each milestone's own version, copied when it was published
+        assert [(p["step"], p["policy_version"]) for p in run["curve"]] == [(0, 0), (2, 2), (3, 3)]
+        assert run["learner_steps"] >= 3 and run["heldout_success"] is not None
+        assert out["configs"][c]["summary"]["seconds"]["n"] == 1

@@ -200,3 +200,21 @@ def test_learner_stepped_decodes_without_the_count() -> None:
     fields = dict(run_id="r", source={"agent_id": "a", "role": "learner"}, role="policy", version=1, samples=1,
                   tokens=1, loss=0.0, kl=0.0, clip_fraction=0.0, mismatch_kl=0.0, tokens_per_second=1.0)
     assert LearnerStepped.model_validate(fields).stale_dropped == 0
+
+
+def test_a_step_that_moves_the_policy_too_far_is_undone_and_counted(tiny: Path, tmp_path: Path) -> None:  # noqa: F811
+    batch = choice_samples(tiny, 8)
+    lane = _lane(tiny, tmp_path / "guarded", lr=0.5, max_step_kl=1e-6)  # a big step against a tiny bound
+    before = {k: v.clone() for k, v in lane.model.state_dict().items()}
+    m = lane.step(batch, ["g"])
+    assert m.kl_rejected and m.step_kl is not None and m.step_kl > 1e-6
+    assert (m.samples, m.version, lane.version, lane.steps_total) == (0, 0, 0, 0)
+    assert not lane.has_consumed("g")  # nothing trained: acknowledged untrained by the learner
+    after = lane.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the weights of before the batch
+    assert not lane.optimizer.state  # and the optimiser's (Adam moments of the undone step gone)
+    loose = _lane(tiny, tmp_path / "loose", lr=0.5, max_step_kl=1e9)
+    m = loose.step(batch, ["g"])
+    assert not m.kl_rejected and m.samples == 8 and m.version == 1 and m.step_kl is not None and m.step_kl > 0
+    unguarded = _lane(tiny, tmp_path / "unguarded", lr=0.5)
+    assert unguarded.step(batch, ["g"]).step_kl is None  # no guard: no extra forward pass, nothing measured

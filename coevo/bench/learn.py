@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from coevo.config import CoevoConfig, EnvConfig, PolicyConfig, load_config, registered_families
+from coevo.errors import ConfigError
 from coevo.observe.progress import progress_bar, tracked
 from coevo.schemas import TaskSpec
 
@@ -41,6 +42,60 @@ HELDOUT_SEED = 7919
 TARGET = 0.8
 """The success rate whose first crossing on the training tasks is reported as ``seconds_to_0.8``."""
 PRESETS = ("default", "hard")
+
+# ---- budgets -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What every run of a benchmark gets: wall-clock seconds, or policy learner steps (``steps``).
+
+    A step budget compares configurations per learner step, as the paper does: the run ends when the
+    policy lane publishes version ``amount``, and that exact version is evaluated (copied when
+    published, whatever the loop does after). ``cap_s`` bounds a step budget's wall clock (a
+    configuration whose learner never steps, e.g. outcome-only reward on all-lost groups); a run
+    stopped by it reports ``budget_reached = False``."""
+
+    kind: Literal["seconds", "steps"]
+    amount: float
+    cap_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.amount <= 0 or (self.kind == "steps" and self.amount != int(self.amount)):
+            raise ValueError(f"a {self.kind} budget must be a positive {'integer' if self.kind == 'steps' else 'number'}, "
+                             f"got {self.amount}")
+
+    @classmethod
+    def parse(cls, text: str, *, cap_s: float = 1800.0) -> Budget:
+        """``steps:N``, ``minutes:M`` or ``seconds:S`` (a bare number is minutes)."""
+        kind, _, value = text.partition(":") if ":" in text else ("minutes", "", text)
+        try:
+            amount = float(value)
+        except ValueError:
+            raise ValueError(f"budget {text!r}: expected steps:N, minutes:M or seconds:S") from None
+        if kind == "minutes":
+            return cls("seconds", amount * 60, cap_s)
+        if kind not in ("steps", "seconds"):
+            raise ValueError(f"budget {text!r}: unknown unit {kind!r} (steps, minutes or seconds)")
+        return cls(kind, amount, cap_s)  # type: ignore[arg-type]  # checked just above
+
+    @property
+    def steps(self) -> int | None:
+        return int(self.amount) if self.kind == "steps" else None
+
+    @property
+    def seconds(self) -> float:
+        """The wall clock the run may take: the budget itself, or a step budget's cap."""
+        return self.amount if self.kind == "seconds" else self.cap_s
+
+    def milestones(self, every: float) -> list[int]:
+        """A step budget's evaluation points: every ``every`` steps, and the budget itself (pure)."""
+        n, k = int(self.amount), max(1, int(every))
+        return sorted({*range(k, n, k), n})
+
+    def describe(self) -> str:
+        return f"{int(self.amount)} policy steps" if self.kind == "steps" else f"{self.amount / 60:g} min"
+
 
 # ---- statistics over seeds ---------------------------------------------------------------------
 
@@ -193,7 +248,7 @@ async def _curve(ev: EvalSet, ckpts: Path, base: Path, seconds: float, eval_ever
     from coevo.runtime.aio import wait_event
     from coevo.training.lane import latest_checkpoint
 
-    curve: list[dict[str, float]] = []
+    curve: list[dict[str, Any]] = []
     t0 = time.monotonic()
     while not stop.is_set():
         ckpt = latest_checkpoint(ckpts) or base
@@ -211,9 +266,83 @@ async def _curve(ev: EvalSet, ckpts: Path, base: Path, seconds: float, eval_ever
     return curve
 
 
-async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, episodes: int) -> dict[str, Any]:
-    """Run the loop for ``seconds``; evaluate on the run's initial train tasks during the run, and on the
-    fixed held-out tasks before (base model) and after (newest checkpoint)."""
+class StepWatch:
+    """A step budget's milestones, taken as the learner reaches them (its ``on_step`` callback).
+
+    When the policy lane steps to a milestone version, that version's publication is copied out of
+    the run (published directories are pruned as newer ones arrive) and queued for evaluation; at the
+    last milestone ``stop`` is set, so the loop ends at the budget while the copy is evaluated."""
+
+    def __init__(self, published: Path, keep: Path, milestones: list[int], stop: asyncio.Event) -> None:
+        self.published, self.keep, self.pending, self.stop = published, keep, list(milestones), stop
+        self.ready: asyncio.Queue[tuple[int, Path, float]] = asyncio.Queue()
+        self.t0 = time.monotonic()
+
+    def on_step(self, role: str, metrics: Any) -> None:
+        if role != "policy" or not self.pending or metrics.version < self.pending[0]:
+            return
+        while self.pending and self.pending[0] <= metrics.version:
+            self.pending.pop(0)
+        self.ready.put_nowait((metrics.version, self.copy(metrics.version), time.monotonic() - self.t0))
+        if not self.pending:
+            self.stop.set()
+
+    def copy(self, version: int) -> Path:
+        """The publication of ``version``, copied under ``keep`` (read under its lease: never half pruned)."""
+        import shutil
+
+        from coevo.weights import lease
+
+        found = sorted(self.published.glob(f"v{version:06d}-*"))
+        if not found:
+            raise FileNotFoundError(f"no publication of policy version {version} under {self.published}")
+        dst = self.keep / found[0].name
+        with lease.reading(found[0]):
+            shutil.copytree(found[0], dst, ignore=shutil.ignore_patterns(".lease*"))
+        return dst
+
+    async def next(self, cap_s: float) -> tuple[int, Path, float] | None:
+        """The next milestone copied, or None once ``stop`` is set with none left (or ``cap_s`` passed)."""
+        while True:
+            if not self.ready.empty():
+                return self.ready.get_nowait()
+            if self.stop.is_set():
+                return None
+            getter = asyncio.ensure_future(self.ready.get())
+            stopped = asyncio.ensure_future(self.stop.wait())
+            left = max(0.0, cap_s - (time.monotonic() - self.t0))
+            done, _ = await asyncio.wait({getter, stopped}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if getter in done:
+                return getter.result()
+            getter.cancel()
+            if not done:  # the cap: the budget is not reached
+                self.stop.set()
+
+
+async def _step_curve(ev: EvalSet, base: Path, watch: StepWatch, budget: Budget, eval_every: float,
+                      bar: Any, pool: Callable[[], dict[str, Any]]) -> tuple[list[dict[str, Any]], Path]:
+    """Train success at step 0 (the base) and at each milestone of a step budget; the last model evaluated."""
+    async def point(model: Path, version: int, t: float) -> dict[str, Any]:
+        training_on = pool()
+        success = await ev.success(model, "train", seed=len(curve))
+        bar.update(completed=version)
+        return {"step": version, "seconds": round(t, 1), "success": success or 0.0, "policy_version": version,
+                **training_on}
+
+    curve: list[dict[str, Any]] = []
+    curve.append(await point(base, 0, 0.0))
+    last = base
+    while (got := await watch.next(budget.cap_s)) is not None:
+        version, last, t = got
+        curve.append(await point(last, version, t))
+    return curve, last
+
+
+async def run_budget(cfg: CoevoConfig, budget: Budget, *, eval_every: float, episodes: int) -> dict[str, Any]:
+    """Run the loop for ``budget``; evaluate on the run's initial train tasks during the run (every
+    ``eval_every`` seconds, or steps under a step budget), and on the fixed held-out tasks before (base
+    model) and after (the newest checkpoint; under a step budget the budget's own version)."""
     from coevo.agents.tasks import TasksAgent
     from coevo.inference.clients import model_dir
     from coevo.loop import build_agents, summarize
@@ -221,13 +350,18 @@ async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, e
     from coevo.runtime.app import open_runtime
     from coevo.training.lane import latest_checkpoint
 
+    if budget.kind == "steps" and cfg.learner.publish_every != 1:
+        raise ConfigError("a step budget evaluates every milestone version: learner.publish_every must be 1",
+                          field="learner.publish_every")
     ev = await eval_set(cfg, episodes)
     base = await asyncio.to_thread(model_dir, cfg, "policy")
     await asyncio.to_thread(model_dir, cfg, "judge")
     async with open_runtime(cfg, name="coevo-bench") as rt:
         ckpts = rt.run_dir / "checkpoints" / "policy"
         stop = asyncio.Event()
-        agents = build_agents(rt.bus, cfg)
+        watch = StepWatch(ckpts / "published", rt.run_dir / "evaluated", budget.milestones(eval_every), stop) \
+            if budget.kind == "steps" else None
+        agents = build_agents(rt.bus, cfg, on_step=watch.on_step if watch else None)
         tasks = next((a for a in agents if isinstance(a, TasksAgent)), None)
 
         def pool() -> dict[str, Any]:
@@ -235,25 +369,41 @@ async def run_budget(cfg: CoevoConfig, seconds: float, *, eval_every_s: float, e
 
         t0 = time.monotonic()
         label = f"{cfg.env.family}, {cfg.loop}, {cfg.scorer.reward} reward, seed {cfg.run.seed}"
-        with progress_bar(label, seconds, unit="s") as bar:
-            _, curve = await asyncio.gather(run_agents(agents, handle_signals=False, until=stop),
-                                            _curve(ev, ckpts, base, seconds, eval_every_s, stop, bar, pool))
+        with progress_bar(label, budget.amount, unit="steps" if budget.kind == "steps" else "s") as bar:
+            if watch is None:
+                _, curve = await asyncio.gather(
+                    run_agents(agents, handle_signals=False, until=stop),
+                    _curve(ev, ckpts, base, budget.seconds, eval_every, stop, bar, pool))
+                final = latest_checkpoint(ckpts) or base
+            else:
+                _, (curve, final) = await asyncio.gather(run_agents(agents, handle_signals=False, until=stop),
+                                                         _step_curve(ev, base, watch, budget, eval_every, bar, pool))
         elapsed = time.monotonic() - t0
-        final_ckpt = latest_checkpoint(ckpts) or base
-        held = await ev.success(final_ckpt, "heldout", seed=999)
+        held = await ev.success(final, "heldout", seed=999)
         held0 = await ev.success(base, "heldout", seed=999)
         summary = await summarize(rt.bus, 0.0, elapsed)
-    reached = next((p["seconds"] for p in curve if p["success"] >= TARGET), None)
-    return {"seed": cfg.run.seed, "train_success_initial": curve[0]["success"], "train_success": curve[-1]["success"],
+    return run_result(cfg, budget, curve, summary, ev, held0, held, elapsed) | pool()
+
+
+def run_result(cfg: CoevoConfig, budget: Budget, curve: list[dict[str, Any]], summary: dict[str, Any], ev: EvalSet,
+               held0: float | None, held: float | None, elapsed: float) -> dict[str, Any]:
+    """One run's numbers from its curve and summary (pure)."""
+    hit = next((p for p in curve if p["success"] >= TARGET), None)
+    reached = hit["seconds"] if hit else None
+    steps = curve[-1]["policy_version"]
+    return {"seed": cfg.run.seed, "budget": budget.describe(), "budget_reached": (
+                steps >= budget.amount if budget.kind == "steps" else True),
+            "policy_steps": steps, "train_success_initial": curve[0]["success"], "train_success": curve[-1]["success"],
             "best_train_success": max(p["success"] for p in curve), "heldout_success_initial": held0,
-            "heldout_success": held, "seconds_to_0.8": reached,
-            "seconds_to_0.8_or_budget": reached if reached is not None else seconds, "seconds": round(elapsed, 1),
-            "train_tasks": len(ev.train), "heldout_tasks": len(ev.heldout),
+            "heldout_success": held, "seconds_to_0.8": reached, "steps_to_0.8": hit["policy_version"] if hit else None,
+            "seconds_to_0.8_or_budget": reached if reached is not None else round(elapsed, 1),
+            "seconds": round(elapsed, 1), "train_tasks": len(ev.train), "heldout_tasks": len(ev.heldout),
             **{k: summary[k] for k in ("judge_process_accuracy", "judge_outcome_accuracy",
                                        "judge_process_accuracy_heldout", "judge_outcome_accuracy_heldout",
-                                       "rewrites_accepted", "learner_steps")},
-            "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / seconds, 2),
-            **pool(), "curve": curve}
+                                       "rewrites_accepted", "learner_steps", "policy_kl_rejected",
+                                       "policy_mismatch_kl_max", "policy_step_kl_max")},
+            "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / max(elapsed, 1e-9), 2),
+            "curve": curve}
 
 
 def bench_config(tmp: Path, overrides: dict[str, Any]) -> CoevoConfig:
@@ -267,12 +417,15 @@ def bench_config(tmp: Path, overrides: dict[str, Any]) -> CoevoConfig:
 METRICS = ("train_success", "heldout_success", "judge_process_accuracy", "judge_outcome_accuracy",
            "seconds_to_0.8", "seconds_to_0.8_or_budget", "train_success_initial", "heldout_success_initial",
            "best_train_success", "judge_process_accuracy_heldout", "judge_outcome_accuracy_heldout",
-           "learner_steps", "rewrites_accepted", "trajectories_per_second", "pool_accuracy", "slots_rewritten")
+           "learner_steps", "rewrites_accepted", "trajectories_per_second", "pool_accuracy", "slots_rewritten",
+           "policy_steps", "seconds", "steps_to_0.8", "policy_kl_rejected", "policy_mismatch_kl_max",
+           "policy_step_kl_max")
 """Summarised per configuration. ``seconds_to_0.8``: over the runs that reached 0.8 train success
 (``reached_0.8`` counts them); ``seconds_to_0.8_or_budget``: every run, one that never reached it
-counted as the budget (a lower bound on its time)."""
-PAIRED = ("train_success", "heldout_success", "judge_process_accuracy", "judge_outcome_accuracy",
-          "seconds_to_0.8_or_budget")
+counted as its whole run (the budget, a lower bound on its time); ``steps_to_0.8``: the policy version of
+that evaluation. ``seconds``: the run's wall clock (under a step budget, what the steps took)."""
+PAIRED = ("train_success", "heldout_success", "best_train_success", "judge_process_accuracy",
+          "judge_outcome_accuracy", "seconds_to_0.8_or_budget", "seconds")
 
 
 def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -303,7 +456,7 @@ def plan_runs(configs: dict[str, dict[str, Any]], seeds: int) -> list[tuple[int,
 
 
 def aggregate_seeds(runs: dict[str, list[dict[str, Any]]], *, seeds: int, family: str, preset: str,
-                    minutes: float, episodes: int) -> dict[str, Any]:
+                    budget: Budget, episodes: int) -> dict[str, Any]:
     """``run_seeds``' result from its runs, with no I/O: ``runs[c][s]`` is configuration ``c``'s run with
     seed ``s``, so every configuration has exactly the seeds ``0..seeds-1`` in order (what ``paired``
     pairs by position; a ValueError otherwise). Per configuration: ``summarize_runs`` and the runs as given."""
@@ -312,7 +465,9 @@ def aggregate_seeds(runs: dict[str, list[dict[str, Any]]], *, seeds: int, family
             raise ValueError(f"configuration {c!r} has runs for seeds {[r['seed'] for r in rs]}, "
                              f"not 0..{seeds - 1} in order")
     return {
-        "family": family, "preset": preset, "minutes_per_run": minutes, "seeds": list(range(seeds)),
+        "family": family, "preset": preset, "budget": budget.describe(), "budget_kind": budget.kind,
+        "minutes_per_run": round(budget.amount / 60, 3) if budget.kind == "seconds" else None,
+        "steps_per_run": budget.steps, "seeds": list(range(seeds)),
         "episodes_per_evaluation": episodes, "heldout_seed": HELDOUT_SEED,
         "interval": "95 % Student t over seeds: mean ± t(0.975, n-1)·sd/√n (sample sd); none for n = 1",
         "seconds_to_0.8": "first evaluation with train success >= 0.8; seconds_to_0.8 averages the runs that "
@@ -321,7 +476,7 @@ def aggregate_seeds(runs: dict[str, list[dict[str, Any]]], *, seeds: int, family
         "configs": {c: {**summarize_runs(rs), "runs": rs} for c, rs in runs.items()}}
 
 
-async def run_seeds(configs: dict[str, dict[str, Any]], *, seeds: int, minutes: float, eval_every_s: float,
+async def run_seeds(configs: dict[str, dict[str, Any]], *, seeds: int, budget: Budget, eval_every: float,
                     episodes: int, family: str, preset: str, cache_dir: Path | None,
                     overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every configuration once per seed (``plan_runs``' seed-major order) and the statistics over seeds
@@ -333,8 +488,8 @@ async def run_seeds(configs: dict[str, dict[str, Any]], *, seeds: int, minutes: 
         common = {"env.cache_dir": str(cache_dir or Path(tmp) / "cache"), "env.family": name, **(overrides or {})}
         for s, c, run in tracked(plan, f"{len(configs)} configurations × {seeds} seeds", unit="runs"):
             cfg = bench_config(Path(tmp) / f"{c}-s{s}", {**common, **run})
-            runs[c].append(await run_budget(cfg, minutes * 60, eval_every_s=eval_every_s, episodes=episodes))
-    return aggregate_seeds(runs, seeds=seeds, family=name, preset=preset, minutes=minutes, episodes=episodes)
+            runs[c].append(await run_budget(cfg, budget, eval_every=eval_every, episodes=episodes))
+    return aggregate_seeds(runs, seeds=seeds, family=name, preset=preset, budget=budget, episodes=episodes)
 
 
 def paired(out: dict[str, Any], a: str, b: str) -> dict[str, Any]:
@@ -380,11 +535,16 @@ def ladder_result(out: dict[str, Any]) -> dict[str, Any]:
                       for c, rung in out["configs"].items()}}
 
 
-async def bench_learn(minutes: float = 10.0, eval_every_s: float = 30.0, episodes: int = 64,
+def _budget(budget: Budget | float) -> Budget:
+    """A budget, or minutes as a number."""
+    return budget if isinstance(budget, Budget) else Budget("seconds", float(budget) * 60)
+
+
+async def bench_learn(budget: Budget | float = 10.0, eval_every: float = 30.0, episodes: int = 64,
                       cache_dir: Path | None = None, *, seeds: int = 1, preset: str = "default",
                       family: str = "quickgame", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Integrated reward vs outcome-only, ``seeds`` runs each."""
-    return learn_result(await run_seeds(LEARN, seeds=seeds, minutes=minutes, eval_every_s=eval_every_s,
+    """Integrated reward vs outcome-only, ``seeds`` runs each, ``budget`` each (minutes when a number)."""
+    return learn_result(await run_seeds(LEARN, seeds=seeds, budget=_budget(budget), eval_every=eval_every,
                                         episodes=episodes, family=family, preset=preset, cache_dir=cache_dir,
                                         overrides=overrides))
 
@@ -395,21 +555,22 @@ def lora_configs(rank: int, lr: float) -> dict[str, dict[str, Any]]:
     return {"lora": {"learner.lora": {"rank": rank, "alpha": 2.0 * rank}, "learner.lr": lr}, "full": {}}
 
 
-async def bench_learn_lora(minutes: float = 10.0, eval_every_s: float = 30.0, episodes: int = 64,
+async def bench_learn_lora(budget: Budget | float = 10.0, eval_every: float = 30.0, episodes: int = 64,
                            cache_dir: Path | None = None, *, rank: int = 16, lr: float = 5e-3, seeds: int = 1,
                            preset: str = "default", family: str = "quickgame",
                            overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """LoRA lanes against full fine-tuning at equal wall clock, ``seeds`` runs each (paired by seed)."""
+    """LoRA lanes against full fine-tuning at an equal budget, ``seeds`` runs each (paired by seed)."""
     configs = lora_configs(rank, lr)
-    out = await run_seeds(configs, seeds=seeds, minutes=minutes, eval_every_s=eval_every_s, episodes=episodes,
+    out = await run_seeds(configs, seeds=seeds, budget=_budget(budget), eval_every=eval_every, episodes=episodes,
                           family=family, preset=preset, cache_dir=cache_dir, overrides=overrides)
     return {**learn_result(out, configs), "lora": configs["lora"]}
 
 
-async def bench_ladder(minutes: float = 5.0, eval_every_s: float = 30.0, episodes: int = 64,
+async def bench_ladder(budget: Budget | float = 5.0, eval_every: float = 30.0, episodes: int = 64,
                        cache_dir: Path | None = None, *, seeds: int = 1, preset: str = "default",
-                       family: str = "quickgame", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+                       family: str = "quickgame", overrides: dict[str, Any] | None = None,
+                       rungs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The paper's ladder (policy-only, + judge training, + environment adaptation), ``seeds`` runs each."""
-    return ladder_result(await run_seeds(LADDER, seeds=seeds, minutes=minutes, eval_every_s=eval_every_s,
+    return ladder_result(await run_seeds(rungs or LADDER, seeds=seeds, budget=_budget(budget), eval_every=eval_every,
                                          episodes=episodes, family=family, preset=preset, cache_dir=cache_dir,
                                          overrides=overrides))

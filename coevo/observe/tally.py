@@ -32,6 +32,9 @@ SUMMARY_FIELDS: dict[str, str] = {
     "rewrites_accepted": "rewrites the acceptance gate accepted (they replaced their slot's task)",
     "learner_steps": "optimiser steps of the policy lane (= the last policy weights version)",
     "judge_learner_steps": "optimiser steps of the judge lane",
+    "policy_kl_rejected": "policy batches undone by learner.max_step_kl (their step moved the policy too far)",
+    "policy_step_kl_max": "largest KL per token a policy step moved its weights (measured under learner.max_step_kl)",
+    "policy_mismatch_kl_max": "largest KL per token from the sampler to the learner's weights at a policy step",
     "policy_samples": "policy training samples the scorer produced (one per step of a trainable group)",
     "train_groups_with_samples": "train groups that produced policy samples (a group where every rollout won, "
                                  "or every one lost, has no signal and produces none)",
@@ -69,6 +72,9 @@ class RunTally:
     groups_with_samples: int = 0
     learner_steps: int = 0
     judge_steps: int = 0
+    kl_rejected: int = 0
+    step_kl_max: float | None = None
+    mismatch_kl_max: float | None = None
     accepted: int = 0
     judge: Counter[str] = field(default_factory=Counter)
     judge_cost: float = 0.0
@@ -83,6 +89,11 @@ class RunTally:
         elif isinstance(event, LearnerStepped):
             self.learner_steps += event.role == "policy"
             self.judge_steps += event.role == "judge"
+            if event.role == "policy":
+                self.kl_rejected += event.kl_rejected
+                self.mismatch_kl_max = max(self.mismatch_kl_max or 0.0, event.mismatch_kl)
+                if event.step_kl is not None:
+                    self.step_kl_max = max(self.step_kl_max or 0.0, event.step_kl)
         elif isinstance(event, TaskDecided):
             self.accepted += event.accepted
         elif isinstance(event, TaskScheduled) and event.purpose == "eval":
@@ -136,6 +147,9 @@ class RunTally:
             "rewrites_accepted": self.accepted,
             "learner_steps": self.learner_steps,
             "judge_learner_steps": self.judge_steps,
+            "policy_kl_rejected": self.kl_rejected,
+            "policy_step_kl_max": None if self.step_kl_max is None else round(self.step_kl_max, 4),
+            "policy_mismatch_kl_max": None if self.mismatch_kl_max is None else round(self.mismatch_kl_max, 4),
             "policy_samples": self.policy_samples,
             "train_groups_with_samples": self.groups_with_samples,
             "events": dict(sorted(self.counts.items())),

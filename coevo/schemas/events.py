@@ -243,6 +243,10 @@ class LearnerStepped(Event):
     group_ids: list[str] = Field(default_factory=list)
     stale_dropped: int = Field(default=0, ge=0, description="samples dropped as older than learner.max_staleness "
                                "since this lane's previous LearnerStepped")
+    kl_rejected: int = Field(default=0, ge=0, description="batches undone by learner.max_step_kl since this lane's "
+                             "previous LearnerStepped")
+    step_kl: float | None = Field(default=None, ge=0, description="KL per token from the weights before this step "
+                                  "to those after, on its batch (measured under learner.max_step_kl)")
 
 
 class WeightsPublished(Event):

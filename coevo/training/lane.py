@@ -96,6 +96,10 @@ class StepMetrics:
     """samples of the batch dropped as older than ``max_staleness`` (``learner.stale = "drop"``)"""
     optimizer_steps: int = 1
     """optimiser steps this batch took (``minibatches`` × ``epochs``; 0 when nothing was left to train)"""
+    step_kl: float | None = None
+    """KL per token from the weights before the batch to those after (under ``learner.max_step_kl``)"""
+    kl_rejected: bool = False
+    """the batch was undone: its step KL exceeded ``learner.max_step_kl`` (``samples`` 0, version unchanged)"""
 
 
 Published = tuple[Path, str, int]
@@ -252,7 +256,8 @@ class Lane:
         fixed = self._fixed_logprobs(plans)
         agg: defaultdict[str, float] = defaultdict(float)
         steps = 0
-        undo = _UndoPoint.of(self) if self.cfg.epochs * len(parts) > 1 else None
+        guard = self.cfg.max_step_kl
+        undo = _UndoPoint.of(self) if self.cfg.epochs * len(parts) > 1 or guard is not None else None
         try:
             for _epoch in range(self.cfg.epochs):
                 for part, micro, fx in zip(parts, plans, fixed, strict=True):
@@ -263,6 +268,11 @@ class Lane:
             if undo is not None and steps:  # a batch is trained whole or not at all
                 undo.restore(self)
             raise
+        step_kl = self._step_kl(plans, fixed) if guard is not None else None
+        if guard is not None and step_kl is not None and step_kl > guard and undo is not None:
+            undo.restore(self)  # rejected: as if the batch never came (its groups are acknowledged untrained)
+            return StepMetrics(self.version, 0, 0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, 0.0, stale_dropped=dropped,
+                               optimizer_steps=0, step_kl=step_kl, kl_rejected=True)
         tokens = sum(int(t.response_mask.sum()) + int(t.attention_mask.sum()) for micro in plans for t in micro)
         hist = Counter(str(staleness(s, self.version)) for s in kept)
         self.version += 1
@@ -273,7 +283,27 @@ class Lane:
         return StepMetrics(self.version, len(kept), tokens, agg["loss"] / steps, agg["kl"] / steps,
                            agg["clip_fraction"] / steps, agg["mismatch_kl"] / steps, dict(hist),
                            tokens / dt if dt > 0 else 0.0, agg["grad_norm"] / steps, agg["waited"],
-                           stale_dropped=dropped, optimizer_steps=steps)
+                           stale_dropped=dropped, optimizer_steps=steps, step_kl=step_kl)
+
+    def _step_kl(self, plans: list[list[Tensors]], fixed: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> float:
+        """KL per response token from the weights before the batch (its proximal log-probs) to the
+        weights now, on the batch's sampled tokens (k3); averaged over ranks, so every rank decides alike."""
+        num = den = 0.0
+        with torch.no_grad(), self._autocast():
+            for micro, fx in zip(plans, fixed, strict=True):
+                for t, (px, _ref) in zip(micro, fx, strict=True):
+                    new = token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
+                                         self.temperature, sampling=self.sampling)
+                    n = float(t.response_mask.sum())
+                    num += mismatch_kl(new, px, t.response_mask.float()) * n
+                    den += n
+        if self.world > 1:
+            import torch.distributed as dist
+
+            both = torch.tensor([num, den], dtype=torch.float64, device=self.device)
+            dist.all_reduce(both, op=dist.ReduceOp.SUM)
+            num, den = float(both[0]), float(both[1])
+        return num / den if den else 0.0
 
     def mismatch_kl(self, samples: list[TrainingSample]) -> float:
         """KL(sampler || this lane's weights) per response token on ``samples``, computed as a step

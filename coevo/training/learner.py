@@ -197,6 +197,8 @@ class LaneQueue:
     checkpoint_at: float = field(default_factory=time.monotonic)
     stale_pending: int = 0
     """samples dropped as stale in batches that took no step, not yet reported by a ``LearnerStepped``"""
+    kl_rejected_pending: int = 0
+    """batches undone by ``learner.max_step_kl``, not yet reported by a ``LearnerStepped``"""
     scored: int = 0
     """groups scored since the lane's last step (lock-step: a wave is complete at tasks.max_groups_in_flight)"""
 
@@ -432,13 +434,20 @@ class LearnerAgent(Agent):
             self.counters[f"samples.stale_dropped.{role}"] += metrics.stale_dropped
             self.log.info("learner.stale_dropped", role=role, samples=metrics.stale_dropped, version=q.lane.version,
                           max_staleness=self.cfg.learner.max_staleness)
-        if metrics.samples == 0:  # every sample was stale: no step; the groups are done (nothing to train)
+        if metrics.kl_rejected:
+            q.kl_rejected_pending += 1
+            self.counters[f"steps.kl_rejected.{role}"] += 1
+            self.log.warning("learner.step_rejected", role=role, step_kl=round(metrics.step_kl or 0.0, 4),
+                             bound=self.cfg.learner.max_step_kl, version=q.lane.version,
+                             groups=[p.group_id for p in take])
+        if metrics.samples == 0:  # every sample stale, or the step undone: the groups are done, nothing trained
             q.stale_pending += metrics.stale_dropped  # reported by the lane's next LearnerStepped
             for p in take:
                 if not p.done.done():
                     p.done.set_result(None)
             return
         stale_dropped, q.stale_pending = q.stale_pending + metrics.stale_dropped, 0
+        kl_rejected, q.kl_rejected_pending = q.kl_rejected_pending, 0
         for p in take:  # acknowledged once a checkpoint including them is durable
             q.undurable[p.group_id] = p.done
         if role == "policy":
@@ -447,7 +456,8 @@ class LearnerAgent(Agent):
             LearnerStepped, role=role, version=metrics.version, samples=metrics.samples, tokens=metrics.tokens,
             loss=metrics.loss, kl=metrics.kl, clip_fraction=metrics.clip_fraction, mismatch_kl=metrics.mismatch_kl,
             staleness_histogram=metrics.staleness_histogram, tokens_per_second=metrics.tokens_per_second,
-            group_ids=[p.group_id for p in take], stale_dropped=stale_dropped), confirm=True)
+            group_ids=[p.group_id for p in take], stale_dropped=stale_dropped, kl_rejected=kl_rejected,
+            step_kl=metrics.step_kl), confirm=True)
         if metrics.version % self.cfg.learner.publish_every == 0:
             await self.publish_weights(q.lane)
         self.counters[f"steps.{role}"] += 1
