@@ -346,6 +346,13 @@ class TasksConfig(Section):
     min_groups_between_rewrites: int = Field(default=2, ge=0, description="per slot, against oscillation")
     max_groups_in_flight: int = Field(default=4, ge=1, description="scheduled but not yet scored")
     eval_every: int = Field(default=16, ge=1, description="train groups between held-out evaluations")
+    saturated_after: int = Field(
+        default=3, ge=0, description="a train slot whose last this many scored groups were all won or all lost "
+        "is saturated (no outcome signal): scheduled less, rewritten with larger moves; 0 = off")
+    saturated_share: float = Field(default=0.25, gt=0, le=1, description="how often a saturated slot is "
+                                   "scheduled relative to the others (stride scheduling)")
+    saturated_moves: int = Field(default=3, ge=1, description="most knob steps one rewrite of a saturated slot "
+                                 "moves (1 + streak // saturated_after)")
     inflight_timeout_s: float = Field(
         default=1800.0, gt=0, description="a scheduled group never scored after this (its TaskScheduled or "
         "GroupScored was lost) stops counting against max_groups_in_flight; a candidate is scheduled again")

@@ -196,6 +196,28 @@ async def test_the_learner_counts_and_reports_stale_drops(bus: NatsBus, tiny: Pa
     assert not q.lane.has_consumed("old") and q.lane.has_consumed("new")
 
 
+async def test_the_learner_reports_a_rejected_step_on_the_next_learner_stepped(
+        bus: NatsBus, tiny: Path, tmp_path: Path) -> None:  # noqa: F811
+    """On the real server: a batch the KL guard undoes is released untrained (no version, no
+    publication), and the count rides on the lane's next LearnerStepped with that step's own KL."""
+    cfg = CoevoConfig(run={"runs_dir": tmp_path}, learner={"max_step_kl": 1.0})
+    learner = LearnerAgent(bus, cfg)
+    q = LaneQueue(_lane(tiny, tmp_path / "ckpt", lr=1e-3, max_step_kl=1.0))
+    learner.lanes["policy"] = q
+    base = await asyncio.to_thread(choice_samples, tiny, 4)
+    q.lane.cfg = q.lane.cfg.model_copy(update={"max_step_kl": 1e-12})  # this batch's step is too far
+    far = learner.enqueue("policy", q, "far", base)
+    await learner.train("policy", q)
+    assert far.done() and far.exception() is None and q.lane.version == 0
+    assert learner.counters["steps.kl_rejected.policy"] == 1 and not await bus.events(["learner.stepped"])
+    q.lane.cfg = q.lane.cfg.model_copy(update={"max_step_kl": 1e9})
+    near = learner.enqueue("policy", q, "near", [s.model_copy(update={"sample_id": f"n{i}"}) for i, s in enumerate(base)])
+    await learner.train("policy", q)
+    assert not near.done()  # trained: waits for a durable checkpoint
+    (stepped,) = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped)]
+    assert (stepped.version, stepped.kl_rejected) == (1, 1) and stepped.step_kl is not None and stepped.step_kl > 0
+
+
 def test_learner_stepped_decodes_without_the_count() -> None:
     fields = dict(run_id="r", source={"agent_id": "a", "role": "learner"}, role="policy", version=1, samples=1,
                   tokens=1, loss=0.0, kl=0.0, clip_fraction=0.0, mismatch_kl=0.0, tokens_per_second=1.0)

@@ -15,13 +15,14 @@ Invariants:
   every group of the last one is scored and the weights trained on it (policy, judge) are published;
   each ``TaskScheduled`` carries the policy version it was scheduled at (``source.model_version``);
 - a candidate is decided once, by the acceptance gate on its measured accuracy, and every decision
-  is a ``TaskDecided`` event.
+  is a ``TaskDecided`` event;
+- train slots are picked by stride scheduling on ``saturation.weight`` (round-robin while none is
+  saturated); a saturated slot's rewrites ask for ``saturation.moves`` knob steps (``TaskRewritten.moves``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from coevo.algorithm import scoring
+from coevo.algorithm import saturation, scoring
 from coevo.algorithm.admission import Backlog
 from coevo.algorithm.rewriter import BuiltinRewriter, Rewriter
 from coevo.envs import make_family
@@ -66,6 +67,8 @@ class Slot(BaseModel):
     last_accuracy: float | None = None
     rewrites_proposed: int = 0
     rewrites_accepted: int = 0
+    saturated_streak: int = 0
+    """consecutive scored train groups of the active task all won or all lost (``coevo.algorithm.saturation``)"""
 
 
 class InFlight(BaseModel):
@@ -147,7 +150,7 @@ class TasksAgent(Agent):
         self.judge_version = 0
         self.changed = asyncio.Event()
         self._kv: Bucket | None = None
-        self._rr = itertools.count()
+        self.stride = saturation.Stride()
         self.eval_queue: list[str] = []
         self.lockstep = Lockstep(self.cfg.tasks.max_groups_in_flight, self.lockstep_timeout_s)
         self.backlog = Backlog(self.backlog_timeout_s)
@@ -234,7 +237,8 @@ class TasksAgent(Agent):
             self.lockstep.admits(len(self.inflight.groups) + self.scoring, versions, time.monotonic())
 
     def next_group(self) -> tuple[Slot, TaskSpec, Literal["train", "candidate", "eval"]]:
-        """Candidates first, then a due held-out evaluation round, then train slots round-robin."""
+        """Candidates first, then a due held-out evaluation round, then a train slot by stride scheduling
+        (round-robin while none is saturated, a saturated one `tasks.saturated_share` as often)."""
         for slot in self.slots.values():
             if slot.candidate is not None and not slot.candidate_scheduled:
                 return slot, slot.candidate, "candidate"
@@ -246,7 +250,12 @@ class TasksAgent(Agent):
             self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]
             slot = self.slots[self.eval_queue.pop(0)]
             return slot, slot.active, "eval"
-        slot = train[next(self._rr) % len(train)]
+        tc = self.cfg.tasks
+        weights = {s.slot_id: saturation.weight(s.saturated_streak, tc.saturated_after, tc.saturated_share)
+                   for s in train}
+        slot = self.slots[self.stride.pick(weights)]
+        if weights[slot.slot_id] < 1:
+            self.counters["scheduled.train_saturated"] += 1
         return slot, slot.active, "train"
 
     async def schedule(self, slot: Slot, task: TaskSpec, purpose: Literal["train", "candidate", "eval"]) -> None:
@@ -344,6 +353,7 @@ class TasksAgent(Agent):
         elif event.purpose == "train" and event.task_id == slot.active.task_id:
             slot.last_accuracy = event.accuracy
             slot.groups_since_rewrite += 1
+            slot.saturated_streak = saturation.streak_after(slot.saturated_streak, event.accuracy)
             if event.flagged is None:
                 await self.maybe_rewrite(slot, event)
         elif event.purpose == "eval":
@@ -360,7 +370,9 @@ class TasksAgent(Agent):
         if (self.rewriter is None or slot.split != "train" or direction is None or slot.candidate is not None
                 or slot.groups_since_rewrite < self.cfg.tasks.min_groups_between_rewrites):
             return
-        proposal = await self.rewriter.propose(self.family, slot.active, direction, event.failures)
+        tc = self.cfg.tasks
+        moves = saturation.moves(slot.saturated_streak, tc.saturated_after, tc.saturated_moves)
+        proposal = await self.rewriter.propose(self.family, slot.active, direction, event.failures, moves)
         ok, why = False, proposal.error
         if proposal.candidate is not None:
             check = await self.family.precheck(proposal.candidate)
@@ -368,8 +380,10 @@ class TasksAgent(Agent):
         slot.rewrites_proposed += 1
         await self.emit(self.event(TaskRewritten, cause=event, slot_id=slot.slot_id, parent=slot.active,
                                    candidate=proposal.candidate, direction=direction, summaries=proposal.summaries,
-                                   rewriter=proposal.rewriter, precheck_ok=ok, precheck_error=why))
+                                   rewriter=proposal.rewriter, moves=moves, precheck_ok=ok, precheck_error=why))
         self.counters["rewrites_proposed"] += 1
+        if moves > 1:
+            self.counters["rewrites_proposed_wide"] += 1
         if ok and proposal.candidate is not None:
             slot.candidate, slot.candidate_direction = proposal.candidate, direction
             slot.candidate_scheduled, slot.parent_accuracy = False, event.accuracy
@@ -403,6 +417,7 @@ class TasksAgent(Agent):
             slot.active = slot.candidate
             slot.rewrites_accepted += 1
             slot.last_accuracy = event.accuracy
+            slot.saturated_streak = 0
             self.counters["rewrites_accepted"] += 1
         slot.candidate, slot.candidate_direction, slot.candidate_scheduled, slot.parent_accuracy = None, None, False, None
         slot.groups_since_rewrite = 0

@@ -32,7 +32,9 @@ class Rewriter(Protocol):
     name: str
 
     async def propose(self, family: Family, task: TaskSpec, direction: Direction,
-                      failures: list[FailureDigest]) -> Proposal: ...
+                      failures: list[FailureDigest], moves: int = 1) -> Proposal:
+        """A candidate ``moves`` knob steps from ``task`` in ``direction`` (one child of ``task``)."""
+        ...
 
 
 def critic_summary(f: FailureDigest) -> str:
@@ -80,21 +82,29 @@ class BuiltinRewriter:
     name = "builtin"
 
     async def propose(self, family: Family, task: TaskSpec, direction: Direction,
-                      failures: list[FailureDigest]) -> Proposal:
+                      failures: list[FailureDigest], moves: int = 1) -> Proposal:
+        """Up to ``moves`` operator steps, each the first applicable one in order: easier by blame (the
+        knob the summaries point at first, again while it moves), harder rotating through the knobs by
+        version and step so that no knob runs away alone; one child of ``task``, named after its steps."""
         summaries = [critic_summary(f) for f in failures]
-        ops = family.operators(direction)
-        if direction == "easier":
-            text = " ".join(summaries).lower()
-            blamed = [knob for word, knob in _BLAME if word in text]
-            ops.sort(key=lambda op: blamed.index(op[:-1]) if op[:-1] in blamed else len(_BLAME))
-        else:  # harder: rotate through the knobs by version so that no knob runs away alone
-            shift = task.version % max(1, len(ops))
-            ops = ops[shift:] + ops[:shift]
-        for op in ops:
-            candidate = family.apply(task, op)
-            if candidate is not None:
-                return Proposal(candidate, summaries, f"{self.name}:{op}")
-        return Proposal(None, summaries, self.name, f"every knob is at its {direction} bound")
+        text = " ".join(summaries).lower()
+        blamed = [knob for word, knob in _BLAME if word in text]
+        current, applied = task, []
+        for step in range(moves):
+            ops = family.operators(direction)
+            if direction == "easier":
+                ops.sort(key=lambda op: blamed.index(op[:-1]) if op[:-1] in blamed else len(_BLAME))
+            else:
+                shift = (task.version + step) % max(1, len(ops))
+                ops = ops[shift:] + ops[:shift]
+            moved = next(((op, c) for op in ops if (c := family.apply(current, op)) is not None), None)
+            if moved is None:
+                break
+            applied.append(moved[0])
+            current = moved[1]
+        if not applied:
+            return Proposal(None, summaries, self.name, f"every knob is at its {direction} bound")
+        return Proposal(family.derive(task, current.knobs), summaries, f"{self.name}:{','.join(applied)}")
 
 
 @runtime_checkable
@@ -115,17 +125,19 @@ class LLMRewriter:
         self.max_tokens = max_tokens
 
     def prompt(self, family: Family, task: TaskSpec, direction: Direction, summaries: list[str],
-               failures: list[FailureDigest] | None = None) -> str:
+               failures: list[FailureDigest] | None = None, moves: int = 1) -> str:
         bounds = {k.name: [k.low, k.high] for k in family.knobs}
+        wide = (f"Every recent attempt ended the same way: move the knobs by about {moves} steps in total, "
+                "not one.\n") if moves > 1 else ""
         return (f"You rewrite {family.name} tasks to make them {direction} while keeping their intent.\n"
-                f"Current knobs: {json.dumps(task.knobs)}\nBounds: {json.dumps(bounds)}\n"
+                f"Current knobs: {json.dumps(task.knobs)}\nBounds: {json.dumps(bounds)}\n{wide}"
                 f"Why recent attempts failed:\n{failure_text(failures or [], summaries)}\n"
                 'Answer with JSON only: {"knobs": {...}, "reason": "..."}\n')
 
     async def propose(self, family: Family, task: TaskSpec, direction: Direction,
-                      failures: list[FailureDigest]) -> Proposal:
+                      failures: list[FailureDigest], moves: int = 1) -> Proposal:
         summaries = [critic_summary(f) for f in failures]
-        prompt = self.prompt(family, task, direction, summaries, failures)
+        prompt = self.prompt(family, task, direction, summaries, failures, moves)
         error = "no answer"
         schema = proposal_schema(family)
         for _ in range(self.retries + 1):

@@ -12,7 +12,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from coevo.schemas import Event, GroupScored, LearnerStepped, StepJudged, TaskDecided, TaskScheduled
+from coevo.schemas import (
+    Event,
+    GroupScored,
+    LearnerStepped,
+    StepJudged,
+    TaskDecided,
+    TaskRewritten,
+    TaskScheduled,
+)
 
 SUMMARY_FIELDS: dict[str, str] = {
     "run_id": "the run's id (its directory under runs/, its stream COEVO_<run_id>)",
@@ -30,6 +38,8 @@ SUMMARY_FIELDS: dict[str, str] = {
     "judge_outcome_accuracy_heldout": "judge outcome accuracy on held-out groups, last half of them",
     "rewrites_proposed": "task rewrites the rewriter proposed (task.rewritten events)",
     "rewrites_accepted": "rewrites the acceptance gate accepted (they replaced their slot's task)",
+    "rewrites_proposed_wide": "of the rewrites proposed, those of a saturated slot (more than one knob step, "
+                              "tasks.saturated_*)",
     "learner_steps": "optimiser steps of the policy lane (= the last policy weights version)",
     "judge_learner_steps": "optimiser steps of the judge lane",
     "policy_kl_rejected": "policy batches undone by learner.max_step_kl (their step moved the policy too far)",
@@ -76,6 +86,7 @@ class RunTally:
     step_kl_max: float | None = None
     mismatch_kl_max: float | None = None
     accepted: int = 0
+    wide: int = 0
     judge: Counter[str] = field(default_factory=Counter)
     judge_cost: float = 0.0
 
@@ -96,6 +107,8 @@ class RunTally:
                     self.step_kl_max = max(self.step_kl_max or 0.0, event.step_kl)
         elif isinstance(event, TaskDecided):
             self.accepted += event.accepted
+        elif isinstance(event, TaskRewritten):
+            self.wide += event.moves > 1
         elif isinstance(event, TaskScheduled) and event.purpose == "eval":
             self.eval_scheduled[event.group_id.split("-")[0]] += 1
         elif isinstance(event, StepJudged):
@@ -145,6 +158,7 @@ class RunTally:
             "judge_outcome_accuracy_heldout": _mean(self.outc_heldout[-max(1, len(self.outc_heldout) // 2):]),
             "rewrites_proposed": self.counts["task.rewritten"],
             "rewrites_accepted": self.accepted,
+            "rewrites_proposed_wide": self.wide,
             "learner_steps": self.learner_steps,
             "judge_learner_steps": self.judge_steps,
             "policy_kl_rejected": self.kl_rejected,

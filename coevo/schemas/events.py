@@ -65,6 +65,7 @@ class TaskRewritten(Event):
     direction: Direction
     summaries: list[str] = Field(default_factory=list)
     rewriter: str
+    moves: int = Field(default=1, ge=1, description="knob steps asked for (more than 1 for a saturated slot)")
     precheck_ok: bool
     precheck_error: str | None = None
 

@@ -201,7 +201,7 @@ async def replay_rewriter(events: list[tuple[int, Event]], cfg: CoevoConfig) -> 
                 report.notes.append(f"seq {seq}: the group that triggered this rewrite is outside the range")
                 continue
             if e.rewriter.startswith("builtin"):
-                proposal = await BuiltinRewriter().propose(family, e.parent, e.direction, cause.failures)
+                proposal = await BuiltinRewriter().propose(family, e.parent, e.direction, cause.failures, e.moves)
                 recorded = e.candidate.model_dump() if e.candidate else None
                 replayed = proposal.candidate.model_dump() if proposal.candidate else None
                 report.compared += 1

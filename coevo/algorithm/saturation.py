@@ -1,0 +1,67 @@
+"""Saturated train slots (docs/algorithm.md §4.5): pure decisions, no I/O.
+
+A group whose rollouts are all won or all lost carries no outcome signal: every rollout gets the
+same outcome reward, so its group-relative advantage is zero. A train slot whose last
+``tasks.saturated_after`` groups were all like that is *saturated*. Two things follow, both
+measured by held-out success (``coevo bench ladder``), neither forbidding any proposal:
+
+- it is scheduled ``tasks.saturated_share`` as often as an unsaturated slot (stride scheduling:
+  the rollouts go where there is signal, and no slot is ever starved);
+- its rewrite moves further: ``moves`` knob steps at once instead of one, growing with the streak
+  up to ``tasks.saturated_moves``, so one accepted rewrite can leave the saturated region that a
+  one-step candidate (still all won, hence "not harder") would never leave.
+
+Invariants: a streak counts consecutive scored train groups of the slot's active task and
+restarts at any mixed group or accepted rewrite; with ``saturated_after = 0`` nothing changes
+(weights all 1, one move): the plain round-robin and one-step rewrites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+def streak_after(streak: int, accuracy: float) -> int:
+    """The saturation streak once a group of ``accuracy`` (fraction won) is scored."""
+    return streak + 1 if accuracy in (0.0, 1.0) else 0
+
+
+def is_saturated(streak: int, after: int) -> bool:
+    return after > 0 and streak >= after
+
+
+def weight(streak: int, after: int, share: float) -> float:
+    """The slot's scheduling weight: 1, or ``share`` once saturated."""
+    return share if is_saturated(streak, after) else 1.0
+
+
+def moves(streak: int, after: int, most: int) -> int:
+    """Knob steps of the slot's next rewrite: 1, then one more per ``after`` saturated groups, at most
+    ``most`` (a streak of ``after`` gives 2)."""
+    if not is_saturated(streak, after):
+        return 1
+    return max(1, min(most, 1 + streak // after))
+
+
+@dataclass
+class Stride:
+    """Weighted round-robin (stride scheduling): each pick takes the key with the lowest pass, ties in the
+    order given, and advances its pass by ``1 / weight``. With equal weights it is plain round-robin; a
+    key of weight w gets w / Σ weights of the picks over any long window. A key seen for the first time
+    starts at the lowest pass of the others, so it neither floods nor waits behind them."""
+
+    passes: dict[str, float] = field(default_factory=dict)
+
+    def pick(self, weights: Mapping[str, float]) -> str:
+        if not weights:
+            raise ValueError("nothing to pick from")
+        if any(w <= 0 for w in weights.values()):
+            raise ValueError(f"weights must be > 0: {dict(weights)}")
+        known = [self.passes[k] for k in weights if k in self.passes]
+        floor = min(known, default=0.0)
+        for k in weights:
+            self.passes.setdefault(k, floor)
+        key = min(weights, key=lambda k: self.passes[k])
+        self.passes[key] += 1.0 / weights[key]
+        return key

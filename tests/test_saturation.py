@@ -1,0 +1,136 @@
+"""Saturated train slots: the pure decisions, the built-in rewriter's larger moves, and the tasks agent
+scheduling and rewriting against a real NATS server (coevo.algorithm.saturation)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from coevo.agents.tasks import TasksAgent
+from coevo.algorithm import saturation
+from coevo.algorithm.rewriter import BuiltinRewriter
+from coevo.config import CoevoConfig
+from coevo.envs import make_family
+from coevo.runtime.bus import NatsBus
+from coevo.schemas import GroupScored, Source, TaskRewritten
+
+# ---- the decisions, without I/O --------------------------------------------------------------------
+
+
+def test_the_streak_counts_groups_without_outcome_signal_and_a_mixed_group_restarts_it() -> None:
+    streak = 0
+    for acc in (1.0, 1.0, 0.0):
+        streak = saturation.streak_after(streak, acc)
+    assert streak == 3
+    assert saturation.streak_after(streak, 0.5) == 0
+    assert saturation.streak_after(0, 0.125) == 0
+
+
+@pytest.mark.parametrize(("streak", "after", "most", "moves", "weight"), [
+    (0, 3, 3, 1, 1.0), (2, 3, 3, 1, 1.0), (3, 3, 3, 2, 0.25), (5, 3, 3, 2, 0.25), (6, 3, 3, 3, 0.25),
+    (30, 3, 3, 3, 0.25), (30, 3, 1, 1, 0.25), (30, 0, 3, 1, 1.0)])
+def test_moves_grow_with_the_streak_up_to_the_bound_and_after_zero_turns_it_off(
+        streak: int, after: int, most: int, moves: int, weight: float) -> None:
+    assert saturation.moves(streak, after, most) == moves
+    assert saturation.weight(streak, after, 0.25) == weight
+
+
+def test_stride_with_equal_weights_is_round_robin_in_the_given_order() -> None:
+    stride = saturation.Stride()
+    picks = [stride.pick({"a": 1.0, "b": 1.0, "c": 1.0}) for _ in range(7)]
+    assert picks == ["a", "b", "c", "a", "b", "c", "a"]
+
+
+def test_stride_gives_a_low_weight_key_its_share_and_never_starves_it() -> None:
+    stride = saturation.Stride()
+    weights = {"a": 1.0, "b": 1.0, "c": 1.0, "s": 0.25}
+    picks = Counter(stride.pick(weights) for _ in range(130))  # 10 rounds of 13 = 4·1 + 4·1 + 4·1 + 1
+    assert picks == {"a": 40, "b": 40, "c": 40, "s": 10}
+
+
+def test_a_key_joining_late_starts_level_with_the_others() -> None:
+    stride = saturation.Stride()
+    for _ in range(20):
+        stride.pick({"a": 1.0, "b": 1.0})
+    picks = Counter(stride.pick({"a": 1.0, "b": 1.0, "new": 1.0}) for _ in range(6))
+    assert picks == {"a": 2, "b": 2, "new": 2}  # neither a burst of 20 "new" picks nor a wait
+
+
+def test_stride_rejects_nothing_to_pick_and_non_positive_weights() -> None:
+    with pytest.raises(ValueError, match="nothing"):
+        saturation.Stride().pick({})
+    with pytest.raises(ValueError, match="> 0"):
+        saturation.Stride().pick({"a": 0.0})
+
+
+# ---- the built-in rewriter's larger moves ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direction", ["harder", "easier"])
+async def test_a_wide_rewrite_is_one_child_several_knob_steps_away(cfg: CoevoConfig, direction: str) -> None:
+    family = make_family(cfg.env)
+    task = family.initial_tasks(4, 0, 0)[1]
+    one = await BuiltinRewriter().propose(family, task, direction, [])  # type: ignore[arg-type]
+    wide = await BuiltinRewriter().propose(family, task, direction, [], moves=3)  # type: ignore[arg-type]
+    assert one.candidate is not None and wide.candidate is not None
+    assert one.candidate == family.apply(task, one.rewriter.split(":")[1])  # one move: as before
+    steps = sum(abs(wide.candidate.knobs.get(k.name, k.low) - task.knobs.get(k.name, k.low)) for k in family.knobs)
+    assert steps == 3 and len(wide.rewriter.split(":")[1].split(",")) == 3
+    assert (wide.candidate.parent_id, wide.candidate.version) == (task.task_id, task.version + 1)
+    moved = family.difficulty(wide.candidate) - family.difficulty(task)
+    assert moved > family.difficulty(one.candidate) - family.difficulty(task) if direction == "harder" \
+        else moved < family.difficulty(one.candidate) - family.difficulty(task)
+
+
+# ---- the tasks agent on a real server -----------------------------------------------------------------
+
+
+def _scored(agent: TasksAgent, slot_id: str, accuracy: float, k: int) -> GroupScored:
+    slot = agent.slots[slot_id]
+    return GroupScored(run_id=agent.bus.run_id, source=Source(agent_id="scorer-t", role="scorer"),
+                       task_id=slot.active.task_id, group_id=f"g-{slot_id}-{k}", slot_id=slot_id, purpose="train",
+                       accuracy=accuracy, n_trajectories=8, policy_band_ok=False, judge_band_ok=False)
+
+
+async def test_a_saturated_slot_is_scheduled_a_quarter_as_often_until_a_mixed_group(
+        bus: NatsBus, cfg: CoevoConfig) -> None:
+    cfg = cfg.model_copy(update={"loop": "policy-only"})  # no rewriter: scheduling alone
+    agent = TasksAgent(bus, cfg)
+    await agent.load()
+    agent.eval_queue = []
+    train = [s.slot_id for s in agent.slots.values() if s.split == "train"]
+    won = train[2]
+    for k in range(3):
+        await agent.on_scored(_scored(agent, won, 1.0, k), None)  # type: ignore[arg-type]
+    assert agent.slots[won].saturated_streak == 3
+    rounds = 4 * (len(train) - 1) + 1
+    picks = Counter(agent.next_group()[0].slot_id for _ in range(4 * rounds))
+    assert picks[won] == 4 and all(picks[s] == 16 for s in train if s != won)
+    assert agent.counters["scheduled.train_saturated"] == 4
+    await agent.on_scored(_scored(agent, won, 0.5, 3), None)  # type: ignore[arg-type]
+    picks = Counter(agent.next_group()[0].slot_id for _ in range(3 * len(train)))
+    assert set(picks.values()) == {3}  # round-robin again
+    kv = await bus.kv("tasks")
+    saved = await kv.get(f"slot.{won}")
+    assert saved is not None and b'"saturated_streak":0' in saved
+
+
+async def test_a_saturated_slot_is_rewritten_with_a_larger_move_and_the_event_says_so(
+        bus: NatsBus, cfg: CoevoConfig) -> None:
+    cfg = cfg.model_copy(update={"loop": "full", "tasks": cfg.tasks.model_copy(
+        update={"min_groups_between_rewrites": 3})})
+    agent = TasksAgent(bus, cfg)
+    await agent.load()
+    slot_id = next(s.slot_id for s in agent.slots.values() if s.split == "train")
+    parent = agent.slots[slot_id].active
+    for k in range(3):  # the third all-won group triggers the rewrite, at a streak of 3
+        await agent.on_scored(_scored(agent, slot_id, 1.0, k), None)  # type: ignore[arg-type]
+    await bus.flush()
+    rewritten = [e async for _, e, _m in bus.history(["task.rewritten"]) if isinstance(e, TaskRewritten)]
+    assert len(rewritten) == 1 and rewritten[0].moves == 2 and rewritten[0].direction == "harder"
+    candidate = agent.slots[slot_id].candidate
+    assert candidate is not None and candidate == rewritten[0].candidate
+    family = make_family(cfg.env)
+    assert sum(abs(candidate.knobs.get(k.name, k.low) - parent.knobs.get(k.name, k.low)) for k in family.knobs) == 2
+    assert agent.counters["rewrites_proposed_wide"] == 1
