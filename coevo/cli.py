@@ -460,9 +460,13 @@ def cmd_bench_learn(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_ladder(args: argparse.Namespace) -> int:
-    from coevo.bench.learn import bench_ladder
+    from coevo.bench.learn import bench_ladder, rungs_named
 
-    return _emit(run_stoppable(bench_ladder(_bench_budget(args), args.eval_every, args.episodes,
+    try:
+        rungs = rungs_named(args.rungs)
+    except ValueError as exc:
+        raise SystemExit(f"coevo bench: {exc}") from None
+    return _emit(run_stoppable(bench_ladder(_bench_budget(args), args.eval_every, args.episodes, rungs=rungs,
                                             **_over_seeds(args))), args.json)
 
 
@@ -716,7 +720,10 @@ COMMANDS: tuple[Command, ...] = (
                 *_seeds_args())),
     Command("bench ladder", "the paper's ablation ladder at equal wall-clock budget", cmd_bench_ladder, args=(
         _JSON, arg("--minutes", type=float, default=5.0, help="budget per rung"),
-        arg("--eval-every", type=float, default=30.0), arg("--episodes", type=int, default=64), *_seeds_args())),
+        arg("--eval-every", type=float, default=30.0), arg("--episodes", type=int, default=64),
+        arg("--rungs", default="policy-only,policy+judge,full", help="comma-separated, bottom first, of "
+            "policy-only, policy+judge, full, full-unsaturated (the full loop without the saturated-slot rules)"),
+        *_seeds_args())),
     Command("bench weights", "pause of a weight swap (local engine; vLLM with --vllm-python)", cmd_bench_weights,
             args=(_JSON, arg("--vllm-python", help="python of a venv with vllm (starts a server per size)"),
                   arg("--sizes", default="tiny,small,medium"))),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextvars
 import re
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -290,33 +292,90 @@ class ApiConfig(Section):
         default=None, description="offline testing: LiteLLM mock_response per attempt (text or error name)")
 
 
-class JudgeConfig(Section):
-    backend: Literal["local", "vllm", "litellm"] = "local"
-    model: str | None = Field(default=None, description="model dir (local), served name (vllm: a local dir "
-                              "served as is is trained) or provider/name")
-    url: str | None = Field(default=None, description="vLLM URL or LiteLLM api_base")
+class LocalEndpoint(Section):
+    """A model directory loaded in this process (transformers), trained by the learner where it is a lane."""
+
+    backend: Literal["local"] = "local"
+
+
+class VllmEndpoint(Section):
+    """A vLLM server (OpenAI-compatible API)."""
+
+    backend: Literal["vllm"]
+    url: str = Field(description="the server's base URL, e.g. http://127.0.0.1:8000/v1")
+    model: str | None = Field(default=None, description="the served model name (default: the role's name)")
+
+
+class LitellmEndpoint(Section):
+    """An external LLM API through LiteLLM: never trained; keys, limits and costs in ``api``."""
+
+    backend: Literal["litellm"]
+    model: str = Field(description="provider/name, e.g. openai/gpt-4.1-mini")
+    url: str | None = Field(default=None, description="api_base: a proxy or self-hosted endpoint (default: the "
+                            "provider's)")
+    api: ApiConfig = Field(default_factory=ApiConfig)
+
+
+def _tagged(tag: str, default: str) -> Any:
+    """A tagged section's input: a bare string names the tag; a table without the tag gets ``default``."""
+    def before(value: Any) -> Any:
+        if isinstance(value, str):
+            return {tag: value}
+        if isinstance(value, dict) and tag not in value:
+            return {**value, tag: default}
+        return value
+    return BeforeValidator(before)
+
+
+class JudgeBase(Section):
+    """What every judge backend shares: votes per step, how a vote is asked for, sampling."""
+
     m: int = Field(default=3, ge=1, le=32, description="votes per step")
     mode: Literal["auto", "verdict", "reasoned"] = Field(
         default="auto", description="auto: one constrained token for local models, reasoning + \\boxed otherwise")
-    api: ApiConfig = Field(default_factory=ApiConfig)
-
-    @property
-    def effective_mode(self) -> Literal["verdict", "reasoned"]:
-        if self.mode == "auto":
-            return "verdict" if self.backend == "local" else "reasoned"
-        return self.mode
-
-    @model_validator(mode="after")
-    def _external_needs_model(self) -> JudgeConfig:
-        if self.backend == "litellm" and not self.model:
-            raise ValueError("judge.model must name the provider/model when judge.backend = 'litellm'")
-        if self.backend == "litellm" and self.mode == "verdict":
-            raise ValueError("judge.mode 'verdict' needs a local model; use 'reasoned' with an API")
-        return self
     temperature: float = Field(default=0.8, gt=0)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_tokens: int = Field(default=256, ge=1)
     max_concurrent_steps: int = Field(default=32, ge=1)
+
+    @property
+    def effective_mode(self) -> Literal["verdict", "reasoned"]:
+        if self.mode == "auto":
+            return "verdict" if isinstance(self, LocalJudge) else "reasoned"
+        return self.mode
+
+
+class LocalJudge(JudgeBase, LocalEndpoint):
+    """``judge.backend = "local"`` (the default): the judge is a local model, trained on its consistency
+    rewards by the learner's judge lane."""
+
+    model: str | None = Field(default=None, description="model directory (default: the tiny judge built for "
+                              "the run from run.seed)")
+
+
+class VllmJudge(JudgeBase, VllmEndpoint):
+    """``judge.backend = "vllm"``: a vLLM server votes; it is trained (weights pushed or reloaded) when
+    ``model`` is the local directory the server serves as is."""
+
+    model: str | None = Field(default=None, description="the served model name (a local directory served as is "
+                              "is trained)")
+
+
+class LitellmJudge(JudgeBase, LitellmEndpoint):
+    """``judge.backend = "litellm"``: an external API votes (reasoning, then a boxed verdict); never trained."""
+
+    @model_validator(mode="after")
+    def _reasons(self) -> LitellmJudge:
+        if self.mode == "verdict":
+            raise ValueError("judge.mode 'verdict' needs a local model; use 'reasoned' with an API")
+        return self
+
+
+JudgeConfig = Annotated[LocalJudge | VllmJudge | LitellmJudge, _tagged("backend", "local"),
+                        Field(discriminator="backend")]
+"""``judge``: tagged by ``backend``; only the chosen backend's fields exist (``judge.url`` with the local
+backend is an error naming ``judge.local.url``)."""
+AnyJudge = LocalJudge | VllmJudge | LitellmJudge
 
 
 class ScorerConfig(Section):
@@ -336,12 +395,50 @@ class ScorerConfig(Section):
         return self
 
 
+class BuiltinRewriterConfig(Section):
+    """``tasks.rewriter = "builtin"`` (the default): the family's knob operators, ordered by the critic's
+    summaries; no model."""
+
+    backend: Literal["builtin"] = "builtin"
+
+
+class NoRewriter(Section):
+    """``tasks.rewriter = "off"``: the pool is never rewritten, even in the full loop."""
+
+    backend: Literal["off"]
+
+
+class LLMRewriterBase(Section):
+    """An LLM proposes the rewritten task's knobs as JSON, validated against the family's bounds."""
+
+    retries: int = Field(default=2, ge=0, description="new tries after an invalid proposal (the prompt then "
+                         "says what was wrong); then the proposal is rejected with the error")
+
+
+class LitellmRewriter(LLMRewriterBase, LitellmEndpoint):
+    """``tasks.rewriter.backend = "litellm"``: an external API rewrites."""
+
+
+class VllmRewriter(LLMRewriterBase, VllmEndpoint):
+    """``tasks.rewriter.backend = "vllm"``: a model on a vLLM server rewrites."""
+
+    model: str = Field(description="the served model name")
+
+
+class LocalRewriter(LLMRewriterBase, LocalEndpoint):
+    """``tasks.rewriter.backend = "local"``: a local model directory rewrites."""
+
+    model: str = Field(description="model directory")
+
+
+RewriterConfig = Annotated[BuiltinRewriterConfig | NoRewriter | LitellmRewriter | VllmRewriter | LocalRewriter,
+                           _tagged("backend", "builtin"), Field(discriminator="backend")]
+"""``tasks.rewriter``: tagged by ``backend``; a bare string names it (``tasks.rewriter = "off"``)."""
+LLMRewriterConfig = LitellmRewriter | VllmRewriter | LocalRewriter
+
+
 class TasksConfig(Section):
-    rewriter: Literal["builtin", "llm", "off"] = "builtin"
-    llm_backend: Literal["litellm", "local", "vllm"] = Field(default="litellm", description="for rewriter = 'llm'")
-    llm_model: str | None = Field(default=None, description="provider/name, model dir or served name")
-    llm_url: str | None = Field(default=None, description="api_base (litellm) or vLLM URL")
-    api: ApiConfig = Field(default_factory=ApiConfig)
+    rewriter: RewriterConfig = Field(default_factory=BuiltinRewriterConfig)
     band: Band = Field(default=(0.2, 0.8), description="(α_low, α_high) of the rewrite trigger and gate")
     min_groups_between_rewrites: int = Field(default=2, ge=0, description="per slot, against oscillation")
     max_groups_in_flight: int = Field(default=4, ge=1, description="scheduled but not yet scored")
@@ -381,11 +478,7 @@ class PushSync(Section):
                              "the last tensor, including the pause's wait for requests in flight")
 
 
-def _transport_named(value: Any) -> Any:
-    return {"transport": value} if isinstance(value, str) else value
-
-
-WeightSync = Annotated[DiskSync | PushSync, BeforeValidator(_transport_named), Field(discriminator="transport")]
+WeightSync = Annotated[DiskSync | PushSync, _tagged("transport", "disk"), Field(discriminator="transport")]
 """``learner.weight_sync``: only the fields of the chosen transport exist (a ``host`` with disk is an error)."""
 
 
@@ -514,7 +607,7 @@ class CoevoConfig(BaseSettings):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    judge: JudgeConfig = Field(default_factory=LocalJudge)
     scorer: ScorerConfig = Field(default_factory=ScorerConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
@@ -608,12 +701,22 @@ def leaf_fields(model: type[BaseModel] = CoevoConfig, prefix: str = "") -> dict[
     """Dotted name -> FieldInfo for every leaf of the tree (used to generate CLI flags)."""
     out: dict[str, Any] = {}
     for name, info in model.model_fields.items():
-        ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel) and not name.startswith("_"):
-            out.update(leaf_fields(ann, f"{prefix}{name}."))
+        sections = _sections(info.annotation)
+        if sections and not name.startswith("_"):
+            for section in sections:  # a tagged section: the fields of every variant, the first one's description
+                for key, leaf in leaf_fields(section, f"{prefix}{name}.").items():
+                    out.setdefault(key, leaf)
         else:
             out[f"{prefix}{name}"] = info
     return out
+
+
+def _sections(ann: Any) -> list[type[BaseModel]]:
+    """The section types a field holds: one, the variants of a tagged union, or none (a leaf)."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [ann]
+    members = typing.get_args(ann) if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union else ()
+    return [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
 
 
 def checkpoint_root(cfg: CoevoConfig, run_id: str) -> Path:

@@ -122,3 +122,51 @@ def test_weight_sync_is_tagged_by_its_transport(tmp_path: Path) -> None:
     f.write_text('[learner.weight_sync]\ntransport = "gloo"\nhost = "10.0.0.5"\ntimeout_s = 30\n')
     cfg = load_config(f, {"learner.weight_sync.transport": "nccl"})
     assert cfg.learner.weight_sync == PushSync(transport="nccl", host="10.0.0.5", timeout_s=30.0)
+
+
+def test_the_judge_is_tagged_by_its_backend(tmp_path: Path, model_cache: Path) -> None:
+    """#26: only the chosen backend's fields exist; the default backend is local; the client follows the tag."""
+    from coevo.config import LitellmJudge, LocalJudge, VllmJudge
+    from coevo.inference.clients import make_client
+    from coevo.inference.litellm_client import LiteLLMClient
+    from coevo.inference.models import ensure_default_model
+    from coevo.inference.vllm_client import VLLMClient
+
+    assert isinstance(load_config().judge, LocalJudge)
+    assert load_config(overrides={"judge.m": 5}).judge == LocalJudge(m=5)
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"judge.url": "http://h:8000/v1"})  # a URL means nothing to a local judge
+    assert err.value.field == "judge.local.url"
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"judge.backend": "vllm"})
+    assert err.value.field == "judge.vllm.url" and "required" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"judge.backend": "litellm", "judge.model": "openai/x", "judge.mode": "verdict"})
+    assert "needs a local model" in str(err.value)
+    served = str(ensure_default_model("judge", model_cache))  # a directory served as is (its tokenizer is read)
+    vllm = load_config(overrides={"judge.backend": "vllm", "judge.url": "http://h:8000/v1", "judge.model": served})
+    assert isinstance(vllm.judge, VllmJudge) and vllm.judge.effective_mode == "reasoned" and vllm.trains_judge
+    client = make_client(vllm, "judge")
+    assert isinstance(client, VLLMClient) and (client.model, client.base) == (served, "http://h:8000/v1")
+    f = tmp_path / "j.toml"
+    f.write_text('[judge]\nbackend = "litellm"\nmodel = "openai/gpt-4.1-mini"\n[judge.api]\nmax_usd = 2.5\n')
+    api = load_config(f, {"judge.api.rpm": 30}).judge
+    assert isinstance(api, LitellmJudge) and (api.api.max_usd, api.api.rpm) == (2.5, 30)
+    assert isinstance(make_client(load_config(f), "judge"), LiteLLMClient)
+
+
+def test_the_rewriter_is_tagged_by_its_backend() -> None:
+    from coevo.config import BuiltinRewriterConfig, LitellmRewriter, NoRewriter
+
+    assert load_config().tasks.rewriter == BuiltinRewriterConfig()
+    assert load_config(overrides={"tasks.rewriter": "off"}).tasks.rewriter == NoRewriter(backend="off")
+    llm = load_config(overrides={"tasks.rewriter.backend": "litellm", "tasks.rewriter.model": "openai/x",
+                                 "tasks.rewriter.retries": 1}).tasks.rewriter
+    assert llm == LitellmRewriter(backend="litellm", model="openai/x", retries=1)
+    for bad, field in (({"tasks.rewriter.backend": "builtin", "tasks.rewriter.model": "x"}, "tasks.rewriter.builtin.model"),
+                       ({"tasks.rewriter.backend": "vllm", "tasks.rewriter.model": "x"}, "tasks.rewriter.vllm.url"),
+                       ({"tasks.rewriter.backend": "local"}, "tasks.rewriter.local.model"),
+                       ({"tasks.rewriter": "llm"}, "tasks.rewriter")):
+        with pytest.raises(ConfigError) as err:
+            load_config(overrides=bad)
+        assert err.value.field == field, (bad, str(err.value))

@@ -138,9 +138,9 @@ async def test_tasks_agent_records_the_rejection_in_a_decision_event(bus: NatsBu
     from coevo.agents.tasks import TasksAgent
     from coevo.schemas import GroupScored, TaskDecided
 
-    tcfg = load_config(overrides={"run.runs_dir": str(cfg.run.runs_dir), "tasks.rewriter": "llm",
-                                  "tasks.llm_model": MODEL, "tasks.api.mock_response": "not json",
-                                  "tasks.api.retries": 1, "tasks.api.backoff_s": 0.01,
+    tcfg = load_config(overrides={"run.runs_dir": str(cfg.run.runs_dir), "tasks.rewriter.backend": "litellm",
+                                  "tasks.rewriter.model": MODEL, "tasks.rewriter.api.mock_response": "not json",
+                                  "tasks.rewriter.retries": 1, "tasks.rewriter.api.backoff_s": 0.01,
                                   "tasks.min_groups_between_rewrites": 0, "log.console": "off"})
     agent = TasksAgent(bus, tcfg)
     await agent.load()
@@ -153,7 +153,7 @@ async def test_tasks_agent_records_the_rejection_in_a_decision_event(bus: NatsBu
     await bus.flush()
     (decided,) = [e for e in await bus.events(["task.decided"]) if isinstance(e, TaskDecided)]
     assert not decided.accepted and decided.reason.startswith("invalid proposal: invalid rewriter output")
-    assert "no JSON object" in decided.reason and slot.candidate is None
+    assert "no JSON object" in decided.reason and "after 2 tries" in decided.reason and slot.candidate is None
 
 
 async def test_cache_hit_on_the_second_identical_call(bus: NatsBus) -> None:

@@ -14,7 +14,7 @@ import re
 from typing import Any, Literal
 
 from coevo.algorithm.prompts import VERDICT_LABELS, judge_prompt, parse_vote
-from coevo.config import JudgeConfig
+from coevo.config import JudgeBase, LitellmEndpoint
 from coevo.errors import OverBudget
 from coevo.inference.clients import make_client
 from coevo.inference.engine import CachesCalls, Completion, Metered
@@ -42,7 +42,7 @@ def step_prompt(step: StepTaken, mode: Literal["verdict", "reasoned"]) -> str:
     return judge_prompt(step.objective, step.observation, step.action_text, step.next_observation, mode)
 
 
-async def ask(client: Any, cfg: JudgeConfig, prompt: str, index: int
+async def ask(client: Any, cfg: JudgeBase, prompt: str, index: int
               ) -> tuple[Completion, Literal[1, -1] | None, Literal["ok", "unparseable"]]:
     """One vote: (completion, value, ``ok`` or ``unparseable``). A failed call raises.
     Used by the judge agent, and by replay and re-judge with other clients."""
@@ -109,11 +109,12 @@ class JudgeAgent(Agent):
         if self.counters["budget_exceeded"]:
             return
         self.counters["budget_exceeded"] = 1
-        api = self.cfg.judge.api
+        judge = self.cfg.judge
+        max_usd = judge.api.max_usd if isinstance(judge, LitellmEndpoint) else None
         self.log.error("judge.budget_exceeded", error=str(exc))
         spent = self.client.spent_usd if isinstance(self.client, Metered) else 0.0
-        await self.emit(self.event(BudgetExceeded, backend=self.cfg.judge.backend, model=self.cfg.judge.model or "",
-                                   spent_usd=spent, max_usd=api.max_usd or 0.0))
+        await self.emit(self.event(BudgetExceeded, backend=judge.backend, model=judge.model or "",
+                                   spent_usd=spent, max_usd=max_usd or 0.0))
 
     async def on_step(self, step: StepTaken, _d: Delivery) -> None:
         if self.cfg.env.family == "coding":

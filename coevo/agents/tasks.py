@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from coevo.algorithm import saturation, scoring
 from coevo.algorithm.admission import Backlog
 from coevo.algorithm.rewriter import BuiltinRewriter, Rewriter
+from coevo.config import BuiltinRewriterConfig, LLMRewriterBase
 from coevo.envs import make_family
 from coevo.inference.engine import CachesCalls
 from coevo.runtime.agent import Agent
@@ -140,7 +141,7 @@ class TasksAgent(Agent):
         super().__init__(*a, **kw)
         self.family = make_family(self.cfg.env)
         self.rewriter: Rewriter | None = None
-        rewriting = self.cfg.loop == "full" and self.cfg.tasks.rewriter != "off"
+        rewriting = self.cfg.loop == "full" and self.cfg.tasks.rewriter.backend != "off"
         self.llm_client: Any = None
         if rewriting:
             self.rewriter = rewriter or self._make_rewriter()
@@ -157,14 +158,14 @@ class TasksAgent(Agent):
         self.scoring = 0  # scores being taken into account (on_scored awaits after forgetting the group)
 
     def _make_rewriter(self) -> Rewriter:
-        tc = self.cfg.tasks
-        if tc.rewriter != "llm":
+        config = self.cfg.tasks.rewriter
+        if isinstance(config, BuiltinRewriterConfig):
             return BuiltinRewriter()
         from coevo.algorithm.rewriter import LLMRewriter
         from coevo.inference.clients import make_client
 
         self.llm_client = make_client(self.cfg, "rewriter")
-        return LLMRewriter(self.llm_client, retries=tc.api.retries)
+        return LLMRewriter(self.llm_client, retries=config.retries if isinstance(config, LLMRewriterBase) else 0)
 
     async def run(self) -> None:
         if self.llm_client is None:

@@ -504,9 +504,22 @@ def _mean(out: dict[str, Any], config: str, metric: str) -> Any:
 
 LEARN: dict[str, dict[str, Any]] = {"integrated": {}, "outcome_only": {"scorer.reward": "outcome-only"}}
 """``bench learn``'s configurations: integrated reward, then outcome-only reward."""
-LADDER: dict[str, dict[str, Any]] = {"policy-only": {"loop": "policy-only"}, "policy+judge": {"loop": "policy+judge"},
-                                     "full": {"loop": "full"}}
+RUNGS: dict[str, dict[str, Any]] = {"policy-only": {"loop": "policy-only"}, "policy+judge": {"loop": "policy+judge"},
+                                    "full": {"loop": "full"},
+                                    "full-unsaturated": {"loop": "full", "tasks.saturated_after": 0}}
+"""The rungs ``bench ladder --rungs`` chooses from: ``full-unsaturated`` is the full loop without the saturated-slot
+rules (``coevo.algorithm.saturation``), the ablation of that rule."""
+LADDER: dict[str, dict[str, Any]] = {k: RUNGS[k] for k in ("policy-only", "policy+judge", "full")}
 """``bench ladder``'s rungs, bottom first: policy-only, + judge training, + environment adaptation."""
+
+
+def rungs_named(names: str) -> dict[str, dict[str, Any]]:
+    """The rungs of a comma-separated list, in its order (the first is the one the others pair against)."""
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in RUNGS]
+    if unknown or len(chosen) < 2 or len(set(chosen)) < len(chosen):
+        raise ValueError(f"--rungs {names!r}: two or more distinct rungs of {', '.join(RUNGS)}")
+    return {n: RUNGS[n] for n in chosen}
 RUNG_KEYS = ("train_success", "heldout_success", "train_success_initial", "heldout_success_initial",
              "judge_process_accuracy", "judge_outcome_accuracy", "judge_process_accuracy_heldout",
              "judge_outcome_accuracy_heldout", "rewrites_accepted", "learner_steps")

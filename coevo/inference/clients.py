@@ -5,7 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from coevo.config import CoevoConfig
+from coevo.config import (
+    CoevoConfig,
+    LitellmEndpoint,
+    LitellmRewriter,
+    LocalJudge,
+    LocalRewriter,
+    SamplingConfig,
+    VllmEndpoint,
+    VllmRewriter,
+)
 from coevo.inference.engine import InferenceClient, LocalEngine
 
 
@@ -26,40 +35,33 @@ def model_dir(cfg: CoevoConfig, role: Literal["policy", "judge"]) -> Path:
 
 
 def make_client(cfg: CoevoConfig, role: Literal["policy", "judge", "rewriter"], *, seed: int = 0) -> InferenceClient:
-    """The client ``role`` uses, from config; the one place a client is chosen."""
+    """The client ``role`` uses, from config; the one place a client is chosen (on the section's tag)."""
     if role == "rewriter":
-        return _rewriter_client(cfg)
+        rewriter = cfg.tasks.rewriter
+        if not isinstance(rewriter, LitellmRewriter | VllmRewriter | LocalRewriter):
+            raise ValueError(f"tasks.rewriter.backend = {rewriter.backend!r} uses no model")
+        return endpoint_client(rewriter, "rewriter")
     if role == "policy" and cfg.policy.url:
         from coevo.inference.vllm_client import VLLMClient
 
         local = model_dir(cfg, "policy")
         return VLLMClient(cfg.policy.url, cfg.policy.served_name or str(local), name="policy", tokenizer_dir=local,
                           sampling=cfg.policy.sampling)
-    if role == "judge" and cfg.judge.backend == "vllm":
-        from coevo.inference.vllm_client import VLLMClient
-
-        if not cfg.judge.url:
-            raise ValueError("judge.backend = 'vllm' needs judge.url")
-        return VLLMClient(cfg.judge.url, cfg.judge.model or "judge", name="judge", sampling=cfg.judge.sampling)
-    if role == "judge" and cfg.judge.backend == "litellm":
-        from coevo.inference.litellm_client import LiteLLMClient
-
-        assert cfg.judge.model is not None
-        return LiteLLMClient(cfg.judge.model, cfg.judge.api, api_base=cfg.judge.url, name="judge")
+    if role == "judge" and not isinstance(cfg.judge, LocalJudge):
+        return endpoint_client(cfg.judge, "judge", sampling=cfg.judge.sampling)
     return LocalEngine(model_dir(cfg, role), name=role, device=cfg.learner.device, seed=seed,
                        sampling=cfg.policy.sampling if role == "policy" else cfg.judge.sampling)
 
 
-def _rewriter_client(cfg: CoevoConfig) -> InferenceClient:
-    tc = cfg.tasks
-    if not tc.llm_model:
-        raise ValueError("tasks.llm_model is needed when tasks.rewriter = 'llm'")
-    if tc.llm_backend == "litellm":
+def endpoint_client(ep: LitellmEndpoint | VllmEndpoint | LocalRewriter, name: str,
+                    sampling: SamplingConfig | None = None) -> InferenceClient:
+    """The client of a judge's or rewriter's endpoint section, by its ``backend`` tag."""
+    if isinstance(ep, LitellmEndpoint):
         from coevo.inference.litellm_client import LiteLLMClient
 
-        return LiteLLMClient(tc.llm_model, tc.api, api_base=tc.llm_url, name="rewriter")
-    if tc.llm_backend == "vllm":
+        return LiteLLMClient(ep.model, ep.api, api_base=ep.url, name=name)
+    if isinstance(ep, VllmEndpoint):
         from coevo.inference.vllm_client import VLLMClient
 
-        return VLLMClient(tc.llm_url or "", tc.llm_model, name="rewriter")
-    return LocalEngine(Path(tc.llm_model), name="rewriter")
+        return VLLMClient(ep.url, ep.model or name, name=name, sampling=sampling)
+    return LocalEngine(Path(ep.model), name=name)

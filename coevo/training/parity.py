@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
-from coevo.config import CoevoConfig
+from coevo.config import CoevoConfig, VllmEndpoint
 from coevo.errors import ConfigError, VLLMError
 from coevo.schemas import TrainingSample
 from coevo.training.lane import Lane
@@ -61,7 +61,7 @@ def served_version(raw: str) -> int | None:
 def served_roles(cfg: CoevoConfig) -> dict[str, str]:
     """The lanes whose weights a vLLM server serves: role -> URL."""
     out = {"policy": cfg.policy.url} if cfg.policy.url else {}
-    if cfg.judge.backend == "vllm" and cfg.judge.url:
+    if isinstance(cfg.judge, VllmEndpoint):
         out["judge"] = cfg.judge.url
     return out
 
