@@ -66,7 +66,7 @@ async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any
     tally = RunTally()
     async for _, event, _m in bus.history():
         tally.add(event)
-    return tally.summary(bus.run_id, ended - started)
+    return tally.summary(bus.run_id, ended - started).model_dump()
 
 
 class Progress:

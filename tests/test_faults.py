@@ -165,7 +165,7 @@ async def test_a_publish_whose_ack_was_lost_is_sent_again_without_waiting_for_a_
 async def test_a_republish_that_fails_leaves_the_rest_queued(nats_url: str, run_id: str, cfg: CoevoConfig) -> None:
     """#24: a failed republish dropped every failed publish queued after it."""
     from coevo.errors import PublishError
-    from coevo.runtime.bus import MSG_ID, _UnackedPublish
+    from coevo.runtime.publishing import MSG_ID, _UnackedPublish
     from coevo.schemas import encode, subject_for
 
     bus = await NatsBus.connect(nats_url, run_id, bus=cfg.bus.model_copy(

@@ -91,12 +91,12 @@ async def test_mocked_judge_votes_reach_the_scorer_with_the_right_numbers(bus: N
     assert all(v.value == 1 and v.status == "ok" and not v.cached and v.cost_usd > 0 and v.model_version is None
                for j in judged for v in j.votes)
     g = won_and_lost_group(bus.run_id, steps, judged)
-    fields = score_group(g, jcfg, train_judge=False)
+    score = score_group(g, jcfg, train_judge=False)
     # R = O + mean(votes) = 2 (won) and 0 (lost); one step index: z-scores +1 / -1
-    assert sorted(s.advantage for s in fields["policy_samples"]) == pytest.approx([-1.0, 1.0])
-    assert fields["judge_samples"] == []  # an external judge is not trained
-    assert fields["judge_consistency"] == pytest.approx((2 * 3 + 0 * 3) / 6)  # R·S over the six +1 votes
-    assert fields["accuracy"] == 0.5
+    assert sorted(s.advantage for s in score.policy_samples) == pytest.approx([-1.0, 1.0])
+    assert score.judge_samples == []  # an external judge is not trained
+    assert score.judge_consistency == pytest.approx((2 * 3 + 0 * 3) / 6)  # R·S over the six +1 votes
+    assert score.accuracy == 0.5
 
 
 async def test_rate_limit_then_success(bus: NatsBus, cfg: CoevoConfig) -> None:
@@ -112,9 +112,9 @@ async def test_persistent_failure_gives_error_votes_and_a_flagged_group(bus: Nat
     assert all(v.status == "error" and v.value is None for j in judged for v in j.votes)
     assert agent.counters["vote_errors"] == 6
     g = won_and_lost_group(bus.run_id, steps, judged)
-    fields = score_group(g, jcfg, train_judge=False)
-    assert fields["flagged"] and "judge errors" in fields["flagged"]
-    assert fields["policy_samples"] == []  # kept out of training
+    score = score_group(g, jcfg, train_judge=False)
+    assert score.flagged and "judge errors" in score.flagged
+    assert score.policy_samples == []  # kept out of training
     with pytest.raises(ExternalCallFailed, match="RateLimitError"):
         await LiteLLMClient(MODEL, api(mock_response="litellm.RateLimitError", retries=0)).complete("x")
 

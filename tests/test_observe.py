@@ -14,7 +14,7 @@ from coevo.config import load_config
 from coevo.loop import _HideFromConsole, describe, no_learning_reason
 from coevo.observe.aggregate import Aggregator, ConsumerInfo
 from coevo.observe.series import CHARTS, SPECS, Point, Series, tb_tag
-from coevo.observe.tally import SUMMARY_FIELDS, RunTally
+from coevo.observe.tally import SUMMARY_FIELDS, SUMMARY_TABLE, RunTally, summary_table
 from coevo.schemas import (
     AgentStatus,
     DeadLettered,
@@ -154,7 +154,7 @@ def test_same_events_same_points_and_the_summary_matches_the_tally() -> None:
     tally = RunTally()
     for e in events:
         tally.add(e)
-    assert agg.summary(20.0) == tally.summary("r1", 20.0)
+    assert agg.summary(20.0) == tally.summary("r1", 20.0).model_dump()
     assert agg.summary(20.0)["heldout_success_end"] == 0.75
 
 
@@ -176,22 +176,24 @@ def test_a_series_stays_bounded_and_keeps_its_latest_point() -> None:
 
 
 def test_summary_fields_are_documented() -> None:
-    summary = RunTally().summary("r", 1.0)
-    assert set(summary) == set(SUMMARY_FIELDS)
+    """docs/observability.md's summary table is the one generated from RunSummary's descriptions."""
     doc = (REPO / "docs" / "observability.md").read_text()
+    start, end = doc.index(SUMMARY_TABLE[0]), doc.index(SUMMARY_TABLE[1]) + len(SUMMARY_TABLE[1])
+    assert doc[start:end] == summary_table(), "regenerate: python -c 'from coevo.observe.tally import " \
+        "summary_table; print(summary_table())'"
+    assert set(RunTally().summary("r", 1.0).model_dump()) == set(SUMMARY_FIELDS)
     documented = set(re.findall(r"^\| `([a-z_0-9]+)` \|", doc, re.MULTILINE))
-    assert set(SUMMARY_FIELDS) <= documented, set(SUMMARY_FIELDS) - documented
     assert set(SPECS) <= documented, set(SPECS) - documented  # and every series
 
 
 def test_the_human_summary_says_what_improved_and_warns_without_a_learner_step() -> None:
     cfg = load_config()
-    summary = {**RunTally().summary("r1", 90.0), "policy_success_start": 0.25, "policy_success_end": 0.75,
+    summary = {**RunTally().summary("r1", 90.0).model_dump(), "policy_success_start": 0.25, "policy_success_end": 0.75,
                "learner_steps": 3, "groups_scored": 6}
     text = describe(summary, cfg, {"report": "runs/r1/report/index.html"})
     assert "policy success on train groups: 0.25 -> 0.75 (improved, +0.50" in text
     assert "report:" in text and "warning" not in text
-    idle = {**RunTally().summary("r1", 30.0), "groups_scored": 4, "policy_samples": 0,
+    idle = {**RunTally().summary("r1", 30.0).model_dump(), "groups_scored": 4, "policy_samples": 0,
             "train_groups_with_samples": 0}
     assert "every rollout won or every one lost" in (no_learning_reason(idle, cfg) or "")
     few = {**idle, "policy_samples": 5, "train_groups_with_samples": 2}

@@ -32,6 +32,7 @@ from coevo.runtime.consumer import Delivery, Subscription
 from coevo.schemas import (
     Event,
     FailureDigest,
+    GroupScore,
     GroupScored,
     StepJudged,
     StepTaken,
@@ -140,21 +141,20 @@ def judge_vote_samples(trajs: list[scoring.TrajRec], g: Group, rewards: dict[str
     return out
 
 
-def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, Any]:
-    """The fields of ``GroupScored`` for a ready group (pure: no I/O)."""
+def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
+    """The score of a ready group (pure: no I/O)."""
     assert g.scheduled is not None
     sc = cfg.scorer
     trajs, stragglers = group_records(g)
     acc = scoring.accuracy(trajs)
-    fields: dict[str, Any] = {
-        "task_id": g.scheduled.task.task_id, "group_id": g.scheduled.group_id, "slot_id": g.scheduled.slot_id,
-        "purpose": g.scheduled.purpose, "n_trajectories": len(trajs),
-        "n_aborted": sum(t.outcome == "aborted" for t in trajs), "trajectory_ids": [t.trajectory_id for t in trajs],
-        "step_event_ids": [s.step_id for t in trajs for s in t.steps], "stragglers": stragglers,
-    }
+    common = GroupScore(
+        task_id=g.scheduled.task.task_id, group_id=g.scheduled.group_id, slot_id=g.scheduled.slot_id,
+        purpose=g.scheduled.purpose, n_trajectories=len(trajs), n_aborted=sum(t.outcome == "aborted" for t in trajs),
+        trajectory_ids=[t.trajectory_id for t in trajs], step_event_ids=[s.step_id for t in trajs for s in t.steps],
+        stragglers=stragglers, accuracy=0.0, policy_band_ok=False, judge_band_ok=False,
+        flagged="no completed trajectory")
     if acc is None:
-        return {**fields, "accuracy": 0.0, "policy_band_ok": False, "judge_band_ok": False,
-                "flagged": "no completed trajectory"}
+        return common
     rewards = scoring.integrated_rewards(trajs, sc.lam, sc.reward, sc.env_reward_weight)
     policy_ok, judge_ok = scoring.in_band(acc, *sc.policy_band), scoring.in_band(acc, *sc.judge_band)
     errors = sum(v.status == "error" for t in trajs for s in t.steps for v in s.votes)
@@ -170,14 +170,14 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> dict[str, A
     consistency = [r for t in trajs for s in t.steps
                    for r in scoring.consistency_rewards(rewards[s.step_id], s.votes) if r is not None]
     proc, outc = scoring.judge_accuracies(trajs)
-    return {**fields, "accuracy": acc, "policy_band_ok": policy_ok, "judge_band_ok": judge_ok,
-            "policy_samples": policy_samples(trajs, g, scoring.step_advantages(trajs, rewards))
-            if trainable and policy_ok else [],
-            "judge_samples": judge_samples, "judge_process_accuracy": proc,
-            "judge_outcome_accuracy": outc, "flagged": flagged,
-            "failures": [failure_digest(t, g) for t in trajs if t.outcome in ("lost", "truncated")],
-            "mean_reward": sum(rewards.values()) / len(rewards) if rewards else 0.0,
-            "judge_consistency": sum(consistency) / len(consistency) if consistency else None}
+    return common.model_copy(update={
+        "accuracy": acc, "policy_band_ok": policy_ok, "judge_band_ok": judge_ok,
+        "policy_samples": policy_samples(trajs, g, scoring.step_advantages(trajs, rewards))
+        if trainable and policy_ok else [],
+        "judge_samples": judge_samples, "judge_process_accuracy": proc, "judge_outcome_accuracy": outc,
+        "flagged": flagged, "failures": [failure_digest(t, g) for t in trajs if t.outcome in ("lost", "truncated")],
+        "mean_reward": sum(rewards.values()) / len(rewards) if rewards else 0.0,
+        "judge_consistency": sum(consistency) / len(consistency) if consistency else None})
 
 
 def coding_judge_samples(trajs: list[scoring.TrajRec], g: Group) -> list[TrainingSample]:
@@ -301,16 +301,16 @@ class ScorerAgent(Agent):
         why = g.readiness(time.monotonic(), self.cfg, self.need_votes)
         if why is None:
             return
-        fields = score_group(g, self.cfg, train_judge=self.train_judge)
+        score = score_group(g, self.cfg, train_judge=self.train_judge)
         if why != "complete":
-            self.log.warning("scorer.straggler_policy", group_id=gid, why=why, stragglers=len(fields["stragglers"]),
-                             trajectories=fields["n_trajectories"])
+            self.log.warning("scorer.straggler_policy", group_id=gid, why=why, stragglers=len(score.stragglers),
+                             trajectories=score.n_trajectories)
             self.counters[f"scored.{why}"] += 1
         assert g.scheduled is not None
         # stored before the group is forgotten as scored: a failed store leaves it open, so its
         # redelivered input (or the next tick of the straggler clock) scores it again, under the same id
         await self.emit_stored(self.event(GroupScored, cause=g.scheduled, event_id=scored_id(gid),
-                                          correlation_id=gid, **fields))
+                                          correlation_id=gid, **dict(score)))
         self.counters["groups_scored"] += 1
         self.remember(gid)
         del self.groups[gid]

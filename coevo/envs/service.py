@@ -23,7 +23,7 @@ from coevo.envs import make_family
 from coevo.envs.base import Environment, Observation, StepResult
 from coevo.errors import EnvError, EnvTimeout
 from coevo.runtime.agent import Agent
-from coevo.runtime.bus import is_request
+from coevo.runtime.rpc import is_request
 from coevo.schemas import TaskSpec, new_id
 from coevo.schemas.envproto import EnvClose, EnvObservation, EnvOpen, EnvReply, EnvStep, env_subject
 

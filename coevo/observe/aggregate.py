@@ -120,7 +120,8 @@ class Aggregator:
     # ---- output ------------------------------------------------------------------------------
 
     def summary(self, seconds: float | None = None) -> dict[str, Any]:
-        return self.tally.summary(self.run_id or "", self.t_last if seconds is None else seconds)
+        """The run summary as ``summary.json`` holds it (``RunSummary``'s fields)."""
+        return self.tally.summary(self.run_id or "", self.t_last if seconds is None else seconds).model_dump()
 
     def series_json(self) -> dict[str, Any]:
         """Every series with its points, and the catalogue (for the dashboard and the report)."""

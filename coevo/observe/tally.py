@@ -1,8 +1,8 @@
 """What ``summary.json`` reports, accumulated event by event (pure: events in, a dict out).
 
 Invariant: the summary is a function of the stored events only (and the run's duration), so the
-summary of a run, of its replay and of an offline ``coevo report`` agree. ``SUMMARY_FIELDS`` states
-what every field means; docs/observability.md lists the same fields (a test keeps them equal).
+summary of a run, of its replay and of an offline ``coevo report`` agree. ``RunSummary`` states what
+every field means; docs/observability.md's table is generated from it (a test keeps them equal).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from coevo.schemas import (
     Event,
@@ -22,43 +23,81 @@ from coevo.schemas import (
     TaskScheduled,
 )
 
-SUMMARY_FIELDS: dict[str, str] = {
-    "run_id": "the run's id (its directory under runs/, its stream COEVO_<run_id>)",
-    "policy_success_start": "mean success (fraction of rollouts won) of the first fifth of the train groups",
-    "policy_success_end": "the same over the last fifth of the train groups",
-    "heldout_success_start": "mean success of the first held-out evaluation round (fixed tasks, never trained on)",
-    "heldout_success_end": "the same for the last complete evaluation round (every held-out group of it "
-                           "scored; a round cut short by the end of the run is left out)",
-    "judge_process_accuracy_start": "judge's step votes agreeing with the environment's step labels: the "
-                                    "first quarter of the scored groups",
-    "judge_process_accuracy": "the same over the last quarter of the scored groups",
-    "judge_outcome_accuracy_start": "judge's votes agreeing with the trajectory's outcome: first quarter of groups",
-    "judge_outcome_accuracy": "the same over the last quarter of the scored groups",
-    "judge_process_accuracy_heldout": "judge process accuracy on held-out groups, last half of them",
-    "judge_outcome_accuracy_heldout": "judge outcome accuracy on held-out groups, last half of them",
-    "rewrites_proposed": "task rewrites the rewriter proposed (task.rewritten events)",
-    "rewrites_accepted": "rewrites the acceptance gate accepted (they replaced their slot's task)",
-    "rewrites_proposed_wide": "of the rewrites proposed, those of a saturated slot (more than one knob step, "
-                              "tasks.saturated_*)",
-    "learner_steps": "optimiser steps of the policy lane (= the last policy weights version)",
-    "judge_learner_steps": "optimiser steps of the judge lane",
-    "policy_kl_rejected": "policy batches undone by learner.max_step_kl (their step moved the policy too far)",
-    "policy_step_kl_max": "largest KL per token a policy step moved its weights (measured under learner.max_step_kl)",
-    "policy_mismatch_kl_max": "largest KL per token from the sampler to the learner's weights at a policy step",
-    "policy_samples": "policy training samples the scorer produced (one per step of a trainable group)",
-    "train_groups_with_samples": "train groups that produced policy samples (a group where every rollout won, "
-                                 "or every one lost, has no signal and produces none)",
-    "events": "number of stored events of each kind (all purposes, all agents, heartbeats included)",
-    "trajectories_per_second": "completed trajectories (all purposes) per second of the run",
-    "judge_errors": "judge votes that failed (an API error is an error vote, never a -1)",
-    "judge_calls": "judge votes answered by a model call",
-    "judge_cache_hits": "judge votes answered from the response cache",
-    "judge_cost_usd": "cost of the judge's API calls, from LiteLLM's prices",
-    "seconds": "wall-clock duration of the run (this process's part of it after a resume)",
-    "groups_scored": "train groups scored (the groups policy_success_* averages over)",
-    "groups_scored_by_purpose": "scored groups by purpose: train, candidate (a rewrite under measurement), "
-                                "eval (held-out); their sum is events['group.scored']",
-}
+
+class RunSummary(BaseModel):
+    """``summary.json``: what a run did, from its stored events. Each field's description is its row in
+    docs/observability.md (``summary_table`` writes that table; a test keeps the doc equal to it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str = Field(description="the run's id (its directory under runs/, its stream COEVO_<run_id>)")
+    policy_success_start: float | None = Field(description=(
+        'mean success (fraction of rollouts won) of the first fifth of the train groups'))
+    policy_success_end: float | None = Field(description='the same over the last fifth of the train groups')
+    heldout_success_start: float | None = Field(description=(
+        'mean success of the first held-out evaluation round (fixed tasks, never trained '
+        'on)'))
+    heldout_success_end: float | None = Field(description=(
+        'the same for the last complete evaluation round (every held-out group of it '
+        'scored; a round cut short by the end of the run is left out)'))
+    judge_process_accuracy_start: float | None = Field(description=(
+        "judge's step votes agreeing with the environment's step labels: the first "
+        'quarter of the scored groups'))
+    judge_process_accuracy: float | None = Field(description='the same over the last quarter of the scored groups')
+    judge_outcome_accuracy_start: float | None = Field(description=(
+        "judge's votes agreeing with the trajectory's outcome: first quarter of groups"))
+    judge_outcome_accuracy: float | None = Field(description='the same over the last quarter of the scored groups')
+    judge_process_accuracy_heldout: float | None = Field(description=(
+        'judge process accuracy on held-out groups, last half of them'))
+    judge_outcome_accuracy_heldout: float | None = Field(description=(
+        'judge outcome accuracy on held-out groups, last half of them'))
+    rewrites_proposed: int = Field(description='task rewrites the rewriter proposed (task.rewritten events)')
+    rewrites_accepted: int = Field(description=(
+        "rewrites the acceptance gate accepted (they replaced their slot's task)"))
+    rewrites_proposed_wide: int = Field(description=(
+        'of the rewrites proposed, those of a saturated slot (more than one knob step, '
+        'tasks.saturated_*)'))
+    learner_steps: int = Field(description='optimiser steps of the policy lane (= the last policy weights version)')
+    judge_learner_steps: int = Field(description='optimiser steps of the judge lane')
+    policy_kl_rejected: int = Field(description=(
+        'policy batches undone by learner.max_step_kl (their step moved the policy too '
+        'far)'))
+    policy_step_kl_max: float | None = Field(description=(
+        'largest KL per token a policy step moved its weights (measured under '
+        'learner.max_step_kl)'))
+    policy_mismatch_kl_max: float | None = Field(description=(
+        "largest KL per token from the sampler to the learner's weights at a policy step"))
+    policy_samples: int = Field(description=(
+        'policy training samples the scorer produced (one per step of a trainable group)'))
+    train_groups_with_samples: int = Field(description=(
+        'train groups that produced policy samples (a group where every rollout won, or '
+        'every one lost, has no signal and produces none)'))
+    events: dict[str, int] = Field(description=(
+        'number of stored events of each kind (all purposes, all agents, heartbeats '
+        'included)'))
+    trajectories_per_second: float = Field(description='completed trajectories (all purposes) per second of the run')
+    judge_errors: int = Field(description='judge votes that failed (an API error is an error vote, never a -1)')
+    judge_calls: int = Field(description='judge votes answered by a model call')
+    judge_cache_hits: int = Field(description='judge votes answered from the response cache')
+    judge_cost_usd: float = Field(description="cost of the judge's API calls, from LiteLLM's prices")
+    seconds: float = Field(description="wall-clock duration of the run (this process's part of it after a resume)")
+    groups_scored: int = Field(description='train groups scored (the groups policy_success_* averages over)')
+    groups_scored_by_purpose: dict[str, int] = Field(description=(
+        'scored groups by purpose: train, candidate (a rewrite under measurement), eval '
+        "(held-out); their sum is events['group.scored']"))
+
+
+SUMMARY_FIELDS: dict[str, str] = {name: f.description or "" for name, f in RunSummary.model_fields.items()}
+"""field -> what it means (the report's tooltips)"""
+SUMMARY_TABLE = ("<!-- summary-table: generated from coevo.observe.tally.RunSummary -->",
+                 "<!-- /summary-table -->")
+"""the markers around the generated table in docs/observability.md"""
+
+
+def summary_table() -> str:
+    """docs/observability.md's table of ``summary.json`` fields, from ``RunSummary``'s descriptions."""
+    rows = "".join(f"| `{name}` | {text} |\n" for name, text in SUMMARY_FIELDS.items())
+    return f"{SUMMARY_TABLE[0]}\n| field | meaning |\n|---|---|\n{rows}{SUMMARY_TABLE[1]}"
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -136,7 +175,7 @@ class RunTally:
             if heldout:
                 self.outc_heldout.append(event.judge_outcome_accuracy)
 
-    def summary(self, run_id: str, seconds: float) -> dict[str, Any]:
+    def summary(self, run_id: str, seconds: float) -> RunSummary:
         k = max(1, len(self.train) // 5)
         ordered = sorted(self.evals.items(), key=lambda kv: int(kv[0][4:] or 0))
         complete = [v for name, v in ordered if len(v) >= self.eval_scheduled[name]]
@@ -144,35 +183,35 @@ class RunTally:
         tail = max(1, len(self.proc) // 4)
         otail = max(1, len(self.outc) // 4)
         seconds = max(seconds, 1e-9)
-        return {
-            "run_id": run_id,
-            "policy_success_start": _mean(self.train[:k]),
-            "policy_success_end": _mean(self.train[-k:]),
-            "heldout_success_start": _mean(rounds[0]) if rounds else None,
-            "heldout_success_end": _mean(rounds[-1]) if rounds else None,
-            "judge_process_accuracy_start": _mean(self.proc[:tail]),
-            "judge_process_accuracy": _mean(self.proc[-tail:]),
-            "judge_outcome_accuracy_start": _mean(self.outc[:otail]),
-            "judge_outcome_accuracy": _mean(self.outc[-otail:]),
-            "judge_process_accuracy_heldout": _mean(self.proc_heldout[-max(1, len(self.proc_heldout) // 2):]),
-            "judge_outcome_accuracy_heldout": _mean(self.outc_heldout[-max(1, len(self.outc_heldout) // 2):]),
-            "rewrites_proposed": self.counts["task.rewritten"],
-            "rewrites_accepted": self.accepted,
-            "rewrites_proposed_wide": self.wide,
-            "learner_steps": self.learner_steps,
-            "judge_learner_steps": self.judge_steps,
-            "policy_kl_rejected": self.kl_rejected,
-            "policy_step_kl_max": None if self.step_kl_max is None else round(self.step_kl_max, 4),
-            "policy_mismatch_kl_max": None if self.mismatch_kl_max is None else round(self.mismatch_kl_max, 4),
-            "policy_samples": self.policy_samples,
-            "train_groups_with_samples": self.groups_with_samples,
-            "events": dict(sorted(self.counts.items())),
-            "trajectories_per_second": round(self.counts["trajectory.completed"] / seconds, 3),
-            "judge_errors": self.judge["errors"],
-            "judge_calls": self.judge["calls"],
-            "judge_cache_hits": self.judge["cache_hits"],
-            "judge_cost_usd": round(self.judge_cost, 6),
-            "seconds": round(seconds, 1),
-            "groups_scored": len(self.train),
-            "groups_scored_by_purpose": dict(sorted(self.purposes.items())),
-        }
+        return RunSummary(
+            run_id=run_id,
+            policy_success_start=_mean(self.train[:k]),
+            policy_success_end=_mean(self.train[-k:]),
+            heldout_success_start=_mean(rounds[0]) if rounds else None,
+            heldout_success_end=_mean(rounds[-1]) if rounds else None,
+            judge_process_accuracy_start=_mean(self.proc[:tail]),
+            judge_process_accuracy=_mean(self.proc[-tail:]),
+            judge_outcome_accuracy_start=_mean(self.outc[:otail]),
+            judge_outcome_accuracy=_mean(self.outc[-otail:]),
+            judge_process_accuracy_heldout=_mean(self.proc_heldout[-max(1, len(self.proc_heldout) // 2):]),
+            judge_outcome_accuracy_heldout=_mean(self.outc_heldout[-max(1, len(self.outc_heldout) // 2):]),
+            rewrites_proposed=self.counts["task.rewritten"],
+            rewrites_accepted=self.accepted,
+            rewrites_proposed_wide=self.wide,
+            learner_steps=self.learner_steps,
+            judge_learner_steps=self.judge_steps,
+            policy_kl_rejected=self.kl_rejected,
+            policy_step_kl_max=None if self.step_kl_max is None else round(self.step_kl_max, 4),
+            policy_mismatch_kl_max=None if self.mismatch_kl_max is None else round(self.mismatch_kl_max, 4),
+            policy_samples=self.policy_samples,
+            train_groups_with_samples=self.groups_with_samples,
+            events=dict(sorted(self.counts.items())),
+            trajectories_per_second=round(self.counts["trajectory.completed"] / seconds, 3),
+            judge_errors=self.judge["errors"],
+            judge_calls=self.judge["calls"],
+            judge_cache_hits=self.judge["cache_hits"],
+            judge_cost_usd=round(self.judge_cost, 6),
+            seconds=round(seconds, 1),
+            groups_scored=len(self.train),
+            groups_scored_by_purpose=dict(sorted(self.purposes.items())),
+        )

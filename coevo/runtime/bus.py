@@ -1,12 +1,7 @@
 """The typed event bus on NATS JetStream.
 
 Invariants:
-- every event is published on ``subject_for(run, kind)`` with ``Nats-Msg-Id = event_id``, so a
-  retried or repeated publish of the same event is stored once (within the duplicate window);
-- at most ``bus.max_inflight_publishes`` publishes await their acknowledgement; one unanswered for
-  ``bus.publish_ack_timeout_s`` is sent again (same id) by the next publish, and ``flush()``
-  returns only when every publish was acknowledged (failed ones are retried with the same id, a
-  failure leaving the rest queued);
+- publishing: see ``coevo.runtime.publishing`` (stored once per event id, bounded in flight, flushed);
 - a consumed message is acked only after its handler returned and everything it published was
   stored (``coevo.runtime.outbox``); a payload that is not a valid event is terminated *after* a
   ``DeadLettered`` event holding its bytes and the reason was stored.
@@ -20,9 +15,9 @@ import json
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import nats
 import nats.errors
@@ -33,27 +28,24 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from coevo.config import BusConfig, NatsConfig, StreamConfig
-from coevo.errors import BusError, ClaimError, NoResponders, PayloadUnavailable, PublishError
-from coevo.runtime import claims, outbox
+from coevo.errors import BusError, ClaimError, PayloadUnavailable
+from coevo.runtime import claims
 from coevo.runtime.aio import drain
 from coevo.runtime.credentials import (
     ADMIN,
     KV_BUCKETS,
     inbox_prefix,
-    payload_bucket,
     payload_buckets,
     read_credential,
 )
+from coevo.runtime.history import History
 from coevo.runtime.kv import Bucket
-from coevo.runtime.pull import Puller, delivered_seq, read_all
+from coevo.runtime.publishing import MSG_ID, Publisher
+from coevo.runtime.pull import Puller
+from coevo.runtime.rpc import Rpc
 from coevo.schemas import (
-    ControlReply,
-    ControlRequest,
     Event,
-    Frozen,
-    control_subject,
     decode,
-    encode,
     events_prefix,
     kind_from_subject,
     kind_of,
@@ -63,7 +55,6 @@ from coevo.schemas import (
 
 log = structlog.get_logger("coevo.bus")
 
-MSG_ID = "Nats-Msg-Id"
 
 
 def stored_id(msg: Msg) -> str | None:
@@ -77,7 +68,6 @@ TRANSIENT = (BusError, nats.errors.TimeoutError, nats.errors.NoRespondersError, 
 """what the bus raises while a node is down, a partition lasts or a leader is elected: try again later"""
 UNANSWERED_S = 3.0
 """publishes unacknowledged this long, none acknowledged meanwhile: the server does not answer"""
-M = TypeVar("M", bound=Frozen)
 
 
 def stream_name(run_id: str) -> str:
@@ -144,18 +134,6 @@ def _secret(env: str) -> str:
     return value
 
 
-@dataclass(slots=True)
-class _UnackedPublish:
-    subject: str
-    payload: bytes
-    event_id: str
-    t0: float
-    headers: dict[str, str] = field(default_factory=dict)
-    future: asyncio.Future[bool] | None = None
-    """Resolves True once JetStream stored the message (``duplicate`` or not); fails when the stream
-    refused it or nobody answered. Set by ``publish_raw``, resolved by the ack subscription."""
-
-
 @dataclass
 class BusStats:
     published: int = 0
@@ -168,8 +146,12 @@ class BusStats:
     track_latency: bool = False
 
 
-class NatsBus:
-    """A run's view of JetStream: one stream ``COEVO_<run>`` with subjects ``coevo.<run>.ev.>``."""
+class NatsBus(Publisher, History, Rpc):
+    """A run's view of JetStream: one stream ``COEVO_<run>`` with subjects ``coevo.<run>.ev.>``.
+
+    By concern: publishing with acknowledgements (``coevo.runtime.publishing``), reading history
+    (``coevo.runtime.history``), request-reply (``coevo.runtime.rpc``), typed KV (``coevo.runtime.kv``);
+    here: the connection and stream, decoding (claims), consumers and dead letters."""
 
     def __init__(
         self, nc: NATS, run_id: str, bus: BusConfig, stream: StreamConfig | None = None
@@ -181,24 +163,12 @@ class NatsBus:
         self.stream_cfg = stream or StreamConfig()
         self.stream = stream_name(run_id)
         self.stats = BusStats()
-        self._unacked: dict[str, _UnackedPublish] = {}  # by reply token
-        self._failed: list[_UnackedPublish] = []
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._unanswered_since: float | None = None
-        """since when a publish has waited with no acknowledgement of any (None: all answered)"""
-        self._room = asyncio.Event()
-        self._room.set()
-        self._acks_prefix = ""
-        self._acks_start = 0
-        self._acks_lock = asyncio.Lock()
-        self._tokens = 0
+        self._init_publisher()
         self._closed = False
         self.manages = True
         """whether this connection may create and change the run's stream and buckets (not a role's)"""
         self.user = ADMIN
         """whose large events this bus stores (its object store): a role's, or the run's admin"""
-        self._stores: dict[str, Any] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -310,138 +280,6 @@ class NatsBus:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # ---- publish -----------------------------------------------------------------------------
-
-    async def publish(self, event: Event) -> asyncio.Future[bool]:
-        """Publish without waiting for the ack (bounded in-flight). Returns the ack future."""
-        if event.run_id != self.run_id:
-            raise BusError(f"event {event.event_id} belongs to run {event.run_id}, not {self.run_id}")
-        return await self.publish_raw(subject_for(self.run_id, kind_of(event)), encode(event),
-                                      event.event_id)
-
-    async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> asyncio.Future[bool]:
-        """Send ``payload`` with ``Nats-Msg-Id = msg_id`` and return at once; the returned future
-        resolves when JetStream acknowledged it.
-
-        The bus runs JetStream's asynchronous publish itself (one reply subscription, one table of
-        unacknowledged publishes) rather than through nats-py's ``publish_async``, which keeps a
-        second table, semaphore and done callback per message beside ours.
-        """
-        if self._unacked:  # the oldest unanswered for a whole ack timeout: its ack was lost, send it again
-            oldest = next(iter(self._unacked.values()))
-            if time.perf_counter() - oldest.t0 > self.cfg.publish_ack_timeout_s:
-                await self._expire(time.perf_counter() - self.cfg.publish_ack_timeout_s)
-        if self._failed:
-            await self._retry_failed()
-        while len(self._unacked) >= self.cfg.max_inflight_publishes:
-            await self._wait_for_room()
-        if len(payload) > self.inline_limit:
-            pending = await self._unacked_publish(subject, payload, msg_id)
-        else:
-            pending = _UnackedPublish(subject, payload, msg_id, time.perf_counter(), {MSG_ID: msg_id})
-        if not self._acks_prefix:
-            await self._start_acks()
-        self._tokens += 1
-        token = str(self._tokens)
-        pending.future = fut = asyncio.get_running_loop().create_future()
-        if self._unanswered_since is None:
-            self._unanswered_since = time.perf_counter()
-        self._unacked[token] = pending  # before sending: the ack may be read while we wait to write
-        self._idle.clear()
-        try:
-            await self.nc.publish(subject, pending.payload, reply=self._acks_prefix + token, headers=pending.headers)
-        except BaseException:
-            self._forget(token)
-            fut.cancel()
-            raise
-        box = outbox.current()
-        if box is not None:
-            box.staged.append((fut, pending))
-        return fut
-
-    async def _start_acks(self) -> None:
-        """Subscribe to this bus's ack subjects (``<inbox>.<token>``), once."""
-        async with self._acks_lock:
-            if not self._acks_prefix:
-                prefix = f"{self.nc.new_inbox()}."
-                await self.nc.subscribe(f"{prefix}*", cb=self._on_ack)
-                self._acks_start, self._acks_prefix = len(prefix), prefix
-
-    async def _on_ack(self, msg: Msg) -> None:
-        """JetStream's answer to one publish: a ``PubAck``, an error, or a no-responders status."""
-        pending = self._forget(msg.subject[self._acks_start:])
-        if pending is None or pending.future is None:
-            return  # answered after it expired: it was published again under its id (stored once)
-        data = msg.data
-        error = "no stream answered (status reply)" if not data else _ack_error(data)
-        if error is not None:
-            self._failed.append(pending)
-            pending.future.set_exception(PublishError(pending.subject, pending.event_id, error))
-            pending.future.exception()  # retrieved: nobody need await a publish that is retried anyway
-            return
-        # an acknowledgement: the server answers (a refusal does not count: it is retried)
-        self._unanswered_since = None if not self._unacked and not self._failed else time.perf_counter()
-        self.stats.published += 1
-        if b'"duplicate"' in data and json.loads(data).get("duplicate"):
-            self.stats.duplicates += 1
-        if self.stats.track_latency:
-            self.stats.latencies_ms.append((time.perf_counter() - pending.t0) * 1e3)
-        pending.future.set_result(True)
-
-    def _forget(self, token: str) -> _UnackedPublish | None:
-        pending = self._unacked.pop(token, None)
-        if not self._unacked:
-            self._idle.set()
-        if len(self._unacked) < self.cfg.max_inflight_publishes:
-            self._room.set()
-        return pending
-
-    async def _wait_for_room(self) -> None:
-        """Wait until fewer than ``bus.max_inflight_publishes`` publishes await their ack; those
-        unanswered for ``bus.publish_ack_timeout_s`` are published again meanwhile."""
-        self._room.clear()
-        try:
-            await asyncio.wait_for(self._room.wait(), self.cfg.publish_ack_timeout_s)
-        except TimeoutError:
-            await self._expire(time.perf_counter() - self.cfg.publish_ack_timeout_s)
-
-    async def publish_sync(self, event: Event) -> api.PubAck:
-        """Publish and wait for the ack (retried with the same message id)."""
-        return await self.republish(
-            await self._unacked_publish(subject_for(self.run_id, kind_of(event)), encode(event), event.event_id))
-
-    async def _unacked_publish(self, subject: str, payload: bytes, msg_id: str) -> _UnackedPublish:
-        """What goes on the wire: the payload, or a claim on it once it is in the object store."""
-        headers = {MSG_ID: msg_id}
-        if len(payload) > self.inline_limit:
-            await self.payload_store()  # created on first use by a bus that manages the run's streams
-            claim = await claims.put(self.js, self.payload_bucket, msg_id, payload)
-            payload, headers[claims.CLAIM_HEADER] = claim.body(), "1"
-        return _UnackedPublish(subject, payload, msg_id, time.perf_counter(), headers)
-
-    @property
-    def inline_limit(self) -> int:
-        return min(self.cfg.inline_max_bytes, self.stream_cfg.max_msg_size - 4096)
-
-    @property
-    def payload_bucket(self) -> str:
-        return payload_bucket(self.run_id, self.user)
-
-    async def payload_store(self, bucket: str | None = None) -> Any:
-        """An object store of the run for large events: this bus's own (where it writes), or the one a
-        claim names (``bucket``); the admin creates them (same retention as the stream)."""
-        name = bucket or self.payload_bucket
-        if name not in self._stores:
-            try:
-                self._stores[name] = await self.js.object_store(name)
-            except nats.js.errors.BucketNotFoundError:
-                if not self.manages:
-                    raise
-                self._stores[name] = await self.js.create_object_store(name, api.ObjectStoreConfig(
-                    ttl=self.stream_cfg.max_age_s, replicas=self.stream_cfg.replicas,
-                    storage=api.StorageType.FILE if self.stream_cfg.storage == "file" else api.StorageType.MEMORY))
-        return self._stores[name]
-
     async def decode_msg(self, msg: Msg) -> Event:
         """The event a stored message holds, following a claim to the object store it names.
 
@@ -467,58 +305,6 @@ class NatsBus:
         if kind is not None and kind != kind_of(event):
             raise ValueError(f"a {kind_of(event)} event on the subject of {kind}")
         return event
-
-    async def _expire(self, sent_before: float) -> None:
-        """Give up waiting for the acks of publishes sent before ``sent_before`` and publish them again."""
-        for token, pending in list(self._unacked.items()):
-            if pending.t0 < sent_before:
-                self._forget(token)
-                self._failed.append(pending)
-                if pending.future is not None:
-                    pending.future.cancel()
-        await self._retry_failed()
-
-    async def _retry_failed(self) -> None:
-        """Publish the failed ones again, in order; when one cannot be stored (``PublishError``, to the
-        caller) those after it stay queued for the next try, never dropped."""
-        failed, self._failed = self._failed, []
-        for i, pending in enumerate(failed):
-            self.stats.publish_retries += 1
-            try:
-                await self.republish(pending)
-            except BaseException:
-                self._failed[:0] = failed[i + 1:]
-                raise
-
-    async def republish(self, p: _UnackedPublish) -> api.PubAck:
-        """Publish ``p`` again under its id and wait for the ack (stored once whatever came before)."""
-        last: BaseException | None = None
-        for attempt in range(self.cfg.publish_retries + 1):
-            try:
-                ack = await self.js.publish(p.subject, p.payload, headers=p.headers or {MSG_ID: p.event_id},
-                                            timeout=self.cfg.publish_ack_timeout_s)
-            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError,
-                    nats.errors.ConnectionReconnectingError, nats.js.errors.APIError) as exc:
-                last = exc  # APIError: refused by the stream (full, message too large): try again, then fail
-                await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
-                continue
-            self.stats.published += 1
-            self.stats.duplicates += int(ack.duplicate or False)
-            return ack
-        raise PublishError(p.subject, p.event_id, repr(last))
-
-    async def flush(self, timeout_s: float | None = None) -> None:
-        """Wait until every publish so far is acknowledged (retrying failures)."""
-        timeout_s = timeout_s or self.cfg.publish_ack_timeout_s
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            await self._expire(float("inf"))
-        await self._retry_failed()
-
-    @property
-    def inflight(self) -> int:
-        return len(self._unacked)
 
     # ---- consume -----------------------------------------------------------------------------
 
@@ -625,177 +411,3 @@ class NatsBus:
         except nats.js.errors.BucketNotFoundError:
             return Bucket(await self.js.create_key_value(bucket=bucket, storage=api.StorageType.FILE, history=1,
                                                          replicas=self.stream_cfg.replicas), bucket)
-
-    # ---- reading history ---------------------------------------------------------------------
-
-    async def consumer_position(self, durable: str) -> int | None:
-        """The last stream sequence the durable consumer ``durable`` was delivered (0: nothing yet);
-        None when there is no such consumer."""
-        try:
-            info = await self.js.consumer_info(self.stream, durable)
-        except nats.js.errors.NotFoundError:
-            return None
-        return delivered_seq(info)
-
-    async def last_sequence(self) -> int:
-        info = await self.js.stream_info(self.stream)
-        return info.state.last_seq
-
-    async def history(
-        self, kinds: Iterable[str] | None = None, start_seq: int = 1, end_seq: int | None = None, *,
-        undecoded: Iterable[str] = (),
-    ) -> AsyncIterator[tuple[int, Event | None, Msg]]:
-        """Every stored event (or those of ``kinds``) in order, up to ``end_seq`` (default: now).
-
-        Yields ``(sequence, event, msg)``; ``event`` is None for a payload that does not decode, and
-        for the kinds in ``undecoded``, yielded as stored (a reader of their ids, ``stored_id(msg)``,
-        never waits for an object store nor reads their bulk)."""
-        raw = {subject_for(self.run_id, k) for k in undecoded}
-        end = end_seq if end_seq is not None else await self.last_sequence()
-        if end < start_seq:
-            return
-        subjects = [subject_for(self.run_id, k) for k in kinds] if kinds else [f"{events_prefix(self.run_id)}.>"]
-        config = api.ConsumerConfig(
-            ack_policy=api.AckPolicy.NONE,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=start_seq,
-            filter_subjects=subjects if len(subjects) > 1 else None,
-            filter_subject=subjects[0] if len(subjects) == 1 else None,
-            inactive_threshold=30.0,
-            max_ack_pending=-1,
-        )
-        name = config.name = f"history_{new_id()[:16]}"
-        await self.js.add_consumer(self.stream, config)
-        sub = await Puller(self.nc, self.stream, name).start()
-        try:
-            if (await self.js.consumer_info(self.stream, name)).num_pending == 0:
-                return
-            stalled_since = time.monotonic()
-            read = start_seq - 1  # the last sequence yielded
-            while True:
-                try:
-                    msgs = await sub.fetch(256, 2.0)
-                except (nats.errors.TimeoutError, TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
-                    # a slow fetch (a node failing over, a busy server) is not the end of history:
-                    # stop only when the server says nothing is left, never on a timeout alone
-                    if await self._history_done(name, stalled_since, end, read):
-                        return
-                    if isinstance(exc, nats.js.errors.ServiceUnavailableError):
-                        await asyncio.sleep(0.5)  # answered at once: wait for the stream to come back
-                    continue
-                stalled_since = time.monotonic()
-                for msg in msgs:
-                    md = msg.metadata
-                    if md.sequence.stream > end:
-                        return
-                    try:
-                        event: Event | None = None if msg.subject in raw else await self.decode_msg(msg)
-                    except ValueError:
-                        event = None
-                    read = md.sequence.stream
-                    yield md.sequence.stream, event, msg
-                    if md.num_pending == 0 or md.sequence.stream >= end:
-                        return
-        finally:
-            await sub.unsubscribe()
-            with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-                await self.js.delete_consumer(self.stream, name)
-
-    async def _history_done(self, consumer: str, stalled_since: float, end: int, read: int,
-                            stall_s: float = 60.0) -> bool:
-        """After a fetch timeout: True when nothing is left to read and everything the server
-        delivered (up to ``delivered.stream_seq``) was read (``read``): a delivered message can
-        still be on its way to the fetch. Raises if reading stalls for good."""
-        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-            if read_all(await self.js.consumer_info(self.stream, consumer), read, end):
-                return True
-        if time.monotonic() - stalled_since > stall_s:
-            raise BusError(f"reading the history of {self.stream} stalled for {stall_s:.0f} s before sequence {end}")
-        return False
-
-    async def events(self, kinds: Iterable[str] | None = None) -> list[Event]:
-        """Convenience: the decoded events stored so far (undecodable ones skipped)."""
-        return [e async for _, e, _ in self.history(kinds) if e is not None]
-
-    # ---- request-reply on core NATS (control, weight transfers) --------------------------------
-
-    async def serve(self, subject: str, request_type: type[M], handler: Callable[[M], Awaitable[Frozen]]) -> Any:
-        """Answer requests on ``subject``, each in its own task (a slow answer holds up no other); a
-        malformed request or a failing handler is answered with ``{"error": reason}`` (the requester
-        raises it), never left to time out. Only requests (``is_request``) are answered."""
-        tasks: set[asyncio.Task[None]] = set()
-
-        async def on_request(msg: Msg) -> None:
-            if not is_request(msg, subject):
-                self.stats.forged_requests += 1
-                log.warning("bus.not_a_request", subject=subject, delivered_as=msg.subject, reply=msg.reply[:80])
-                return
-            task = asyncio.create_task(answer(msg))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-        async def answer(msg: Msg) -> None:
-            try:
-                request = request_type.model_validate_json(msg.data)
-            except ValueError as exc:
-                await msg.respond(_error_reply(f"malformed {request_type.__name__}: {exc}"))
-                return
-            try:
-                reply = await handler(request)
-            except Exception as exc:
-                log.warning("bus.request_failed", subject=subject, error=repr(exc)[:500])
-                await msg.respond(_error_reply(str(exc) or repr(exc)))
-                return
-            await msg.respond(reply.model_dump_json().encode())
-
-        return await self.nc.subscribe(subject, cb=on_request)
-
-    async def request(self, subject: str, request: Frozen, reply_type: type[M], timeout_s: float = 5.0) -> M:
-        """The typed reply; ``BusError`` for an error reply or a timeout, ``NoResponders`` for nobody."""
-        try:
-            msg = await self.nc.request(subject, request.model_dump_json().encode(), timeout=timeout_s)
-        except nats.errors.NoRespondersError as exc:
-            raise NoResponders(f"nobody serves {subject}") from exc
-        except nats.errors.TimeoutError as exc:
-            raise BusError(f"no reply on {subject} within {timeout_s}s") from exc
-        if msg.data.startswith(b'{"error"'):
-            raise BusError(f"{subject}: {json.loads(msg.data)['error']}")
-        return reply_type.model_validate_json(msg.data)
-
-    async def serve_control(
-        self, agent_id: str, handler: Callable[[ControlRequest], Awaitable[ControlReply]]
-    ) -> Any:
-        return await self.serve(control_subject(self.run_id, agent_id), ControlRequest, handler)
-
-    async def control(self, agent_id: str, command: str, timeout_s: float = 5.0) -> ControlReply:
-        request = ControlRequest(command=command)  # type: ignore[arg-type]
-        try:
-            return await self.request(control_subject(self.run_id, agent_id), request, ControlReply, timeout_s)
-        except NoResponders as exc:
-            raise NoResponders(f"no agent {agent_id} in run {self.run_id}") from exc
-
-
-def is_request(msg: Msg, subject: str) -> bool:
-    """Whether ``msg`` is a request a client sent to ``subject``: on that very subject, with a reply
-    inbox. A JetStream push consumer can deliver stored messages to any subject, the role's
-    permissions notwithstanding (the server delivers them); those keep their stored subject and
-    reply with ``$JS.ACK...``, and are not requests (a forged ``stop`` would be one)."""
-    return msg.subject == subject and bool(msg.reply) and not msg.reply.startswith("$JS.")
-
-
-def _ack_error(data: bytes) -> str | None:
-    """The reason JetStream refused a publish, from its reply; None for a ``PubAck``."""
-    if b'"error"' not in data:
-        return None
-    try:
-        reply = json.loads(data)
-    except ValueError:
-        return f"unreadable publish reply: {data[:200]!r}"
-    error = reply.get("error") if isinstance(reply, dict) else None
-    if error is None:
-        return None
-    return str(error.get("description", error) if isinstance(error, dict) else error)
-
-
-def _error_reply(reason: str) -> bytes:
-    return json.dumps({"error": reason[:2000]}).encode()

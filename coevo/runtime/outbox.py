@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 from coevo.schemas import Event
 
 if TYPE_CHECKING:
-    from coevo.runtime.bus import NatsBus, _UnackedPublish
+    from coevo.runtime.bus import NatsBus
+    from coevo.runtime.publishing import _UnackedPublish
 
 
 @dataclass

@@ -197,10 +197,10 @@ class FailureDigest(Frozen):
     rationales: list[str] = Field(default_factory=list)
 
 
-class GroupScored(Event):
-    """A task's group was scored: rewards, advantages, accuracy, bands and the training samples."""
+class GroupScore(Frozen):
+    """What the scorer computes of a ready group (``coevo.agents.scorer.score_group``, pure): rewards,
+    advantages, accuracy, bands and the training samples; ``GroupScored`` is this in an envelope."""
 
-    kind: Literal["group.scored"] = "group.scored"
     task_id: Identifier
     group_id: Identifier
     slot_id: Identifier | None = None
@@ -222,6 +222,17 @@ class GroupScored(Event):
     mean_reward: float = 0.0
     judge_consistency: float | None = Field(
         default=None, description="mean consistency reward R·S of the judge's votes (its agreement with outcomes)")
+
+
+class GroupScored(GroupScore, Event):
+    """A task's group was scored: a ``GroupScore`` in the event envelope."""
+
+    kind: Literal["group.scored"] = "group.scored"
+
+    @classmethod
+    def of(cls, score: GroupScore, **envelope: Any) -> GroupScored:
+        """The event of ``score`` (its fields as they are: nested samples are not copied or re-validated)."""
+        return cls(**dict(score), **envelope)
 
 
 # ---- learner and weights -----------------------------------------------------------------------

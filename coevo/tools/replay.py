@@ -93,7 +93,7 @@ def replay_scorer(events: list[tuple[int, Event]], cfg: CoevoConfig) -> ReplayRe
                 report.notes.append(f"seq {seq}: inputs of group {e.group_id} are outside the replayed range")
                 continue
             recorded = {k: v for k, v in readable(e).items() if k not in ENVELOPE}
-            replayed_event = GroupScored(run_id=e.run_id, source=e.source, **score_group(g, cfg, train_judge=train_judge))
+            replayed_event = GroupScored.of(score_group(g, cfg, train_judge=train_judge), run_id=e.run_id, source=e.source)
             replayed = {k: v for k, v in readable(replayed_event).items() if k not in ENVELOPE}
             report.compared += 1
             diff = first_difference(recorded, replayed)
