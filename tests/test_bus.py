@@ -503,7 +503,7 @@ async def test_the_observer_tail_waits_for_a_late_delivery_and_not_forever_for_a
     tail still ends, after ``LOST_AFTER`` empty fetches)."""
     import time
 
-    from coevo.observe import source
+    from coevo.runtime.history import LOST_AFTER
     from coevo.runtime.pull import STATUS, Puller
 
     seqs = [(await bus.publish_sync(sched(run_id, i))).seq for i in range(3)]
@@ -522,11 +522,11 @@ async def test_the_observer_tail_waits_for_a_late_delivery_and_not_forever_for_a
     t0 = time.monotonic()
 
     async def read() -> list[int]:
-        return [seq async for seq, _ in source.tail(bus, stop, wait_s=0.5)]
+        return [seq async for seq, _ in bus.tail(stop, wait_s=0.5)]
 
     got = await asyncio.wait_for(read(), 20)
     if fate == "late":
         assert got == seqs and time.monotonic() - t0 >= 0.75
     else:
         assert got == seqs[:2]
-        assert time.monotonic() - t0 >= source.LOST_AFTER * 0.5
+        assert time.monotonic() - t0 >= LOST_AFTER * 0.5

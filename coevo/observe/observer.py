@@ -20,10 +20,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nats.errors
-import nats.js.errors
 import structlog
 
+from coevo.errors import BusError
 from coevo.observe.aggregate import Aggregator
 from coevo.observe.series import Point
 from coevo.observe.sinks import Sink
@@ -107,7 +106,7 @@ class Observer:
         while not done.is_set():
             try:
                 infos = await consumer_infos(self.bus)
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:  # busy or gone: next poll
+            except BusError as exc:  # busy or gone: next poll
                 log.info("observer.consumer_info_failed", error=repr(exc))
             else:
                 self._publish(self.aggregator.add_consumers(infos, time.time()),

@@ -1,8 +1,15 @@
-"""Reading a run's stored events: consumer positions, the stream's history in order, events.
+"""Reading a run's stored events: consumer positions, the stream's history in order, a live tail.
 
-Invariant: ``history`` ends only when the server says nothing is left up to its end sequence and
-everything it delivered was read, never on a timeout alone; a payload that does not decode is
-yielded as None (with its message), never skipped silently.
+Invariants:
+- ``history`` ends only when the server says nothing is left up to its end sequence and everything
+  it delivered was read, never on a timeout alone; a payload that does not decode is yielded as
+  None (with its message), never skipped silently;
+- ``tail``'s consumer is ephemeral and acknowledges nothing: reading never changes what any agent
+  receives. It yields each stored event once, in stream order; after ``stop`` is set it still
+  yields everything stored up to then and returns. It is caught up when the server has nothing
+  left to deliver and everything it delivered was read; a delivery that never came (lost in a
+  reconnect: nothing is redelivered to it) stops counting after ``LOST_AFTER`` empty fetches in a row;
+- nats-py's errors stay here: a failed listing of consumers is a ``BusError``.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import nats.errors
 import nats.js.errors
@@ -21,6 +28,11 @@ from nats.js import JetStreamContext, api
 from coevo.errors import BusError
 from coevo.runtime.pull import Puller, delivered_seq, read_all
 from coevo.schemas import Event, events_prefix, new_id, subject_for
+
+TAIL_FETCH = 256
+LOST_AFTER = 3
+TAIL_PREFIX = "observe_"
+"""the name prefix of ``tail``'s ephemeral consumers (``history_`` is ``history``'s)"""
 
 
 class History:
@@ -122,3 +134,59 @@ class History:
     async def events(self, kinds: Iterable[str] | None = None) -> list[Event]:
         """Convenience: the decoded events stored so far (undecodable ones skipped)."""
         return [e async for _, e, _ in self.history(kinds) if e is not None]
+
+    async def tail(self, stop: asyncio.Event, *, start_seq: int = 1, wait_s: float = 1.0,
+                   on_caught_up: Callable[[], None] | None = None) -> AsyncIterator[tuple[int, Event | None]]:
+        """``(sequence, event)`` from ``start_seq`` on (``event`` None: undecodable), live until ``stop``;
+        ``on_caught_up`` is called whenever everything stored so far was yielded."""
+        name = f"{TAIL_PREFIX}{new_id()[:16]}"
+        config = api.ConsumerConfig(
+            name=name, ack_policy=api.AckPolicy.NONE,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq),
+            filter_subject=f"{events_prefix(self.run_id)}.>", inactive_threshold=60.0, max_ack_pending=-1)
+        await self.js.add_consumer(self.stream, config)
+        sub = await Puller(self.nc, self.stream, name).start()
+        try:
+            caught_up = False
+            read = max(1, start_seq) - 1  # the last sequence yielded
+            empty = 0  # fetches in a row that got nothing
+            while not (stop.is_set() and caught_up):
+                try:
+                    msgs = await sub.fetch(TAIL_FETCH, wait_s)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    empty += 1
+                    caught_up = await self._tail_caught_up(name, read, empty)
+                    if caught_up and on_caught_up is not None:
+                        on_caught_up()
+                    continue
+                empty = 0
+                for msg in msgs:
+                    try:
+                        event: Event | None = await self.decode_msg(msg)  # follows claims of large events
+                    except ValueError:
+                        event = None
+                    read = msg.metadata.sequence.stream
+                    yield read, event
+                caught_up = not msgs or msgs[-1].metadata.num_pending == 0
+                if caught_up and on_caught_up is not None:
+                    on_caught_up()
+        finally:
+            with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+                await sub.unsubscribe()
+                await self.js.delete_consumer(self.stream, name)
+
+    async def _tail_caught_up(self, name: str, read: int, empty: int) -> bool:
+        """After an empty fetch: whether everything delivered was read (or nothing answers for long)."""
+        caught_up = empty >= LOST_AFTER  # what is left when the server does not answer
+        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            info = await self.js.consumer_info(self.stream, name)
+            caught_up = read_all(info, read) or (info.num_pending == 0 and empty >= LOST_AFTER)
+        return caught_up
+
+    async def consumers(self) -> list[api.ConsumerInfo]:
+        """Every consumer of the run's stream as JetStream reports it (agents', ``history``'s and
+        ``tail``'s); ``BusError`` when the server cannot say now."""
+        try:
+            return list(await self.js.consumers_info(self.stream))
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            raise BusError(f"listing the consumers of {self.stream}: {exc!r}") from exc
