@@ -14,8 +14,13 @@ bench:
     .venv/bin/coevo bench codec --json runs/bench/codec.json
 
 lint:
-    .venv/bin/ruff check coevo tests examples
+    .venv/bin/ruff check coevo tests examples scripts
+    .venv/bin/ruff format --check coevo tests examples scripts
     .venv/bin/mypy
     .venv/bin/lint-imports
+
+fmt:
+    .venv/bin/ruff format coevo tests examples scripts
+    .venv/bin/ruff check --fix coevo tests examples scripts
 
 check: lint test

@@ -16,15 +16,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from coevo.errors import ConfigError
@@ -45,17 +37,20 @@ class RunConfig(Section):
 
 
 class NatsConfig(Section):
-    url: str | None = Field(default=None, description="NATS URL, or a cluster's URLs comma-separated "
-                            "(nats://h1:4222,nats://h2:4222); none = start an embedded server")
-    user: str | None = None
-    password_env: str | None = Field(
-        default=None, description="name of the environment variable holding the password"
+    url: str | None = Field(
+        default=None,
+        description="NATS URL, or a cluster's URLs comma-separated "
+        "(nats://h1:4222,nats://h2:4222); none = start an embedded server",
     )
+    user: str | None = None
+    password_env: str | None = Field(default=None, description="name of the environment variable holding the password")
     token_env: str | None = Field(default=None, description="environment variable holding a token")
     creds_file: Path | None = Field(default=None, description="NATS .creds file")
     credentials_file: Path | None = Field(
-        default=None, description="a coevo credentials file ({user, password}, mode 0600): a run's embedded server "
-        "writes one per role under runs/<run>/nats/credentials/ (docs/security.md)")
+        default=None,
+        description="a coevo credentials file ({user, password}, mode 0600): a run's embedded server "
+        "writes one per role under runs/<run>/nats/credentials/ (docs/security.md)",
+    )
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -70,14 +65,19 @@ class StreamConfig(Section):
     )
     max_msg_size: int = Field(default=8 * 1024**2, ge=1024)
     retain_bytes: int = Field(
-        default=16 * 1024**3, ge=0, description="coevo purges the oldest events, once every consumer has "
-        "acknowledged them, to keep the stream under this (0: keep everything until max_age_s)")
+        default=16 * 1024**3,
+        ge=0,
+        description="coevo purges the oldest events, once every consumer has "
+        "acknowledged them, to keep the stream under this (0: keep everything until max_age_s)",
+    )
     retain_min_age_s: float = Field(
-        default=7200.0, gt=0, description="never purge events younger than this (longer than "
-        "tasks.inflight_timeout_s and scorer.group_timeout_s)")
+        default=7200.0,
+        gt=0,
+        description="never purge events younger than this (longer than "
+        "tasks.inflight_timeout_s and scorer.group_timeout_s)",
+    )
     retain_check_s: float = Field(default=60.0, gt=0, description="how often the retention keeper looks")
-    retain_headroom: float = Field(default=0.8, gt=0, le=1, description="a purge leaves this share of "
-                                   "retain_bytes")
+    retain_headroom: float = Field(default=0.8, gt=0, le=1, description="a purge leaves this share of retain_bytes")
     duplicate_window_s: float = Field(default=120.0, gt=0, description="Nats-Msg-Id dedupe window")
     storage: Literal["file", "memory"] = "file"
     replicas: int = Field(default=1, ge=1, le=5)
@@ -96,12 +96,18 @@ class BusConfig(Section):
     handler_concurrency: int = Field(default=8, ge=1)
     in_progress_every_s: float = Field(default=10.0, gt=0, description="heartbeat for long handlers")
     payload_wait_s: float = Field(
-        default=300.0, gt=0, description="on its last delivery, a message whose claimed payload cannot be read "
+        default=300.0,
+        gt=0,
+        description="on its last delivery, a message whose claimed payload cannot be read "
         "now is held and read again for this long before it is dead-lettered (an object store unreachable for "
-        "longer than the redeliveries take)")
+        "longer than the redeliveries take)",
+    )
     inline_max_bytes: int = Field(
-        default=256 * 1024, ge=1024, description="an event encoded larger than this is stored in the run's object "
-        "store and the stream holds a claim (key + sha256); always kept below stream.max_msg_size")
+        default=256 * 1024,
+        ge=1024,
+        description="an event encoded larger than this is stored in the run's object "
+        "store and the stream holds a claim (key + sha256); always kept below stream.max_msg_size",
+    )
 
     @model_validator(mode="after")
     def _in_progress_before_ack_wait(self) -> BusConfig:
@@ -112,14 +118,25 @@ class BusConfig(Section):
 
 class AgentConfig(Section):
     heartbeat_s: float = Field(default=5.0, gt=0)
-    drain_timeout_s: float = Field(default=3.0, gt=0, description="once stopped (SIGTERM), how long work in "
-                                   "flight may go on before it is cancelled and handed back (redelivered): a "
-                                   "stop ends the process within about this plus a second")
+    drain_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="once stopped (SIGTERM), how long work in "
+        "flight may go on before it is cancelled and handed back (redelivered): a "
+        "stop ends the process within about this plus a second",
+    )
     restart_backoff_s: list[float] = Field(default_factory=lambda: [0.1, 0.5, 2.0, 5.0], min_length=1)
-    max_restarts: int = Field(default=20, ge=0, description="crashes of one task within "
-                              "agent.restart_window_s it survives; one more and the agent fails")
-    restart_window_s: float = Field(default=3600.0, gt=0, description="crashes older than this no longer "
-                                    "count against agent.max_restarts (rare transient crashes never add up)")
+    max_restarts: int = Field(
+        default=20,
+        ge=0,
+        description="crashes of one task within agent.restart_window_s it survives; one more and the agent fails",
+    )
+    restart_window_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="crashes older than this no longer "
+        "count against agent.max_restarts (rare transient crashes never add up)",
+    )
 
 
 FAMILY_ENTRY_POINTS = "coevo.families"
@@ -146,32 +163,53 @@ def family_problem(name: str, *, external: bool = True) -> str | None:
     if name in registered:
         return None
     if "quickgame" not in registered:
-        return f"unknown family {name!r}: no family is registered, not even coevo's own (they are entry points " \
-               f"of the group {FAMILY_ENTRY_POINTS!r}, registered when coevo is installed: pip install -e .)"
+        return (
+            f"unknown family {name!r}: no family is registered, not even coevo's own (they are entry points "
+            f"of the group {FAMILY_ENTRY_POINTS!r}, registered when coevo is installed: pip install -e .)"
+        )
     known = [*registered, *(["external"] if external else []), "gym:<module>:<EnvClass or id>"]
-    return f"unknown family {name!r} (known: {', '.join(known)}; plugins register under the entry-point " \
-           f"group {FAMILY_ENTRY_POINTS!r})"
+    return (
+        f"unknown family {name!r} (known: {', '.join(known)}; plugins register under the entry-point "
+        f"group {FAMILY_ENTRY_POINTS!r})"
+    )
 
 
 class EnvConfig(Section):
-    family: str = Field(default="quickgame", description="task family: quickgame | quickgame-hard (its hard preset) | "
-                        "textworld | coding | external "
-                        "(the environment is an outside program talking to the policy endpoint) | "
-                        "gym:<module>:<EnvClass or id> (a Gymnasium env with text observations and actions) | "
-                        "a plugin's name (entry-point group coevo.families)")
+    family: str = Field(
+        default="quickgame",
+        description="task family: quickgame | quickgame-hard (its hard preset) | "
+        "textworld | coding | external "
+        "(the environment is an outside program talking to the policy endpoint) | "
+        "gym:<module>:<EnvClass or id> (a Gymnasium env with text observations and actions) | "
+        "a plugin's name (entry-point group coevo.families)",
+    )
     tasks_from: str | None = Field(
-        default=None, description="family external: the family whose tasks make the pool handed out by POST "
-        "/coevo/v1/episodes (then rewritten like any pool); none: agents bring their own tasks")
-    gym_kwargs: dict[str, Any] = Field(default_factory=dict, description="gym: keyword arguments of the env "
-                                       "constructor or gymnasium.make")
-    gym_observation: str | None = Field(default=None, description="gym: module:function (observation, info) -> "
-                                        "text, for envs whose observations are not text")
-    gym_action: str | None = Field(default=None, description="gym: module:function (text, env) -> action, for "
-                                   "envs whose actions are not text or indices of the candidates")
-    max_steps: int = Field(default=50, ge=1, le=1000, description="gym and external: step cap of an episode "
-                           "(a gym env's own max_episode_steps wins when smaller)")
-    win_threshold: float = Field(default=0.0, description="gym, and external episodes finished with a reward: "
-                                 "an episode is won when its return exceeds this")
+        default=None,
+        description="family external: the family whose tasks make the pool handed out by POST "
+        "/coevo/v1/episodes (then rewritten like any pool); none: agents bring their own tasks",
+    )
+    gym_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="gym: keyword arguments of the env constructor or gymnasium.make"
+    )
+    gym_observation: str | None = Field(
+        default=None,
+        description="gym: module:function (observation, info) -> text, for envs whose observations are not text",
+    )
+    gym_action: str | None = Field(
+        default=None,
+        description="gym: module:function (text, env) -> action, for "
+        "envs whose actions are not text or indices of the candidates",
+    )
+    max_steps: int = Field(
+        default=50,
+        ge=1,
+        le=1000,
+        description="gym and external: step cap of an episode (a gym env's own max_episode_steps wins when smaller)",
+    )
+    win_threshold: float = Field(
+        default=0.0,
+        description="gym, and external episodes finished with a reward: an episode is won when its return exceeds this",
+    )
     n_train: int = Field(default=8, ge=1, description="training task slots")
     n_heldout: int = Field(default=8, ge=0, description="held-out tasks (never rewritten)")
     seed: int = Field(default=0, description="seed of the initial task set")
@@ -182,9 +220,11 @@ class EnvConfig(Section):
     max_sessions: int = Field(default=64, ge=1, description="episodes one env worker hosts at once")
     session_idle_s: float = Field(default=600.0, gt=0, description="an idle remote episode is closed")
     sandbox: Literal["bwrap", "process"] = Field(
-        default="bwrap", description="coding: how programs are isolated. bwrap: bubblewrap namespaces (no network, "
+        default="bwrap",
+        description="coding: how programs are isolated. bwrap: bubblewrap namespaces (no network, "
         "no host files, read-only interpreter, unprivileged uid, seccomp); process: an audit hook and rlimits "
-        "only, NOT safe for untrusted (RL-trained) policies, opt in for trusted code (docs/security.md)")
+        "only, NOT safe for untrusted (RL-trained) policies, opt in for trusted code (docs/security.md)",
+    )
 
     @field_validator("family")
     @classmethod
@@ -207,9 +247,11 @@ class EnvConfig(Section):
         import shutil
 
         if self.family == "coding" and self.sandbox == "bwrap" and shutil.which("bwrap") is None:
-            raise ValueError("env.sandbox = 'bwrap' needs bubblewrap (bwrap), which is not on PATH: install it with "
-                             "apt-get install bubblewrap; or set env.sandbox = 'process' to run programs without "
-                             "isolation (trusted programs only)")
+            raise ValueError(
+                "env.sandbox = 'bwrap' needs bubblewrap (bwrap), which is not on PATH: install it with "
+                "apt-get install bubblewrap; or set env.sandbox = 'process' to run programs without "
+                "isolation (trusted programs only)"
+            )
         return self
 
 
@@ -229,10 +271,12 @@ class SamplingConfig(Section):
     so what is trained is what was sampled. Penalties are always neutral."""
 
     top_k: int = Field(default=0, ge=0, description="sample among the k most likely tokens (0: off)")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus: the most likely tokens holding this "
-                         "probability (1: off)")
-    min_p: float = Field(default=0.0, ge=0, lt=1, description="drop tokens less likely than min_p times the "
-                         "most likely one (0: off)")
+    top_p: float = Field(
+        default=1.0, gt=0, le=1, description="nucleus: the most likely tokens holding this probability (1: off)"
+    )
+    min_p: float = Field(
+        default=0.0, ge=0, lt=1, description="drop tokens less likely than min_p times the most likely one (0: off)"
+    )
 
     @property
     def is_neutral(self) -> bool:
@@ -245,34 +289,64 @@ class PolicyConfig(Section):
     served_name: str | None = Field(default=None, description="model name on the vLLM server")
     n: int = Field(default=8, ge=2, le=256, description="trajectories per task (group size)")
     mode: Literal["choice", "generate", "chat"] = Field(
-        default="choice", description="constrained index, free text, or a multi-turn conversation rendered with "
-        "the model's chat template (token-in/token-out across turns)")
+        default="choice",
+        description="constrained index, free text, or a multi-turn conversation rendered with "
+        "the model's chat template (token-in/token-out across turns)",
+    )
     temperature: float = Field(default=1.0, gt=0)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_tokens: int = Field(default=64, ge=1)
     max_concurrent_trajectories: int = Field(default=64, ge=1)
     serve_port: int | None = Field(
-        default=None, ge=0, le=65535, description="serve the OpenAI-compatible policy endpoint (/v1/chat/completions, "
+        default=None,
+        ge=0,
+        le=65535,
+        description="serve the OpenAI-compatible policy endpoint (/v1/chat/completions, "
         "/v1/completions, /coevo/v1/episodes) on this port (0: any free port); env.family = 'external' serves on "
-        "8000 when unset")
-    serve_host: str = Field(default="127.0.0.1", description="address of the policy endpoint; beyond loopback "
-                            "every request needs the key of policy.serve_api_key_env")
-    serve_api_key_env: str = Field(default="COEVO_POLICY_API_KEY", description="environment variable holding the "
-                                   "endpoint's API key; when unset, a key is generated for the run and written "
-                                   "to runs/<run>/policy-endpoint.key (mode 0600). Every request must carry it")
-    serve_insecure_loopback: bool = Field(default=False, description="serve the policy endpoint without a key, "
-                                          "on loopback only: any local user or program can then sample from the "
-                                          "policy and open, reward and finish episodes (docs/security.md)")
+        "8000 when unset",
+    )
+    serve_host: str = Field(
+        default="127.0.0.1",
+        description="address of the policy endpoint; beyond loopback "
+        "every request needs the key of policy.serve_api_key_env",
+    )
+    serve_api_key_env: str = Field(
+        default="COEVO_POLICY_API_KEY",
+        description="environment variable holding the "
+        "endpoint's API key; when unset, a key is generated for the run and written "
+        "to runs/<run>/policy-endpoint.key (mode 0600). Every request must carry it",
+    )
+    serve_insecure_loopback: bool = Field(
+        default=False,
+        description="serve the policy endpoint without a key, "
+        "on loopback only: any local user or program can then sample from the "
+        "policy and open, reward and finish episodes (docs/security.md)",
+    )
     serve_max_tokens: int = Field(default=512, ge=1, description="cap on a request's max_tokens at the endpoint")
-    serve_max_unrecorded: int = Field(default=4, ge=1, description="calls outside episodes served at once by the "
-                                      "endpoint (more answer 429): the policy's engine is for the episodes")
-    serve_retry_after_s: float = Field(default=2.0, gt=0, description="Retry-After of the endpoint's 429 and 503 "
-                                       "answers (the OpenAI and Anthropic SDKs wait that long before retrying)")
-    serve_backlog_timeout_s: float = Field(default=120.0, gt=0, description="a finished group of the endpoint's "
-                                           "that no policy learner step names stops holding new episodes back after "
-                                           "this long (its samples were rejected)")
-    episode_timeout_s: float = Field(default=600.0, gt=0, description="an endpoint episode idle this long is "
-                                     "reported aborted (its group completes without it)")
+    serve_max_unrecorded: int = Field(
+        default=4,
+        ge=1,
+        description="calls outside episodes served at once by the "
+        "endpoint (more answer 429): the policy's engine is for the episodes",
+    )
+    serve_retry_after_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Retry-After of the endpoint's 429 and 503 "
+        "answers (the OpenAI and Anthropic SDKs wait that long before retrying)",
+    )
+    serve_backlog_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="a finished group of the endpoint's "
+        "that no policy learner step names stops holding new episodes back after "
+        "this long (its samples were rejected)",
+    )
+    episode_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="an endpoint episode idle this long is reported aborted (its group completes without it)",
+    )
 
 
 class ApiConfig(Section):
@@ -289,7 +363,8 @@ class ApiConfig(Section):
     max_usd: float | None = Field(default=None, gt=0, description="stop calling once this much was spent")
     cache: bool = Field(default=True, description="cache responses in JetStream KV (re-runs don't pay twice)")
     mock_response: str | list[str] | None = Field(
-        default=None, description="offline testing: LiteLLM mock_response per attempt (text or error name)")
+        default=None, description="offline testing: LiteLLM mock_response per attempt (text or error name)"
+    )
 
 
 class LocalEndpoint(Section):
@@ -311,19 +386,22 @@ class LitellmEndpoint(Section):
 
     backend: Literal["litellm"]
     model: str = Field(description="provider/name, e.g. openai/gpt-4.1-mini")
-    url: str | None = Field(default=None, description="api_base: a proxy or self-hosted endpoint (default: the "
-                            "provider's)")
+    url: str | None = Field(
+        default=None, description="api_base: a proxy or self-hosted endpoint (default: the provider's)"
+    )
     api: ApiConfig = Field(default_factory=ApiConfig)
 
 
 def _tagged(tag: str, default: str) -> Any:
     """A tagged section's input: a bare string names the tag; a table without the tag gets ``default``."""
+
     def before(value: Any) -> Any:
         if isinstance(value, str):
             return {tag: value}
         if isinstance(value, dict) and tag not in value:
             return {**value, tag: default}
         return value
+
     return BeforeValidator(before)
 
 
@@ -332,7 +410,8 @@ class JudgeBase(Section):
 
     m: int = Field(default=3, ge=1, le=32, description="votes per step")
     mode: Literal["auto", "verdict", "reasoned"] = Field(
-        default="auto", description="auto: one constrained token for local models, reasoning + \\boxed otherwise")
+        default="auto", description="auto: one constrained token for local models, reasoning + \\boxed otherwise"
+    )
     temperature: float = Field(default=0.8, gt=0)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_tokens: int = Field(default=256, ge=1)
@@ -349,16 +428,18 @@ class LocalJudge(JudgeBase, LocalEndpoint):
     """``judge.backend = "local"`` (the default): the judge is a local model, trained on its consistency
     rewards by the learner's judge lane."""
 
-    model: str | None = Field(default=None, description="model directory (default: the tiny judge built for "
-                              "the run from run.seed)")
+    model: str | None = Field(
+        default=None, description="model directory (default: the tiny judge built for the run from run.seed)"
+    )
 
 
 class VllmJudge(JudgeBase, VllmEndpoint):
     """``judge.backend = "vllm"``: a vLLM server votes; it is trained (weights pushed or reloaded) when
     ``model`` is the local directory the server serves as is."""
 
-    model: str | None = Field(default=None, description="the served model name (a local directory served as is "
-                              "is trained)")
+    model: str | None = Field(
+        default=None, description="the served model name (a local directory served as is is trained)"
+    )
 
 
 class LitellmJudge(JudgeBase, LitellmEndpoint):
@@ -371,8 +452,9 @@ class LitellmJudge(JudgeBase, LitellmEndpoint):
         return self
 
 
-JudgeConfig = Annotated[LocalJudge | VllmJudge | LitellmJudge, _tagged("backend", "local"),
-                        Field(discriminator="backend")]
+JudgeConfig = Annotated[
+    LocalJudge | VllmJudge | LitellmJudge, _tagged("backend", "local"), Field(discriminator="backend")
+]
 """``judge``: tagged by ``backend``; only the chosen backend's fields exist (``judge.url`` with the local
 backend is an error naming ``judge.local.url``)."""
 AnyJudge = LocalJudge | VllmJudge | LitellmJudge
@@ -381,8 +463,12 @@ AnyJudge = LocalJudge | VllmJudge | LitellmJudge
 class ScorerConfig(Section):
     reward: Literal["integrated", "outcome-only", "steps-only"] = "integrated"
     lam: float = Field(default=1.0, ge=0, description="weight of the step votes (λ)")
-    env_reward_weight: float = Field(default=1.0, ge=0, description="weight of an environment's own step rewards "
-                                     "(StepTaken.env_reward, e.g. POST /coevo/v1/episodes/{id}/reward), added to R_i")
+    env_reward_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="weight of an environment's own step rewards "
+        "(StepTaken.env_reward, e.g. POST /coevo/v1/episodes/{id}/reward), added to R_i",
+    )
     policy_band: Band = Field(default=(0.125, 0.875), description="accuracy band of tasks the policy trains on")
     judge_band: Band = Field(default=(0.2, 0.8), description="accuracy band of tasks the judge trains on")
     vote_timeout_s: float = Field(default=60.0, gt=0, description="score without missing votes after this")
@@ -411,8 +497,12 @@ class NoRewriter(Section):
 class LLMRewriterBase(Section):
     """An LLM proposes the rewritten task's knobs as JSON, validated against the family's bounds."""
 
-    retries: int = Field(default=2, ge=0, description="new tries after an invalid proposal (the prompt then "
-                         "says what was wrong); then the proposal is rejected with the error")
+    retries: int = Field(
+        default=2,
+        ge=0,
+        description="new tries after an invalid proposal (the prompt then "
+        "says what was wrong); then the proposal is rejected with the error",
+    )
 
 
 class LitellmRewriter(LLMRewriterBase, LitellmEndpoint):
@@ -431,8 +521,11 @@ class LocalRewriter(LLMRewriterBase, LocalEndpoint):
     model: str = Field(description="model directory")
 
 
-RewriterConfig = Annotated[BuiltinRewriterConfig | NoRewriter | LitellmRewriter | VllmRewriter | LocalRewriter,
-                           _tagged("backend", "builtin"), Field(discriminator="backend")]
+RewriterConfig = Annotated[
+    BuiltinRewriterConfig | NoRewriter | LitellmRewriter | VllmRewriter | LocalRewriter,
+    _tagged("backend", "builtin"),
+    Field(discriminator="backend"),
+]
 """``tasks.rewriter``: tagged by ``backend``; a bare string names it (``tasks.rewriter = "off"``)."""
 LLMRewriterConfig = LitellmRewriter | VllmRewriter | LocalRewriter
 
@@ -444,15 +537,28 @@ class TasksConfig(Section):
     max_groups_in_flight: int = Field(default=4, ge=1, description="scheduled but not yet scored")
     eval_every: int = Field(default=16, ge=1, description="train groups between held-out evaluations")
     saturated_after: int = Field(
-        default=3, ge=0, description="a train slot whose last this many scored groups were all won or all lost "
-        "is saturated (no outcome signal): scheduled less, rewritten with larger moves; 0 = off")
-    saturated_share: float = Field(default=0.25, gt=0, le=1, description="how often a saturated slot is "
-                                   "scheduled relative to the others (stride scheduling)")
-    saturated_moves: int = Field(default=3, ge=1, description="most knob steps one rewrite of a saturated slot "
-                                 "moves (1 + streak // saturated_after)")
+        default=3,
+        ge=0,
+        description="a train slot whose last this many scored groups were all won or all lost "
+        "is saturated (no outcome signal): scheduled less, rewritten with larger moves; 0 = off",
+    )
+    saturated_share: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="how often a saturated slot is scheduled relative to the others (stride scheduling)",
+    )
+    saturated_moves: int = Field(
+        default=3,
+        ge=1,
+        description="most knob steps one rewrite of a saturated slot moves (1 + streak // saturated_after)",
+    )
     inflight_timeout_s: float = Field(
-        default=1800.0, gt=0, description="a scheduled group never scored after this (its TaskScheduled or "
-        "GroupScored was lost) stops counting against max_groups_in_flight; a candidate is scheduled again")
+        default=1800.0,
+        gt=0,
+        description="a scheduled group never scored after this (its TaskScheduled or "
+        "GroupScored was lost) stops counting against max_groups_in_flight; a candidate is scheduled again",
+    )
 
     @model_validator(mode="after")
     def _band(self) -> TasksConfig:
@@ -474,8 +580,12 @@ class PushSync(Section):
 
     transport: Literal["gloo", "nccl"]
     host: str = Field(default="127.0.0.1", description="address the vLLM servers reach the learner at")
-    timeout_s: float = Field(default=120.0, gt=0, description="limit of one pushed transfer, from the offer to "
-                             "the last tensor, including the pause's wait for requests in flight")
+    timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="limit of one pushed transfer, from the offer to "
+        "the last tensor, including the pause's wait for requests in flight",
+    )
 
 
 WeightSync = Annotated[DiskSync | PushSync, _tagged("transport", "disk"), Field(discriminator="transport")]
@@ -489,95 +599,150 @@ class LoraConfig(Section):
 
     rank: int = Field(default=16, ge=1, le=512, description="the adapter's rank r")
     alpha: float = Field(default=32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank")
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapter's input while training "
-                           "(> 0 makes the learner's log-probs differ from the sampler's by the dropout noise)")
+    dropout: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="dropout on the adapter's input while training "
+        "(> 0 makes the learner's log-probs differ from the sampler's by the dropout noise)",
+    )
     target_modules: tuple[str, ...] = Field(
-        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), min_length=1,
-        description="names of the linear layers that get an adapter (every one of them, in every layer)")
+        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        min_length=1,
+        description="names of the linear layers that get an adapter (every one of them, in every layer)",
+    )
 
 
 class LearnerConfig(Section):
     lr: float = Field(default=1e-3, gt=0, description="AdamW lr (1e-3 for tiny models; ~1e-6 for 7B)")
     judge_lr: float | None = Field(default=None, description="judge lane lr (default: lr)")
-    batch_samples: int = Field(default=64, ge=1, description="samples per batch: one model version, "
-                               "minibatches × epochs optimiser steps")
+    batch_samples: int = Field(
+        default=64, ge=1, description="samples per batch: one model version, minibatches × epochs optimiser steps"
+    )
     batch_groups: int | None = Field(
-        default=None, ge=1, description="count batches in groups instead of samples: a lane steps once this many "
+        default=None,
+        ge=1,
+        description="count batches in groups instead of samples: a lane steps once this many "
         "groups were scored since its last step (those that gave it no sample count too, as in trainers that batch "
-        "rollouts), on at most this many; unset: batch_samples. Lock-step (max_staleness = 0) steps per wave")
+        "rollouts), on at most this many; unset: batch_samples. Lock-step (max_staleness = 0) steps per wave",
+    )
     max_batch_tokens: int = Field(default=32768, ge=64)
     clip_eps: float = Field(default=0.2, gt=0)
     kl_beta: float = Field(default=0.01, ge=0, description="weight of the k3 KL penalty against kl_reference")
     grad_clip: float = Field(default=1.0, gt=0)
-    max_staleness: int = Field(default=2, ge=0, description="versions data may lag (0 = synchronous): gates "
-                               "scheduling, and at the learner a sample older than this (lane version at step time "
-                               "- sample.model_version; the judge lane counts judge versions) is handled per `stale`")
+    max_staleness: int = Field(
+        default=2,
+        ge=0,
+        description="versions data may lag (0 = synchronous): gates "
+        "scheduling, and at the learner a sample older than this (lane version at step time "
+        "- sample.model_version; the judge lane counts judge versions) is handled per `stale`",
+    )
     stale: Literal["drop", "correct"] = Field(
-        default="correct", description="samples beyond max_staleness at the learner: keep them with truncated "
+        default="correct",
+        description="samples beyond max_staleness at the learner: keep them with truncated "
         "importance sampling (weight capped at tis_cap, whatever `correction` says; the default: a fast learner "
-        "ahead of its samplers loses no data) or drop them (counted, LearnerStepped.stale_dropped)")
+        "ahead of its samplers loses no data) or drop them (counted, LearnerStepped.stale_dropped)",
+    )
     kl_reference: Literal["behavior", "initial"] = Field(
-        default="behavior", description="the KL penalty's reference: the sampling log-probs recorded in the "
+        default="behavior",
+        description="the KL penalty's reference: the sampling log-probs recorded in the "
         "samples (behavior), or a frozen copy of the starting weights (initial: one more model in memory, bf16 on "
-        "CUDA, fp32 on CPU)")
-    minibatches: int = Field(default=1, ge=1, description="optimiser steps per epoch: the batch is split into this "
-                             "many minibatches (one optimiser step each); 1 = one step per batch")
-    epochs: int = Field(default=1, ge=1, description="passes over the batch; proximal log-probs are taken once per "
-                        "batch (decoupled PPO), so with epochs or minibatches > 1 the PPO clip acts. The model "
-                        "version advances once per batch, whatever the number of optimiser steps")
-    verdict_wait_s: float = Field(default=30.0, gt=0, description="how long a candidate group waits for its "
-                                  "TaskDecided before it is redelivered (dropped untrained on its last delivery)")
-    parity_max_kl: float | None = Field(default=0.05, gt=0, description="at start, sample a probe batch from each "
-                                        "vLLM server the learner trains for and refuse one whose behaviour "
-                                        "log-probs are further than this (KL per token, nats) from the learner's "
-                                        "own (a server applying sampling defaults coevo does not compute); None: "
-                                        "no probe")
+        "CUDA, fp32 on CPU)",
+    )
+    minibatches: int = Field(
+        default=1,
+        ge=1,
+        description="optimiser steps per epoch: the batch is split into this "
+        "many minibatches (one optimiser step each); 1 = one step per batch",
+    )
+    epochs: int = Field(
+        default=1,
+        ge=1,
+        description="passes over the batch; proximal log-probs are taken once per "
+        "batch (decoupled PPO), so with epochs or minibatches > 1 the PPO clip acts. The model "
+        "version advances once per batch, whatever the number of optimiser steps",
+    )
+    verdict_wait_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="how long a candidate group waits for its "
+        "TaskDecided before it is redelivered (dropped untrained on its last delivery)",
+    )
+    parity_max_kl: float | None = Field(
+        default=0.05,
+        gt=0,
+        description="at start, sample a probe batch from each "
+        "vLLM server the learner trains for and refuse one whose behaviour "
+        "log-probs are further than this (KL per token, nats) from the learner's "
+        "own (a server applying sampling defaults coevo does not compute); None: "
+        "no probe",
+    )
     max_step_kl: float | None = Field(
-        default=None, gt=0, description="step rejection: after a batch's optimiser steps, the KL per response token "
+        default=None,
+        gt=0,
+        description="step rejection: after a batch's optimiser steps, the KL per response token "
         "from the weights before it to those after (k3 on the batch's sampled tokens); above this the batch is undone "
         "(weights and optimiser state restored, version unchanged, its groups acknowledged untrained) and counted "
-        "in the next LearnerStepped.kl_rejected. None: no guard (one more forward pass per batch when set)")
+        "in the next LearnerStepped.kl_rejected. None: no guard (one more forward pass per batch when set)",
+    )
     correction: Literal["tis", "decoupled"] = Field(default="tis", description="off-policy correction")
     tis_cap: float = Field(default=2.0, ge=1.0, description="truncated importance sampling cap c")
     device: str | None = Field(default=None, description="torch device (default: cuda if available)")
     parallel: Literal["fsdp", "ddp"] = Field(
-        default="fsdp", description="under torchrun: FSDP2 sharding or replicated data parallel")
+        default="fsdp", description="under torchrun: FSDP2 sharding or replicated data parallel"
+    )
     bf16: bool = Field(default=True, description="bf16 autocast on CUDA (ignored on CPU)")
     gradient_checkpointing: bool = False
     weight_sync: WeightSync = Field(
-        default_factory=lambda: DiskSync(), description="how vLLM servers get new weights, tagged by "
+        default_factory=lambda: DiskSync(),
+        description="how vLLM servers get new weights, tagged by "
         "`transport`: disk (reload from the published weights' path), gloo or nccl (pushed by the learner; see "
-        "PushSync). A bare name (\"gloo\") stands for that transport with its defaults. Local engines take the "
-        "published weights from memory in the learner's process, from disk elsewhere")
-    lora: LoraConfig | None = Field(default=None, description="train LoRA adapters instead of the full "
-                                    "models (both lanes); unset: full fine-tuning")
+        'PushSync). A bare name ("gloo") stands for that transport with its defaults. Local engines take the '
+        "published weights from memory in the learner's process, from disk elsewhere",
+    )
+    lora: LoraConfig | None = Field(
+        default=None, description="train LoRA adapters instead of the full models (both lanes); unset: full fine-tuning"
+    )
     publish_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        default="auto", description="dtype of the published weights (what servers load, pushes send and "
-        "WeightsPublished points at): auto = bfloat16 on CUDA, float32 on CPU")
+        default="auto",
+        description="dtype of the published weights (what servers load, pushes send and "
+        "WeightsPublished points at): auto = bfloat16 on CUDA, float32 on CPU",
+    )
     publish_every: int = Field(default=1, ge=1, description="publish weights every N optimiser steps")
     checkpoint_every_steps: int = Field(
-        default=10, ge=1, description="write a resume checkpoint (fp32 weights, optimizer state, consumed groups) "
+        default=10,
+        ge=1,
+        description="write a resume checkpoint (fp32 weights, optimizer state, consumed groups) "
         "every N steps, off the critical path. A GroupScored is acknowledged only once a checkpoint that includes "
         "it is durable, so the learner holds about N steps of groups unacknowledged: bus.max_ack_pending (the "
-        "learner's subscription concurrency) must exceed twice that; a checkpoint is forced when half of it waits")
-    checkpoint_every_s: float = Field(default=30.0, gt=0, description="... or this long after the previous one, "
-                                      "when trained groups wait for one")
+        "learner's subscription concurrency) must exceed twice that; a checkpoint is forced when half of it waits",
+    )
+    checkpoint_every_s: float = Field(
+        default=30.0, gt=0, description="... or this long after the previous one, when trained groups wait for one"
+    )
     verify: Literal["manifest", "full"] = Field(
-        default="manifest", description="what followers check before loading published weights: the manifest "
+        default="manifest",
+        description="what followers check before loading published weights: the manifest "
         "(per-file sizes and sha256 written by the learner) against the announced digest and the files' sizes, "
-        "or full: also re-hash every file")
+        "or full: also re-hash every file",
+    )
     publication_root: Path | None = Field(
-        default=None, description="followers load announced weights only from under this directory (default: the "
+        default=None,
+        description="followers load announced weights only from under this directory (default: the "
         "run's checkpoints, runs/<run>/checkpoints, where the learner publishes); a WeightsPublished naming another "
-        "path is refused and reported (docs/security.md)")
+        "path is refused and reported (docs/security.md)",
+    )
 
 
 class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     console: Literal["pretty", "json", "off"] = "pretty"
     tensorboard: bool = Field(default=True, description="write metrics as TensorBoard event files in runs/<id>/tb")
-    wandb: bool = Field(default=False, description="also log metrics to Weights & Biases, offline (needs wandb "
-                        "installed; `wandb sync runs/<id>/wandb/offline-run-*` uploads later)")
+    wandb: bool = Field(
+        default=False,
+        description="also log metrics to Weights & Biases, offline (needs wandb "
+        "installed; `wandb sync runs/<id>/wandb/offline-run-*` uploads later)",
+    )
     wandb_project: str = Field(default="coevo", min_length=1, description="W&B project name")
 
 
@@ -596,9 +761,7 @@ class _FileSource(PydanticBaseSettingsSource):
 class CoevoConfig(BaseSettings):
     """The root of the config tree."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="COEVO_", env_nested_delimiter="__", extra="forbid", frozen=True
-    )
+    model_config = SettingsConfigDict(env_prefix="COEVO_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
     run: RunConfig = Field(default_factory=RunConfig)
     nats: NatsConfig = Field(default_factory=NatsConfig)
@@ -612,16 +775,19 @@ class CoevoConfig(BaseSettings):
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     loop: Literal["policy-only", "policy+judge", "full"] = Field(
-        default="full", description="ablation: fixed judge and tasks / + judge training / + rewriting")
+        default="full", description="ablation: fixed judge and tasks / + judge training / + rewriting"
+    )
     log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
     def _retention_outlives_timeouts(self) -> CoevoConfig:
         needed = max(self.tasks.inflight_timeout_s, self.scorer.group_timeout_s)
         if self.stream.retain_bytes and self.stream.retain_min_age_s < needed:
-            raise ValueError(f"stream.retain_min_age_s ({self.stream.retain_min_age_s:g}) must be at least "
-                             f"tasks.inflight_timeout_s and scorer.group_timeout_s ({needed:g}): an unfinished "
-                             "group's events must outlive its timeouts")
+            raise ValueError(
+                f"stream.retain_min_age_s ({self.stream.retain_min_age_s:g}) must be at least "
+                f"tasks.inflight_timeout_s and scorer.group_timeout_s ({needed:g}): an unfinished "
+                "group's events must outlive its timeouts"
+            )
         return self
 
     @property

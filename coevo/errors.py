@@ -55,8 +55,10 @@ class ConfigError(CoevoError):
         lines = []
         for err in errors:
             loc = ".".join(str(p) for p in err["loc"])
-            lines.append(f"{loc}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err and
-                                                    not isinstance(err["input"], dict) else ""))
+            lines.append(
+                f"{loc}: {err['msg']}"
+                + (f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else "")
+            )
         first = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
         return cls("invalid config: " + "; ".join(lines), field=first)
 
@@ -171,8 +173,16 @@ class ApiError(CoevoError):
     """An error the policy endpoint's client gets as ``{"error": {message, type, param, code}}`` with
     ``status`` (``code``: what a client branches on, e.g. ``learner_behind``)."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
         self.retry_after = retry_after

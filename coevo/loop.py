@@ -44,8 +44,12 @@ def build_agents(bus: NatsBus, cfg: CoevoConfig, on_step: Any = None) -> list[Ag
     from coevo.agents.tasks import TasksAgent
     from coevo.training.learner import LearnerAgent
 
-    agents: list[Agent] = [TasksAgent(bus, cfg), PolicyAgent(bus, cfg), ScorerAgent(bus, cfg),
-                           LearnerAgent(bus, cfg, on_step=on_step)]
+    agents: list[Agent] = [
+        TasksAgent(bus, cfg),
+        PolicyAgent(bus, cfg),
+        ScorerAgent(bus, cfg),
+        LearnerAgent(bus, cfg, on_step=on_step),
+    ]
     if cfg.env.family == "external" and cfg.env.tasks_from is None:
         agents.pop(0)  # no pool: the outside agents bring their own tasks (the policy endpoint groups them)
     if cfg.scorer.reward != "outcome-only":
@@ -87,10 +91,12 @@ class Progress:
         recent = ""
         if self.aggregator is not None and (train := self.aggregator.tally.train[-20:]):
             recent = f" | train success, last {len(train)} groups: {sum(train) / len(train):.0%}"
-        return (f"{time.monotonic() - self.t0:5.0f}s | trajectories {done}, {won / done if done else 0:.0%} won "
-                f"(all so far){recent} | groups scored {c['groups_scored']} | learner steps: policy "
-                f"{c['steps.policy']}, judge {c['steps.judge']} | rewrites: {c['rewrites_accepted']} accepted "
-                f"of {c['rewrites_proposed']} proposed")
+        return (
+            f"{time.monotonic() - self.t0:5.0f}s | trajectories {done}, {won / done if done else 0:.0%} won "
+            f"(all so far){recent} | groups scored {c['groups_scored']} | learner steps: policy "
+            f"{c['steps.policy']}, judge {c['steps.judge']} | rewrites: {c['rewrites_accepted']} accepted "
+            f"of {c['rewrites_proposed']} proposed"
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         from rich.console import Console
@@ -126,36 +132,64 @@ def no_learning_reason(summary: dict[str, Any], cfg: CoevoConfig) -> str | None:
     if not groups:
         why = "no train group was scored (models still loading, or the run was too short to finish a group)"
     elif not with_samples:
-        why = (f"none of the {groups} train groups carried a learning signal: in each, every rollout won or "
-               "every one lost (the policy band keeps such groups out of training)")
+        why = (
+            f"none of the {groups} train groups carried a learning signal: in each, every rollout won or "
+            "every one lost (the policy band keeps such groups out of training)"
+        )
     elif cfg.learner.batch_groups is not None:
-        why = (f"{groups} train groups scored, {with_samples} with samples; a lane steps once "
-               f"learner.batch_groups = {cfg.learner.batch_groups} groups were scored since its last step")
+        why = (
+            f"{groups} train groups scored, {with_samples} with samples; a lane steps once "
+            f"learner.batch_groups = {cfg.learner.batch_groups} groups were scored since its last step"
+        )
     else:
-        why = (f"{samples} policy samples from {with_samples} of {groups} train groups, fewer than "
-               f"learner.batch_samples = {batch} (a lane steps once it holds a batch, or after "
-               f"learner.flush_after_s without a new group)")
+        why = (
+            f"{samples} policy samples from {with_samples} of {groups} train groups, fewer than "
+            f"learner.batch_samples = {batch} (a lane steps once it holds a batch, or after "
+            f"learner.flush_after_s without a new group)"
+        )
     return f"no policy learner step in this run: {why}. Run longer (--minutes) or lower learner.batch_samples."
 
 
 def describe(summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str]) -> str:
     """A short human summary of a finished run: what improved, by how much, and where to look."""
     s = summary
-    lines = [f"Run {s['run_id']} finished after {s['seconds'] / 60:.1f} min: {s['learner_steps']} policy and "
-             f"{s['judge_learner_steps']} judge learner steps, {s['events'].get('trajectory.completed', 0)} "
-             f"trajectories, {s['groups_scored']} train groups scored."]
+    lines = [
+        f"Run {s['run_id']} finished after {s['seconds'] / 60:.1f} min: {s['learner_steps']} policy and "
+        f"{s['judge_learner_steps']} judge learner steps, {s['events'].get('trajectory.completed', 0)} "
+        f"trajectories, {s['groups_scored']} train groups scored."
+    ]
     lines += [
-        _change("policy success on train groups", s["policy_success_start"], s["policy_success_end"],
-                "first vs last fifth of the groups", "no train group was scored"),
-        _change("held-out success", s["heldout_success_start"], s["heldout_success_end"],
-                "first vs last evaluation round, fixed tasks",
-                f"no evaluation round was scored: one runs after every {cfg.tasks.eval_every} train groups"),
-        _change("judge process accuracy", s["judge_process_accuracy_start"], s["judge_process_accuracy"],
-                "first vs last quarter of the groups", "no group had both judge votes and the environment's "
-                "step labels: outcome-only reward, or a family without reference labels")]
-    lines.append(f"  rewrites: {s['rewrites_accepted']} accepted of {s['rewrites_proposed']} proposed"
-                 + (f"; judge errors: {s['judge_errors']}, cost ${s['judge_cost_usd']:.4f}"
-                    if s["judge_errors"] or s["judge_cost_usd"] else ""))
+        _change(
+            "policy success on train groups",
+            s["policy_success_start"],
+            s["policy_success_end"],
+            "first vs last fifth of the groups",
+            "no train group was scored",
+        ),
+        _change(
+            "held-out success",
+            s["heldout_success_start"],
+            s["heldout_success_end"],
+            "first vs last evaluation round, fixed tasks",
+            f"no evaluation round was scored: one runs after every {cfg.tasks.eval_every} train groups",
+        ),
+        _change(
+            "judge process accuracy",
+            s["judge_process_accuracy_start"],
+            s["judge_process_accuracy"],
+            "first vs last quarter of the groups",
+            "no group had both judge votes and the environment's "
+            "step labels: outcome-only reward, or a family without reference labels",
+        ),
+    ]
+    lines.append(
+        f"  rewrites: {s['rewrites_accepted']} accepted of {s['rewrites_proposed']} proposed"
+        + (
+            f"; judge errors: {s['judge_errors']}, cost ${s['judge_cost_usd']:.4f}"
+            if s["judge_errors"] or s["judge_cost_usd"]
+            else ""
+        )
+    )
     if reason := no_learning_reason(s, cfg):
         lines.append(f"  warning: {reason}")
     lines += [f"  {name + ':':<12} {where}" for name, where in links.items()]
@@ -216,16 +250,36 @@ def _observe(rt: Runtime, cfg: CoevoConfig, opts: ObserveOptions, agents: list[A
     from coevo.observe.sinks import make_sinks
 
     lc = cfg.log
-    sinks = make_sinks(rt.run_dir, rt.run_id, tensorboard=lc.tensorboard, wandb=lc.wandb, project=lc.wandb_project,
-                       config=cfg.model_dump(mode="json"))
-    return observe_run(rt.bus, opts, sinks=sinks, marker=rt.run_dir / "tb" / "observed_seq", agents=agents,
-                       title=f"coevo run {rt.run_id}")
+    sinks = make_sinks(
+        rt.run_dir,
+        rt.run_id,
+        tensorboard=lc.tensorboard,
+        wandb=lc.wandb,
+        project=lc.wandb_project,
+        config=cfg.model_dump(mode="json"),
+    )
+    return observe_run(
+        rt.bus,
+        opts,
+        sinks=sinks,
+        marker=rt.run_dir / "tb" / "observed_seq",
+        agents=agents,
+        title=f"coevo run {rt.run_id}",
+    )
 
 
 def _announce(rt: Runtime, cfg: CoevoConfig, live: LiveRun) -> None:
-    log.info("run.started", run_id=rt.run_id, family=cfg.env.family, loop=cfg.loop, reward=cfg.scorer.reward,
-             run_dir=str(rt.run_dir), dashboard=live.dashboard_url, metrics=live.metrics_url,
-             nats_credentials=None if cfg.nats.url else str(credentials_dir(rt.run_dir / "nats")))
+    log.info(
+        "run.started",
+        run_id=rt.run_id,
+        family=cfg.env.family,
+        loop=cfg.loop,
+        reward=cfg.scorer.reward,
+        run_dir=str(rt.run_dir),
+        dashboard=live.dashboard_url,
+        metrics=live.metrics_url,
+        nats_credentials=None if cfg.nats.url else str(credentials_dir(rt.run_dir / "nats")),
+    )
     if live.dashboard_url:
         print(f"coevo run {rt.run_id}: dashboard at {live.dashboard_url}", flush=True)
     if live.metrics_url:
@@ -254,12 +308,17 @@ async def _finish(rt: Runtime, agents: list[Agent], started: float) -> dict[str,
     summary["events"]["run.finished"] = summary["events"].get("run.finished", 0) + 1
     path = Path(rt.run_dir) / "summary.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
-    log.info("run.finished", summary=str(path), learner_steps=summary["learner_steps"],
-             policy_success_start=summary["policy_success_start"],
-             policy_success_end=summary["policy_success_end"])
+    log.info(
+        "run.finished",
+        summary=str(path),
+        learner_steps=summary["learner_steps"],
+        policy_success_start=summary["policy_success_start"],
+        policy_success_end=summary["policy_success_end"],
+    )
     if summary["learner_steps"] == 0:
-        log.warning("run.no_learner_step", groups_scored=summary["groups_scored"],
-                    policy_samples=summary["policy_samples"])
+        log.warning(
+            "run.no_learner_step", groups_scored=summary["groups_scored"], policy_samples=summary["policy_samples"]
+        )
     return summary
 
 
@@ -273,7 +332,8 @@ async def _links(rt: Runtime, live: LiveRun, summary: dict[str, Any], opts: Obse
     if (rt.run_dir / "tb").is_dir():
         links["tensorboard"] = f"tensorboard --logdir {rt.run_dir / 'tb'}"
     links["dashboard"] = f"coevo dashboard --run {rt.run_id} --runs-dir {rt.run_dir.parent}" + (
-        f" (the live one at {live.dashboard_url} stopped with the run)" if live.dashboard_url else "")
+        f" (the live one at {live.dashboard_url} stopped with the run)" if live.dashboard_url else ""
+    )
     return links
 
 

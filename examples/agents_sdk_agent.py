@@ -44,8 +44,13 @@ def choose(ctx: RunContextWrapper[Corridor], number: int) -> str:
     return ctx.context.take(number)
 
 
-explorer = Agent[Corridor](name="explorer", instructions=SYSTEM, tools=[choose],
-                           tool_use_behavior="stop_on_first_tool", model_settings=ModelSettings(max_tokens=12))
+explorer = Agent[Corridor](
+    name="explorer",
+    instructions=SYSTEM,
+    tools=[choose],
+    tool_use_behavior="stop_on_first_tool",
+    model_settings=ModelSettings(max_tokens=12),
+)
 
 
 async def play(root: str, episode: dict, game: Corridor) -> None:

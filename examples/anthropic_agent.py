@@ -22,8 +22,13 @@ from anthropic import APIConnectionError, AsyncAnthropic, AuthenticationError
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # corridor.py lies next to this file (also under python -I)
 from corridor import SYSTEM, Corridor, train
 
-TOOLS = [{"name": "choose", "description": "Take the action with this number; what happens.",
-          "input_schema": {"type": "object", "properties": {"number": {"type": "integer"}}, "required": ["number"]}}]
+TOOLS = [
+    {
+        "name": "choose",
+        "description": "Take the action with this number; what happens.",
+        "input_schema": {"type": "object", "properties": {"number": {"type": "integer"}}, "required": ["number"]},
+    }
+]
 seen_api = False
 
 
@@ -33,14 +38,18 @@ async def play(root: str, episode: dict, game: Corridor) -> None:
         messages: list = [{"role": "user", "content": game.observation()}]
         while True:
             moves = game.moves
-            reply = await client.messages.create(model="policy", max_tokens=12, system=SYSTEM, tools=TOOLS,
-                                                 messages=messages)
+            reply = await client.messages.create(
+                model="policy", max_tokens=12, system=SYSTEM, tools=TOOLS, messages=messages
+            )
             if not seen_api:
                 seen_api = True
                 print(f"answered through the Messages API ({reply.id}) in {episode['task_id']}")
             messages.append({"role": "assistant", "content": reply.content})
-            results = [{"type": "tool_result", "tool_use_id": block.id, "content": game.take(block.input.get("number"))}
-                       for block in reply.content if block.type == "tool_use"]
+            results = [
+                {"type": "tool_result", "tool_use_id": block.id, "content": game.take(block.input.get("number"))}
+                for block in reply.content
+                if block.type == "tool_use"
+            ]
             if game.moves == moves:
                 game.take(None, told=False)  # no move named: a random one
             if game.outcome is not None:
@@ -50,5 +59,14 @@ async def play(root: str, episode: dict, game: Corridor) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OPENAI_API_KEY", os.environ.get("ANTHROPIC_API_KEY", "unused"))
-    sys.exit(asyncio.run(train(play, __doc__, "anthropic", gone=(APIConnectionError, AuthenticationError),
-                               root=os.environ.get("ANTHROPIC_BASE_URL"))))
+    sys.exit(
+        asyncio.run(
+            train(
+                play,
+                __doc__,
+                "anthropic",
+                gone=(APIConnectionError, AuthenticationError),
+                root=os.environ.get("ANTHROPIC_BASE_URL"),
+            )
+        )
+    )

@@ -96,8 +96,12 @@ def coevo_root(base_url: str) -> str:
 
 def post(url: str, body: dict, key: str) -> dict:
     """POST JSON with a bearer key; a 429 or 503 (coevo's learner is behind) is retried after its Retry-After."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
     while True:
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
@@ -134,16 +138,25 @@ async def episode(play: Play, root: str, key: str, task_id: str, seed: int) -> s
         await play(root, ep, game)
     except BaseException as exc:  # every episode is finished: one cut short is not trained on
         with contextlib.suppress(OSError):
-            await asyncio.to_thread(post, f"{root}/coevo/v1/episodes/{ep['episode_id']}/finish",
-                                    {"outcome": "aborted", "error": repr(exc)[:500]}, ep["key"])
+            await asyncio.to_thread(
+                post,
+                f"{root}/coevo/v1/episodes/{ep['episode_id']}/finish",
+                {"outcome": "aborted", "error": repr(exc)[:500]},
+                ep["key"],
+            )
         raise
-    await asyncio.to_thread(post, f"{root}/coevo/v1/episodes/{ep['episode_id']}/finish",
-                            {"outcome": game.outcome, "observation": game.feedback}, ep["key"])
+    await asyncio.to_thread(
+        post,
+        f"{root}/coevo/v1/episodes/{ep['episode_id']}/finish",
+        {"outcome": game.outcome, "observation": game.feedback},
+        ep["key"],
+    )
     return str(game.outcome)
 
 
-async def train(play: Play, doc: str, prefix: str, gone: tuple[type[BaseException], ...] = (),
-                root: str | None = None) -> int:
+async def train(
+    play: Play, doc: str, prefix: str, gone: tuple[type[BaseException], ...] = (), root: str | None = None
+) -> int:
     """The agents' command line and loop; 0 once coevo went away (``gone``: the framework's own
     connection and refused-key errors)."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])

@@ -37,8 +37,9 @@ async def play(root: str, episode: dict, game: Corridor) -> None:
         """Take the action with this number; what happens."""
         return game.take(number)
 
-    model = ChatOpenAI(model="policy", base_url=f"{root}/v1", api_key=episode["key"], streaming=True,
-                       max_tokens=12, max_retries=0)
+    model = ChatOpenAI(
+        model="policy", base_url=f"{root}/v1", api_key=episode["key"], streaming=True, max_tokens=12, max_retries=0
+    )
     agent = create_react_agent(model, [choose], prompt=SYSTEM)
     messages: list[AnyMessage] = []
     while game.outcome is None:

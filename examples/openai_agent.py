@@ -40,22 +40,28 @@ async def play(client: AsyncOpenAI, root: str, key: str, seed: int, rng: random.
     """One episode of the corridor built from ``seed``; returns its outcome."""
     game = Corridor(seed, length=2 + seed % 2)
     goal = "take the coin at the end of the corridor"
-    episode = await asyncio.to_thread(post, f"{root}/coevo/v1/episodes", {"task_id": f"corridor-{seed}",
-                                                                           "goal": goal}, key)
+    episode = await asyncio.to_thread(
+        post, f"{root}/coevo/v1/episodes", {"task_id": f"corridor-{seed}", "goal": goal}, key
+    )
     messages = [{"role": "system", "content": SYSTEM}]
     feedback, outcome = "", None
     while outcome is None:
         actions = game.actions()
         messages.append({"role": "user", "content": game.observation(feedback)})
-        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3,
-                                                     user=episode["episode_id"])
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, max_tokens=3, user=episode["episode_id"]
+        )
         text = reply.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": text})  # the reply as given: coevo reuses its tokens
         digits = [int(c) for c in text if c.isdigit() and int(c) < len(actions)]
         action = actions[digits[0]] if digits else rng.choice(actions)
         feedback, outcome = game.step(action)
-    await asyncio.to_thread(post, f"{root}/coevo/v1/episodes/{episode['episode_id']}/finish",
-                            {"outcome": outcome, "observation": feedback}, key)
+    await asyncio.to_thread(
+        post,
+        f"{root}/coevo/v1/episodes/{episode['episode_id']}/finish",
+        {"outcome": outcome, "observation": feedback},
+        key,
+    )
     return outcome
 
 

@@ -37,8 +37,13 @@ def choose(ctx: RunContext[Corridor], number: int) -> str:
     return ctx.deps.take(number, told=False)  # an output function's result is not sent back: say it next turn
 
 
-agent = Agent(deps_type=Corridor, output_type=[ToolOutput(choose, name="choose"), str], instructions=SYSTEM,
-              retries=1, model_settings={"max_tokens": 12})
+agent = Agent(
+    deps_type=Corridor,
+    output_type=[ToolOutput(choose, name="choose"), str],
+    instructions=SYSTEM,
+    retries=1,
+    model_settings={"max_tokens": 12},
+)
 
 
 async def play(root: str, episode: dict, game: Corridor) -> None:
@@ -47,8 +52,13 @@ async def play(root: str, episode: dict, game: Corridor) -> None:
     while game.outcome is None:
         moves = game.moves
         try:
-            result = await agent.run(game.observation(), model=model, deps=game, message_history=history,
-                                     usage_limits=UsageLimits(request_limit=3))
+            result = await agent.run(
+                game.observation(),
+                model=model,
+                deps=game,
+                message_history=history,
+                usage_limits=UsageLimits(request_limit=3),
+            )
             history = result.all_messages()
         except (UnexpectedModelBehavior, UsageLimitExceeded):
             pass  # the failed exchange is left out of the history

@@ -27,8 +27,11 @@ class Producer(Agent):
 
     async def main(self) -> None:
         for i in range(self.expected):
-            await self.emit(self.event(TaskScheduled, task=TaskSpec(task_id=f"t{i}", family="quick"),
-                                       group_id=f"g{i}", n_rollouts=1))
+            await self.emit(
+                self.event(
+                    TaskScheduled, task=TaskSpec(task_id=f"t{i}", family="quick"), group_id=f"g{i}", n_rollouts=1
+                )
+            )
 
     async def on_done(self, event: TrajectoryCompleted, _d) -> None:
         self.completed.add(event.task_id)
@@ -58,9 +61,17 @@ class Echo(Agent):
             self.counters["threads_started"] += 1
             self.log.info("echo.thread_started")
             await asyncio.to_thread(time.sleep, self.thread_s)
-        await self.emit(self.event(TrajectoryCompleted, cause=event, trajectory_id=f"tr-{event.task.task_id}",
-                                   task_id=event.task.task_id, group_id=event.group_id, outcome="won",
-                                   num_steps=0))
+        await self.emit(
+            self.event(
+                TrajectoryCompleted,
+                cause=event,
+                trajectory_id=f"tr-{event.task.task_id}",
+                task_id=event.task.task_id,
+                group_id=event.group_id,
+                outcome="won",
+                num_steps=0,
+            )
+        )
         self.counters["echoed"] += 1
 
 

@@ -40,16 +40,18 @@ def run_id() -> str:
 
 @pytest.fixture
 def cfg(tmp_path: Path) -> CoevoConfig:
-    return load_config(overrides={
-        "run.runs_dir": str(tmp_path / "runs"),
-        "bus.ack_wait_s": 2.0,
-        "bus.in_progress_every_s": 0.5,
-        "bus.nak_backoff_s": [0.05, 0.1],
-        "bus.fetch_timeout_s": 0.2,
-        "agent.heartbeat_s": 0.5,
-        "agent.drain_timeout_s": 3.0,
-        "agent.restart_backoff_s": [0.01, 0.05],
-    })
+    return load_config(
+        overrides={
+            "run.runs_dir": str(tmp_path / "runs"),
+            "bus.ack_wait_s": 2.0,
+            "bus.in_progress_every_s": 0.5,
+            "bus.nak_backoff_s": [0.05, 0.1],
+            "bus.fetch_timeout_s": 0.2,
+            "agent.heartbeat_s": 0.5,
+            "agent.drain_timeout_s": 3.0,
+            "agent.restart_backoff_s": [0.01, 0.05],
+        }
+    )
 
 
 @pytest.fixture
@@ -91,12 +93,19 @@ LOOP_OVERRIDES = {
 
 @pytest.fixture
 def loop_cfg(tmp_path: Path, model_cache: Path, run_id: str, nats_url: str) -> CoevoConfig:
-    return load_config(overrides={
-        **LOOP_OVERRIDES,
-        "run.runs_dir": str(tmp_path / "runs"), "run.run_id": run_id, "env.cache_dir": str(model_cache),
-        "nats.url": nats_url, "bus.ack_wait_s": 5.0, "bus.in_progress_every_s": 1.0,
-        "bus.fetch_timeout_s": 0.2, "agent.heartbeat_s": 1.0,
-    })
+    return load_config(
+        overrides={
+            **LOOP_OVERRIDES,
+            "run.runs_dir": str(tmp_path / "runs"),
+            "run.run_id": run_id,
+            "env.cache_dir": str(model_cache),
+            "nats.url": nats_url,
+            "bus.ack_wait_s": 5.0,
+            "bus.in_progress_every_s": 1.0,
+            "bus.fetch_timeout_s": 0.2,
+            "agent.heartbeat_s": 1.0,
+        }
+    )
 
 
 def cli_args(cfg: CoevoConfig) -> list[str]:
@@ -104,9 +113,15 @@ def cli_args(cfg: CoevoConfig) -> list[str]:
     import json
 
     out = []
-    for key, value in {**LOOP_OVERRIDES, "run.runs_dir": str(cfg.run.runs_dir), "env.cache_dir": str(cfg.env.cache_dir),
-                       "bus.ack_wait_s": cfg.bus.ack_wait_s, "bus.in_progress_every_s": cfg.bus.in_progress_every_s,
-                       "bus.fetch_timeout_s": 0.2, "agent.heartbeat_s": 1.0}.items():
+    for key, value in {
+        **LOOP_OVERRIDES,
+        "run.runs_dir": str(cfg.run.runs_dir),
+        "env.cache_dir": str(cfg.env.cache_dir),
+        "bus.ack_wait_s": cfg.bus.ack_wait_s,
+        "bus.in_progress_every_s": cfg.bus.in_progress_every_s,
+        "bus.fetch_timeout_s": 0.2,
+        "agent.heartbeat_s": 1.0,
+    }.items():
         out += ["--set", f"{key}={json.dumps(value) if isinstance(value, list) else value}"]
     return out
 
@@ -144,8 +159,13 @@ def serving(model: Path, log_dir: Path, extra: tuple[str, ...] = (), lora_rank: 
     port = _free_port()
     log_path = log_dir / "vllm.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(server_command(python, model, port, lora_rank=lora_rank, extra=extra), stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV}, start_new_session=True)
+        proc = subprocess.Popen(
+            server_command(python, model, port, lora_rank=lora_rank, extra=extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **SERVER_ENV},
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

@@ -18,7 +18,13 @@ def main() -> None:
     rank, world, init, model, samples_path, ckpt_root, parallel, max_tokens = sys.argv[1:9]
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=int(rank), world_size=int(world))
     samples = [TrainingSample.model_validate(s) for s in json.loads(Path(samples_path).read_text())]
-    lane = Lane("policy", Path(model), Path(ckpt_root), LearnerConfig(lr=1e-2, parallel=parallel, max_batch_tokens=int(max_tokens)), device="cpu")
+    lane = Lane(
+        "policy",
+        Path(model),
+        Path(ckpt_root),
+        LearnerConfig(lr=1e-2, parallel=parallel, max_batch_tokens=int(max_tokens)),
+        device="cpu",
+    )
     assert lane.fsdp == (parallel == "fsdp")
     lane.step(samples, ["g"])  # the whole batch: the lane takes its rows of the shared plan
     path, sha, _ = lane.checkpoint()

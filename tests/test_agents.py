@@ -71,8 +71,9 @@ async def test_control_pause_resume_stop(bus: NatsBus, cfg) -> None:
                 await asyncio.sleep(0.05)
         assert reply.state == "running"
         assert (await bus.control(echo.agent_id, "pause")).state == "paused"
-        await bus.publish_sync(echo.event(TaskScheduled, task=TaskSpec(task_id="p", family="q"), group_id="g",
-                                          n_rollouts=1))
+        await bus.publish_sync(
+            echo.event(TaskScheduled, task=TaskSpec(task_id="p", family="q"), group_id="g", n_rollouts=1)
+        )
         await asyncio.sleep(1.0)
         assert echo.counters["echoed"] == 0  # paused: nothing consumed
         await bus.control(echo.agent_id, "resume")
@@ -83,14 +84,35 @@ async def test_control_pause_resume_stop(bus: NatsBus, cfg) -> None:
     assert echo.state == "stopped"
 
 
-def spawn_agent(target: str, nats_url: str, run_id: str, env_extra: dict[str, str],
-                prefix: list[str] | None = None) -> subprocess.Popen[bytes]:
+def spawn_agent(
+    target: str, nats_url: str, run_id: str, env_extra: dict[str, str], prefix: list[str] | None = None
+) -> subprocess.Popen[bytes]:
     env = subprocess_env() | env_extra
     return subprocess.Popen(
-        [*(prefix or []), PYTHON, "-m", "coevo", "agent", target, "--nats", nats_url, "--run-id", run_id,
-         "--log.console", "json", "--agent.heartbeat_s", "0.5", "--bus.fetch_timeout_s", "0.2",
-         "--run.runs_dir", env["COEVO_TEST_RUNS"]],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        [
+            *(prefix or []),
+            PYTHON,
+            "-m",
+            "coevo",
+            "agent",
+            target,
+            "--nats",
+            nats_url,
+            "--run-id",
+            run_id,
+            "--log.console",
+            "json",
+            "--agent.heartbeat_s",
+            "0.5",
+            "--bus.fetch_timeout_s",
+            "0.2",
+            "--run.runs_dir",
+            env["COEVO_TEST_RUNS"],
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 async def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
@@ -104,8 +126,7 @@ async def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
     return proc.returncode
 
 
-async def test_agents_in_separate_processes_exchange_events(nats_url: str, run_id: str, bus: NatsBus,
-                                                             tmp_path) -> None:
+async def test_agents_in_separate_processes_exchange_events(nats_url: str, run_id: str, bus: NatsBus, tmp_path) -> None:
     env = {"COEVO_TEST_N": "30", "COEVO_TEST_RUNS": str(tmp_path)}
     echo = spawn_agent("tests.agents_for_tests:Echo", nats_url, run_id, env)
     producer = spawn_agent("tests.agents_for_tests:Producer", nats_url, run_id, env)
@@ -126,8 +147,11 @@ async def test_sigterm_mid_work_loses_nothing(nats_url: str, run_id: str, bus: N
     """SIGTERM while handlers are busy: in-flight work finishes, the rest is redelivered."""
     n = 40
     for i in range(n):
-        await bus.publish(Echo(bus, None).event(TaskScheduled, task=TaskSpec(task_id=f"t{i}", family="q"),
-                                                group_id=f"g{i}", n_rollouts=1))  # type: ignore[arg-type]
+        await bus.publish(
+            Echo(bus, None).event(
+                TaskScheduled, task=TaskSpec(task_id=f"t{i}", family="q"), group_id=f"g{i}", n_rollouts=1
+            )
+        )  # type: ignore[arg-type]
     await bus.flush()
     env = {"COEVO_TEST_DELAY": "0.3", "COEVO_TEST_RUNS": str(tmp_path)}
     first = spawn_agent("tests.agents_for_tests:Echo", nats_url, run_id, env)
@@ -165,8 +189,11 @@ async def test_sigterm_is_honoured_within_5_s_while_the_server_is_gone(tmp_path)
         env = {"COEVO_TEST_DELAY": "0.2", "COEVO_TEST_RUNS": str(tmp_path)}
         async with await NatsBus.connect(url, run_id) as bus:
             for i in range(20):
-                await bus.publish(Echo(bus, None).event(TaskScheduled, task=TaskSpec(task_id=f"t{i}", family="q"),
-                                                        group_id=f"g{i}", n_rollouts=1))  # type: ignore[arg-type]
+                await bus.publish(
+                    Echo(bus, None).event(
+                        TaskScheduled, task=TaskSpec(task_id=f"t{i}", family="q"), group_id=f"g{i}", n_rollouts=1
+                    )
+                )  # type: ignore[arg-type]
             await bus.flush()
             agent = spawn_agent("tests.agents_for_tests:Echo", url, run_id, env)
             async with asyncio.timeout(60):  # it works: some tasks are answered
@@ -182,15 +209,18 @@ async def test_sigterm_is_honoured_within_5_s_while_the_server_is_gone(tmp_path)
         server.stop()
 
 
-async def test_sigterm_is_honoured_within_5_s_while_a_worker_thread_computes(nats_url: str, run_id: str,
-                                                                              bus: NatsBus, tmp_path) -> None:
+async def test_sigterm_is_honoured_within_5_s_while_a_worker_thread_computes(
+    nats_url: str, run_id: str, bus: NatsBus, tmp_path
+) -> None:
     """A handler's work in a worker thread (a forward pass, a weight load) cannot be cancelled, and
     Python's exit joins such threads: a stopped judge took 15 s more to end (chaos, #24). A stopped
     agent now ends at once; the unfinished task is redelivered."""
-    await bus.publish_sync(Echo(bus, None).event(TaskScheduled, task=TaskSpec(task_id="t0", family="q"),
-                                                 group_id="g0", n_rollouts=1))  # type: ignore[arg-type]
-    agent = spawn_agent("tests.agents_for_tests:Echo", nats_url, run_id,
-                        {"COEVO_TEST_THREAD_S": "60", "COEVO_TEST_RUNS": str(tmp_path)})
+    await bus.publish_sync(
+        Echo(bus, None).event(TaskScheduled, task=TaskSpec(task_id="t0", family="q"), group_id="g0", n_rollouts=1)
+    )  # type: ignore[arg-type]
+    agent = spawn_agent(
+        "tests.agents_for_tests:Echo", nats_url, run_id, {"COEVO_TEST_THREAD_S": "60", "COEVO_TEST_RUNS": str(tmp_path)}
+    )
     log = tmp_path / run_id / "coevo.log.jsonl"
     async with asyncio.timeout(60):  # its handler is inside the thread
         while not (log.exists() and "echo.thread_started" in log.read_text()):
@@ -209,8 +239,9 @@ async def test_sigterm_is_honoured_within_5_s_during_the_first_connect(tmp_path)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    agent = spawn_agent("tests.agents_for_tests:Echo", f"nats://127.0.0.1:{port}", "sigterm2",
-                        {"COEVO_TEST_RUNS": str(tmp_path)})
+    agent = spawn_agent(
+        "tests.agents_for_tests:Echo", f"nats://127.0.0.1:{port}", "sigterm2", {"COEVO_TEST_RUNS": str(tmp_path)}
+    )
     assert agent.stdout is not None
     os.set_blocking(agent.stdout.fileno(), False)
     seen = b""

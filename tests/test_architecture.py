@@ -37,8 +37,9 @@ LINT = Path(sys.executable).parent / "lint-imports"
 
 def _lint(root: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run([str(LINT), "--no-cache"], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [str(LINT), "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_import_contracts_hold() -> None:
@@ -47,15 +48,18 @@ def test_import_contracts_hold() -> None:
     assert "0 broken" in result.stdout
 
 
-@pytest.mark.parametrize(("module", "line", "contract"), [
-    ("training/loss.py", "import coevo.agents.policy", "Layers"),
-    ("envs/quickgame.py", "import coevo.runtime.bus", "Environments know nothing of NATS"),
-    ("algorithm/scoring.py", "import torch", "The algorithm does no I/O"),
-    ("schemas/base.py", "import nats", "Events stay light"),
-    ("inference/engine.py", "import coevo.weights.follower", "Layers"),
-    ("weights/follower.py", "import coevo.agents.policy", "Layers"),
-    ("weights/transfer.py", "import coevo.runtime.bus", "What vLLM's workers import"),
-])
+@pytest.mark.parametrize(
+    ("module", "line", "contract"),
+    [
+        ("training/loss.py", "import coevo.agents.policy", "Layers"),
+        ("envs/quickgame.py", "import coevo.runtime.bus", "Environments know nothing of NATS"),
+        ("algorithm/scoring.py", "import torch", "The algorithm does no I/O"),
+        ("schemas/base.py", "import nats", "Events stay light"),
+        ("inference/engine.py", "import coevo.weights.follower", "Layers"),
+        ("weights/follower.py", "import coevo.agents.policy", "Layers"),
+        ("weights/transfer.py", "import coevo.runtime.bus", "What vLLM's workers import"),
+    ],
+)
 def test_import_contracts_catch_a_violation(tmp_path: Path, module: str, line: str, contract: str) -> None:
     shutil.copytree(REPO / "coevo", tmp_path / "coevo", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
@@ -81,17 +85,24 @@ def test_where_things_are_table_matches_the_contracts() -> None:
             names = re.findall(r"`coevo/([\w/.]+?)(?:\.py)?`", m.group(2))
             rows.append({"coevo." + n.replace("/", ".") for n in names})
     assert rows == _layers()
-    top = {p.stem for p in (REPO / "coevo").iterdir()
-           if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))}
+    top = {
+        p.stem
+        for p in (REPO / "coevo").iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists())
+        or (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))
+    }
     assert {n.split(".")[1] for row in rows for n in row} == top  # every package has its row
 
 
 def test_no_client_is_asked_what_it_can_do() -> None:
     """#23: a client's capabilities are Protocols, chosen once (``weights.transports``); nothing probes
     a client with ``hasattr`` or ``getattr``."""
-    probes = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "coevo").rglob("*.py"))
-              for i, line in enumerate(p.read_text().splitlines(), 1)
-              if re.search(r"(hasattr|getattr)\((self\.)?(agent\.)?(llm_)?client\b", line)]
+    probes = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in sorted((REPO / "coevo").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"(hasattr|getattr)\((self\.)?(agent\.)?(llm_)?client\b", line)
+    ]
     assert probes == []
 
 
@@ -102,10 +113,15 @@ def test_agents_holds_only_agents_and_no_library_package_holds_a_benchmark() -> 
         if path.stem == "__init__":
             continue
         module = importlib.import_module(f"coevo.agents.{path.stem}")
-        agents = [v for v in vars(module).values()
-                  if isinstance(v, type) and issubclass(v, Agent) and v.__module__ == module.__name__]
+        agents = [
+            v
+            for v in vars(module).values()
+            if isinstance(v, type) and issubclass(v, Agent) and v.__module__ == module.__name__
+        ]
         assert agents, f"coevo/agents/{path.name} defines no agent"
-    benches = [p for p in (REPO / "coevo").rglob("*bench*.py") if "bench" not in p.relative_to(REPO / "coevo").parts[:-1]]
+    benches = [
+        p for p in (REPO / "coevo").rglob("*bench*.py") if "bench" not in p.relative_to(REPO / "coevo").parts[:-1]
+    ]
     assert benches == []
 
 
@@ -155,7 +171,13 @@ def test_roles_without_a_model_start_without_torch() -> None:
     package when it serves no metrics)."""
     import json
 
-    result = subprocess.run([sys.executable, "-c", _START_A_ROLE, *MODEL_FREE_ROLES], cwd=REPO, capture_output=True,
-                            text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", _START_A_ROLE, *MODEL_FREE_ROLES],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[-1]) == {role: [] for role in MODEL_FREE_ROLES}

@@ -30,24 +30,56 @@ TASK = TaskSpec(task_id="t1", family="quickgame")
 
 
 def _published(v: int, ts: float) -> WeightsPublished:
-    return WeightsPublished(run_id="r", source=SRC, role="policy", version=v, path="/w", sha256="0" * 64, bytes=1,
-                            ts=ts)
+    return WeightsPublished(
+        run_id="r", source=SRC, role="policy", version=v, path="/w", sha256="0" * 64, bytes=1, ts=ts
+    )
 
 
 def _traj(group: str, versions: list[int], ts: float) -> TrajectoryCompleted:
-    return TrajectoryCompleted(run_id="r", source=SRC, trajectory_id=f"{group}-{ts}", task_id="t1", group_id=group,
-                               rollout_index=0, outcome="won", num_steps=len(versions), policy_versions=versions, ts=ts)
+    return TrajectoryCompleted(
+        run_id="r",
+        source=SRC,
+        trajectory_id=f"{group}-{ts}",
+        task_id="t1",
+        group_id=group,
+        rollout_index=0,
+        outcome="won",
+        num_steps=len(versions),
+        policy_versions=versions,
+        ts=ts,
+    )
 
 
 def _stepped(v: int, ts: float, hist: dict[str, int]) -> LearnerStepped:
-    return LearnerStepped(run_id="r", source=SRC, role="policy", version=v, samples=sum(hist.values()), tokens=100,
-                          loss=0.0, kl=0.0, clip_fraction=0.0, mismatch_kl=0.0, staleness_histogram=hist,
-                          tokens_per_second=200.0, ts=ts)
+    return LearnerStepped(
+        run_id="r",
+        source=SRC,
+        role="policy",
+        version=v,
+        samples=sum(hist.values()),
+        tokens=100,
+        loss=0.0,
+        kl=0.0,
+        clip_fraction=0.0,
+        mismatch_kl=0.0,
+        staleness_histogram=hist,
+        tokens_per_second=200.0,
+        ts=ts,
+    )
 
 
 def _scored(group: str, acc: float, ts: float) -> GroupScored:
-    return GroupScored(run_id="r", source=SRC, task_id="t1", group_id=group, accuracy=acc, policy_band_ok=True,
-                       judge_band_ok=True, n_trajectories=8, ts=ts)
+    return GroupScored(
+        run_id="r",
+        source=SRC,
+        task_id="t1",
+        group_id=group,
+        accuracy=acc,
+        policy_band_ok=True,
+        judge_band_ok=True,
+        n_trajectories=8,
+        ts=ts,
+    )
 
 
 def test_lockstep_schedules_waves_and_waits_for_the_steps_that_train_them() -> None:
@@ -114,8 +146,16 @@ async def test_a_slow_learner_pauses_scheduling_until_it_trains_the_old_groups(b
     slot = next(s for s in agent.slots.values() if s.split == "train")
     await agent.schedule(slot, slot.active, "train")
     (group,) = agent.inflight.groups
-    sample = TrainingSample(sample_id="s", role="policy", prompt_token_ids=[1], response_token_ids=[2],
-                            logprobs=[-1.0], advantage=1.0, model_version=0, step_event_id="e")
+    sample = TrainingSample(
+        sample_id="s",
+        role="policy",
+        prompt_token_ids=[1],
+        response_token_ids=[2],
+        logprobs=[-1.0],
+        advantage=1.0,
+        model_version=0,
+        step_event_id="e",
+    )
     src = Source(agent_id="learner", role="learner")
     stop = asyncio.Event()
 
@@ -126,20 +166,47 @@ async def test_a_slow_learner_pauses_scheduling_until_it_trains_the_old_groups(b
 
     async def scenario() -> None:
         try:
-            await bus.publish(GroupScored(run_id=bus.run_id, source=SRC, task_id=slot.active.task_id, group_id=group,
-                                          slot_id=slot.slot_id, accuracy=0.5, policy_band_ok=True, judge_band_ok=True,
-                                          n_trajectories=8, policy_samples=[sample]))
+            await bus.publish(
+                GroupScored(
+                    run_id=bus.run_id,
+                    source=SRC,
+                    task_id=slot.active.task_id,
+                    group_id=group,
+                    slot_id=slot.slot_id,
+                    accuracy=0.5,
+                    policy_band_ok=True,
+                    judge_band_ok=True,
+                    n_trajectories=8,
+                    policy_samples=[sample],
+                )
+            )
             await until(lambda: group not in agent.inflight.groups and agent.backlog.groups)
             for v in (1, 2, 3):
-                await bus.publish(WeightsPublished(run_id=bus.run_id, source=src, role="policy", version=v, path="/w",
-                                                   sha256="0" * 64, bytes=1))
+                await bus.publish(
+                    WeightsPublished(
+                        run_id=bus.run_id, source=src, role="policy", version=v, path="/w", sha256="0" * 64, bytes=1
+                    )
+                )
             await until(lambda: agent.policy_version == 3)
             await asyncio.sleep(0.3)
             assert not agent.admitted()  # scored at version 0, not trained, policy at 3 > 0 + 2
             assert group not in agent.inflight.groups and len(agent.inflight.groups) < 4
-            await bus.publish(LearnerStepped(run_id=bus.run_id, source=src, role="policy", version=4, samples=1,
-                                             tokens=2, loss=0.0, kl=0.0, clip_fraction=0.0, mismatch_kl=0.0,
-                                             tokens_per_second=1.0, group_ids=[group]))
+            await bus.publish(
+                LearnerStepped(
+                    run_id=bus.run_id,
+                    source=src,
+                    role="policy",
+                    version=4,
+                    samples=1,
+                    tokens=2,
+                    loss=0.0,
+                    kl=0.0,
+                    clip_fraction=0.0,
+                    mismatch_kl=0.0,
+                    tokens_per_second=1.0,
+                    group_ids=[group],
+                )
+            )
             await until(lambda: not agent.backlog.groups)
             assert agent.admitted()  # trained: scheduling goes on
         finally:
@@ -150,9 +217,16 @@ async def test_a_slow_learner_pauses_scheduling_until_it_trains_the_old_groups(b
 
 
 def test_versions_at_scheduling_come_from_stream_order() -> None:
-    events = [_published(0, 0.0), TaskScheduled(run_id="r", source=SRC, task=TASK, group_id="g1", n_rollouts=2, ts=1),
-              _published(1, 2.0), TaskScheduled(run_id="r", source=SRC, task=TASK, group_id="g2", n_rollouts=2, ts=3),
-              _traj("g1", [0, 0], 4.0), _traj("g1", [0, 1], 4.1), _traj("g2", [0, 1], 5.0), _traj("g2", [1], 5.1)]
+    events = [
+        _published(0, 0.0),
+        TaskScheduled(run_id="r", source=SRC, task=TASK, group_id="g1", n_rollouts=2, ts=1),
+        _published(1, 2.0),
+        TaskScheduled(run_id="r", source=SRC, task=TASK, group_id="g2", n_rollouts=2, ts=3),
+        _traj("g1", [0, 0], 4.0),
+        _traj("g1", [0, 1], 4.1),
+        _traj("g2", [0, 1], 5.0),
+        _traj("g2", [1], 5.1),
+    ]
     at = scheduled_versions(events)
     assert at == {"g1": 0, "g2": 1}
     assert trajectory_versions(events, at) == {"on_version": 2, "behind": 1, "ahead": 1}
@@ -162,8 +236,15 @@ def test_idle_fraction_is_the_time_with_no_group_in_flight() -> None:
     def sched(g: str, ts: float) -> TaskScheduled:
         return TaskScheduled(run_id="r", source=SRC, task=TASK, group_id=g, n_rollouts=2, ts=ts)
 
-    events = [sched("a", 5.0), sched("b", 6.0), _scored("a", 0.5, 20.0), _scored("b", 0.5, 30.0),
-              sched("c", 40.0), _scored("c", 0.5, 90.0), sched("d", 95.0)]
+    events = [
+        sched("a", 5.0),
+        sched("b", 6.0),
+        _scored("a", 0.5, 20.0),
+        _scored("b", 0.5, 30.0),
+        sched("c", 40.0),
+        _scored("c", 0.5, 90.0),
+        sched("d", 95.0),
+    ]
     # window 10..110: idle 30..40 and 90..95
     assert idle_fraction(events, 10.0, 100.0) == 0.15
 

@@ -113,7 +113,8 @@ def test_default_pool_is_unchanged() -> None:
     pool = QuickGame().initial_tasks(8, 8, 0)
     assert [(t.task_id, t.params, t.knobs) for t in (pool[0], pool[-1])] == [
         ("qg-t0", {"seed": 42450}, {"steps": 3, "distractors": 1, "slack": 1, "hints": 0}),
-        ("qg-h15", {"seed": 65304}, {"steps": 4, "distractors": 1, "slack": 1, "hints": 0})]
+        ("qg-h15", {"seed": 65304}, {"steps": 4, "distractors": 1, "slack": 1, "hints": 0}),
+    ]
 
 
 def test_presets_select_families() -> None:
@@ -133,8 +134,14 @@ def test_presets_select_families() -> None:
 
 async def test_bench_learn_two_seeds_smoke(model_cache: Path) -> None:
     t0 = time.monotonic()
-    out = await bench_learn(0.04, eval_every=1.0, episodes=4, cache_dir=model_cache, seeds=2,
-                            overrides={"env.n_train": 2, "env.n_heldout": 2, "policy.n": 4})
+    out = await bench_learn(
+        0.04,
+        eval_every=1.0,
+        episodes=4,
+        cache_dir=model_cache,
+        seeds=2,
+        overrides={"env.n_train": 2, "env.n_heldout": 2, "policy.n": 4},
+    )
     assert out["seeds"] == [0, 1]
     assert out["family"] == "quickgame"
     assert set(out["configs"]) == {"integrated", "outcome_only"}
@@ -163,8 +170,12 @@ def test_pool_snapshot_reads_the_train_slots_active_tasks() -> None:
         return Slot(slot_id=f"s{i}", split=split, active=task, last_accuracy=acc, history=history)
 
     assert pool_snapshot([]) == {"pool_accuracy": None, "slots_rewritten": 0}
-    slots = [slot(0, "train", 0.5, []), slot(1, "train", None, ["t9"]), slot(2, "train", 0.25, ["t8", "t7"]),
-             slot(3, "heldout", 1.0, [])]
+    slots = [
+        slot(0, "train", 0.5, []),
+        slot(1, "train", None, ["t9"]),
+        slot(2, "train", 0.25, ["t8", "t7"]),
+        slot(3, "heldout", 1.0, []),
+    ]
     assert pool_snapshot(slots) == {"pool_accuracy": 0.375, "slots_rewritten": 2}  # held-out slots left out
 
 
@@ -176,7 +187,8 @@ def test_plan_is_seed_major_and_a_seed_seeds_both_weights_and_pool(tmp_path: Pat
     assert plan == [(s, c, {"loop": c, "run.seed": s, "env.seed": s}) for s in range(3) for c in LADDER]
     cfgs = [bench_config(tmp_path, {"env.family": "quickgame-hard", **run}) for _, _, run in plan]
     assert [(c.loop, c.run.seed, c.env.seed, c.env.family) for c in cfgs] == [
-        (loop, s, s, "quickgame-hard") for s in range(3) for loop in ("policy-only", "policy+judge", "full")]
+        (loop, s, s, "quickgame-hard") for s in range(3) for loop in ("policy-only", "policy+judge", "full")
+    ]
     (_, _, integrated), (_, _, outcome) = plan_runs(LEARN, 1)
     assert bench_config(tmp_path, integrated).scorer.reward != "outcome-only"
     assert bench_config(tmp_path, outcome).scorer.reward == "outcome-only"
@@ -186,36 +198,61 @@ def test_plan_is_seed_major_and_a_seed_seeds_both_weights_and_pool(tmp_path: Pat
 
 def _run(seed: int, train: float, heldout: float, reached: float | None, judge: float | None) -> dict[str, Any]:
     """A run as ``run_budget`` reports it, with the fields the aggregation reads (a 60 s budget)."""
-    return {"seed": seed, "train_success": train, "heldout_success": heldout, "train_success_initial": 0.1,
-            "heldout_success_initial": 0.1, "seconds_to_0.8": reached,
-            "seconds_to_0.8_or_budget": 60.0 if reached is None else reached, "judge_process_accuracy": judge,
-            "curve": [{"seconds": 0.0, "success": train}, {"seconds": 60.0, "success": train}]}
+    return {
+        "seed": seed,
+        "train_success": train,
+        "heldout_success": heldout,
+        "train_success_initial": 0.1,
+        "heldout_success_initial": 0.1,
+        "seconds_to_0.8": reached,
+        "seconds_to_0.8_or_budget": 60.0 if reached is None else reached,
+        "judge_process_accuracy": judge,
+        "curve": [{"seconds": 0.0, "success": train}, {"seconds": 60.0, "success": train}],
+    }
 
 
 LADDER_RUNS = {  # three seeds per rung; only policy+judge's seed 2 and every full run reach 0.8
     "policy-only": [_run(0, 0.5, 0.4, None, None), _run(1, 0.6, 0.5, None, None), _run(2, 0.7, 0.6, None, None)],
     "policy+judge": [_run(0, 0.6, 0.5, None, 0.7), _run(1, 0.7, 0.5, None, 0.7), _run(2, 0.8, 0.8, 30.0, 0.7)],
-    "full": [_run(0, 0.8, 0.6, 40.0, 0.6), _run(1, 0.9, 0.8, 30.0, 0.7), _run(2, 1.0, 0.7, 20.0, 0.8)]}
+    "full": [_run(0, 0.8, 0.6, 40.0, 0.6), _run(1, 0.9, 0.8, 30.0, 0.7), _run(2, 1.0, 0.7, 20.0, 0.8)],
+}
 
 
 def _ladder_out() -> dict[str, Any]:
-    return aggregate_seeds(copy.deepcopy(LADDER_RUNS), seeds=3, family="quickgame-hard", preset="hard",
-                           budget=Budget("seconds", 60.0), episodes=64)
+    return aggregate_seeds(
+        copy.deepcopy(LADDER_RUNS),
+        seeds=3,
+        family="quickgame-hard",
+        preset="hard",
+        budget=Budget("seconds", 60.0),
+        episodes=64,
+    )
 
 
 def _interval(mean: float, sd: float, t: float, n: int) -> dict[str, Any]:
     half = t * sd / math.sqrt(n)
-    return {"n": n, "mean": pytest.approx(mean), "sd": pytest.approx(sd, abs=1e-6),
-            "half_width": pytest.approx(half, abs=1e-6), "low": pytest.approx(mean - half, abs=1e-6),
-            "high": pytest.approx(mean + half, abs=1e-6)}
+    return {
+        "n": n,
+        "mean": pytest.approx(mean),
+        "sd": pytest.approx(sd, abs=1e-6),
+        "half_width": pytest.approx(half, abs=1e-6),
+        "low": pytest.approx(mean - half, abs=1e-6),
+        "high": pytest.approx(mean + half, abs=1e-6),
+    }
 
 
 def test_aggregate_seeds_summarises_each_configuration() -> None:
     out = _ladder_out()
-    assert {k: out[k] for k in ("family", "preset", "minutes_per_run", "seeds", "episodes_per_evaluation",
-                                "heldout_seed")} == {"family": "quickgame-hard", "preset": "hard",
-                                                     "minutes_per_run": 1.0, "seeds": [0, 1, 2],
-                                                     "episodes_per_evaluation": 64, "heldout_seed": HELDOUT_SEED}
+    assert {
+        k: out[k] for k in ("family", "preset", "minutes_per_run", "seeds", "episodes_per_evaluation", "heldout_seed")
+    } == {
+        "family": "quickgame-hard",
+        "preset": "hard",
+        "minutes_per_run": 1.0,
+        "seeds": [0, 1, 2],
+        "episodes_per_evaluation": 64,
+        "heldout_seed": HELDOUT_SEED,
+    }
     assert list(out["configs"]) == list(LADDER)
     for c, rung in out["configs"].items():
         assert rung["runs"] == LADDER_RUNS[c]  # one entry per seed, seed order, as run
@@ -224,12 +261,24 @@ def test_aggregate_seeds_summarises_each_configuration() -> None:
     assert full["summary"]["seconds_to_0.8"] == _interval(30.0, 10.0, 4.303, 3)
     assert full["summary"]["judge_process_accuracy"] == _interval(0.7, 0.1, 4.303, 3)
     assert (full["reached_0.8"], middle["reached_0.8"], bottom["reached_0.8"]) == ("3/3", "1/3", "0/3")
-    assert middle["summary"]["seconds_to_0.8"] == {"n": 1, "mean": 30.0, "sd": None, "half_width": None,
-                                                   "low": None, "high": None}  # the one run that reached it
+    assert middle["summary"]["seconds_to_0.8"] == {
+        "n": 1,
+        "mean": 30.0,
+        "sd": None,
+        "half_width": None,
+        "low": None,
+        "high": None,
+    }  # the one run that reached it
     assert middle["summary"]["seconds_to_0.8_or_budget"] == _interval(50.0, statistics.stdev([60, 60, 30]), 4.303, 3)
     assert bottom["summary"]["seconds_to_0.8"]["n"] == 0
-    assert bottom["summary"]["judge_process_accuracy"] == {"n": 0, "mean": None, "sd": None, "half_width": None,
-                                                           "low": None, "high": None}  # no judge
+    assert bottom["summary"]["judge_process_accuracy"] == {
+        "n": 0,
+        "mean": None,
+        "sd": None,
+        "half_width": None,
+        "low": None,
+        "high": None,
+    }  # no judge
     assert full["summary"]["learner_steps"]["n"] == 0  # a metric no run reports
     assert set(full["summary"]) == set(METRICS)
 
@@ -259,15 +308,22 @@ def test_ladder_result_pairs_each_rung_with_the_bottom_one() -> None:
         assert set(rung) == {*RUNG_KEYS, "curve"}
         assert rung["curve"] == LADDER_RUNS[c][0]["curve"]  # the first seed's
     assert [result["rungs"][c]["train_success"] for c in LADDER] == pytest.approx([0.6, 0.7, 0.9])
-    assert [result["rungs"][c]["judge_process_accuracy"] for c in LADDER] == [None, pytest.approx(0.7),
-                                                                             pytest.approx(0.7)]
+    assert [result["rungs"][c]["judge_process_accuracy"] for c in LADDER] == [
+        None,
+        pytest.approx(0.7),
+        pytest.approx(0.7),
+    ]
     assert json.loads(json.dumps(result)) == result
 
 
 def test_learn_result_pairs_integrated_with_outcome_only() -> None:
-    runs = {"integrated": [_run(0, 0.9, 0.6, 40.0, 0.8), _run(1, 0.7, 0.5, None, 0.6)],
-            "outcome_only": [_run(0, 0.6, 0.4, None, 0.5), _run(1, 0.8, 0.45, 50.0, 0.5)]}
-    out = aggregate_seeds(runs, seeds=2, family="quickgame", preset="default", budget=Budget("seconds", 60.0), episodes=4)
+    runs = {
+        "integrated": [_run(0, 0.9, 0.6, 40.0, 0.8), _run(1, 0.7, 0.5, None, 0.6)],
+        "outcome_only": [_run(0, 0.6, 0.4, None, 0.5), _run(1, 0.8, 0.45, 50.0, 0.5)],
+    }
+    out = aggregate_seeds(
+        runs, seeds=2, family="quickgame", preset="default", budget=Budget("seconds", 60.0), episodes=4
+    )
     before = copy.deepcopy(out)
     result = learn_result(out)
     assert out == before
@@ -275,12 +331,14 @@ def test_learn_result_pairs_integrated_with_outcome_only() -> None:
     assert diff["heldout_success"] == _interval(0.125, statistics.stdev([0.2, 0.05]), 12.706, 2)
     assert diff["train_success"] == _interval(0.1, statistics.stdev([0.3, -0.1]), 12.706, 2)
     assert diff["seconds_to_0.8_or_budget"] == _interval(-5.0, statistics.stdev([-20.0, 10.0]), 12.706, 2)
-    assert result["headline"] == {"integrated.train_success": pytest.approx(0.8),
-                                  "integrated.heldout_success": pytest.approx(0.55),
-                                  "integrated.seconds_to_0.8": 40.0,
-                                  "outcome_only.train_success": pytest.approx(0.7),
-                                  "outcome_only.heldout_success": pytest.approx(0.425),
-                                  "outcome_only.seconds_to_0.8": 50.0}
+    assert result["headline"] == {
+        "integrated.train_success": pytest.approx(0.8),
+        "integrated.heldout_success": pytest.approx(0.55),
+        "integrated.seconds_to_0.8": 40.0,
+        "outcome_only.train_success": pytest.approx(0.7),
+        "outcome_only.heldout_success": pytest.approx(0.425),
+        "outcome_only.seconds_to_0.8": 50.0,
+    }
     assert result["curves"] == {f"{c} s{s}": runs[c][s]["curve"] for c in LEARN for s in (0, 1)}
     assert result["target"] == "final train success >= 0.8 within 10 minutes"
 
@@ -291,8 +349,15 @@ async def test_evaluator_plays_textworld_and_its_heldout_games(model_cache: Path
     from coevo.envs.textworld_env import TextWorld
     from coevo.inference.clients import model_dir
 
-    cfg = load_config(overrides={"env.family": "textworld", "env.n_train": 1, "env.n_heldout": 1,
-                                 "env.cache_dir": str(model_cache), "log.console": "off"})
+    cfg = load_config(
+        overrides={
+            "env.family": "textworld",
+            "env.n_train": 1,
+            "env.n_heldout": 1,
+            "env.cache_dir": str(model_cache),
+            "log.console": "off",
+        }
+    )
     ev = await eval_set(cfg, episodes=2)
     assert isinstance(ev.family, TextWorld)
     assert [t.task_id for t in ev.heldout] == [t.task_id for t in TextWorld().initial_tasks(0, 1, HELDOUT_SEED)]
@@ -311,8 +376,12 @@ def test_a_budget_parses_steps_minutes_and_seconds_and_names_what_is_wrong() -> 
     assert Budget.parse("3") == Budget("seconds", 180.0)
     assert Budget.parse("seconds:30", cap_s=99).seconds == 30.0
     assert Budget.parse("steps:5", cap_s=99).seconds == 99  # a step budget's wall clock is its cap
-    for bad, why in (("steps:2.5", "positive integer"), ("steps:0", "positive integer"), ("hours:1", "unknown unit"),
-                     ("steps:x", "expected steps:N")):
+    for bad, why in (
+        ("steps:2.5", "positive integer"),
+        ("steps:0", "positive integer"),
+        ("hours:1", "unknown unit"),
+        ("steps:x", "expected steps:N"),
+    ):
         with pytest.raises(ValueError, match=why):
             Budget.parse(bad)
 
@@ -325,9 +394,13 @@ def test_step_milestones_end_on_the_budget() -> None:
 
 
 async def test_a_step_budget_ends_each_run_at_that_policy_version_and_evaluates_it(model_cache: Path) -> None:
-    out = await bench_learn(Budget("steps", 3, cap_s=240), eval_every=2, episodes=4, cache_dir=model_cache,
-                            overrides={"env.n_train": 2, "env.n_heldout": 2, "policy.n": 4,
-                                       "learner.batch_samples": 8})
+    out = await bench_learn(
+        Budget("steps", 3, cap_s=240),
+        eval_every=2,
+        episodes=4,
+        cache_dir=model_cache,
+        overrides={"env.n_train": 2, "env.n_heldout": 2, "policy.n": 4, "learner.batch_samples": 8},
+    )
     assert out["budget"] == "3 policy steps" and out["steps_per_run"] == 3 and out["minutes_per_run"] is None
     for c in ("integrated", "outcome_only"):
         (run,) = out["configs"][c]["runs"]

@@ -11,23 +11,16 @@ import pytest
 from coevo.errors import Reject, Retry
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.consumer import Consumer, Subscription
-from coevo.schemas import (
-    DeadLettered,
-    Source,
-    StepTaken,
-    TaskScheduled,
-    TaskSpec,
-    encode,
-    subject_for,
-)
+from coevo.schemas import DeadLettered, Source, StepTaken, TaskScheduled, TaskSpec, encode, subject_for
 from tests.samples import sample_events
 
 SRC = Source(agent_id="test", role="test")
 
 
 def sched(run_id: str, i: int = 0) -> TaskScheduled:
-    return TaskScheduled(run_id=run_id, source=SRC, task=TaskSpec(task_id=f"t{i}", family="quick"),
-                         group_id=f"g{i}", n_rollouts=4)
+    return TaskScheduled(
+        run_id=run_id, source=SRC, task=TaskSpec(task_id=f"t{i}", family="quick"), group_id=f"g{i}", n_rollouts=4
+    )
 
 
 async def test_round_trip_every_event_type(bus: NatsBus, run_id: str) -> None:
@@ -65,7 +58,8 @@ async def test_async_publishes_resolve_from_the_servers_acks(bus: NatsBus, run_i
 
 
 async def test_a_publish_the_stream_refuses_fails_its_future_and_is_stored_once_room_comes(
-        nats_url: str, run_id: str, cfg) -> None:
+    nats_url: str, run_id: str, cfg
+) -> None:
     """A full stream (discard new) answers the publish with an error: the future fails with the
     server's reason, and the publish is sent again (same id) until the stream takes it."""
     from dataclasses import replace
@@ -213,7 +207,8 @@ async def test_long_handler_keeps_its_message_with_in_progress(bus: NatsBus, run
 
 
 async def test_unacked_message_is_redelivered_to_another_consumer(
-        nats_url: str, run_id: str, cfg, bus: NatsBus) -> None:
+    nats_url: str, run_id: str, cfg, bus: NatsBus
+) -> None:
     """A consumer that dies holding a message (connection gone, no ack) loses nothing."""
     for i in range(4):
         await bus.publish(sched(run_id, i))
@@ -256,8 +251,9 @@ async def test_control_request_reply(bus: NatsBus) -> None:
     from coevo.schemas import ControlReply, ControlRequest
 
     async def handler(req: ControlRequest) -> ControlReply:
-        return ControlReply(agent_id="a1", role="r", state="paused" if req.command == "pause" else "running",
-                            uptime_s=1.0)
+        return ControlReply(
+            agent_id="a1", role="r", state="paused" if req.command == "pause" else "running", uptime_s=1.0
+        )
 
     sub = await bus.serve_control("a1", handler)
     try:
@@ -280,9 +276,19 @@ async def test_runs_are_isolated(nats_url: str, cfg, run_id: str, bus: NatsBus) 
 
 
 async def test_step_event_with_token_arrays_round_trips(bus: NatsBus, run_id: str) -> None:
-    step = StepTaken(run_id=run_id, source=SRC, trajectory_id="tr", task_id="t", group_id="g", step_index=0,
-                     observation="o", prompt_token_ids=list(range(2000)), response_token_ids=[1, 2],
-                     logprobs=[-0.1234567890123, -2.5], policy_version=3)
+    step = StepTaken(
+        run_id=run_id,
+        source=SRC,
+        trajectory_id="tr",
+        task_id="t",
+        group_id="g",
+        step_index=0,
+        observation="o",
+        prompt_token_ids=list(range(2000)),
+        response_token_ids=[1, 2],
+        logprobs=[-0.1234567890123, -2.5],
+        policy_version=3,
+    )
     await bus.publish_sync(step)
     (back,) = await bus.events()
     assert back == step and back.logprobs[0] == -0.1234567890123
@@ -328,7 +334,8 @@ async def test_backpressure_keeps_memory_flat(bus: NatsBus, run_id: str, cfg) ->
 
 
 async def test_message_whose_consumer_dies_on_every_delivery_is_dead_lettered(
-        nats_url: str, run_id: str, cfg, bus: NatsBus) -> None:
+    nats_url: str, run_id: str, cfg, bus: NatsBus
+) -> None:
     """The gap a consumer cannot close itself: its process dies holding the message on every delivery,
     so it never sees its last one fail. The server's max-deliveries advisory reaches a live agent."""
     from coevo.runtime.agent import run_agents
@@ -365,7 +372,8 @@ async def test_message_whose_consumer_dies_on_every_delivery_is_dead_lettered(
 
 
 async def test_a_puller_hands_out_batches_at_once_and_waits_only_for_the_first_message(
-        bus: NatsBus, run_id: str) -> None:
+    bus: NatsBus, run_id: str
+) -> None:
     """The consumer's fetch on core NATS: what is there comes at once in batches of at most
     ``batch``; with nothing there it returns when the first message arrives, not at the expiry; with
     nothing at all it times out at the expiry."""
@@ -428,8 +436,9 @@ async def test_a_pull_refused_for_a_conflict_is_not_retried_at_once(bus: NatsBus
 
     from coevo.runtime.pull import Puller
 
-    await bus.js.add_consumer(bus.stream, api.ConsumerConfig(durable_name="narrow", ack_policy=api.AckPolicy.EXPLICIT,
-                                                             max_waiting=1))
+    await bus.js.add_consumer(
+        bus.stream, api.ConsumerConfig(durable_name="narrow", ack_policy=api.AckPolicy.EXPLICIT, max_waiting=1)
+    )
     first = await Puller(bus.nc, bus.stream, "narrow").start()
     second = await Puller(bus.nc, bus.stream, "narrow").start()
     try:
@@ -475,8 +484,10 @@ async def test_reading_ends_only_once_everything_delivered_was_read(bus: NatsBus
     from coevo.runtime.pull import Puller, read_all
 
     seqs = [(await bus.publish_sync(sched(run_id, i))).seq for i in range(4)]
-    await bus.js.add_consumer(bus.stream, api.ConsumerConfig(name="reader", ack_policy=api.AckPolicy.NONE,
-                                                             max_ack_pending=-1, inactive_threshold=30.0))
+    await bus.js.add_consumer(
+        bus.stream,
+        api.ConsumerConfig(name="reader", ack_policy=api.AckPolicy.NONE, max_ack_pending=-1, inactive_threshold=30.0),
+    )
     puller = await Puller(bus.nc, bus.stream, "reader").start()
     try:
         got = await puller.fetch(3, 2.0)
@@ -496,7 +507,8 @@ async def test_reading_ends_only_once_everything_delivered_was_read(bus: NatsBus
 
 @pytest.mark.parametrize("fate", ["late", "lost"])
 async def test_the_observer_tail_waits_for_a_late_delivery_and_not_forever_for_a_lost_one(
-        bus: NatsBus, run_id: str, monkeypatch: pytest.MonkeyPatch, fate: str) -> None:
+    bus: NatsBus, run_id: str, monkeypatch: pytest.MonkeyPatch, fate: str
+) -> None:
     """``tail`` after ``stop``: the last event's delivery is held back 0.8 s (late: the fetch that
     should have had it times out first, at 0.5 s; a tail that ended on that timeout missed it) or never
     comes (lost in a reconnect: an observer acknowledges nothing, so nothing is redelivered; the

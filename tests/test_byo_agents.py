@@ -32,8 +32,12 @@ from tests.test_byo_endpoint import free_port, need
 from tests.test_byo_plugin import RUN_FLAGS
 
 EXAMPLES = REPO / "examples"
-AGENTS = {"sdk": "agents_sdk_agent.py", "graph": "langgraph_agent.py", "pyd": "pydantic_ai_agent.py",
-          "claude": "anthropic_agent.py"}
+AGENTS = {
+    "sdk": "agents_sdk_agent.py",
+    "graph": "langgraph_agent.py",
+    "pyd": "pydantic_ai_agent.py",
+    "claude": "anthropic_agent.py",
+}
 """task-id prefix -> the agent playing the tasks of that prefix"""
 DEADLINE_S = 360.0
 """from the start until every agent had a group trained (then: 90 s for coevo to stop, 60 for the agents)"""
@@ -105,12 +109,40 @@ def test_four_framework_agents_are_trained_in_one_run(tmp_path: Path, model_cach
             procs[name] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
 
     started = time.monotonic()
-    spawn("coevo", [PYTHON, "-m", "coevo", "run", "--family", "external", "--serve-policy", str(port), "--nats", nats_url,
-                    "--minutes", "8", "--run-id", run_id, "--run.runs_dir", str(runs),
-                    "--env.cache_dir", str(model_cache), "--learner.device", "cpu", *RUN_FLAGS],
-          {**subprocess_env(), "COEVO_POLICY_API_KEY": "byo-key"})
-    agent_env = {"OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": "byo-key", "HOME": str(tmp_path),
-                 "PATH": os.environ.get("PATH", ""), "PYTHONUNBUFFERED": "1"}
+    spawn(
+        "coevo",
+        [
+            PYTHON,
+            "-m",
+            "coevo",
+            "run",
+            "--family",
+            "external",
+            "--serve-policy",
+            str(port),
+            "--nats",
+            nats_url,
+            "--minutes",
+            "8",
+            "--run-id",
+            run_id,
+            "--run.runs_dir",
+            str(runs),
+            "--env.cache_dir",
+            str(model_cache),
+            "--learner.device",
+            "cpu",
+            *RUN_FLAGS,
+        ],
+        {**subprocess_env(), "COEVO_POLICY_API_KEY": "byo-key"},
+    )
+    agent_env = {
+        "OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1",
+        "OPENAI_API_KEY": "byo-key",
+        "HOME": str(tmp_path),
+        "PATH": os.environ.get("PATH", ""),
+        "PYTHONUNBUFFERED": "1",
+    }
     for prefix, script in AGENTS.items():
         spawn(prefix, [sys.executable, str(EXAMPLES / script), "--prefix", prefix], agent_env)
     try:

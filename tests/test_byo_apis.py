@@ -26,21 +26,30 @@ from tests.test_byo_endpoint import endpoint_cfg, need, post, running, wait_even
 
 STOPS = list(string.ascii_letters + string.digits + string.punctuation + " ")
 """nearly every token the tiny model samples holds one of these"""
-TOOL = {"type": "function", "name": "move", "description": "walk one room",
-        "parameters": {"type": "object", "properties": {"direction": {"type": "string"}}, "required": ["direction"]}}
+TOOL = {
+    "type": "function",
+    "name": "move",
+    "description": "walk one room",
+    "parameters": {"type": "object", "properties": {"direction": {"type": "string"}}, "required": ["direction"]},
+}
 
 
 def chained(steps: list[StepTaken]) -> bool:
     """Token-in/token-out: each prompt starts with the previous prompt and response ids, bit for bit."""
-    return all(b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.response_token_ids)] ==
-               a.prompt_token_ids + a.response_token_ids for a, b in itertools.pairwise(steps))
+    return all(
+        b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.response_token_ids)]
+        == a.prompt_token_ids + a.response_token_ids
+        for a, b in itertools.pairwise(steps)
+    )
 
 
 async def steps_of(bus: NatsBus, trajectory_id: str) -> list[StepTaken]:
-    events = await wait_events(bus, lambda ev: any(isinstance(e, TrajectoryCompleted) and
-                                                   e.trajectory_id == trajectory_id for e in ev))
-    return sorted((e for e in events if isinstance(e, StepTaken) and e.trajectory_id == trajectory_id),
-                  key=lambda s: s.step_index)
+    events = await wait_events(
+        bus, lambda ev: any(isinstance(e, TrajectoryCompleted) and e.trajectory_id == trajectory_id for e in ev)
+    )
+    return sorted(
+        (e for e in events if isinstance(e, StepTaken) and e.trajectory_id == trajectory_id), key=lambda s: s.step_index
+    )
 
 
 async def test_the_responses_api_with_the_openai_sdk(bus: NatsBus, loop_cfg: CoevoConfig) -> None:
@@ -55,11 +64,17 @@ async def test_the_responses_api_with_the_openai_sdk(bus: NatsBus, loop_cfg: Coe
         ask = {"model": "m", "instructions": "you walk.", "tools": [TOOL], "max_output_tokens": 6}
         r1 = await client.responses.create(input="you are in room 0.", **ask)
         assert r1.object == "response" and r1.output and r1.usage.output_tokens >= 1
-        assert r1.model_extra["coevo"]["episode_id"] == ep["episode_id"] and r1.model_extra["coevo"]["tokens"] == "fresh"
+        assert (
+            r1.model_extra["coevo"]["episode_id"] == ep["episode_id"] and r1.model_extra["coevo"]["tokens"] == "fresh"
+        )
         r2 = await client.responses.create(previous_response_id=r1.id, input="you are in room 1.", **ask)  # stateful
-        history = [{"role": "user", "content": "you are in room 0."}, *[i.model_dump() for i in r1.output],
-                   {"role": "user", "content": "you are in room 1."}, *[i.model_dump() for i in r2.output],
-                   {"type": "function_call_output", "call_id": "call_x", "output": "you are in room 2."}]
+        history = [
+            {"role": "user", "content": "you are in room 0."},
+            *[i.model_dump() for i in r1.output],
+            {"role": "user", "content": "you are in room 1."},
+            *[i.model_dump() for i in r2.output],
+            {"type": "function_call_output", "call_id": "call_x", "output": "you are in room 2."},
+        ]
         r3 = await client.responses.create(input=history, **ask)  # stateless: the whole conversation again
         for r in (r2, r3):
             assert r.model_extra["coevo"]["tokens"] in ("reused", "mismatch")
@@ -67,7 +82,9 @@ async def test_the_responses_api_with_the_openai_sdk(bus: NatsBus, loop_cfg: Coe
             events = [e async for e in stream]  # the SDK's stream state checks each event against the last
         kinds, final = [e.type for e in events], events[-1].response  # incomplete at max_output_tokens, as OpenAI's
         assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in (
-            "response.completed", "response.incomplete")
+            "response.completed",
+            "response.incomplete",
+        )
         assert "response.output_item.done" in kinds and final.status in ("completed", "incomplete")
         deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         assert final.output_text == deltas and final.model_extra["coevo"]["tokens"] in ("reused", "mismatch")
@@ -75,8 +92,12 @@ async def test_the_responses_api_with_the_openai_sdk(bus: NatsBus, loop_cfg: Coe
             await client.responses.create(previous_response_id="resp_nope", input="x", **ask)
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             await client.responses.create(input="x", tool_choice="required", **ask)
-        await post(http, f"/coevo/v1/episodes/{ep['episode_id']}/finish", {"outcome": "won"},
-                   headers={"Authorization": f"Bearer {ep['key']}"})
+        await post(
+            http,
+            f"/coevo/v1/episodes/{ep['episode_id']}/finish",
+            {"outcome": "won"},
+            headers={"Authorization": f"Bearer {ep['key']}"},
+        )
         with pytest.raises(openai.AuthenticationError):  # the key died with its episode
             await client.responses.create(input="x", **ask)
         await client.close()
@@ -102,18 +123,29 @@ async def test_the_messages_api_with_the_anthropic_sdk(bus: NatsBus, loop_cfg: C
         first = [{"role": "user", "content": "you are in room 0."}]
         m1 = await client.messages.create(messages=first, **ask)
         assert m1.type == "message" and m1.stop_reason in ("end_turn", "max_tokens") and m1.usage.output_tokens >= 1
-        convo = [*first, {"role": "assistant", "content": [b.model_dump() for b in m1.content]},
-                 {"role": "user", "content": [{"type": "text", "text": "you are in room 1."}]}]
+        convo = [
+            *first,
+            {"role": "assistant", "content": [b.model_dump() for b in m1.content]},
+            {"role": "user", "content": [{"type": "text", "text": "you are in room 1."}]},
+        ]
         async with client.messages.stream(messages=convo, **ask) as stream:
             streamed = "".join([t async for t in stream.text_stream])
             m2 = await stream.get_final_message()
         assert streamed == "".join(b.text for b in m2.content if b.type == "text")
         assert m2.model_extra["coevo"]["tokens"] in ("reused", "mismatch")
-        convo += [{"role": "assistant", "content": [*[b.model_dump() for b in m2.content],
-                                                    {"type": "tool_use", "id": "toolu_1", "name": "move",
-                                                     "input": {"direction": "n"}}]},
-                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                                "content": "you are in room 2."}]}]
+        convo += [
+            {
+                "role": "assistant",
+                "content": [
+                    *[b.model_dump() for b in m2.content],
+                    {"type": "tool_use", "id": "toolu_1", "name": "move", "input": {"direction": "n"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "you are in room 2."}],
+            },
+        ]
         m3 = await client.messages.create(messages=convo, stop_sequences=STOPS, **{**ask, "max_tokens": 30})
         assert m3.stop_reason == "stop_sequence" and m3.stop_sequence in STOPS
         with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
@@ -139,9 +171,11 @@ async def test_episode_keys_act_only_on_their_episode(bus: NatsBus, loop_cfg: Co
             body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3}
             out = await post(anon, "/v1/chat/completions", body, headers=mine)
             assert out["coevo"]["episode_id"] == a["episode_id"]  # no user field, no header: the key says which
-            for method, path in (("GET", f"/coevo/v1/episodes/{b['episode_id']}"),
-                                 ("POST", f"/coevo/v1/episodes/{b['episode_id']}/finish"),
-                                 ("POST", "/coevo/v1/episodes")):
+            for method, path in (
+                ("GET", f"/coevo/v1/episodes/{b['episode_id']}"),
+                ("POST", f"/coevo/v1/episodes/{b['episode_id']}/finish"),
+                ("POST", "/coevo/v1/episodes"),
+            ):
                 async with anon.request(method, path, json={"outcome": "won", "task_id": "x"}, headers=mine) as r:
                     assert r.status == 403 and (await r.json())["error"]["code"] == "episode_key_scope"
             await post(anon, "/v1/chat/completions", {**body, "user": b["episode_id"]}, 403, headers=mine)
@@ -156,8 +190,12 @@ async def test_step_rewards_join_their_call(bus: NatsBus, loop_cfg: CoevoConfig)
         ep = await post(http, "/coevo/v1/episodes", {"task_id": "rw", "goal": "g"})
         path = f"/coevo/v1/episodes/{ep['episode_id']}/reward"
         await post(http, path, {"reward": 1.0}, 409)  # no call yet
-        body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3,
-                "user": ep["episode_id"]}
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 3,
+            "user": ep["episode_id"],
+        }
         first = (await post(http, "/v1/chat/completions", body))["coevo"]["call_id"]
         assert (await post(http, path, {"reward": 0.5, "call_id": first}))["env_reward"] == 0.5
         assert (await post(http, path, {"reward": 0.25}))["env_reward"] == 0.75  # rewards of one call add up
@@ -193,9 +231,20 @@ async def test_new_episodes_wait_while_the_learner_is_behind(bus: NatsBus, loop_
             refused = await r.json()
             assert r.status == 429 and r.headers["Retry-After"] == "3", refused
         assert refused["error"]["code"] == "learner_behind" and "1 groups wait" in refused["error"]["message"]
-        stepped = LearnerStepped(run_id=bus.run_id, source=Source(agent_id="learner-test", role="learner"),
-                                 role="policy", version=1, samples=2, tokens=10, loss=0.0, kl=0.0, clip_fraction=0.0,
-                                 mismatch_kl=0.0, tokens_per_second=1.0, group_ids=[eps[0]["group_id"]])
+        stepped = LearnerStepped(
+            run_id=bus.run_id,
+            source=Source(agent_id="learner-test", role="learner"),
+            role="policy",
+            version=1,
+            samples=2,
+            tokens=10,
+            loss=0.0,
+            kl=0.0,
+            clip_fraction=0.0,
+            mismatch_kl=0.0,
+            tokens_per_second=1.0,
+            group_ids=[eps[0]["group_id"]],
+        )
         await (await bus.publish(stepped))
         async with asyncio.timeout(30):  # until the policy agent's LearnerStepped consumer delivered it
             while True:
@@ -209,9 +258,11 @@ async def test_new_episodes_wait_while_the_learner_is_behind(bus: NatsBus, loop_
 async def test_open_episodes_stay_bounded_under_concurrent_opens(bus: NatsBus, loop_cfg: CoevoConfig) -> None:
     cfg = endpoint_cfg(loop_cfg, **{"policy.max_concurrent_trajectories": 2})
     async with running([PolicyAgent(bus, cfg)], f"http://127.0.0.1:{cfg.policy.serve_port}") as http:
+
         async def open_one(k: int) -> int:
             async with http.post("/coevo/v1/episodes", json={"task_id": f"c{k}", "goal": "g"}) as r:
                 return r.status
+
         statuses = await asyncio.gather(*(open_one(k) for k in range(6)))  # each publishes its own group
     assert sorted(statuses) == [200, 200, 429, 429, 429, 429]
 
@@ -233,19 +284,31 @@ async def test_what_cannot_be_honoured_is_refused(bus: NatsBus, loop_cfg: CoevoC
     cfg = endpoint_cfg(loop_cfg)
     async with running([PolicyAgent(bus, cfg)], f"http://127.0.0.1:{cfg.policy.serve_port}") as http:
         chat = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 2}
-        refused = [("/v1/chat/completions", {**chat, "tool_choice": "required"}, "tool_choice"),
-                   ("/v1/chat/completions", {**chat, "tool_choice": {"type": "function", "function": {"name": "f"}}},
-                    "tool_choice"),
-                   ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, "response_format"),
-                   ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
-                   ("/v1/completions", {"prompt": "a", "logprobs": 2}, "logprobs"),
-                   ("/v1/responses", {"input": "a", "text": {"format": {"type": "json_object"}}}, "text.format"),
-                   ("/v1/responses", {"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
-                   ("/v1/responses", {"input": "a", "tools": [{"type": "web_search"}]}, "tools[0].type")]
+        refused = [
+            ("/v1/chat/completions", {**chat, "tool_choice": "required"}, "tool_choice"),
+            (
+                "/v1/chat/completions",
+                {**chat, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+                "tool_choice",
+            ),
+            ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, "response_format"),
+            ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+            ("/v1/completions", {"prompt": "a", "logprobs": 2}, "logprobs"),
+            ("/v1/responses", {"input": "a", "text": {"format": {"type": "json_object"}}}, "text.format"),
+            ("/v1/responses", {"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+            ("/v1/responses", {"input": "a", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ]
         for path, body, param in refused:
             assert (await post(http, path, body, 400))["error"]["param"] == param, (path, body)
-        async with http.post("/v1/messages", json={"model": "m", "max_tokens": 2, "messages": chat["messages"],
-                                                   "thinking": {"type": "enabled", "budget_tokens": 10}}) as r:
+        async with http.post(
+            "/v1/messages",
+            json={
+                "model": "m",
+                "max_tokens": 2,
+                "messages": chat["messages"],
+                "thinking": {"type": "enabled", "budget_tokens": 10},
+            },
+        ) as r:
             err = await r.json()
             assert r.status == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
         out = await post(http, "/v1/completions", {"prompt": "room", "max_tokens": 30, "stop": STOPS, "logprobs": 0})
@@ -262,8 +325,9 @@ def test_output_items_and_content_blocks_convert_back_to_the_recorded_turn() -> 
         req = ma.MessagesRequest(max_tokens=1, messages=[{"role": "assistant", "content": ma.content_blocks(text, cs)}])
         assert normalize(ma.to_messages(req)) == recorded
     with pytest.raises(ApiError, match="not supported"):
-        ma.to_messages(ma.MessagesRequest(max_tokens=1, messages=[
-            {"role": "user", "content": [{"type": "image", "source": {}}]}]))
+        ma.to_messages(
+            ma.MessagesRequest(max_tokens=1, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
+        )
 
 
 def test_a_template_that_drops_earlier_reasoning_makes_a_prefix_break(model_cache: Any) -> None:
@@ -278,7 +342,8 @@ def test_a_template_that_drops_earlier_reasoning_makes_a_prefix_break(model_cach
         "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
         "{% set c = m['content'] if loop.last else m['content'].split('</think>')[-1] %}"
         "{{ 'assistant:' + c + eos_token + '\\n' }}{% else %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endif %}"
-        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+    )
     chat = ChatTokens(tok)
     first = normalize([{"role": "user", "content": "room 0"}])
     ids, _ = chat.prompt(first)
@@ -326,7 +391,9 @@ async def test_an_agent_key_rotates_through_episodes(bus: NatsBus, loop_cfg: Coe
             first = await post(harness, "/coevo/v1/episodes/rotate", {"task_id": "fixed", "goal": "g"})
             assert (await post(harness, "/v1/chat/completions", body))["coevo"]["episode_id"] == first["episode_id"]
             await post(harness, "/coevo/v1/episodes/rotate", {"task_id": "fixed", "goal": "g"}, 400)  # its outcome?
-            second = await post(harness, "/coevo/v1/episodes/rotate", {"outcome": "won", "task_id": "fixed", "goal": "g"})
+            second = await post(
+                harness, "/coevo/v1/episodes/rotate", {"outcome": "won", "task_id": "fixed", "goal": "g"}
+            )
             assert second["episode_id"] != first["episode_id"] and second["group_id"] == first["group_id"]
             assert (await post(harness, "/v1/chat/completions", body))["coevo"]["episode_id"] == second["episode_id"]
             await post(harness, "/coevo/v1/agent-keys", {}, 403)

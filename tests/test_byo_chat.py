@@ -20,11 +20,20 @@ from tests.test_byo_example import recompute
 
 
 def chat_cfg(loop_cfg: CoevoConfig, family: str, **extra: object) -> CoevoConfig:
-    return load_config(overrides={
-        "run.runs_dir": str(loop_cfg.run.runs_dir), "run.run_id": loop_cfg.run.run_id,
-        "env.cache_dir": str(loop_cfg.env.cache_dir), "nats.url": loop_cfg.nats.url, "env.family": family,
-        "policy.mode": "chat", "policy.max_tokens": 8, "log.console": "off",
-        "learner.device": "cpu", **extra})  # fp32 on CPU: the sampled log-probs are compared to an fp32 recompute
+    return load_config(
+        overrides={
+            "run.runs_dir": str(loop_cfg.run.runs_dir),
+            "run.run_id": loop_cfg.run.run_id,
+            "env.cache_dir": str(loop_cfg.env.cache_dir),
+            "nats.url": loop_cfg.nats.url,
+            "env.family": family,
+            "policy.mode": "chat",
+            "policy.max_tokens": 8,
+            "log.console": "off",
+            "learner.device": "cpu",
+            **extra,
+        }
+    )  # fp32 on CPU: the sampled log-probs are compared to an fp32 recompute
 
 
 async def play_chat(bus: NatsBus, cfg: CoevoConfig, rollouts: int) -> tuple[PolicyAgent, list[StepTaken], list]:
@@ -36,17 +45,24 @@ async def play_chat(bus: NatsBus, cfg: CoevoConfig, rollouts: int) -> tuple[Poli
             await agent.rollout(sched, i, 1)
     await bus.flush()
     events = await bus.events()
-    return agent, [e for e in events if isinstance(e, StepTaken)], [e for e in events if isinstance(e, TrajectoryCompleted)]
+    return (
+        agent,
+        [e for e in events if isinstance(e, StepTaken)],
+        [e for e in events if isinstance(e, TrajectoryCompleted)],
+    )
 
 
 def check_token_in_token_out(steps: list[StepTaken], bos: int) -> None:
-    for _, mine in itertools.groupby(sorted(steps, key=lambda s: (s.trajectory_id, s.step_index)),
-                                     key=lambda s: s.trajectory_id):
+    for _, mine in itertools.groupby(
+        sorted(steps, key=lambda s: (s.trajectory_id, s.step_index)), key=lambda s: s.trajectory_id
+    ):
         mine = list(mine)
         assert mine[0].prompt_token_ids[0] == bos
         for a, b in itertools.pairwise(mine):
-            assert b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.response_token_ids)] == \
-                a.prompt_token_ids + a.response_token_ids
+            assert (
+                b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.response_token_ids)]
+                == a.prompt_token_ids + a.response_token_ids
+            )
 
 
 async def test_chat_mode_plays_the_quick_game_as_one_conversation(bus: NatsBus, loop_cfg: CoevoConfig) -> None:
@@ -67,9 +83,16 @@ async def test_chat_mode_plays_the_quick_game_as_one_conversation(bus: NatsBus, 
 def as_sample(s: StepTaken):
     from coevo.schemas import TrainingSample
 
-    return TrainingSample(sample_id=s.event_id, role="policy", prompt_token_ids=s.prompt_token_ids,
-                          response_token_ids=s.response_token_ids, logprobs=s.logprobs, advantage=1.0,
-                          model_version=s.policy_version, step_event_id=s.event_id)
+    return TrainingSample(
+        sample_id=s.event_id,
+        role="policy",
+        prompt_token_ids=s.prompt_token_ids,
+        response_token_ids=s.response_token_ids,
+        logprobs=s.logprobs,
+        advantage=1.0,
+        model_version=s.policy_version,
+        step_event_id=s.event_id,
+    )
 
 
 @pytest.mark.slow

@@ -45,10 +45,19 @@ def free_port() -> int:
 
 def endpoint_cfg(loop_cfg: CoevoConfig, **overrides: Any) -> CoevoConfig:
     base = json.loads(loop_cfg.model_dump_json())
-    flat = {"run.runs_dir": base["run"]["runs_dir"], "run.run_id": base["run"]["run_id"],
-            "env.cache_dir": base["env"]["cache_dir"], "nats.url": base["nats"]["url"], **LOOP_OVERRIDES,
-            "bus.fetch_timeout_s": 0.2, "agent.heartbeat_s": 1.0, "env.family": "external",
-            "policy.serve_port": free_port(), "scorer.reward": "outcome-only", **overrides}
+    flat = {
+        "run.runs_dir": base["run"]["runs_dir"],
+        "run.run_id": base["run"]["run_id"],
+        "env.cache_dir": base["env"]["cache_dir"],
+        "nats.url": base["nats"]["url"],
+        **LOOP_OVERRIDES,
+        "bus.fetch_timeout_s": 0.2,
+        "agent.heartbeat_s": 1.0,
+        "env.family": "external",
+        "policy.serve_port": free_port(),
+        "scorer.reward": "outcome-only",
+        **overrides,
+    }
     return load_config(overrides=flat)
 
 
@@ -81,8 +90,9 @@ async def post(http: aiohttp.ClientSession, path: str, body: Any, status: int = 
         return data
 
 
-async def chat(http: aiohttp.ClientSession, episode: str | None, messages: list[dict[str, Any]],
-               **extra: Any) -> dict[str, Any]:
+async def chat(
+    http: aiohttp.ClientSession, episode: str | None, messages: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
     body = {"model": "any", "messages": messages, "max_tokens": 6, **extra}
     if episode:
         body["user"] = episode
@@ -93,8 +103,10 @@ async def test_own_task_episodes_become_groups_steps_and_trajectories(bus: NatsB
     cfg = endpoint_cfg(loop_cfg)
     policy = PolicyAgent(bus, cfg)
     async with running([policy, ScorerAgent(bus, cfg)], f"http://127.0.0.1:{cfg.policy.serve_port}") as http:
-        episodes = [await post(http, "/coevo/v1/episodes", {"task_id": "walk-1", "goal": "reach the end"})
-                    for _ in range(cfg.policy.n + 1)]
+        episodes = [
+            await post(http, "/coevo/v1/episodes", {"task_id": "walk-1", "goal": "reach the end"})
+            for _ in range(cfg.policy.n + 1)
+        ]
         assert len({e["group_id"] for e in episodes[:-1]}) == 1 and episodes[-1]["group_id"] != episodes[0]["group_id"]
         assert [e["rollout_index"] for e in episodes] == [0, 1, 2, 3, 0]
         for k, ep in enumerate(episodes[: cfg.policy.n]):
@@ -117,8 +129,10 @@ async def test_own_task_episodes_become_groups_steps_and_trajectories(bus: NatsB
         assert [s.done for s in mine] == [False, False, True]
         assert mine[1].observation == mine[0].next_observation == "you are in room 1."
         for a, b in itertools.pairwise(mine):  # token-in/token-out: the next prompt starts with these ids
-            assert b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.response_token_ids)] == \
-                a.prompt_token_ids + a.response_token_ids
+            assert (
+                b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.response_token_ids)]
+                == a.prompt_token_ids + a.response_token_ids
+            )
         assert all(len(s.logprobs) == len(s.response_token_ids) > 0 and s.objective == "reach the end" for s in mine)
     (scored,) = [e for e in events if isinstance(e, GroupScored) and e.group_id == group.group_id]
     assert scored.accuracy == 0.5 and scored.policy_samples
@@ -138,16 +152,25 @@ async def wait_events(bus: NatsBus, predicate: Any, timeout: float = 60.0) -> li
 async def test_errors_are_openai_shaped_and_episodes_are_guarded(bus: NatsBus, loop_cfg: CoevoConfig) -> None:
     cfg = endpoint_cfg(loop_cfg)
     async with running([PolicyAgent(bus, cfg)], f"http://127.0.0.1:{cfg.policy.serve_port}") as http:
-        err = await post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                        "user": "ep-nope"}, status=404)
+        err = await post(
+            http,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "user": "ep-nope"},
+            status=404,
+        )
         assert err["error"]["code"] == "episode_not_found" and err["error"]["type"] == "invalid_request_error"
         assert (await post(http, "/v1/chat/completions", {"messages": []}, status=400))["error"]["param"] == "messages"
         assert (await post(http, "/coevo/v1/episodes", {}, status=409))["error"]["code"] == "no_pool"
         bad = await post(http, "/coevo/v1/episodes", {"task_id": "has space"}, status=400)
         assert bad["error"]["param"] == "task_id"
         ep = (await post(http, "/coevo/v1/episodes", {"task_id": "t1", "goal": "g"}))["episode_id"]
-        two = await post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2},
-                         headers={"X-Coevo-Episode": ep}, status=400)
+        two = await post(
+            http,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "n": 2},
+            headers={"X-Coevo-Episode": ep},
+            status=400,
+        )
         assert two["error"]["param"] == "n"
         free = await chat(http, None, [{"role": "user", "content": "hi"}], n=3)  # outside episodes: served, n > 1
         assert len(free["choices"]) == 3 and "episode_id" not in free["coevo"]
@@ -160,10 +183,12 @@ async def test_errors_are_openai_shaped_and_episodes_are_guarded(bus: NatsBus, l
 
 
 async def test_the_endpoint_requires_a_key_unless_explicitly_insecure_on_loopback(
-        bus: NatsBus, loop_cfg: CoevoConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    bus: NatsBus, loop_cfg: CoevoConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(ConfigError, match="serve_insecure_loopback") as err:  # no key beyond loopback, ever
-        async with PolicyAgent(bus, endpoint_cfg(loop_cfg, **{"policy.serve_host": "0.0.0.0",
-                                                                "policy.serve_insecure_loopback": True})).endpoint.serving():
+        async with PolicyAgent(
+            bus, endpoint_cfg(loop_cfg, **{"policy.serve_host": "0.0.0.0", "policy.serve_insecure_loopback": True})
+        ).endpoint.serving():
             pass
     assert err.value.field == "policy.serve_insecure_loopback"
     cfg = endpoint_cfg(loop_cfg)
@@ -179,8 +204,12 @@ async def test_the_endpoint_requires_a_key_unless_explicitly_insecure_on_loopbac
             assert denied["error"]["code"] == "invalid_api_key"
         for path, body in (("/coevo/v1/episodes", {"task_id": "t", "goal": "g"}), ("/v1/chat/completions", {})):
             await post(anonymous, path, body, status=401)
-        ok = await post(anonymous, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
-                        headers={"Authorization": f"Bearer {agent.endpoint.key}"})
+        ok = await post(
+            anonymous,
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 2},
+            headers={"Authorization": f"Bearer {agent.endpoint.key}"},
+        )
         assert ok["object"] == "text_completion"
     monkeypatch.setenv("COEVO_POLICY_API_KEY", "s3cret")  # a key of the user's own
     cfg = endpoint_cfg(loop_cfg, **{"policy.serve_host": "0.0.0.0"})
@@ -205,15 +234,21 @@ async def test_the_openai_sdk_streams_and_completions_reuse_tokens(bus: NatsBus,
     async with running([agent], base) as http:
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=agent.endpoint.key)
         ep = (await post(http, "/coevo/v1/episodes", {"task_id": "s1", "goal": "g"}))["episode_id"]
-        stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}],
-                                                      max_tokens=5, stream=True, user=ep,
-                                                      stream_options={"include_usage": True})
+        stream = await client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "go"}],
+            max_tokens=5,
+            stream=True,
+            user=ep,
+            stream_options={"include_usage": True},
+        )
         chunks = [c async for c in stream]
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
         first = await client.completions.create(model="m", prompt="room 0.", max_tokens=4, user=ep, logprobs=0)
-        again = await client.completions.create(model="m", prompt="room 0." + first.choices[0].text + " room 1.",
-                                                max_tokens=4, user=ep)
+        again = await client.completions.create(
+            model="m", prompt="room 0." + first.choices[0].text + " room 1.", max_tokens=4, user=ep
+        )
         assert first.model_extra["coevo"]["tokens"] == "fresh"
         assert again.model_extra["coevo"]["tokens"] in ("reused", "mismatch")
         assert len(first.choices[0].logprobs.token_logprobs) >= 1
@@ -222,8 +257,10 @@ async def test_the_openai_sdk_streams_and_completions_reuse_tokens(bus: NatsBus,
         events = await wait_events(bus, lambda ev: any(isinstance(e, TrajectoryCompleted) for e in ev))
     steps = sorted((e for e in events if isinstance(e, StepTaken)), key=lambda s: s.step_index)
     assert [s.step_index for s in steps] == [0, 1, 2] and steps[0].response_text == text
-    assert steps[2].prompt_token_ids[: len(steps[1].prompt_token_ids) + len(steps[1].response_token_ids)] == \
-        steps[1].prompt_token_ids + steps[1].response_token_ids
+    assert (
+        steps[2].prompt_token_ids[: len(steps[1].prompt_token_ids) + len(steps[1].response_token_ids)]
+        == steps[1].prompt_token_ids + steps[1].response_token_ids
+    )
     assert steps[-1].done and steps[-1].next_observation == "done."
 
 
@@ -237,6 +274,7 @@ async def test_the_pool_is_handed_out_and_groups_are_scored(bus: NatsBus, loop_c
     cfg = endpoint_cfg(loop_cfg, **{"env.tasks_from": "quickgame", "tasks.rewriter": "off"})
     agents = [TasksAgent(bus, cfg), PolicyAgent(bus, cfg), ScorerAgent(bus, cfg)]
     async with running(agents, f"http://127.0.0.1:{cfg.policy.serve_port}") as http:
+
         async def play() -> None:
             ep = await post(http, "/coevo/v1/episodes", {"wait_s": 30})
             env = QuickGame().make_env()
@@ -282,7 +320,11 @@ def test_chat_tokens_reuse_the_sampled_ids_and_count_a_mismatch(model_cache: Pat
     assert how == "fresh" and ids[0] == tok.bos_token_id and ct.render(msgs).endswith("assistant:")
     go = tok.encode(" go", add_special_tokens=False)
     odd = [tok.convert_tokens_to_ids(t) for t in ("Ġ", "g", "o")]  # " go" spelled in pieces: not the BPE merge
-    for sampled, expect in (([*go, tok.eos_token_id], "reused"), ([*odd, tok.eos_token_id], "mismatch"), (go, "reused")):
+    for sampled, expect in (
+        ([*go, tok.eos_token_id], "reused"),
+        ([*odd, tok.eos_token_id], "mismatch"),
+        (go, "reused"),
+    ):
         text = tok.decode(sampled, skip_special_tokens=True)
         turn = Turn(msgs, normalize([{"role": "assistant", "content": text}])[0], ids, sampled)
         nxt = normalize([*msgs, {"role": "assistant", "content": text}, {"role": "user", "content": "ok."}])

@@ -46,15 +46,47 @@ def test_the_example_agent_is_trained_through_the_endpoint(tmp_path: Path, model
 
     port, runs = free_port(), tmp_path / "runs"
     run = subprocess.Popen(
-        [PYTHON, "-m", "coevo", "run", "--family", "external", "--serve-policy", str(port), "--steps", "2",
-         "--minutes", "6", "--run-id", "byo", "--run.runs_dir", str(runs), "--env.cache_dir", str(model_cache),
-         "--learner.device", "cpu", *RUN_FLAGS],  # fp32 sampling and training: log-probs compared at 1e-4
-        env={**subprocess_env(), "COEVO_POLICY_API_KEY": "byo-key"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
-    agent_env = {"OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": "byo-key",
-                 "PATH": os.environ.get("PATH", "")}
-    agent = subprocess.Popen([sys.executable, "-I", str(EXAMPLE)], env=agent_env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        [
+            PYTHON,
+            "-m",
+            "coevo",
+            "run",
+            "--family",
+            "external",
+            "--serve-policy",
+            str(port),
+            "--steps",
+            "2",
+            "--minutes",
+            "6",
+            "--run-id",
+            "byo",
+            "--run.runs_dir",
+            str(runs),
+            "--env.cache_dir",
+            str(model_cache),
+            "--learner.device",
+            "cpu",
+            *RUN_FLAGS,
+        ],  # fp32 sampling and training: log-probs compared at 1e-4
+        env={**subprocess_env(), "COEVO_POLICY_API_KEY": "byo-key"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    agent_env = {
+        "OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1",
+        "OPENAI_API_KEY": "byo-key",
+        "PATH": os.environ.get("PATH", ""),
+    }
+    agent = subprocess.Popen(
+        [sys.executable, "-I", str(EXAMPLE)],
+        env=agent_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
     try:
         out, err = run.communicate(timeout=480)
     finally:
@@ -72,8 +104,9 @@ def test_the_example_agent_is_trained_through_the_endpoint(tmp_path: Path, model
 
     events = asyncio.run(read())
     theirs = {e.group_id for e in events if isinstance(e, TaskScheduled) and e.task.task_id.startswith("corridor-")}
-    assert theirs and all(e.source.role == "policy" and e.task.family == "external"
-                          for e in events if isinstance(e, TaskScheduled))
+    assert theirs and all(
+        e.source.role == "policy" and e.task.family == "external" for e in events if isinstance(e, TaskScheduled)
+    )
     steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy"]
     assert len(steps) >= 2 and all(set(s.group_ids) <= theirs and s.group_ids for s in steps)
     trained = {g for s in steps for g in s.group_ids}
@@ -84,8 +117,11 @@ def test_the_example_agent_is_trained_through_the_endpoint(tmp_path: Path, model
     assert all(tid in trajectories for g in scored for tid in g.trajectory_ids)
     # log-probs as sampled == log-probs the learner computes, for tokens of a version we hold the weights of
     weights = {0: ensure_default_model("policy", model_cache)}
-    weights |= {e.version: Path(e.path) for e in events if isinstance(e, WeightsPublished) and e.role == "policy"
-                and Path(e.path).is_dir()}
+    weights |= {
+        e.version: Path(e.path)
+        for e in events
+        if isinstance(e, WeightsPublished) and e.role == "policy" and Path(e.path).is_dir()
+    }
     checked = 0
     for version, where in weights.items():
         mine = [s for s in samples if s.model_version == version]

@@ -40,8 +40,7 @@ def test_a_family_is_found_through_its_entry_point(plugin_on_path: Path) -> None
     assert [t.split for t in tasks] == ["train", "train", "heldout"] and all(t.family == "demo-counter" for t in tasks)
 
 
-def test_coevo_s_own_families_are_entry_points_like_a_plugin_s(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_coevo_s_own_families_are_entry_points_like_a_plugin_s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from importlib.metadata import distribution
 
     own = {ep.name: ep.value for ep in distribution("coevo").entry_points if ep.group == "coevo.families"}
@@ -92,22 +91,57 @@ def test_without_the_distribution_the_name_is_unknown() -> None:
 
 # ---- `coevo run` on a family from elsewhere --------------------------------------------------------
 
-RUN_FLAGS = ["--set", "policy.n=4", "--set", "env.n_train=2", "--set", "env.n_heldout=1",
-             "--set", "learner.batch_samples=8", "--set", "judge.m=2", "--set", "tasks.band=[0.49, 0.51]",
-             "--set", "tasks.min_groups_between_rewrites=0", "--log.console", "off", "--no-dashboard", "--no-report"]
+RUN_FLAGS = [
+    "--set",
+    "policy.n=4",
+    "--set",
+    "env.n_train=2",
+    "--set",
+    "env.n_heldout=1",
+    "--set",
+    "learner.batch_samples=8",
+    "--set",
+    "judge.m=2",
+    "--set",
+    "tasks.band=[0.49, 0.51]",
+    "--set",
+    "tasks.min_groups_between_rewrites=0",
+    "--log.console",
+    "off",
+    "--no-dashboard",
+    "--no-report",
+]
 
 
-def run_coevo(tmp_path: Path, model_cache: Path, run_id: str, *args: str, pythonpath: tuple[Path, ...] = (),
-              timeout: float = 420) -> tuple[dict[str, Any], list[Event]]:
+def run_coevo(
+    tmp_path: Path, model_cache: Path, run_id: str, *args: str, pythonpath: tuple[Path, ...] = (), timeout: float = 420
+) -> tuple[dict[str, Any], list[Event]]:
     """``coevo run`` as a process (its own embedded NATS); its summary and every event of its stream."""
     from coevo.tools.events import open_run
 
     runs = tmp_path / "runs"
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env["PYTHONPATH"]])
-    proc = subprocess.run([PYTHON, "-m", "coevo", "run", "--run-id", run_id, "--run.runs_dir", str(runs),
-                           "--env.cache_dir", str(model_cache), *RUN_FLAGS, *args],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    proc = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "coevo",
+            "run",
+            "--run-id",
+            run_id,
+            "--run.runs_dir",
+            str(runs),
+            "--env.cache_dir",
+            str(model_cache),
+            *RUN_FLAGS,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     summary = json.loads((runs / run_id / "summary.json").read_text())
 
@@ -120,8 +154,18 @@ def run_coevo(tmp_path: Path, model_cache: Path, run_id: str, *args: str, python
 
 @pytest.mark.slow
 def test_coevo_run_trains_on_a_plugin_family(tmp_path: Path, model_cache: Path) -> None:
-    summary, events = run_coevo(tmp_path, model_cache, "plugin", "--family", "demo-counter", "--steps", "2",
-                                "--minutes", "5", pythonpath=(PLUGIN_SITE,))
+    summary, events = run_coevo(
+        tmp_path,
+        model_cache,
+        "plugin",
+        "--family",
+        "demo-counter",
+        "--steps",
+        "2",
+        "--minutes",
+        "5",
+        pythonpath=(PLUGIN_SITE,),
+    )
     assert summary["learner_steps"] >= 2
     scheduled = [e for e in events if e.kind == "task.scheduled"]
     assert scheduled and all(e.task.family == "demo-counter" for e in scheduled)  # type: ignore[attr-defined]

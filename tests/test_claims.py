@@ -24,17 +24,27 @@ SRC = Source(agent_id="test", role="tasks")
 @pytest.fixture
 async def small_bus(nats_url: str, run_id: str, cfg: CoevoConfig) -> Any:
     """A bus whose inline limit is 1 KiB: the events below travel by reference."""
-    b = await NatsBus.connect(nats_url, run_id, nats_cfg=cfg.nats, bus=cfg.bus.model_copy(
-        update={"inline_max_bytes": 1024}), stream=cfg.stream)
+    b = await NatsBus.connect(
+        nats_url,
+        run_id,
+        nats_cfg=cfg.nats,
+        bus=cfg.bus.model_copy(update={"inline_max_bytes": 1024}),
+        stream=cfg.stream,
+    )
     yield b
     await b.close()
 
 
 def big_task(run_id: str, fill: str, event_id: str | None = None) -> TaskScheduled:
     fields: dict[str, Any] = {"event_id": event_id} if event_id else {}
-    return TaskScheduled(run_id=run_id, source=SRC, task=TaskSpec(task_id="big", family="quick",
-                                                                  params={"blob": fill * 5000}),
-                         group_id="g-big", n_rollouts=1, **fields)
+    return TaskScheduled(
+        run_id=run_id,
+        source=SRC,
+        task=TaskSpec(task_id="big", family="quick", params={"blob": fill * 5000}),
+        group_id="g-big",
+        n_rollouts=1,
+        **fields,
+    )
 
 
 async def test_a_rerun_with_other_bytes_under_the_same_id_keeps_the_stored_claims_object(small_bus: NatsBus) -> None:
@@ -66,7 +76,8 @@ class Reader(Agent):
 
 
 async def test_an_object_store_that_cannot_be_read_now_delays_the_event_instead_of_losing_it(
-        small_bus: NatsBus, cfg: CoevoConfig, inject: Any) -> None:
+    small_bus: NatsBus, cfg: CoevoConfig, inject: Any
+) -> None:
     event = big_task(small_bus.run_id, "z")
     await small_bus.publish_sync(event)
     failures = CLAIM_READS + 2  # the whole first delivery fails, the second recovers
@@ -79,9 +90,9 @@ async def test_an_object_store_that_cannot_be_read_now_delays_the_event_instead_
     assert await small_bus.events(["dead.lettered"]) == []
 
 
-
 async def test_an_outage_longer_than_the_redeliveries_holds_the_last_delivery_until_the_store_answers(
-        nats_url: str, run_id: str, cfg: CoevoConfig, inject: Any) -> None:
+    nats_url: str, run_id: str, cfg: CoevoConfig, inject: Any
+) -> None:
     """A partition outlasts the redeliveries (here 2, a fraction of a second apart): the last one is held
     and its claim read again (chaos lost four groups' events this way); dead-lettered only after
     ``bus.payload_wait_s``."""
@@ -98,7 +109,8 @@ async def test_an_outage_longer_than_the_redeliveries_holds_the_last_delivery_un
 
 
 async def test_a_scorer_restarted_while_its_store_is_unreadable_rebuilds_from_the_scores_ids(
-        small_bus: NatsBus, cfg: CoevoConfig, inject: Any) -> None:
+    small_bus: NatsBus, cfg: CoevoConfig, inject: Any
+) -> None:
     """Chaos (three hosts): the scorer's rebuild read every ``GroupScored``, the largest events and
     claims, and one unreadable object held the restarted scorer in its rebuild for the rest of the
     run (20 groups unscored). It needs only which groups are scored, and their ids say it."""
@@ -107,10 +119,16 @@ async def test_a_scorer_restarted_while_its_store_is_unreadable_rebuilds_from_th
     from tests.samples import sample_events
 
     proto = {type(e): e for e in sample_events(small_bus.run_id)}
-    done, open_ = (proto[TaskScheduled].model_copy(update={"event_id": f"sched-{g}", "group_id": g})
-                   for g in ("g-done", "g-open"))
-    score = proto[GroupScored].model_copy(update={"event_id": scored_id("g-done"), "group_id": "g-done",
-                                                  "trajectory_ids": [f"t{i:05d}" for i in range(200)]})
+    done, open_ = (
+        proto[TaskScheduled].model_copy(update={"event_id": f"sched-{g}", "group_id": g}) for g in ("g-done", "g-open")
+    )
+    score = proto[GroupScored].model_copy(
+        update={
+            "event_id": scored_id("g-done"),
+            "group_id": "g-done",
+            "trajectory_ids": [f"t{i:05d}" for i in range(200)],
+        }
+    )
     for e in (done, score, open_):
         await small_bus.publish_sync(e)
     (stored,) = [m async for _, _, m in small_bus.history(["group.scored"], undecoded=["group.scored"])]

@@ -45,8 +45,12 @@ floats = st.lists(st.floats(allow_nan=False), max_size=50)  # NaN != NaN: equali
 
 @st.composite
 def tokens(draw: Any) -> dict[str, Any]:
-    return {"prompt_token_ids": draw(ints), "response_token_ids": draw(ints), "logprobs": draw(floats),
-            "allowed_token_ids": draw(st.none() | ints)}
+    return {
+        "prompt_token_ids": draw(ints),
+        "response_token_ids": draw(ints),
+        "logprobs": draw(floats),
+        "allowed_token_ids": draw(st.none() | ints),
+    }
 
 
 @st.composite
@@ -58,9 +62,12 @@ def events(draw: Any) -> Event:
     if isinstance(e, StepJudged):
         return e.model_copy(update={"votes": [v.model_copy(update=draw(tokens())) for v in e.votes]})
     if isinstance(e, GroupScored):
-        return e.model_copy(update={
-            "policy_samples": [s.model_copy(update=draw(tokens())) for s in e.policy_samples],
-            "judge_samples": [s.model_copy(update=draw(tokens())) for s in e.judge_samples]})
+        return e.model_copy(
+            update={
+                "policy_samples": [s.model_copy(update=draw(tokens())) for s in e.policy_samples],
+                "judge_samples": [s.model_copy(update=draw(tokens())) for s in e.judge_samples],
+            }
+        )
     return e
 
 
@@ -89,17 +96,18 @@ def test_events_written_with_plain_lists_still_decode(event: Event) -> None:
 def _frame_parts(raw: bytes) -> tuple[dict[str, Any], bytes]:
     assert raw[:4] == MAGIC
     (n,) = struct.unpack_from("<I", raw, 4)
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def _array(head: dict[str, Any], blob: bytes, field: str) -> bytes:
     start, n = (int(x) for x in head[field][1:].split(":"))
-    return blob[start:start + n]
+    return blob[start : start + n]
 
 
 def test_the_wire_is_a_frame_of_json_head_and_little_endian_arrays() -> None:
-    step = SAMPLES["step.taken"].model_copy(update={"prompt_token_ids": IntArray([1, 258, 151_935]),
-                                                   "logprobs": FloatArray([-0.25, -1e-9])})
+    step = SAMPLES["step.taken"].model_copy(
+        update={"prompt_token_ids": IntArray([1, 258, 151_935]), "logprobs": FloatArray([-0.25, -1e-9])}
+    )
     raw = encode(step)
     head, blob = _frame_parts(raw)
     assert (len(raw) - len(blob)) % 8 == 0  # the arrays start 8-aligned
@@ -113,8 +121,9 @@ def test_the_wire_is_a_frame_of_json_head_and_little_endian_arrays() -> None:
 
 
 def test_one_json_document_carries_arrays_as_base64_or_lists() -> None:
-    step = SAMPLES["step.taken"].model_copy(update={"prompt_token_ids": IntArray([1, 258, 151_935]),
-                                                   "logprobs": FloatArray([-0.25, -1e-9])})
+    step = SAMPLES["step.taken"].model_copy(
+        update={"prompt_token_ids": IntArray([1, 258, 151_935]), "logprobs": FloatArray([-0.25, -1e-9])}
+    )
     wire = json.loads(encode_json(step))
     assert base64.urlsafe_b64decode(wire["prompt_token_ids"]) == b"\x01\0\0\0\x02\x01\0\0\x7f\x51\x02\0"
     assert decode(encode_json(step)) == step
@@ -125,8 +134,9 @@ def test_one_json_document_carries_arrays_as_base64_or_lists() -> None:
 
 
 def test_python_side_is_array_backed_and_behaves_like_a_list() -> None:
-    step = StepTaken.model_validate({**dict(SAMPLES["step.taken"]), "prompt_token_ids": [5, 6, 7, 8],
-                                     "logprobs": [-0.5, -1.5]})
+    step = StepTaken.model_validate(
+        {**dict(SAMPLES["step.taken"]), "prompt_token_ids": [5, 6, 7, 8], "logprobs": [-0.5, -1.5]}
+    )
     ids, lps = step.prompt_token_ids, step.logprobs
     assert isinstance(ids, IntArray) and isinstance(lps, FloatArray)
     assert ids == [5, 6, 7, 8] and [5, 6, 7, 8] == ids and ids != [5, 6, 7] and ids != [5, 6, 7, 9]
@@ -158,18 +168,23 @@ def test_values_outside_int32_are_refused_not_wrapped() -> None:
 
 
 def test_exports_for_people_hold_plain_lists_and_decode_back() -> None:
-    step = SAMPLES["step.taken"].model_copy(update={"prompt_token_ids": IntArray([1, 258]),
-                                                   "logprobs": FloatArray([-0.5])})
+    step = SAMPLES["step.taken"].model_copy(
+        update={"prompt_token_ids": IntArray([1, 258]), "logprobs": FloatArray([-0.5])}
+    )
     readable = step.model_dump(mode="json", context={"lists": True})
     assert readable["prompt_token_ids"] == [1, 258] and readable["logprobs"] == [-0.5]
     assert decode(json.dumps(readable)) == step
 
 
 def test_frames_are_smaller_than_plain_lists_for_real_token_ids() -> None:
-    step = StepTaken.model_validate({**dict(SAMPLES["step.taken"]),
-                                     "prompt_token_ids": [(k * 2_654_435_761) % 151_936 for k in range(2000)],
-                                     "response_token_ids": [(k * 40_503) % 151_936 for k in range(500)],
-                                     "logprobs": [-math.log1p(k) / 7 for k in range(500)]})
+    step = StepTaken.model_validate(
+        {
+            **dict(SAMPLES["step.taken"]),
+            "prompt_token_ids": [(k * 2_654_435_761) % 151_936 for k in range(2000)],
+            "response_token_ids": [(k * 40_503) % 151_936 for k in range(500)],
+            "logprobs": [-math.log1p(k) / 7 for k in range(500)],
+        }
+    )
     assert len(encode(step)) < 0.8 * len(encode_json(step)) < 0.8 * len(_legacy(step))
 
 
@@ -183,16 +198,19 @@ def test_python_side_is_strict() -> None:
             TrainingSample.model_validate({**dumped, "prompt_token_ids": bad})
 
 
-@pytest.mark.parametrize(("value", "why"), [
-    ("not base64!", "valid base64"),
-    ("AAA=", "whole number"),  # 2 bytes: half an int32
-    ("AQAA\nAA==", "valid base64"),
-    ("é", "valid base64"),
-    ("@0:8", "outside a frame"),  # a reference means nothing in plain JSON
-    ([1.5], "valid integer"),
-    (["1"], "valid integer"),
-    ({"a": 1}, "valid bytes"),
-])
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("not base64!", "valid base64"),
+        ("AAA=", "whole number"),  # 2 bytes: half an int32
+        ("AQAA\nAA==", "valid base64"),
+        ("é", "valid base64"),
+        ("@0:8", "outside a frame"),  # a reference means nothing in plain JSON
+        ([1.5], "valid integer"),
+        (["1"], "valid integer"),
+        ({"a": 1}, "valid bytes"),
+    ],
+)
 def test_a_malformed_packed_field_is_a_validation_error(value: Any, why: str) -> None:
     body = json.loads(encode_json(SAMPLES["step.taken"]))
     body["prompt_token_ids"] = value
@@ -205,14 +223,17 @@ def _reframe(head: dict[str, Any], blob: bytes) -> bytes:
     return MAGIC + struct.pack("<I", len(text)) + text + blob
 
 
-@pytest.mark.parametrize(("edit", "why"), [
-    (lambda h, b: (h | {"prompt_token_ids": "@0:100000"}, b), "past the frame"),
-    (lambda h, b: (h | {"prompt_token_ids": "@0:6"}, b), "whole number"),
-    (lambda h, b: (h | {"logprobs": "@0:12"}, b), "8-byte"),
-    (lambda h, b: (h | {"logprobs": "@4:8"}, b), "not 8-aligned"),
-    (lambda h, b: (h | {"prompt_token_ids": "@٠:١٢"}, b), "valid base64"),  # digits are ASCII digits
-    (lambda h, b: (h | {"prompt_token_ids": "@-1:4"}, b), "valid base64"),  # not a reference: read as base64
-])
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (lambda h, b: (h | {"prompt_token_ids": "@0:100000"}, b), "past the frame"),
+        (lambda h, b: (h | {"prompt_token_ids": "@0:6"}, b), "whole number"),
+        (lambda h, b: (h | {"logprobs": "@0:12"}, b), "8-byte"),
+        (lambda h, b: (h | {"logprobs": "@4:8"}, b), "not 8-aligned"),
+        (lambda h, b: (h | {"prompt_token_ids": "@٠:١٢"}, b), "valid base64"),  # digits are ASCII digits
+        (lambda h, b: (h | {"prompt_token_ids": "@-1:4"}, b), "valid base64"),  # not a reference: read as base64
+    ],
+)
 def test_a_malformed_frame_reference_is_a_validation_error(edit: Any, why: str) -> None:
     raw = encode(SAMPLES["step.taken"])
     with pytest.raises(ValidationError, match=why):
@@ -285,8 +306,9 @@ def test_an_old_version_frame_goes_through_its_upcaster_with_its_arrays(monkeypa
     the head (references as they are) and the arrays are read from the frame as on the fast path."""
     from coevo.schemas.registry import UPCASTERS
 
-    step = StepTaken.model_validate({**dict(SAMPLES["step.taken"]), "prompt_token_ids": list(range(300)),
-                                     "logprobs": [-0.5, -1.5]})
+    step = StepTaken.model_validate(
+        {**dict(SAMPLES["step.taken"]), "prompt_token_ids": list(range(300)), "logprobs": [-0.5, -1.5]}
+    )
     head, blob = _frame_parts(encode(step))
     head["schema_version"] = 0
     head["text"] = head.pop("response_text")  # the field's old name

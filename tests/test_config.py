@@ -24,12 +24,15 @@ def test_precedence_defaults_file_env_flags(tmp_path: Path, monkeypatch) -> None
     assert cfg.bus.max_deliver == 5  # default
 
 
-@pytest.mark.parametrize(("text", "field"), [
-    ("[bus]\nmax_inflgiht = 3\n", "bus.max_inflgiht"),
-    ("[bus]\nmax_ack_pending = 'lots'\n", "bus.max_ack_pending"),
-    ("[nope]\nx = 1\n", "nope"),
-    ("[bus]\nack_wait_s = 1.0\nin_progress_every_s = 2.0\n", "bus"),
-])
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("[bus]\nmax_inflgiht = 3\n", "bus.max_inflgiht"),
+        ("[bus]\nmax_ack_pending = 'lots'\n", "bus.max_ack_pending"),
+        ("[nope]\nx = 1\n", "nope"),
+        ("[bus]\nack_wait_s = 1.0\nin_progress_every_s = 2.0\n", "bus"),
+    ],
+)
 def test_bad_config_names_the_field(tmp_path: Path, text: str, field: str) -> None:
     f = tmp_path / "bad.toml"
     f.write_text(text)
@@ -55,8 +58,9 @@ def test_every_shipped_config_loads(path: Path) -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "coevo", *args], capture_output=True, text=True, env=subprocess_env(),
-                          timeout=60)
+    return subprocess.run(
+        [PYTHON, "-m", "coevo", *args], capture_output=True, text=True, env=subprocess_env(), timeout=60
+    )
 
 
 def test_cli_dry_run_prints_resolved_config_and_errors_name_fields(tmp_path: Path) -> None:
@@ -78,8 +82,13 @@ def test_help_everywhere_and_fast() -> None:
     assert run_cli("bench", "bus", "--help").returncode == 0
     assert run_cli("schemas", "export", "--help").returncode == 0
     assert elapsed < 5.0  # generous bound for a loaded CI machine; typically ~0.3 s
-    probe = subprocess.run([PYTHON, "-X", "importtime", "-m", "coevo", "--help"], capture_output=True,
-                           text=True, env=subprocess_env(), timeout=60)
+    probe = subprocess.run(
+        [PYTHON, "-X", "importtime", "-m", "coevo", "--help"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
     heavy = {"torch", "transformers", "nats", "vllm", "litellm"}
     imported = {line.split("|")[-1].strip().split(".")[0] for line in probe.stderr.splitlines() if "|" in line}
     assert not heavy & imported
@@ -96,8 +105,11 @@ def test_which_judges_the_learner_trains(tmp_path) -> None:
 
 
 def test_a_tool_pointed_at_a_run_that_is_not_there_says_so_in_one_line(tmp_path: Path) -> None:
-    for args in (("trace", "--run", "nosuchrun", "x"), ("events", "export", "out.jsonl", "--run", "nosuchrun"),
-                 ("report", "--run", "nosuchrun")):
+    for args in (
+        ("trace", "--run", "nosuchrun", "x"),
+        ("events", "export", "out.jsonl", "--run", "nosuchrun"),
+        ("report", "--run", "nosuchrun"),
+    ):
         out = run_cli(*args, "--runs-dir", str(tmp_path / "runs"))
         assert out.returncode == 2, (args, out.stderr[-2000:])
         lines = out.stderr.strip().splitlines()
@@ -160,13 +172,16 @@ def test_the_rewriter_is_tagged_by_its_backend() -> None:
 
     assert load_config().tasks.rewriter == BuiltinRewriterConfig()
     assert load_config(overrides={"tasks.rewriter": "off"}).tasks.rewriter == NoRewriter(backend="off")
-    llm = load_config(overrides={"tasks.rewriter.backend": "litellm", "tasks.rewriter.model": "openai/x",
-                                 "tasks.rewriter.retries": 1}).tasks.rewriter
+    llm = load_config(
+        overrides={"tasks.rewriter.backend": "litellm", "tasks.rewriter.model": "openai/x", "tasks.rewriter.retries": 1}
+    ).tasks.rewriter
     assert llm == LitellmRewriter(backend="litellm", model="openai/x", retries=1)
-    for bad, field in (({"tasks.rewriter.backend": "builtin", "tasks.rewriter.model": "x"}, "tasks.rewriter.builtin.model"),
-                       ({"tasks.rewriter.backend": "vllm", "tasks.rewriter.model": "x"}, "tasks.rewriter.vllm.url"),
-                       ({"tasks.rewriter.backend": "local"}, "tasks.rewriter.local.model"),
-                       ({"tasks.rewriter": "llm"}, "tasks.rewriter")):
+    for bad, field in (
+        ({"tasks.rewriter.backend": "builtin", "tasks.rewriter.model": "x"}, "tasks.rewriter.builtin.model"),
+        ({"tasks.rewriter.backend": "vllm", "tasks.rewriter.model": "x"}, "tasks.rewriter.vllm.url"),
+        ({"tasks.rewriter.backend": "local"}, "tasks.rewriter.local.model"),
+        ({"tasks.rewriter": "llm"}, "tasks.rewriter"),
+    ):
         with pytest.raises(ConfigError) as err:
             load_config(overrides=bad)
         assert err.value.field == field, (bad, str(err.value))

@@ -37,6 +37,7 @@ def test_the_environment_names_the_same_constraints_in_the_same_order() -> None:
 
 # ---- the bypasses of the issue -----------------------------------------------------------------
 
+
 def test_dunder_import_is_an_import_and_breaks_every_constraint() -> None:
     found = check("def f(x):\n    return __import__('math').sqrt(x)\n")
     assert found == {c: ["line 2: `__import__` can run or reach code the check cannot see"] for c in ALL}
@@ -61,69 +62,81 @@ def test_the_prompts_own_import_is_allowed() -> None:
 
 # ---- plain programs pass -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("program", [
-    "def f(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total\n",
-    "def helper(x):\n    return x * 2\ndef f(xs):\n    return [helper(x) for x in xs]\n",
-    "def f(x):\n    return x + 1\nprint(f(3))\nassert f(1) == 2\nresults = [f(i) for i in range(3)]\n",
-    "class Box:\n    __slots__ = ('v',)\n    def __init__(self, v):\n        self.v = v\n    def __eq__(self, o):\n"
-    "        return isinstance(o, Box) and self.v == o.v\n"
-    "class Big(Box):\n    def __init__(self, v):\n        super().__init__(v * 10)\n"
-    "def f(x):\n    return Big(x).v\n",
-    "def f(s):\n    return s.count('a') + getattr(s, 'real', 0)\nif __name__ == '__main__':\n    print(f('aa'))\n",
-    "def f(xs):\n    out = []\n    for x in xs:\n        out.append(x)\n    return out\n",
-    "class A:\n    def __init__(self):\n        self._x = 1\n    def _h(self):\n        return self._x\n"
-    "def f(n):\n    return A()._h()\n",  # its own private names
-    "def f(xs):\n    out = []\n    for i, x in enumerate(xs):\n        out.append(i * x)\n    return out\n",
-])
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        "def f(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total\n",
+        "def helper(x):\n    return x * 2\ndef f(xs):\n    return [helper(x) for x in xs]\n",
+        "def f(x):\n    return x + 1\nprint(f(3))\nassert f(1) == 2\nresults = [f(i) for i in range(3)]\n",
+        "class Box:\n    __slots__ = ('v',)\n    def __init__(self, v):\n        self.v = v\n    def __eq__(self, o):\n"
+        "        return isinstance(o, Box) and self.v == o.v\n"
+        "class Big(Box):\n    def __init__(self, v):\n        super().__init__(v * 10)\n"
+        "def f(x):\n    return Big(x).v\n",
+        "def f(s):\n    return s.count('a') + getattr(s, 'real', 0)\nif __name__ == '__main__':\n    print(f('aa'))\n",
+        "def f(xs):\n    out = []\n    for x in xs:\n        out.append(x)\n    return out\n",
+        "class A:\n    def __init__(self):\n        self._x = 1\n    def _h(self):\n        return self._x\n"
+        "def f(n):\n    return A()._h()\n",  # its own private names
+        "def f(xs):\n    out = []\n    for i, x in enumerate(xs):\n        out.append(i * x)\n    return out\n",
+    ],
+)
 def test_plain_programs_pass_every_constraint(program: str) -> None:
     assert check(program) == {c: [] for c in ALL}
 
 
 def test_bounded_itertools_pass_no_while() -> None:
-    program = ("import itertools\nfrom itertools import repeat\ndef f(x):\n"
-               "    return list(itertools.repeat(x, 3)) + list(repeat(x, times=2)) + list(itertools.islice(x, 2))\n")
+    program = (
+        "import itertools\nfrom itertools import repeat\ndef f(x):\n"
+        "    return list(itertools.repeat(x, 3)) + list(repeat(x, times=2)) + list(itertools.islice(x, 2))\n"
+    )
     assert check(program, "no_while", "no_recursion") == {"no_while": [], "no_recursion": []}
 
 
 # ---- escape hatches break every constraint -----------------------------------------------------
 
-@pytest.mark.parametrize(("program", "reason"), [
-    ("exec('while True: pass')", "`exec` can run"),
-    ("x = eval('1')", "`eval` can run"),
-    ("c = compile('1', 'x', 'eval')", "`compile` can run"),
-    ("g = globals()['f']", "`globals` can run"),
-    ("g = locals()", "`locals` can run"),
-    ("g = vars()", "`vars` can run"),
-    ("b = __builtins__", "`__builtins__` can run"),
-    ("breakpoint()", "`breakpoint` can run"),
-    ("help('os')", "`help` can run"),
-    ("name = 'f'\nh = getattr(object, name)", "`getattr` with a name that is not a string literal"),
-    ("g = getattr", "`getattr` used other than as a direct call"),
-    ("setattr(object, 'x' + 'y', 1)", "`setattr` with a name that is not a string literal"),
-    ("c = (1).__class__", "the dunder attribute `__class__`"),
-    ("c = f.__globals__", "the dunder attribute `__globals__`"),
-    ("c = f.__dict__", "the dunder attribute `__dict__`"),
-    ("c = object.__subclasses__()", "the dunder attribute `__subclasses__`"),
-    ("c = f.__code__", "the dunder attribute `__code__`"),
-    ("c = getattr(f, '__code__')", "the dunder attribute `__code__`"),
-    ("i = object().__init__", "the dunder attribute `__init__`"),
-    ("c = __loader__", "`__loader__` can run"),
-    ("c = __class__", "the dunder name `__class__`"),
-    ("g = (x for x in [1])\nc = g.gi_frame.f_globals", "the frame/code attribute `gi_frame`"),
-    ("import sys", "imports `sys`, a module outside the allowed ones"),
-    ("from builtins import print", "imports from `builtins`, a module outside the allowed ones"),
-    ("import operator\ng = operator.attrgetter('x')", "the attribute `attrgetter` can run"),
-    ("from typing import get_type_hints", "imports `get_type_hints` from `typing`"),
-    ("import typing\nt = typing._eval_type", "the private module attribute `typing._eval_type`"),
-    ("import importlib", "`importlib`"),
-    ("from . import x", "a relative import"),
-    ("def g(x: '__import__(\"os\")'):\n    pass", "a string annotation"),
-    ("match f:\n    case object(__globals__=g):\n        pass", "the dunder attribute `__globals__`"),
-    # typing's internals run a string as code (found by a second read): private attributes fail closed
-    ("from typing import List, get_args\nr = get_args(List['exec(1)'])[0]._evaluate({}, {}, frozenset())",
-     "the private attribute `_evaluate` of code the program did not write"),
-    ("import typing\nt = typing\nr = t._eval_type", "the private attribute `_eval_type`"),
-])
+
+@pytest.mark.parametrize(
+    ("program", "reason"),
+    [
+        ("exec('while True: pass')", "`exec` can run"),
+        ("x = eval('1')", "`eval` can run"),
+        ("c = compile('1', 'x', 'eval')", "`compile` can run"),
+        ("g = globals()['f']", "`globals` can run"),
+        ("g = locals()", "`locals` can run"),
+        ("g = vars()", "`vars` can run"),
+        ("b = __builtins__", "`__builtins__` can run"),
+        ("breakpoint()", "`breakpoint` can run"),
+        ("help('os')", "`help` can run"),
+        ("name = 'f'\nh = getattr(object, name)", "`getattr` with a name that is not a string literal"),
+        ("g = getattr", "`getattr` used other than as a direct call"),
+        ("setattr(object, 'x' + 'y', 1)", "`setattr` with a name that is not a string literal"),
+        ("c = (1).__class__", "the dunder attribute `__class__`"),
+        ("c = f.__globals__", "the dunder attribute `__globals__`"),
+        ("c = f.__dict__", "the dunder attribute `__dict__`"),
+        ("c = object.__subclasses__()", "the dunder attribute `__subclasses__`"),
+        ("c = f.__code__", "the dunder attribute `__code__`"),
+        ("c = getattr(f, '__code__')", "the dunder attribute `__code__`"),
+        ("i = object().__init__", "the dunder attribute `__init__`"),
+        ("c = __loader__", "`__loader__` can run"),
+        ("c = __class__", "the dunder name `__class__`"),
+        ("g = (x for x in [1])\nc = g.gi_frame.f_globals", "the frame/code attribute `gi_frame`"),
+        ("import sys", "imports `sys`, a module outside the allowed ones"),
+        ("from builtins import print", "imports from `builtins`, a module outside the allowed ones"),
+        ("import operator\ng = operator.attrgetter('x')", "the attribute `attrgetter` can run"),
+        ("from typing import get_type_hints", "imports `get_type_hints` from `typing`"),
+        ("import typing\nt = typing._eval_type", "the private module attribute `typing._eval_type`"),
+        ("import importlib", "`importlib`"),
+        ("from . import x", "a relative import"),
+        ("def g(x: '__import__(\"os\")'):\n    pass", "a string annotation"),
+        ("match f:\n    case object(__globals__=g):\n        pass", "the dunder attribute `__globals__`"),
+        # typing's internals run a string as code (found by a second read): private attributes fail closed
+        (
+            "from typing import List, get_args\nr = get_args(List['exec(1)'])[0]._evaluate({}, {}, frozenset())",
+            "the private attribute `_evaluate` of code the program did not write",
+        ),
+        ("import typing\nt = typing\nr = t._eval_type", "the private attribute `_eval_type`"),
+    ],
+)
 def test_escape_hatches_break_every_constraint(program: str, reason: str) -> None:
     found = check("def f(x):\n    return x\n" + program + "\n")
     for c in ALL:
@@ -131,6 +144,7 @@ def test_escape_hatches_break_every_constraint(program: str, reason: str) -> Non
 
 
 # ---- no_imports --------------------------------------------------------------------------------
+
 
 def test_imports_other_than_the_prompts_are_violations() -> None:
     program = PROMPT + "    from typing import Dict\n    import math\n    return 0\n"
@@ -152,26 +166,49 @@ def test_the_imports_of_a_prompt_that_does_not_parse_are_read_line_by_line() -> 
 
 # ---- no_while ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("program", "reason"), [
-    ("def f(x):\n    while x:\n        x -= 1\n    return x", "line 2: a while loop"),
-    ("def f(x):\n    it = iter\n    return next(it(int, 1))", "line 2: `iter` used other than as a direct call"),
-    ("import itertools\ndef f(x):\n    for i in itertools.count():\n        return i", "itertools.count never ends"),
-    ("import itertools as it\ndef f(x):\n    return next(it.cycle([x]))", "itertools.cycle never ends"),
-    ("from itertools import repeat\ndef f(x):\n    return next(repeat(x))", "itertools.repeat never ends"),
-    ("from itertools import count as c\ndef f(x):\n    return next(c(x))", "itertools.count never ends"),
-    ("from itertools import *\ndef f(x):\n    return next(count())", "itertools.count never ends"),
-    ("import itertools\ndef f(x):\n    return next(getattr(itertools, 'count')())", "itertools.count never ends"),
-    ("import itertools\ng = itertools.count\ndef f(x):\n    return x", "itertools.count used other than as a direct call"),
-    ("def f(x):\n    todo = [x]\n    for t in todo:\n        if t > 0:\n            todo.append(t - 1)\n    return todo",
-     "line 5: a for loop over `todo`, which it grows: a while loop"),
-    ("def f(x):\n    q = [x]\n    [q.append(t - 1) for t in q if t > 0]\n    return q", "which it grows"),
-    ("def f(q):\n    for i, t in enumerate(q):\n        q.append(t)\n    return q", "a for loop over `q`, which it grows"),
-    ("def f(q):\n    for t, u in zip(q, q):\n        q += [t]\n    return q", "a for loop over `q`, which it grows"),
-    ("class It:\n    def __next__(self):\n        return 1\n    def __iter__(self):\n        return self\n"
-     "def f(x):\n    for t in It():\n        return t", "a class defining `__next__`"),
-    ("class Seq:\n    def __getitem__(self, i):\n        return i\ndef f(x):\n    for t in Seq():\n        return t",
-     "a class defining `__getitem__`"),
-])
+
+@pytest.mark.parametrize(
+    ("program", "reason"),
+    [
+        ("def f(x):\n    while x:\n        x -= 1\n    return x", "line 2: a while loop"),
+        ("def f(x):\n    it = iter\n    return next(it(int, 1))", "line 2: `iter` used other than as a direct call"),
+        (
+            "import itertools\ndef f(x):\n    for i in itertools.count():\n        return i",
+            "itertools.count never ends",
+        ),
+        ("import itertools as it\ndef f(x):\n    return next(it.cycle([x]))", "itertools.cycle never ends"),
+        ("from itertools import repeat\ndef f(x):\n    return next(repeat(x))", "itertools.repeat never ends"),
+        ("from itertools import count as c\ndef f(x):\n    return next(c(x))", "itertools.count never ends"),
+        ("from itertools import *\ndef f(x):\n    return next(count())", "itertools.count never ends"),
+        ("import itertools\ndef f(x):\n    return next(getattr(itertools, 'count')())", "itertools.count never ends"),
+        (
+            "import itertools\ng = itertools.count\ndef f(x):\n    return x",
+            "itertools.count used other than as a direct call",
+        ),
+        (
+            "def f(x):\n    todo = [x]\n    for t in todo:\n        if t > 0:\n            todo.append(t - 1)\n    return todo",
+            "line 5: a for loop over `todo`, which it grows: a while loop",
+        ),
+        ("def f(x):\n    q = [x]\n    [q.append(t - 1) for t in q if t > 0]\n    return q", "which it grows"),
+        (
+            "def f(q):\n    for i, t in enumerate(q):\n        q.append(t)\n    return q",
+            "a for loop over `q`, which it grows",
+        ),
+        (
+            "def f(q):\n    for t, u in zip(q, q):\n        q += [t]\n    return q",
+            "a for loop over `q`, which it grows",
+        ),
+        (
+            "class It:\n    def __next__(self):\n        return 1\n    def __iter__(self):\n        return self\n"
+            "def f(x):\n    for t in It():\n        return t",
+            "a class defining `__next__`",
+        ),
+        (
+            "class Seq:\n    def __getitem__(self, i):\n        return i\ndef f(x):\n    for t in Seq():\n        return t",
+            "a class defining `__getitem__`",
+        ),
+    ],
+)
 def test_loops_that_run_until_a_condition_break_no_while(program: str, reason: str) -> None:
     found = check(program + "\n", "no_while")["no_while"]
     assert any(reason in r for r in found), found
@@ -179,23 +216,34 @@ def test_loops_that_run_until_a_condition_break_no_while(program: str, reason: s
 
 # ---- no_recursion ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("program", "reason"), [
-    ("def f(x):\n    return f(x - 1) if x else 0", "line 2: `f` is referenced inside `f`: a recursive call"),
-    ("def f(x):\n    return g(x)\ndef g(x):\n    return f(x - 1) if x else 0",
-     "line 4: `f` is referenced inside `g`: a recursive call"),
-    ("def f(x):\n    return h(x)\ng = f\nh = g", "`h` (an alias of `f`) is referenced inside `f`"),
-    ("def f(x):\n    return (lambda: f)()(x - 1) if x else 0", "`f` is referenced inside `<lambda>`"),
-    ("def f(x):\n    return 0\nclass C:\n    m = f", "`f` is referenced inside `C`"),
-    ("def f(x):\n    return next(gs[x])\ngs = [(f(i) for i in [1]) for _ in range(3)]", "referenced inside `<genexpr>`"),
-    ("def f(x, me=None):\n    return 0\ndef g(x, h=f):\n    return h(x)", "`f` is referenced inside `g`"),
-    ("def fix(g):\n    return lambda *a: g(g, *a)\n@fix\ndef f(self, x):\n    return self(x - 1) if x else 0",
-     "line 4: `f` is decorated"),
-    ("def f(x):\n    return 0\nf = print", "line 3: `f` is rebound"),
-    ("def f(x):\n    return 0\ndef f(x):\n    return 1", "line 3: `f` is defined again"),
-    ("def f(x):\n    return reg[0](x)\nreg = []\nreg.append(f)", "line 4: `f` is passed on at module level"),
-    ("def f(x):\n    return t[0](x)\nt = [f]", "line 3: `f` is passed on at module level"),
-    ("from math import floor as f", "`f` is rebound by an import"),
-])
+
+@pytest.mark.parametrize(
+    ("program", "reason"),
+    [
+        ("def f(x):\n    return f(x - 1) if x else 0", "line 2: `f` is referenced inside `f`: a recursive call"),
+        (
+            "def f(x):\n    return g(x)\ndef g(x):\n    return f(x - 1) if x else 0",
+            "line 4: `f` is referenced inside `g`: a recursive call",
+        ),
+        ("def f(x):\n    return h(x)\ng = f\nh = g", "`h` (an alias of `f`) is referenced inside `f`"),
+        ("def f(x):\n    return (lambda: f)()(x - 1) if x else 0", "`f` is referenced inside `<lambda>`"),
+        ("def f(x):\n    return 0\nclass C:\n    m = f", "`f` is referenced inside `C`"),
+        (
+            "def f(x):\n    return next(gs[x])\ngs = [(f(i) for i in [1]) for _ in range(3)]",
+            "referenced inside `<genexpr>`",
+        ),
+        ("def f(x, me=None):\n    return 0\ndef g(x, h=f):\n    return h(x)", "`f` is referenced inside `g`"),
+        (
+            "def fix(g):\n    return lambda *a: g(g, *a)\n@fix\ndef f(self, x):\n    return self(x - 1) if x else 0",
+            "line 4: `f` is decorated",
+        ),
+        ("def f(x):\n    return 0\nf = print", "line 3: `f` is rebound"),
+        ("def f(x):\n    return 0\ndef f(x):\n    return 1", "line 3: `f` is defined again"),
+        ("def f(x):\n    return reg[0](x)\nreg = []\nreg.append(f)", "line 4: `f` is passed on at module level"),
+        ("def f(x):\n    return t[0](x)\nt = [f]", "line 3: `f` is passed on at module level"),
+        ("from math import floor as f", "`f` is rebound by an import"),
+    ],
+)
 def test_references_to_the_entry_from_deferred_code_break_no_recursion(program: str, reason: str) -> None:
     found = check(program + "\n", "no_recursion")["no_recursion"]
     assert any(reason in r for r in found), found
@@ -203,19 +251,24 @@ def test_references_to_the_entry_from_deferred_code_break_no_recursion(program: 
 
 def test_recursion_needs_an_entry_point() -> None:
     assert check("print(1)\n", "no_recursion", entry="") == {
-        "no_recursion": ["there is no entry point to check recursion against"]}
+        "no_recursion": ["there is no entry point to check recursion against"]
+    }
 
 
 # ---- failing closed ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("program", "reason"), [
-    ("def f(x):\n    return (\n", "does not parse (SyntaxError"),
-    ("def f(x):\n    return 1\0\n", "does not parse"),
-    ("x = 1\n" * (MAX_PROGRAM_CHARS // 6 + 1), f"over {MAX_PROGRAM_CHARS}): not checked"),
-    ("x = " + "(" * 1000 + ")" * 1000, "too many nested parentheses"),
-    ("x = " + "-" * 100_000 + "1", "too deeply nested to check"),
-    ("x = " + "1+" * 90_000 + "1", "too deeply nested to check"),
-])
+
+@pytest.mark.parametrize(
+    ("program", "reason"),
+    [
+        ("def f(x):\n    return (\n", "does not parse (SyntaxError"),
+        ("def f(x):\n    return 1\0\n", "does not parse"),
+        ("x = 1\n" * (MAX_PROGRAM_CHARS // 6 + 1), f"over {MAX_PROGRAM_CHARS}): not checked"),
+        ("x = " + "(" * 1000 + ")" * 1000, "too many nested parentheses"),
+        ("x = " + "-" * 100_000 + "1", "too deeply nested to check"),
+        ("x = " + "1+" * 90_000 + "1", "too deeply nested to check"),
+    ],
+)
 def test_what_cannot_be_read_breaks_every_constraint(program: str, reason: str) -> None:
     found = check(program)
     assert list(found) == list(ALL)

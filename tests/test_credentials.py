@@ -50,16 +50,30 @@ def test_each_role_may_publish_exactly_what_its_agent_declares() -> None:
 def test_no_role_changes_the_stream_or_reads_another_roles_inbox() -> None:
     for role in ROLES:
         p = role_permissions("r1", role)
-        assert not any(s == ">" or s.startswith(("coevo.>", "coevo.r1.>", "$JS.API.>", "$JS.API.STREAM.CREATE",
-                                                 "$JS.API.STREAM.UPDATE", "$JS.API.STREAM.DELETE",
-                                                 "$JS.API.STREAM.MSG.DELETE", "$KV.>", "_INBOX"))
-                       for s in p.publish), role
+        assert not any(
+            s == ">"
+            or s.startswith(
+                (
+                    "coevo.>",
+                    "coevo.r1.>",
+                    "$JS.API.>",
+                    "$JS.API.STREAM.CREATE",
+                    "$JS.API.STREAM.UPDATE",
+                    "$JS.API.STREAM.DELETE",
+                    "$JS.API.STREAM.MSG.DELETE",
+                    "$KV.>",
+                    "_INBOX",
+                )
+            )
+            for s in p.publish
+        ), role
         purges = [s for s in p.publish if s.startswith("$JS.API.STREAM.PURGE.")]
         assert purges == (["$JS.API.STREAM.PURGE.COEVO_r1"] if role == "retention" else []), role
         assert [s for s in p.publish if s.startswith("$O.")] == [f"$O.COEVO_r1_payloads_{role}.>"]
         assert [s for s in p.publish if s.startswith("$KV.")] == [
-            f"$KV.coevo_r1_{b}.>" for b in {"tasks": ("tasks", "llmcache_tasks"),
-                                           "judge": ("judgetests", "llmcache_judge")}.get(role, ())]
+            f"$KV.coevo_r1_{b}.>"
+            for b in {"tasks": ("tasks", "llmcache_tasks"), "judge": ("judgetests", "llmcache_judge")}.get(role, ())
+        ]
         consumers = [s for s in p.publish if s.startswith("$JS.API.CONSUMER.")]  # on this run's streams only
         assert consumers and all(set(s.split(".")) & set(run_streams("r1")) for s in consumers), consumers
         assert [s for s in p.subscribe if s.startswith("_INBOX")] == [f"{inbox_prefix(role)}.>"]
@@ -131,33 +145,42 @@ async def test_each_role_publishes_only_its_own_kinds(run_bus: NatsBus, tmp_path
         errors: list[Exception] = []
         nc = await _connect(_url(run_bus), directory / f"{role}.json", errors)
         for kind in KIND_TO_MODEL:
-            await nc.publish(subject_for(run_bus.run_id, kind), json.dumps({"by": role, "kind": kind}).encode(),
-                             headers={"Nats-Msg-Id": f"{role}-{kind}"})
+            await nc.publish(
+                subject_for(run_bus.run_id, kind),
+                json.dumps({"by": role, "kind": kind}).encode(),
+                headers={"Nats-Msg-Id": f"{role}-{kind}"},
+            )
         await nc.flush()
         async with asyncio.timeout(10):  # the server's -ERR for each refusal arrives after the flush
             while len(errors) < len(KIND_TO_MODEL) - len({*EMITS[role], *EVERY_ROLE_EMITS}):
                 await asyncio.sleep(0.05)
         refused[role] = sorted(str(e).split('"')[1] for e in errors if "permissions violation" in str(e))
         await nc.close()
-    stored = {(d["by"], d["kind"]) for _, _, msg in [x async for x in run_bus.history()]
-              for d in [json.loads(msg.data)]}
+    stored = {
+        (d["by"], d["kind"]) for _, _, msg in [x async for x in run_bus.history()] for d in [json.loads(msg.data)]
+    }
     expected = {(r, k) for r in ROLES for k in (*EMITS[r], *EVERY_ROLE_EMITS)}
     assert stored == expected
     for role in ROLES:
-        assert refused[role] == sorted(subject_for(run_bus.run_id, k).lower() for k in KIND_TO_MODEL
-                                       if k not in {*EMITS[role], *EVERY_ROLE_EMITS}), role
+        assert refused[role] == sorted(
+            subject_for(run_bus.run_id, k).lower() for k in KIND_TO_MODEL if k not in {*EMITS[role], *EVERY_ROLE_EMITS}
+        ), role
 
 
-async def test_a_role_cannot_touch_the_stream_the_buckets_or_anothers_subjects(run_bus: NatsBus,
-                                                                               tmp_path: Path) -> None:
+async def test_a_role_cannot_touch_the_stream_the_buckets_or_anothers_subjects(
+    run_bus: NatsBus, tmp_path: Path
+) -> None:
     directory = credentials_dir(tmp_path / "nats")
     errors: list[Exception] = []
     nc = await _connect(_url(run_bus), directory / "policy.json", errors)
     js = nc.jetstream(timeout=1.0)
-    for attempt in (js.delete_stream(run_bus.stream), js.purge_stream(run_bus.stream),
-                    js.add_stream(name="COEVO_evil", subjects=["coevo.sec1.ev.weights.>"]),
-                    js.publish(f"$KV.coevo_{run_bus.run_id}_tasks.slot-0", b"{}"),  # the task pool: tasks only
-                    nc.request(control_subject(run_bus.run_id, "learner-1"), b'{"command": "stop"}', timeout=1)):
+    for attempt in (
+        js.delete_stream(run_bus.stream),
+        js.purge_stream(run_bus.stream),
+        js.add_stream(name="COEVO_evil", subjects=["coevo.sec1.ev.weights.>"]),
+        js.publish(f"$KV.coevo_{run_bus.run_id}_tasks.slot-0", b"{}"),  # the task pool: tasks only
+        nc.request(control_subject(run_bus.run_id, "learner-1"), b'{"command": "stop"}', timeout=1),
+    ):
         with pytest.raises((TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError)):
             await attempt
     await nc.subscribe(f"{inbox_prefix('learner')}.>")  # the learner's replies and deliveries
@@ -168,10 +191,16 @@ async def test_a_role_cannot_touch_the_stream_the_buckets_or_anothers_subjects(r
         while sum("permissions violation" in str(e) for e in errors) < 8:
             await asyncio.sleep(0.05)
     said = " ".join(str(e) for e in errors)
-    for what in ("publish to \"$js.api.stream.delete", "publish to \"$js.api.stream.purge.coevo_sec1",
-                 "publish to \"$js.api.stream.create", "publish to \"$kv.coevo_sec1_tasks",
-                 "publish to \"coevo.sec1.ctl", "subscription to \"_inbox_learner",
-                 "subscription to \"coevo.sec1.weights", "subscription to \"coevo.sec1.ev."):
+    for what in (
+        'publish to "$js.api.stream.delete',
+        'publish to "$js.api.stream.purge.coevo_sec1',
+        'publish to "$js.api.stream.create',
+        'publish to "$kv.coevo_sec1_tasks',
+        'publish to "coevo.sec1.ctl',
+        'subscription to "_inbox_learner',
+        'subscription to "coevo.sec1.weights',
+        'subscription to "coevo.sec1.ev.',
+    ):
         assert what in said.lower(), (what, said)
     assert (await run_bus.js.stream_info(run_bus.stream)).config.name == run_bus.stream  # still there
     kv = await js.key_value(f"coevo_{run_bus.run_id}_tasks")  # reading is allowed
@@ -196,10 +225,18 @@ async def test_a_push_consumer_cannot_deliver_a_forged_command(run_bus: NatsBus,
     await run_bus.serve_control("victim", handler)
     nc = await _connect(_url(run_bus), credentials_dir(tmp_path / "nats") / "policy.json")
     js = nc.jetstream(timeout=5.0)
-    await js.add_consumer(run_bus.stream, api.ConsumerConfig(
-        name="forger", deliver_subject=control_subject(run_bus.run_id, "victim"), ack_policy=api.AckPolicy.NONE,
-        filter_subject=subject_for(run_bus.run_id, "agent.status")))
-    await js.publish(subject_for(run_bus.run_id, "agent.status"), ControlRequest(command="stop").model_dump_json().encode())
+    await js.add_consumer(
+        run_bus.stream,
+        api.ConsumerConfig(
+            name="forger",
+            deliver_subject=control_subject(run_bus.run_id, "victim"),
+            ack_policy=api.AckPolicy.NONE,
+            filter_subject=subject_for(run_bus.run_id, "agent.status"),
+        ),
+    )
+    await js.publish(
+        subject_for(run_bus.run_id, "agent.status"), ControlRequest(command="stop").model_dump_json().encode()
+    )
     async with asyncio.timeout(20):
         while run_bus.stats.forged_requests == 0:
             await asyncio.sleep(0.05)
@@ -216,7 +253,9 @@ async def test_an_event_on_another_kinds_subject_is_not_an_event(run_bus: NatsBu
 
     scored = next(e for e in sample_events(run_bus.run_id) if kind_of(e) == "group.scored")
     nc = await _connect(_url(run_bus), credentials_dir(tmp_path / "nats") / "policy.json")
-    await nc.jetstream(timeout=5.0).publish(subject_for(run_bus.run_id, "step.taken"), scored.model_dump_json().encode())
+    await nc.jetstream(timeout=5.0).publish(
+        subject_for(run_bus.run_id, "step.taken"), scored.model_dump_json().encode()
+    )
     await nc.close()
     (stored,) = [m async for _, _, m in run_bus.history(["step.taken"])]
     with pytest.raises(ValueError, match=r"a group\.scored event on the subject of step\.taken"):
@@ -225,7 +264,8 @@ async def test_an_event_on_another_kinds_subject_is_not_an_event(run_bus: NatsBu
 
 
 async def test_a_role_stores_its_large_events_in_its_own_object_store_and_every_role_reads_them(
-        run_bus: NatsBus, tmp_path: Path) -> None:
+    run_bus: NatsBus, tmp_path: Path
+) -> None:
     """Through the roles' own connections: the tasks agent writes its claim, another role (the
     scorer's consumer, the learner's history) follows it (every role's read used to time out on a
     stream lookup it may not make), and nobody but the admin purges an object store."""
@@ -236,12 +276,21 @@ async def test_a_role_stores_its_large_events_in_its_own_object_store_and_every_
     creds = credentials_dir(tmp_path / "nats")
 
     async def role_bus(role: str) -> NatsBus:
-        return await NatsBus.connect(_url(run_bus), run_bus.run_id, bus=BusConfig(inline_max_bytes=1024),
-                                     nats_cfg=NatsConfig(credentials_file=creds / f"{role}.json"))
+        return await NatsBus.connect(
+            _url(run_bus),
+            run_bus.run_id,
+            bus=BusConfig(inline_max_bytes=1024),
+            nats_cfg=NatsConfig(credentials_file=creds / f"{role}.json"),
+        )
 
     tasks = await role_bus("tasks")
-    big = TaskScheduled(run_id=run_bus.run_id, source=Source(agent_id="t", role="tasks"), group_id="g", n_rollouts=1,
-                        task=TaskSpec(task_id="t", family="quick", params={"blob": "x" * 400_000}))  # 4 chunks
+    big = TaskScheduled(
+        run_id=run_bus.run_id,
+        source=Source(agent_id="t", role="tasks"),
+        group_id="g",
+        n_rollouts=1,
+        task=TaskSpec(task_id="t", family="quick", params={"blob": "x" * 400_000}),
+    )  # 4 chunks
     await tasks.publish_sync(big)
     await tasks.publish_sync(big)  # a rerun finds its object stored
     errors: list[Exception] = []
@@ -263,8 +312,9 @@ async def test_a_role_stores_its_large_events_in_its_own_object_store_and_every_
     assert len([e for e in errors if "stream.purge.obj_coevo_sec1_payloads_tasks" in str(e).lower()]) == 2, errors
 
 
-async def test_a_coevo_runs_nats_refuses_strangers_and_roles_outside_their_subjects(tmp_path: Path,
-                                                                                   model_cache: Path) -> None:
+async def test_a_coevo_runs_nats_refuses_strangers_and_roles_outside_their_subjects(
+    tmp_path: Path, model_cache: Path
+) -> None:
     """The whole command, as a user starts it: its server takes no connection without credentials,
     and the policy's credentials cannot announce weights."""
     import subprocess
@@ -272,10 +322,29 @@ async def test_a_coevo_runs_nats_refuses_strangers_and_roles_outside_their_subje
     from tests.conftest import PYTHON, subprocess_env
 
     runs = tmp_path / "runs"
-    proc = subprocess.Popen([PYTHON, "-m", "coevo", "run", "--minutes", "2", "--run-id", "sec-run",
-                             "--run.runs_dir", str(runs), "--env.cache_dir", str(model_cache), "--no-dashboard",
-                             "--no-report", "--log.console", "off"], env=subprocess_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            PYTHON,
+            "-m",
+            "coevo",
+            "run",
+            "--minutes",
+            "2",
+            "--run-id",
+            "sec-run",
+            "--run.runs_dir",
+            str(runs),
+            "--env.cache_dir",
+            str(model_cache),
+            "--no-dashboard",
+            "--no-report",
+            "--log.console",
+            "off",
+        ],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         log = runs / "sec-run" / "coevo.log.jsonl"
         url = None

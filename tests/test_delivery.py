@@ -34,8 +34,9 @@ SRC = Source(agent_id="test", role="test")
 
 def test_derived_ids_are_the_same_for_the_same_fact_only() -> None:
     box = Outbox("cause-1", "echo")
-    done = TrajectoryCompleted(run_id="r", source=SRC, trajectory_id="t", task_id="q", group_id="g", outcome="won",
-                               num_steps=1)
+    done = TrajectoryCompleted(
+        run_id="r", source=SRC, trajectory_id="t", task_id="q", group_id="g", outcome="won", num_steps=1
+    )
     later = done.model_copy(update={"event_id": "other", "ts": done.ts + 5})  # same fact, other id and clock
     assert box.derived_id(done) == box.derived_id(later)
     assert box.derived_id(done) != box.derived_id(done.model_copy(update={"outcome": "lost"}))
@@ -52,8 +53,17 @@ class Answers(Agent):
 
     async def on_task(self, event: TaskScheduled, _d) -> None:
         self.counters["handled"] += 1
-        await self.emit(self.event(TrajectoryCompleted, cause=event, trajectory_id=f"tr-{event.group_id}",
-                                   task_id=event.task.task_id, group_id=event.group_id, outcome="won", num_steps=1))
+        await self.emit(
+            self.event(
+                TrajectoryCompleted,
+                cause=event,
+                trajectory_id=f"tr-{event.group_id}",
+                task_id=event.task.task_id,
+                group_id=event.group_id,
+                outcome="won",
+                num_steps=1,
+            )
+        )
 
 
 async def test_an_output_the_stream_refuses_keeps_its_input_until_it_is_stored(tmp_path: Path) -> None:
@@ -61,13 +71,25 @@ async def test_an_output_the_stream_refuses_keeps_its_input_until_it_is_stored(t
     go through. The input must stay unacknowledged (redelivered) until the output is stored."""
     server = EmbeddedServer(tmp_path / "nats")
     server.start()
-    cfg = load_config(overrides={"bus.publish_ack_timeout_s": 1.0, "bus.publish_retries": 1,
-                                 "bus.nak_backoff_s": [0.3], "bus.max_deliver": 100, "bus.ack_wait_s": 3.0,
-                                 "bus.in_progress_every_s": 1.0, "bus.fetch_timeout_s": 0.2, "agent.heartbeat_s": 60})
+    cfg = load_config(
+        overrides={
+            "bus.publish_ack_timeout_s": 1.0,
+            "bus.publish_retries": 1,
+            "bus.nak_backoff_s": [0.3],
+            "bus.max_deliver": 100,
+            "bus.ack_wait_s": 3.0,
+            "bus.in_progress_every_s": 1.0,
+            "bus.fetch_timeout_s": 0.2,
+            "agent.heartbeat_s": 60,
+        }
+    )
     try:
         async with await NatsBus.connect(server.url, "outbox", bus=cfg.bus) as bus:
-            await bus.publish_sync(TaskScheduled(run_id="outbox", source=SRC, task=TaskSpec(task_id="q", family="x"),
-                                                 group_id="g1", n_rollouts=1))
+            await bus.publish_sync(
+                TaskScheduled(
+                    run_id="outbox", source=SRC, task=TaskSpec(task_id="q", family="x"), group_id="g1", n_rollouts=1
+                )
+            )
             full = (await bus.js.stream_info(bus.stream)).config
             await bus.js.update_stream(replace(full, max_msgs=1, discard=DiscardPolicy.NEW))
             agent = Answers(bus, cfg)
@@ -94,26 +116,59 @@ async def test_an_output_the_stream_refuses_keeps_its_input_until_it_is_stored(t
 
 
 def _samples(group: str, n: int = 2, *, bad: int = 0) -> list[TrainingSample]:
-    out = [TrainingSample(sample_id=f"{group}-{i}", role="policy", prompt_token_ids=[5, 6, 7, 8],
-                          response_token_ids=[9 + i], logprobs=[-1.0], advantage=1.0 if i % 2 else -1.0,
-                          model_version=0, step_event_id=f"{group}-e{i}") for i in range(n)]
+    out = [
+        TrainingSample(
+            sample_id=f"{group}-{i}",
+            role="policy",
+            prompt_token_ids=[5, 6, 7, 8],
+            response_token_ids=[9 + i],
+            logprobs=[-1.0],
+            advantage=1.0 if i % 2 else -1.0,
+            model_version=0,
+            step_event_id=f"{group}-e{i}",
+        )
+        for i in range(n)
+    ]
     for i in range(bad):  # a token id the model has no embedding for
         out.append(out[0].model_copy(update={"sample_id": f"{group}-bad{i}", "response_token_ids": [10**6]}))
     return out
 
 
 def _scored(run_id: str, group: str, task: str, purpose: str = "train", **kw) -> GroupScored:
-    return GroupScored(run_id=run_id, source=SRC, task_id=task, group_id=group, purpose=purpose, accuracy=0.5,
-                       n_trajectories=2, policy_band_ok=True, judge_band_ok=True, **kw)
+    return GroupScored(
+        run_id=run_id,
+        source=SRC,
+        task_id=task,
+        group_id=group,
+        purpose=purpose,
+        accuracy=0.5,
+        n_trajectories=2,
+        policy_band_ok=True,
+        judge_band_ok=True,
+        **kw,
+    )
 
 
 def _decided(run_id: str, group: str | None, candidate: str, accepted: bool) -> TaskDecided:
-    return TaskDecided(run_id=run_id, source=SRC, slot_id="s", parent_id="p", candidate_id=candidate,
-                       group_id=group, direction="harder", accepted=accepted, reason="test", parent_accuracy=0.9,
-                       candidate_accuracy=0.5, rewriter="builtin")
+    return TaskDecided(
+        run_id=run_id,
+        source=SRC,
+        slot_id="s",
+        parent_id="p",
+        candidate_id=candidate,
+        group_id=group,
+        direction="harder",
+        accepted=accepted,
+        reason="test",
+        parent_accuracy=0.9,
+        candidate_accuracy=0.5,
+        rewriter="builtin",
+    )
 
 
-async def _trained(bus: NatsBus, learner: LearnerAgent, group_ids: set[str], timeout: float = 90) -> list[LearnerStepped]:
+async def _trained(
+    bus: NatsBus, learner: LearnerAgent, group_ids: set[str], timeout: float = 90
+) -> list[LearnerStepped]:
     """Run ``learner`` until LearnerStepped events cover ``group_ids``; the policy steps."""
     stop = asyncio.Event()
     steps: list[LearnerStepped] = []
@@ -136,22 +191,35 @@ async def _trained(bus: NatsBus, learner: LearnerAgent, group_ids: set[str], tim
 
 
 def _learner_cfg(loop_cfg: CoevoConfig, **extra) -> CoevoConfig:
-    return load_config(overrides={**LOOP_OVERRIDES,
-                                  "run.runs_dir": str(loop_cfg.run.runs_dir), "run.run_id": loop_cfg.run.run_id,
-                                  "env.cache_dir": str(loop_cfg.env.cache_dir), "nats.url": loop_cfg.nats.url,
-                                  "loop": "policy-only", "learner.batch_samples": 4, "bus.ack_wait_s": 5.0,
-                                  "bus.in_progress_every_s": 1.0, "bus.fetch_timeout_s": 0.2,
-                                  "bus.nak_backoff_s": [0.2], "agent.heartbeat_s": 1.0, **extra})
+    return load_config(
+        overrides={
+            **LOOP_OVERRIDES,
+            "run.runs_dir": str(loop_cfg.run.runs_dir),
+            "run.run_id": loop_cfg.run.run_id,
+            "env.cache_dir": str(loop_cfg.env.cache_dir),
+            "nats.url": loop_cfg.nats.url,
+            "loop": "policy-only",
+            "learner.batch_samples": 4,
+            "bus.ack_wait_s": 5.0,
+            "bus.in_progress_every_s": 1.0,
+            "bus.fetch_timeout_s": 0.2,
+            "bus.nak_backoff_s": [0.2],
+            "agent.heartbeat_s": 1.0,
+            **extra,
+        }
+    )
 
 
 async def test_verdicts_are_per_proposal_and_survive_a_restart(bus: NatsBus, loop_cfg: CoevoConfig) -> None:
     cfg = _learner_cfg(loop_cfg)
     run = bus.run_id
-    for event in (_scored(run, "cand-a", "c1", "candidate", policy_samples=_samples("cand-a")),
-                  _decided(run, "cand-a", "c1", accepted=False),
-                  _decided(run, None, "c1", accepted=False),  # a pre-check rejection of the same id, no group
-                  _scored(run, "cand-b", "c1", "candidate", policy_samples=_samples("cand-b")),
-                  _decided(run, "cand-b", "c1", accepted=True)):
+    for event in (
+        _scored(run, "cand-a", "c1", "candidate", policy_samples=_samples("cand-a")),
+        _decided(run, "cand-a", "c1", accepted=False),
+        _decided(run, None, "c1", accepted=False),  # a pre-check rejection of the same id, no group
+        _scored(run, "cand-b", "c1", "candidate", policy_samples=_samples("cand-b")),
+        _decided(run, "cand-b", "c1", accepted=True),
+    ):
         await bus.publish_sync(event)
     first = await _trained(bus, LearnerAgent(bus, cfg), {"cand-b"})
     trained = {g for s in first for g in s.group_ids}
@@ -165,7 +233,8 @@ async def test_verdicts_are_per_proposal_and_survive_a_restart(bus: NatsBus, loo
 
 
 async def test_a_bad_sample_is_rejected_alone_and_a_candidate_without_verdict_is_let_go(
-        bus: NatsBus, loop_cfg: CoevoConfig) -> None:
+    bus: NatsBus, loop_cfg: CoevoConfig
+) -> None:
     cfg = _learner_cfg(loop_cfg, **{"learner.verdict_wait_s": 0.3, "bus.max_deliver": 2})
     run = bus.run_id
     await bus.publish_sync(_scored(run, "cand-x", "orphan", "candidate", policy_samples=_samples("cand-x")))
@@ -186,7 +255,8 @@ async def test_a_bad_sample_is_rejected_alone_and_a_candidate_without_verdict_is
 
 
 async def test_a_group_larger_than_the_streams_message_limit_travels_by_reference(
-        nats_url: str, loop_cfg: CoevoConfig) -> None:
+    nats_url: str, loop_cfg: CoevoConfig
+) -> None:
     cfg = _learner_cfg(loop_cfg, **{"stream.max_msg_size": 32 * 1024, "bus.inline_max_bytes": 8 * 1024})
     big = [s.model_copy(update={"prompt_token_ids": list(range(5, 400)) * 2}) for s in _samples("g-big", 64)]
     event = _scored("bigrun", "g-big", "t-big", policy_samples=big)
@@ -196,8 +266,11 @@ async def test_a_group_larger_than_the_streams_message_limit_travels_by_referenc
         stored = [m async for _, _, m in bus.history(["group.scored"])]
         assert len(stored[0].data) < 1024 and is_claim(stored[0].headers)  # the stream holds a claim
         assert await bus.events(["group.scored"]) == [event]  # history follows it back to the whole event
-        steps = await _trained(bus, LearnerAgent(bus, cfg.model_copy(update={"run": cfg.run.model_copy(
-            update={"run_id": "bigrun"})})), {"g-big"})
+        steps = await _trained(
+            bus,
+            LearnerAgent(bus, cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_id": "bigrun"})})),
+            {"g-big"},
+        )
         assert sum(s.samples for s in steps) == 64  # the consumer did too: every sample trained
         # a claim whose object is gone is dead-lettered with the reason, not trained
         store = await bus.payload_store()

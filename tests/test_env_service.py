@@ -18,9 +18,28 @@ from tests.conftest import PYTHON, subprocess_env
 
 def spawn_env_worker(nats_url: str, run_id: str, family: str, runs: str, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [PYTHON, "-m", "coevo", "agent", "env", "--family", family, "--nats", nats_url, "--run-id", run_id,
-         "--log.console", "off", "--run.runs_dir", runs, *extra],
-        env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            PYTHON,
+            "-m",
+            "coevo",
+            "agent",
+            "env",
+            "--family",
+            family,
+            "--nats",
+            nats_url,
+            "--run-id",
+            run_id,
+            "--log.console",
+            "off",
+            "--run.runs_dir",
+            runs,
+            *extra,
+        ],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 async def wait_workers(bus: NatsBus, n: int, timeout: float = 30.0) -> list[str]:
@@ -48,8 +67,12 @@ async def two_workers(nats_url: str, run_id: str, bus: NatsBus, tmp_path):
 
 
 def qtask(i: int) -> TaskSpec:
-    return TaskSpec(task_id=f"q{i}", family="quickgame", params={"seed": i},
-                    knobs={"steps": 3, "distractors": 1, "slack": 1, "hints": 0})
+    return TaskSpec(
+        task_id=f"q{i}",
+        family="quickgame",
+        params={"seed": i},
+        knobs={"steps": 3, "distractors": 1, "slack": 1, "hints": 0},
+    )
 
 
 async def test_two_workers_in_separate_processes_serve_one_client(two_workers, bus: NatsBus) -> None:
@@ -62,8 +85,12 @@ async def test_two_workers_in_separate_processes_serve_one_client(two_workers, b
     for i, (remote, loc) in enumerate(zip(envs, local, strict=True)):
         for action in fam.walkthrough(qtask(i)):
             r, lr = await remote.step(action), await loc.step(action)  # sticky: same worker each step
-            assert (r.observation, r.done, r.outcome, r.reference_label) == \
-                   (lr.observation, lr.done, lr.outcome, lr.reference_label)
+            assert (r.observation, r.done, r.outcome, r.reference_label) == (
+                lr.observation,
+                lr.done,
+                lr.outcome,
+                lr.reference_label,
+            )
         assert r.outcome == "won"
     with pytest.raises(EnvError, match="without an open episode"):
         await envs[0].step("go north")
@@ -92,8 +119,12 @@ async def test_slow_step_times_out_with_a_clear_error(nats_url: str, run_id: str
     try:
         await wait_workers(bus, 1)
         env = RemoteEnv(bus.nc, run_id, "coding", step_timeout_s=1.0)
-        task = TaskSpec(task_id="c2", family="coding", params={"source": "humaneval", "problem": "HumanEval/2"},
-                        knobs={"constraints": 0, "examples": 1})
+        task = TaskSpec(
+            task_id="c2",
+            family="coding",
+            params={"source": "humaneval", "problem": "HumanEval/2"},
+            knobs={"constraints": 0, "examples": 1},
+        )
         obs = await env.reset(task)
         assert "truncate_number" in obs.text
         with pytest.raises(EnvTimeout, match=r"did not answer a step within 1.0s"):

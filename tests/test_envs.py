@@ -35,6 +35,7 @@ async def play(env, task: TaskSpec, actions: list[str]):
 
 # ---- quick game --------------------------------------------------------------------------------
 
+
 async def test_quickgame_walkthrough_wins_with_positive_labels_at_every_setting() -> None:
     g = QuickGame()
     for steps in range(1, 7):
@@ -75,8 +76,9 @@ async def test_quickgame_is_deterministic_with_stable_candidates() -> None:
     for action in g.walkthrough(t):
         ra, rb = await a.step(action), await b.step(action)
         assert ra == rb
-        assert ra.observation.candidates == sorted(ra.observation.candidates,
-                                                   key=lambda c: ("go take unlock".split().index(c.split()[0]),))
+        assert ra.observation.candidates == sorted(
+            ra.observation.candidates, key=lambda c: ("go take unlock".split().index(c.split()[0]),)
+        )
 
 
 async def test_quickgame_hardest_setting_defeats_random_play() -> None:
@@ -101,8 +103,12 @@ async def test_quickgame_hardest_setting_defeats_random_play() -> None:
 def measured(task: TaskSpec) -> dict[str, float]:
     k = task.knobs
     w = build_world(task.params["seed"], k["steps"], k["distractors"], k["slack"])
-    return {"steps": len(w.solution), "distractors": len(w.rooms) + sum(map(len, w.keys.values())),
-            "slack": w.max_steps - len(w.solution), "hints": k["hints"]}
+    return {
+        "steps": len(w.solution),
+        "distractors": len(w.rooms) + sum(map(len, w.keys.values())),
+        "slack": w.max_steps - len(w.solution),
+        "hints": k["hints"],
+    }
 
 
 @pytest.mark.parametrize("direction", ["harder", "easier"])
@@ -127,6 +133,7 @@ async def test_quickgame_operators_move_difficulty_and_stay_in_bounds(direction:
 
 
 # ---- TextWorld ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tw_cache(tmp_path_factory) -> Path:
@@ -174,15 +181,22 @@ async def test_textworld_operators_measured(tw_cache: Path) -> None:
     fam = TextWorld(tw_cache)
 
     def stats(task: TaskSpec) -> dict[str, float]:
-        env = textworld.start(str(fam.game_path(task)), request_infos=textworld.EnvInfos(
-            policy_commands=True, objective=True, entities=True))
+        env = textworld.start(
+            str(fam.game_path(task)),
+            request_infos=textworld.EnvInfos(policy_commands=True, objective=True, entities=True),
+        )
         s = env.reset()
         env.close()
         game = json.loads((fam.game_path(task).with_suffix(".json")).read_text())
         rooms = sum(1 for _, i in game["infos"] if i["type"] == "r")
         rarity = -goal_commonness(Game.load(str(fam.game_path(task).with_suffix(".json"))))
-        return {"quest_length": len(s["policy_commands"]), "objects": len(s["entities"]), "rooms": rooms,
-                "hints": len(s["objective"]), "goal": rarity}
+        return {
+            "quest_length": len(s["policy_commands"]),
+            "objects": len(s["entities"]),
+            "rooms": rooms,
+            "hints": len(s["objective"]),
+            "goal": rarity,
+        }
 
     from textworld.generator.game import Game
 
@@ -202,6 +216,7 @@ async def test_textworld_operators_measured(tw_cache: Path) -> None:
 
 
 # ---- coding ------------------------------------------------------------------------------------
+
 
 async def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail() -> None:
     fam = Coding()
@@ -238,13 +253,18 @@ async def test_coding_constraints_add_matching_tests() -> None:
     assert (await _step(fam, t, importing)).outcome == "won"
     r = await _step(fam, harder, importing)
     assert r.outcome == "lost" and r.info["pass_matrix"] == [True, True, True, False]
-    assert r.info["constraint_violations"] == {"no_imports": ["line 1: `import math` (imports other than the prompt's own)"]}
+    assert r.info["constraint_violations"] == {
+        "no_imports": ["line 1: `import math` (imports other than the prompt's own)"]
+    }
     assert (await _step(fam, t, importing)).info["constraint_violations"] == {}
     hidden = fam.apply(t, "examples-")
     assert hidden is not None and ">>>" in fam.prompt_for(t) and ">>>" not in fam.prompt_for(hidden)
     # a constraint the reference solution breaks is caught by the pre-check
-    uses_while = next(t for t in fam.initial_tasks(200, 0, 0)
-                      if "\n    while " in (humaneval_problems()[t.params["problem"]].solution or ""))
+    uses_while = next(
+        t
+        for t in fam.initial_tasks(200, 0, 0)
+        if "\n    while " in (humaneval_problems()[t.params["problem"]].solution or "")
+    )
     two = fam.derive(uses_while, {"constraints": 2, "examples": 1})
     pre = await fam.precheck(two)
     no_while = fam.checks_for(two).index("no_while")
@@ -254,11 +274,20 @@ async def test_coding_constraints_add_matching_tests() -> None:
 async def test_jsonl_problems_with_call_and_io_tests(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     rows = [
-        {"id": "add", "prompt": "def add(a, b):\n", "entry_point": "add",
-         "tests": [{"input": [1, 2], "output": 3}, "assert candidate(5, 0) == 5"],
-         "solution": "def add(a, b):\n    return a + b\n"},
-        {"id": "echo", "prompt": "# read a line, print it twice\n", "entry_point": "",
-         "tests": [{"stdin": "hi\n", "stdout": "hihi"}], "solution": "s = input()\nprint(s + s)\n"},
+        {
+            "id": "add",
+            "prompt": "def add(a, b):\n",
+            "entry_point": "add",
+            "tests": [{"input": [1, 2], "output": 3}, "assert candidate(5, 0) == 5"],
+            "solution": "def add(a, b):\n    return a + b\n",
+        },
+        {
+            "id": "echo",
+            "prompt": "# read a line, print it twice\n",
+            "entry_point": "",
+            "tests": [{"stdin": "hi\n", "stdout": "hihi"}],
+            "solution": "s = input()\nprint(s + s)\n",
+        },
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     fam = Coding(path)

@@ -49,8 +49,15 @@ async def test_batch_mates_waiting_in_a_worker_are_kept_alive(bus: NatsBus, cfg:
     cfg = cfg.model_copy(update={"bus": cfg.bus.model_copy(update={"fetch_batch": 8})})
     assert cfg.bus.ack_wait_s < 3 * Slow.HANDLE_S
     for i in range(4):
-        await bus.publish(TaskScheduled(run_id=bus.run_id, source=SRC, task=TaskSpec(task_id=f"t{i}", family="quick"),
-                                        group_id=f"g{i}", n_rollouts=1))
+        await bus.publish(
+            TaskScheduled(
+                run_id=bus.run_id,
+                source=SRC,
+                task=TaskSpec(task_id=f"t{i}", family="quick"),
+                group_id=f"g{i}",
+                n_rollouts=1,
+            )
+        )
     await bus.flush()
     agent = Slow(bus, cfg)
     await run_until([agent], agent.done)
@@ -74,12 +81,20 @@ async def test_a_group_whose_score_was_not_stored_is_scored_again(bus, cfg, monk
     cfg = cfg.model_copy(update={"scorer": cfg.scorer.model_copy(update={"reward": "outcome-only"})})
     proto = {type(e): e for e in sample_events(bus.run_id)}
     step = proto[StepTaken].model_copy(update={"event_id": new_id(), "group_id": "g-once", "step_index": 0})
-    for e in (proto[TaskScheduled].model_copy(update={"event_id": new_id(), "group_id": "g-once", "n_rollouts": 1}),
-              step,
-              proto[TrajectoryCompleted].model_copy(update={"event_id": new_id(), "group_id": "g-once",
-                                                            "rollout_index": 0, "num_steps": 1,
-                                                            "trajectory_id": step.trajectory_id,
-                                                            "step_event_ids": [step.event_id]})):
+    for e in (
+        proto[TaskScheduled].model_copy(update={"event_id": new_id(), "group_id": "g-once", "n_rollouts": 1}),
+        step,
+        proto[TrajectoryCompleted].model_copy(
+            update={
+                "event_id": new_id(),
+                "group_id": "g-once",
+                "rollout_index": 0,
+                "num_steps": 1,
+                "trajectory_id": step.trajectory_id,
+                "step_event_ids": [step.event_id],
+            }
+        ),
+    ):
         await bus.publish_sync(e)
     failed = []
     real_raw, real_republish = bus.publish_raw, bus.republish
@@ -100,6 +115,7 @@ async def test_a_group_whose_score_was_not_stored_is_scored_again(bus, cfg, monk
 
     monkeypatch.setattr(bus, "publish_raw", publish_raw)
     monkeypatch.setattr(bus, "republish", republish)
+
     async def scored() -> bool:
         return any(isinstance(e, GroupScored) for e in await bus.events(["group.scored"]))
 
@@ -115,8 +131,17 @@ async def test_a_restarted_tasks_agent_schedules_at_the_version_being_served(bus
 
     src = Source(agent_id="learner-1", role="learner")
     for role, version in (("policy", 6), ("policy", 7), ("judge", 3)):  # the judge's is the newest
-        await bus.publish_sync(WeightsPublished(run_id=bus.run_id, source=src, role=role, version=version,
-                                                path=f"/w/{role}{version}", sha256="0" * 64, bytes=1))
+        await bus.publish_sync(
+            WeightsPublished(
+                run_id=bus.run_id,
+                source=src,
+                role=role,
+                version=version,
+                path=f"/w/{role}{version}",
+                sha256="0" * 64,
+                bytes=1,
+            )
+        )
     agent = TasksAgent(bus, cfg)
 
     async def scheduled() -> bool:
@@ -129,11 +154,13 @@ async def test_a_restarted_tasks_agent_schedules_at_the_version_being_served(bus
 
 
 async def test_a_publish_whose_ack_was_lost_is_sent_again_without_waiting_for_a_full_table(
-        nats_url: str, run_id: str, cfg: CoevoConfig) -> None:
+    nats_url: str, run_id: str, cfg: CoevoConfig
+) -> None:
     """#24: an unanswered publish was sent again only once the table of unacked publishes was full
     (or at a flush): a lost ack left it unconfirmed for as long as the process published little."""
-    bus = await NatsBus.connect(nats_url, run_id, bus=cfg.bus.model_copy(update={"publish_ack_timeout_s": 0.5}),
-                                stream=cfg.stream)
+    bus = await NatsBus.connect(
+        nats_url, run_id, bus=cfg.bus.model_copy(update={"publish_ack_timeout_s": 0.5}), stream=cfg.stream
+    )
     try:
         real_on_ack, dropped = bus._on_ack, []
 
@@ -144,8 +171,9 @@ async def test_a_publish_whose_ack_was_lost_is_sent_again_without_waiting_for_a_
             await real_on_ack(msg)
 
         bus._on_ack = lose_first  # type: ignore[method-assign]
-        first = TaskScheduled(run_id=run_id, source=SRC, task=TaskSpec(task_id="a", family="q"), group_id="g-a",
-                              n_rollouts=1)
+        first = TaskScheduled(
+            run_id=run_id, source=SRC, task=TaskSpec(task_id="a", family="q"), group_id="g-a", n_rollouts=1
+        )
         await bus.publish(first)
         async with asyncio.timeout(10):
             while not dropped:
@@ -168,14 +196,24 @@ async def test_a_republish_that_fails_leaves_the_rest_queued(nats_url: str, run_
     from coevo.runtime.publishing import MSG_ID, _UnackedPublish
     from coevo.schemas import encode, subject_for
 
-    bus = await NatsBus.connect(nats_url, run_id, bus=cfg.bus.model_copy(
-        update={"publish_ack_timeout_s": 0.5, "publish_retries": 0}), stream=cfg.stream)
+    bus = await NatsBus.connect(
+        nats_url,
+        run_id,
+        bus=cfg.bus.model_copy(update={"publish_ack_timeout_s": 0.5, "publish_retries": 0}),
+        stream=cfg.stream,
+    )
     try:
-        events = [TaskScheduled(run_id=run_id, source=SRC, task=TaskSpec(task_id=f"t{i}", family="q"),
-                                group_id=f"g{i}", n_rollouts=1) for i in range(2)]
+        events = [
+            TaskScheduled(
+                run_id=run_id, source=SRC, task=TaskSpec(task_id=f"t{i}", family="q"), group_id=f"g{i}", n_rollouts=1
+            )
+            for i in range(2)
+        ]
         nowhere = _UnackedPublish("coevo.nowhere.ev.task.scheduled", b"{}", "x", 0.0, {MSG_ID: "x"})  # no stream
-        bus._failed = [nowhere] + [_UnackedPublish(subject_for(run_id, "task.scheduled"), encode(e), e.event_id, 0.0,
-                                                   {MSG_ID: e.event_id}) for e in events]
+        bus._failed = [nowhere] + [
+            _UnackedPublish(subject_for(run_id, "task.scheduled"), encode(e), e.event_id, 0.0, {MSG_ID: e.event_id})
+            for e in events
+        ]
         with pytest.raises(PublishError):
             await bus.flush()
         await bus.flush()  # the two behind it were kept and go now
@@ -192,15 +230,24 @@ def test_a_benchs_agents_die_with_it(tmp_path) -> None:
     import subprocess
     import sys
 
-    parent = subprocess.Popen([sys.executable, "-c", (
-        "import asyncio, sys\n"
-        "from coevo.runtime.proc import die_with_parent\n"
-        "async def main():\n"
-        "    child = await asyncio.create_subprocess_exec(sys.executable, '-c', 'import time; time.sleep(120)',"
-        " preexec_fn=die_with_parent)\n"
-        "    print(child.pid, flush=True)\n"
-        "    await child.wait()\n"
-        "asyncio.run(main())\n")], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import asyncio, sys\n"
+                "from coevo.runtime.proc import die_with_parent\n"
+                "async def main():\n"
+                "    child = await asyncio.create_subprocess_exec(sys.executable, '-c', 'import time; time.sleep(120)',"
+                " preexec_fn=die_with_parent)\n"
+                "    print(child.pid, flush=True)\n"
+                "    await child.wait()\n"
+                "asyncio.run(main())\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)
@@ -234,8 +281,13 @@ def test_a_rank_whose_launcher_is_gone_before_it_starts_ends_at_once(tmp_path) -
 
     out = tmp_path / "out"
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RUN_ID": "t"}
-    launcher = subprocess.run(["sh", "-c", f'{sys.executable} -m coevo --help > {out} 2>&1 & echo $!'],
-                              env=env, capture_output=True, text=True, check=True)  # gone at once
+    launcher = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -m coevo --help > {out} 2>&1 & echo $!"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )  # gone at once
     assert _ends(int(launcher.stdout), 20.0), "the rank outlived its launcher"
     assert out.read_text() == ""  # it never got to the command
     done = subprocess.run([sys.executable, "-m", "coevo", "--help"], env=env, capture_output=True, text=True)
@@ -250,8 +302,15 @@ def test_a_candidate_refused_before_any_rollout_does_not_decide_its_later_groups
     from tests.samples import sample_events
 
     proto = {type(e): e for e in sample_events("r")}
-    refused = proto[TaskDecided].model_copy(update={"candidate_id": "c1", "group_id": None, "accepted": False,
-                                                    "candidate_accuracy": None, "reason": "pre-check failed: x"})
+    refused = proto[TaskDecided].model_copy(
+        update={
+            "candidate_id": "c1",
+            "group_id": None,
+            "accepted": False,
+            "candidate_accuracy": None,
+            "reason": "pre-check failed: x",
+        }
+    )
     group = proto[GroupScored].model_copy(update={"task_id": "c1", "group_id": "g9", "purpose": "candidate"})
     verdicts = Verdicts()
     verdicts.add(refused)
@@ -300,8 +359,10 @@ def test_a_checkpoint_rewritten_at_its_version_is_never_missing(tmp_path, monkey
 def _state(lane: Any) -> tuple[list[Any], dict[str, Any]]:
     import copy
 
-    return ([p.detach().clone() for p in lane.model.parameters()],
-            copy.deepcopy({i: s for i, s in enumerate(lane.optimizer.state.values())}))
+    return (
+        [p.detach().clone() for p in lane.model.parameters()],
+        copy.deepcopy({i: s for i, s in enumerate(lane.optimizer.state.values())}),
+    )
 
 
 def _same(a: list[Any], b: list[Any]) -> bool:
@@ -361,13 +422,18 @@ async def test_a_redelivery_during_the_running_step_joins_it(bus: NatsBus, tiny,
     assert q.lane.steps_total == 1 and "g" in q.undurable
 
 
-async def test_a_lane_cancelled_mid_step_releases_the_batch_it_was_training(bus: NatsBus, tiny, tmp_path,  # noqa: F811
-                                                                          inject) -> None:
+async def test_a_lane_cancelled_mid_step_releases_the_batch_it_was_training(
+    bus: NatsBus,
+    tiny,  # noqa: F811
+    tmp_path,
+    inject,
+) -> None:
     """#24: a failure of the other lane (or of main) while a step ran cancelled the lane with its batch
     in neither ``queued`` nor ``undurable``: those groups' handlers waited for ever (the ack floor
     pinned). Now cancellation waits for the step's thread, and the release fails the batch's futures
     (redelivered), trained or not."""
     from coevo.errors import Retry
+
     learner, q, samples = await _learner_with_a_slow_step(bus, tiny, tmp_path, inject)
     done = learner.enqueue("policy", q, "g", samples)
     main = asyncio.create_task(learner.main())
@@ -435,9 +501,13 @@ async def test_a_scorer_whose_rebuild_meets_an_outage_waits_for_it_instead_of_ex
     finally:
         await puller.unsubscribe()
     scorer = ScorerAgent(bus, cfg)
-    real, outages = scorer.bus.js.consumer_info, [
-        nats.js.errors.ServiceUnavailableError(code=503, description="JetStream system temporarily unavailable"),
-        PayloadUnavailable("claimed object unreadable now")]
+    real, outages = (
+        scorer.bus.js.consumer_info,
+        [
+            nats.js.errors.ServiceUnavailableError(code=503, description="JetStream system temporarily unavailable"),
+            PayloadUnavailable("claimed object unreadable now"),
+        ],
+    )
 
     async def consumer_info(*a: Any, **kw: Any) -> Any:
         if outages:

@@ -63,17 +63,17 @@ def broken_frames(draw: Any) -> bytes:
     raw = bytearray(draw(st.sampled_from(FRAMES)))
     action = draw(st.sampled_from(["cut", "overwrite", "head_length", "reference"]))
     if action == "cut":
-        return bytes(raw[:draw(st.integers(0, len(raw) - 1))])
+        return bytes(raw[: draw(st.integers(0, len(raw) - 1))])
     if action == "overwrite":
         at = draw(st.integers(0, len(raw) - 1))
         chunk = draw(st.binary(min_size=1, max_size=16))
-        return bytes(raw[:at] + chunk + raw[at + len(chunk):])
+        return bytes(raw[:at] + chunk + raw[at + len(chunk) :])
     if action == "head_length":
         return bytes(raw[:4] + draw(st.integers(0, 2**32 - 1)).to_bytes(4, "little") + raw[8:])
     at = raw.find(b'"@') + 2  # a reference's offset, or (after its colon) its length
     if draw(st.booleans()):
         at = raw.index(b":", at) + 1
-    return bytes(raw[:at] + str(draw(st.integers(0, 10**6))).encode() + raw[at + 1:])
+    return bytes(raw[:at] + str(draw(st.integers(0, 10**6))).encode() + raw[at + 1 :])
 
 
 def _outcome(raw: bytes) -> str:
@@ -102,13 +102,14 @@ def test_every_event_type_is_fuzzed() -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(garbage=st.lists(st.binary(max_size=64) | mutated() | broken_frames(), min_size=len(VALID), max_size=len(VALID)))
 async def test_garbage_on_every_subject_is_dead_lettered_and_the_consumer_keeps_running(
-        nats_url: str, garbage: list[bytes]) -> None:
+    nats_url: str, garbage: list[bytes]
+) -> None:
     async with await NatsBus.connect(nats_url, f"fz{new_id()[:12]}") as bus:  # a run of its own per example
         await _garbage_then_one_event(bus, garbage)
 
 
 async def _garbage_then_one_event(bus: NatsBus, garbage: list[bytes]) -> None:
-    kinds = sorted(k for k in VALID if k != "dead.lettered")[:len(garbage)]
+    kinds = sorted(k for k in VALID if k != "dead.lettered")[: len(garbage)]
     seen: list[Event] = []
 
     async def handler(event: Event, _d: Any) -> None:
@@ -128,8 +129,11 @@ async def _garbage_then_one_event(bus: NatsBus, garbage: list[bytes]) -> None:
         while consumer.stats.handled + consumer.stats.dead_lettered < len(kinds) + 1:
             await asyncio.sleep(0.05)
         stop.set()
-    letters = [e async for _, e, _ in bus.history(["dead.lettered"], start_seq=start + 1)
-               if isinstance(e, DeadLettered) and e.consumer == sub.durable]
+    letters = [
+        e
+        async for _, e, _ in bus.history(["dead.lettered"], start_seq=start + 1)
+        if isinstance(e, DeadLettered) and e.consumer == sub.durable
+    ]
     assert consumer.stats.dead_lettered == len(kinds) and consumer.stats.crashed == 0
     assert len(letters) == len(kinds) and all(letter.reason for letter in letters)
     assert [e.event_id for e in seen] == [good.event_id]

@@ -30,9 +30,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def samples(n: int = 16) -> list[TrainingSample]:
     out = []
     for i in range(n):
-        out.append(TrainingSample(sample_id=f"s{i}", role="policy", prompt_token_ids=[5, 6, 7, 8 + i % 3],
-                                  response_token_ids=[40 + i % 2], logprobs=[-0.7], allowed_token_ids=[40, 41],
-                                  advantage=1.0 if i % 2 else -1.0, model_version=0, step_event_id=f"e{i}"))
+        out.append(
+            TrainingSample(
+                sample_id=f"s{i}",
+                role="policy",
+                prompt_token_ids=[5, 6, 7, 8 + i % 3],
+                response_token_ids=[40 + i % 2],
+                logprobs=[-0.7],
+                allowed_token_ids=[40, 41],
+                advantage=1.0 if i % 2 else -1.0,
+                model_version=0,
+                step_event_id=f"e{i}",
+            )
+        )
     return out
 
 
@@ -56,19 +66,15 @@ def test_lane_steps_in_bf16_autocast_on_cuda_like_fp32_on_cpu(model_cache: Path,
     assert torch.allclose(saved[name], cpu_state[name], atol=5e-3)  # same update, up to bf16 rounding
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
-                    reason="needs 2 GPUs and vLLM's GPU build")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
+    reason="needs 2 GPUs and vLLM's GPU build",
+)
 async def test_weights_pushed_over_vllm_nccl_equal_the_checkpoint(bus, model_cache: Path, tmp_path: Path) -> None:
     from coevo.algorithm.prompts import INDEX_LABELS, policy_prompt
     from coevo.inference.models import ensure_default_model
     from coevo.inference.vllm_client import SERVER_ENV, VLLMClient, server_command
-    from coevo.schemas import (
-        TransferConnect,
-        TransferEndpoint,
-        TransferOffer,
-        TransferRequest,
-        transfer_subject,
-    )
+    from coevo.schemas import TransferConnect, TransferEndpoint, TransferOffer, TransferRequest, transfer_subject
     from coevo.training.lane import Lane
     from coevo.weights.server import WeightServer
 
@@ -78,9 +84,11 @@ async def test_weights_pushed_over_vllm_nccl_equal_the_checkpoint(bus, model_cac
     lane.step(samples(), ["g"])
     path, sha, _ = lane.checkpoint()
     port = 18000 + os.getpid() % 1000
-    proc = subprocess.Popen(server_command(sys.executable, model, port, transfer_backend="nccl",
-                                           extra=("--gpu-memory-utilization", "0.3")),
-                            env={**os.environ, **SERVER_ENV, "CUDA_VISIBLE_DEVICES": "1"}, start_new_session=True)
+    proc = subprocess.Popen(
+        server_command(sys.executable, model, port, transfer_backend="nccl", extra=("--gpu-memory-utilization", "0.3")),
+        env={**os.environ, **SERVER_ENV, "CUDA_VISIBLE_DEVICES": "1"},
+        start_new_session=True,
+    )
     server = WeightServer(bus, PushSync(transport="nccl", timeout_s=120.0))
     await server.serve("policy", lambda: (1, path, sha))
     try:
@@ -95,12 +103,19 @@ async def test_weights_pushed_over_vllm_nccl_equal_the_checkpoint(bus, model_cac
                 await asyncio.sleep(2)
         prompt = policy_prompt("goal: take the coin. room: hall. items: coin.", ["take coin", "go north"])
         async with VLLMClient(url + "/v1", str(model), tokenizer_dir=model) as client:
-            ep = await bus.request(transfer_subject(bus.run_id, "policy", "connect"),
-                                   TransferConnect(server="gpu-vllm", workers=await client.workers()),
-                                   TransferEndpoint, timeout_s=30)
+            ep = await bus.request(
+                transfer_subject(bus.run_id, "policy", "connect"),
+                TransferConnect(server="gpu-vllm", workers=await client.workers()),
+                TransferEndpoint,
+                timeout_s=30,
+            )
             await client.init_transfer(ep.init_info(), 120.0)
-            offer = await bus.request(transfer_subject(bus.run_id, "policy", "push"),
-                                      TransferRequest(server="gpu-vllm", version=1), TransferOffer, timeout_s=120)
+            offer = await bus.request(
+                transfer_subject(bus.run_id, "policy", "push"),
+                TransferRequest(server="gpu-vllm", version=1),
+                TransferOffer,
+                timeout_s=120,
+            )
             await client.receive_weights(offer, 120.0)
             assert await client.weight_version() == "1"
             c = await client.complete(prompt, choices=list(INDEX_LABELS[:2]))

@@ -14,8 +14,9 @@ import pytest
 from coevo.bench.hosts import Hosts
 from coevo.runtime.server import EmbeddedCluster
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                                reason="network namespaces need root and iproute2")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and iproute2"
+)
 
 
 async def _published(nc: nats.NATS, data: bytes, msg_id: str | None = None) -> object:
@@ -78,12 +79,19 @@ async def test_an_agent_cut_off_honours_sigterm_within_5_s(tmp_path: Path, node:
             async with await NatsBus.connect(cluster.url, "cut1") as bus:
                 await bus.provision()
                 for i in range(40):
-                    await bus.publish(Echo(bus, None).event(TaskScheduled, task=TaskSpec(task_id=f"t{i}", family="q"),
-                                                            group_id=f"g{i}", n_rollouts=1))  # type: ignore[arg-type]
+                    await bus.publish(
+                        Echo(bus, None).event(
+                            TaskScheduled, task=TaskSpec(task_id=f"t{i}", family="q"), group_id=f"g{i}", n_rollouts=1
+                        )
+                    )  # type: ignore[arg-type]
                 await bus.flush()
-                agent = spawn_agent("tests.agents_for_tests:Echo", cluster.urls[node], "cut1",
-                                    {"COEVO_TEST_DELAY": "3.0", "COEVO_TEST_RUNS": str(tmp_path)},
-                                    prefix=hosts.prefix(0))
+                agent = spawn_agent(
+                    "tests.agents_for_tests:Echo",
+                    cluster.urls[node],
+                    "cut1",
+                    {"COEVO_TEST_DELAY": "3.0", "COEVO_TEST_RUNS": str(tmp_path)},
+                    prefix=hosts.prefix(0),
+                )
                 async with asyncio.timeout(60):  # it works
                     while not await bus.events(["trajectory.completed"]):
                         await asyncio.sleep(0.2)

@@ -22,11 +22,20 @@ from tests.test_training import choice_samples, tiny  # noqa: F401  (the module-
 
 
 def _sample(i: int, version: int) -> TrainingSample:
-    return TrainingSample(sample_id=f"s{i}", role="policy", prompt_token_ids=[1, 2], response_token_ids=[3],
-                          logprobs=[-1.0], advantage=1.0, model_version=version, step_event_id=f"e{i}")
+    return TrainingSample(
+        sample_id=f"s{i}",
+        role="policy",
+        prompt_token_ids=[1, 2],
+        response_token_ids=[3],
+        logprobs=[-1.0],
+        advantage=1.0,
+        model_version=version,
+        step_event_id=f"e{i}",
+    )
 
 
 # ---- pure functions ------------------------------------------------------------------------------
+
 
 def test_split_stale_bounds_the_lag() -> None:
     samples = [_sample(0, 0), _sample(1, 3), _sample(2, 5), _sample(3, 2)]
@@ -46,8 +55,10 @@ def test_minibatches_partition_the_batch_deterministically() -> None:
 def _queued(sizes: list[int]) -> list[QueuedGroup]:
     loop = asyncio.new_event_loop()
     try:
-        return [QueuedGroup(f"g{i}", [_sample(i * 100 + k, 0) for k in range(n)], loop.create_future())
-                for i, n in enumerate(sizes)]
+        return [
+            QueuedGroup(f"g{i}", [_sample(i * 100 + k, 0) for k in range(n)], loop.create_future())
+            for i, n in enumerate(sizes)
+        ]
     finally:
         loop.close()
 
@@ -74,8 +85,10 @@ def test_batching_by_samples_by_groups_and_by_waves() -> None:
     q[0].alone = True
     assert [p.group_id for p in by_groups.take(q + _queued([1]))] == ["g3"]
 
-    wave = Batching.of(load_config(overrides={"learner.max_staleness": 0, "learner.batch_groups": 2,
-                                              "tasks.max_groups_in_flight": 4}), 2.0)
+    wave = Batching.of(
+        load_config(overrides={"learner.max_staleness": 0, "learner.batch_groups": 2, "tasks.max_groups_in_flight": 4}),
+        2.0,
+    )
     assert wave.groups == 4 and wave.take_all  # lock-step: the wave, whatever batch_groups says
     assert wave.ready(held=7, scored=3, idle=5.0) == (False, 3)
     assert wave.ready(held=0, scored=4, idle=0.0) == (False, 0)
@@ -96,14 +109,24 @@ def test_loss_reference_and_row_cap() -> None:
     assert at_ref.kl == pytest.approx((math.exp(-0.5) - 1 + 0.5) / 2) and float(g_ref[0, 0]) != 0.0
     # a row cap truncates the importance weight of that row whatever the correction says
     behav = prox - math.log(5.0)
-    capped = ppo_loss(new, prox, behav, torch.tensor([1.0]), torch.ones(1, 2), kl_beta=0.0, correction="decoupled",
-                      row_cap=torch.tensor([2.0]))
+    capped = ppo_loss(
+        new,
+        prox,
+        behav,
+        torch.tensor([1.0]),
+        torch.ones(1, 2),
+        kl_beta=0.0,
+        correction="decoupled",
+        row_cap=torch.tensor([2.0]),
+    )
     assert capped.mean_is_weight == pytest.approx(2.0)
-    assert ppo_loss(new, prox, behav, torch.tensor([1.0]), torch.ones(1, 2), kl_beta=0.0,
-                    correction="decoupled").mean_is_weight == pytest.approx(5.0)
+    assert ppo_loss(
+        new, prox, behav, torch.tensor([1.0]), torch.ones(1, 2), kl_beta=0.0, correction="decoupled"
+    ).mean_is_weight == pytest.approx(5.0)
 
 
 # ---- the lane ------------------------------------------------------------------------------------
+
 
 def _lane(tiny: Path, root: Path, **kw: Any) -> Lane:  # noqa: F811
     return Lane("policy", tiny, root, LearnerConfig(**{"lr": 1e-2, **kw}), device="cpu")
@@ -143,8 +166,11 @@ def test_the_kl_acts_once_the_policy_has_moved(tiny: Path, tmp_path: Path, refer
     t = to_tensors(samples, lane.vocab, lane.pad_id)
     with torch.no_grad():
         prox = token_logprobs(lane.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed)
-        ref = t.behav_logp if lane.reference is None else token_logprobs(
-            lane.reference, t.input_ids, t.attention_mask, t.response_mask, t.allowed)
+        ref = (
+            t.behav_logp
+            if lane.reference is None
+            else token_logprobs(lane.reference, t.input_ids, t.attention_mask, t.response_mask, t.allowed)
+        )
     grads = []
     for beta in (0.0, 1.0):
         lane.model.zero_grad(set_to_none=True)
@@ -169,6 +195,7 @@ def test_epochs_and_minibatches_make_the_clip_act(tiny: Path, tmp_path: Path) ->
 
 # ---- the learner ---------------------------------------------------------------------------------
 
+
 async def test_the_learner_counts_and_reports_stale_drops(bus: NatsBus, tiny: Path, tmp_path: Path) -> None:  # noqa: F811
     """A real lane behind the learner agent, on the real server: a group sampled too long ago is
     released untrained, and the count rides on the next LearnerStepped."""
@@ -179,7 +206,9 @@ async def test_the_learner_counts_and_reports_stale_drops(bus: NatsBus, tiny: Pa
     base = await asyncio.to_thread(choice_samples, tiny, 6)  # sampled at version 0
 
     def at(version: int, group: str, rows: list[TrainingSample]) -> list[TrainingSample]:
-        return [r.model_copy(update={"model_version": version, "sample_id": f"{group}-{i}"}) for i, r in enumerate(rows)]
+        return [
+            r.model_copy(update={"model_version": version, "sample_id": f"{group}-{i}"}) for i, r in enumerate(rows)
+        ]
 
     for warm in ("w0", "w1"):  # the lane moves to version 2
         learner.enqueue("policy", q, warm, at(q.lane.version, warm, base[:2]))
@@ -197,7 +226,10 @@ async def test_the_learner_counts_and_reports_stale_drops(bus: NatsBus, tiny: Pa
 
 
 async def test_the_learner_reports_a_rejected_step_on_the_next_learner_stepped(
-        bus: NatsBus, tiny: Path, tmp_path: Path) -> None:  # noqa: F811
+    bus: NatsBus,
+    tiny: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     """On the real server: a batch the KL guard undoes is released untrained (no version, no
     publication), and the count rides on the lane's next LearnerStepped with that step's own KL."""
     cfg = CoevoConfig(run={"runs_dir": tmp_path}, learner={"max_step_kl": 1.0})
@@ -211,7 +243,9 @@ async def test_the_learner_reports_a_rejected_step_on_the_next_learner_stepped(
     assert far.done() and far.exception() is None and q.lane.version == 0
     assert learner.counters["steps.kl_rejected.policy"] == 1 and not await bus.events(["learner.stepped"])
     q.lane.cfg = q.lane.cfg.model_copy(update={"max_step_kl": 1e9})
-    near = learner.enqueue("policy", q, "near", [s.model_copy(update={"sample_id": f"n{i}"}) for i, s in enumerate(base)])
+    near = learner.enqueue(
+        "policy", q, "near", [s.model_copy(update={"sample_id": f"n{i}"}) for i, s in enumerate(base)]
+    )
     await learner.train("policy", q)
     assert not near.done()  # trained: waits for a durable checkpoint
     (stepped,) = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped)]
@@ -219,8 +253,19 @@ async def test_the_learner_reports_a_rejected_step_on_the_next_learner_stepped(
 
 
 def test_learner_stepped_decodes_without_the_count() -> None:
-    fields = dict(run_id="r", source={"agent_id": "a", "role": "learner"}, role="policy", version=1, samples=1,
-                  tokens=1, loss=0.0, kl=0.0, clip_fraction=0.0, mismatch_kl=0.0, tokens_per_second=1.0)
+    fields = dict(
+        run_id="r",
+        source={"agent_id": "a", "role": "learner"},
+        role="policy",
+        version=1,
+        samples=1,
+        tokens=1,
+        loss=0.0,
+        kl=0.0,
+        clip_fraction=0.0,
+        mismatch_kl=0.0,
+        tokens_per_second=1.0,
+    )
     assert LearnerStepped.model_validate(fields).stale_dropped == 0
 
 

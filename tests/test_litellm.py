@@ -19,15 +19,7 @@ from coevo.errors import ExternalCallFailed, OverBudget
 from coevo.inference.litellm_client import LiteLLMClient
 from coevo.runtime.agent import run_agents
 from coevo.runtime.bus import NatsBus
-from coevo.schemas import (
-    FailureDigest,
-    Source,
-    StepJudged,
-    StepTaken,
-    TaskScheduled,
-    TaskSpec,
-    TrajectoryCompleted,
-)
+from coevo.schemas import FailureDigest, Source, StepJudged, StepTaken, TaskScheduled, TaskSpec, TrajectoryCompleted
 from tests.conftest import PYTHON, REPO, subprocess_env
 
 MODEL = "openai/gpt-4.1-mini"  # in LiteLLM's bundled price map, so costs are real numbers
@@ -39,18 +31,39 @@ def api(**kw) -> ApiConfig:
 
 
 def judge_cfg(base: CoevoConfig, **api_kw) -> CoevoConfig:
-    return load_config(overrides={"run.runs_dir": str(base.run.runs_dir), "judge.backend": "litellm",
-                                  "judge.model": MODEL, "judge.m": 3, "log.console": "off",
-                                  "bus.fetch_timeout_s": 0.2, "agent.heartbeat_s": 0.5,
-                                  **{f"judge.api.{k}": v for k, v in {"backoff_s": 0.01, **api_kw}.items()}})
+    return load_config(
+        overrides={
+            "run.runs_dir": str(base.run.runs_dir),
+            "judge.backend": "litellm",
+            "judge.model": MODEL,
+            "judge.m": 3,
+            "log.console": "off",
+            "bus.fetch_timeout_s": 0.2,
+            "agent.heartbeat_s": 0.5,
+            **{f"judge.api.{k}": v for k, v in {"backoff_s": 0.01, **api_kw}.items()},
+        }
+    )
 
 
 def step(run_id: str, i: int, group: str = "g") -> StepTaken:
     """Each step's judge prompt differs (the room), so no vote is a cache hit of another step's."""
-    return StepTaken(run_id=run_id, source=SRC, trajectory_id=f"{group}-t{i}", task_id="t", group_id=group,
-                     step_index=0, objective="take the coin", observation=f"room: hall {i}. items: coin.",
-                     action_text="take coin", next_observation="you take the coin.", done=True, policy_version=0,
-                     prompt_token_ids=[1, 2], response_token_ids=[3], logprobs=[-0.5])
+    return StepTaken(
+        run_id=run_id,
+        source=SRC,
+        trajectory_id=f"{group}-t{i}",
+        task_id="t",
+        group_id=group,
+        step_index=0,
+        objective="take the coin",
+        observation=f"room: hall {i}. items: coin.",
+        action_text="take coin",
+        next_observation="you take the coin.",
+        done=True,
+        policy_version=0,
+        prompt_token_ids=[1, 2],
+        response_token_ids=[3],
+        logprobs=[-0.5],
+    )
 
 
 async def judge_steps(bus: NatsBus, cfg: CoevoConfig, steps: list[StepTaken]) -> tuple[JudgeAgent, list[StepJudged]]:
@@ -72,13 +85,26 @@ async def judge_steps(bus: NatsBus, cfg: CoevoConfig, steps: list[StepTaken]) ->
 
 def won_and_lost_group(run_id: str, steps: list[StepTaken], judged: list[StepJudged]) -> Group:
     """A group of two one-step trajectories, the first won, the second lost."""
-    g = Group(scheduled=TaskScheduled(run_id=run_id, source=SRC, task=TaskSpec(task_id="t", family="quickgame"),
-                                      group_id="g", n_rollouts=2))
+    g = Group(
+        scheduled=TaskScheduled(
+            run_id=run_id, source=SRC, task=TaskSpec(task_id="t", family="quickgame"), group_id="g", n_rollouts=2
+        )
+    )
     for s, outcome in zip(steps, ("won", "lost"), strict=True):
         g.add(s)
-        g.add(TrajectoryCompleted(run_id=run_id, source=SRC, trajectory_id=s.trajectory_id, task_id="t",
-                                  group_id="g", rollout_index=int(s.trajectory_id[-1]), outcome=outcome,
-                                  num_steps=1, step_event_ids=[s.event_id]))
+        g.add(
+            TrajectoryCompleted(
+                run_id=run_id,
+                source=SRC,
+                trajectory_id=s.trajectory_id,
+                task_id="t",
+                group_id="g",
+                rollout_index=int(s.trajectory_id[-1]),
+                outcome=outcome,
+                num_steps=1,
+                step_event_ids=[s.event_id],
+            )
+        )
     for j in judged:
         g.add(j)
     return g
@@ -88,8 +114,11 @@ async def test_mocked_judge_votes_reach_the_scorer_with_the_right_numbers(bus: N
     jcfg = judge_cfg(cfg, mock_response=r"The agent took the coin, which wins. \boxed{1}")
     steps = [step(bus.run_id, i) for i in range(2)]
     _, judged = await judge_steps(bus, jcfg, steps)
-    assert all(v.value == 1 and v.status == "ok" and not v.cached and v.cost_usd > 0 and v.model_version is None
-               for j in judged for v in j.votes)
+    assert all(
+        v.value == 1 and v.status == "ok" and not v.cached and v.cost_usd > 0 and v.model_version is None
+        for j in judged
+        for v in j.votes
+    )
     g = won_and_lost_group(bus.run_id, steps, judged)
     score = score_group(g, jcfg, train_judge=False)
     # R = O + mean(votes) = 2 (won) and 0 (lost); one step index: z-scores +1 / -1
@@ -121,16 +150,23 @@ async def test_persistent_failure_gives_error_votes_and_a_flagged_group(bus: Nat
 
 async def test_invalid_rewriter_json_is_retried_then_rejected_with_the_reason() -> None:
     game = QuickGame()
-    task = TaskSpec(task_id="q1", family="quickgame", params={"seed": 1},
-                    knobs={"steps": 3, "distractors": 1, "slack": 1, "hints": 0})
-    bad = LiteLLMClient(MODEL, api(mock_response=["no json here", '{"knobs": {"steps": 99}}', '{"knobs": {"steps": 2}}']))
+    task = TaskSpec(
+        task_id="q1",
+        family="quickgame",
+        params={"seed": 1},
+        knobs={"steps": 3, "distractors": 1, "slack": 1, "hints": 0},
+    )
+    bad = LiteLLMClient(
+        MODEL, api(mock_response=["no json here", '{"knobs": {"steps": 99}}', '{"knobs": {"steps": 2}}'])
+    )
     proposal = await LLMRewriter(bad, retries=2).propose(game, task, "harder", [])
     assert proposal.candidate is None
     assert "invalid rewriter output after 3 tries" in (proposal.error or "")
     assert "does not make the task harder" in (proposal.error or "")  # the last answer's validation error
     good = LiteLLMClient(MODEL, api(mock_response=["no json", 'Sure: {"knobs": {"steps": 4}, "reason": "longer"}']))
-    ok = await LLMRewriter(good, retries=2).propose(game, task, "harder",
-                                                    [FailureDigest(trajectory_id="t", outcome="lost")])
+    ok = await LLMRewriter(good, retries=2).propose(
+        game, task, "harder", [FailureDigest(trajectory_id="t", outcome="lost")]
+    )
     assert ok.candidate is not None and ok.candidate.knobs["steps"] == 4 and ok.candidate.parent_id == "q1"
 
 
@@ -138,16 +174,32 @@ async def test_tasks_agent_records_the_rejection_in_a_decision_event(bus: NatsBu
     from coevo.agents.tasks import TasksAgent
     from coevo.schemas import GroupScored, TaskDecided
 
-    tcfg = load_config(overrides={"run.runs_dir": str(cfg.run.runs_dir), "tasks.rewriter.backend": "litellm",
-                                  "tasks.rewriter.model": MODEL, "tasks.rewriter.api.mock_response": "not json",
-                                  "tasks.rewriter.retries": 1, "tasks.rewriter.api.backoff_s": 0.01,
-                                  "tasks.min_groups_between_rewrites": 0, "log.console": "off"})
+    tcfg = load_config(
+        overrides={
+            "run.runs_dir": str(cfg.run.runs_dir),
+            "tasks.rewriter.backend": "litellm",
+            "tasks.rewriter.model": MODEL,
+            "tasks.rewriter.api.mock_response": "not json",
+            "tasks.rewriter.retries": 1,
+            "tasks.rewriter.api.backoff_s": 0.01,
+            "tasks.min_groups_between_rewrites": 0,
+            "log.console": "off",
+        }
+    )
     agent = TasksAgent(bus, tcfg)
     await agent.load()
     slot = next(s for s in agent.slots.values() if s.split == "train")
-    scored = GroupScored(run_id=bus.run_id, source=SRC, task_id=slot.active.task_id, group_id="g1",
-                         slot_id=slot.slot_id, accuracy=1.0, n_trajectories=8, policy_band_ok=False,
-                         judge_band_ok=False)
+    scored = GroupScored(
+        run_id=bus.run_id,
+        source=SRC,
+        task_id=slot.active.task_id,
+        group_id="g1",
+        slot_id=slot.slot_id,
+        accuracy=1.0,
+        n_trajectories=8,
+        policy_band_ok=False,
+        judge_band_ok=False,
+    )
     async with agent.llm_client:
         await agent.maybe_rewrite(slot, scored)
     await bus.flush()
@@ -191,12 +243,44 @@ def test_run_with_an_unreachable_api_completes_and_never_leaks_the_key(tmp_path:
     env = subprocess_env() | {"COEVO_TEST_JUDGE_KEY": secret}
     runs = tmp_path / "runs"
     out = subprocess.run(
-        [PYTHON, "-m", "coevo", "run", "--judge", f"litellm:{MODEL}", "--judge-api-base", "http://127.0.0.1:9/v1",
-         "--minutes", "0.5", "--run-id", "keytest", "--run.runs_dir", str(runs), "--env.cache_dir", str(model_cache),
-         "--set", "judge.api.api_key_env=COEVO_TEST_JUDGE_KEY", "--set", "judge.api.retries=0",
-         "--set", "judge.api.timeout_s=2", "--set", "policy.n=4", "--set", "env.n_train=2",
-         "--set", "env.n_heldout=1", "--log.console", "json"],
-        capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+        [
+            PYTHON,
+            "-m",
+            "coevo",
+            "run",
+            "--judge",
+            f"litellm:{MODEL}",
+            "--judge-api-base",
+            "http://127.0.0.1:9/v1",
+            "--minutes",
+            "0.5",
+            "--run-id",
+            "keytest",
+            "--run.runs_dir",
+            str(runs),
+            "--env.cache_dir",
+            str(model_cache),
+            "--set",
+            "judge.api.api_key_env=COEVO_TEST_JUDGE_KEY",
+            "--set",
+            "judge.api.retries=0",
+            "--set",
+            "judge.api.timeout_s=2",
+            "--set",
+            "policy.n=4",
+            "--set",
+            "env.n_train=2",
+            "--set",
+            "env.n_heldout=1",
+            "--log.console",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((runs / "keytest" / "summary.json").read_text())
     assert summary["judge_errors"] > 0 and summary["judge_cost_usd"] == 0.0
@@ -211,10 +295,19 @@ async def test_coding_judge_writes_tests_and_runs_them_on_every_program(bus: Nat
     from coevo.algorithm.scoring import coding_test_advantages
     from coevo.envs.coding import Coding, humaneval_problems
 
-    jcfg = load_config(overrides={"run.runs_dir": str(cfg.run.runs_dir), "env.family": "coding",
-                                  "judge.backend": "litellm", "judge.model": MODEL, "judge.m": 3,
-                                  "judge.api.mock_response": ["3.5) == 0.5", "1.25) == 0.25", "nonsense (((("],
-                                  "judge.api.max_concurrency": 1, "log.console": "off", "bus.fetch_timeout_s": 0.2})
+    jcfg = load_config(
+        overrides={
+            "run.runs_dir": str(cfg.run.runs_dir),
+            "env.family": "coding",
+            "judge.backend": "litellm",
+            "judge.model": MODEL,
+            "judge.m": 3,
+            "judge.api.mock_response": ["3.5) == 0.5", "1.25) == 0.25", "nonsense (((("],
+            "judge.api.max_concurrency": 1,
+            "log.console": "off",
+            "bus.fetch_timeout_s": 0.2,
+        }
+    )
     fam = Coding()
     task = next(t for t in fam.initial_tasks(200, 0, 0) if t.params["problem"] == "HumanEval/2")
     env = fam.make_env()
@@ -223,18 +316,31 @@ async def test_coding_judge_writes_tests_and_runs_them_on_every_program(bus: Nat
     steps = []
     for i, program in enumerate(programs):
         result = await _play(fam, task, program)
-        steps.append(StepTaken(run_id=bus.run_id, source=SRC, trajectory_id=f"g-r{i}", task_id=task.task_id,
-                               group_id="g", step_index=0, objective=obs.objective, observation=obs.text,
-                               action_text=program, artifact=result.info["program"], done=True,
-                               policy_version=0))
+        steps.append(
+            StepTaken(
+                run_id=bus.run_id,
+                source=SRC,
+                trajectory_id=f"g-r{i}",
+                task_id=task.task_id,
+                group_id="g",
+                step_index=0,
+                objective=obs.objective,
+                observation=obs.text,
+                action_text=program,
+                artifact=result.info["program"],
+                done=True,
+                policy_version=0,
+            )
+        )
     _, judged = await judge_steps(bus, jcfg, steps)
     by_traj = {j.trajectory_id: j for j in judged}
     assert [(v.value, v.status) for v in by_traj["g-r0"].votes] == [(1, "ok"), (1, "ok"), (None, "unparseable")]
     assert [(v.value, v.status) for v in by_traj["g-r1"].votes] == [(-1, "ok"), (-1, "ok"), (None, "unparseable")]
     assert by_traj["g-r0"].votes[0].rationale == "assert candidate(3.5) == 0.5"
     # tests 0 and 1: the correct program passes, the incorrect one fails (+1 each); test 2 is garbage (0)
-    assert coding_test_advantages([[(True, True), (False, False)]] * 2 + [[(True, False), (False, False)]]) == \
-        pytest.approx([2 ** -0.5, 2 ** -0.5, -(2 ** 0.5)])
+    assert coding_test_advantages(
+        [[(True, True), (False, False)]] * 2 + [[(True, False), (False, False)]]
+    ) == pytest.approx([2**-0.5, 2**-0.5, -(2**0.5)])
     g = won_and_lost_group(bus.run_id, steps, judged)
     assert coding_judge_samples([], g) == []  # no token ids from an external API: nothing to train
 

@@ -75,16 +75,33 @@ async def test_short_run_produces_every_event_kind_with_consistent_ids(bus: Nats
     agents = build_agents(bus, loop_cfg)
 
     async def until_done() -> None:
-        await wait_for(bus, lambda ev: kinds(ev)["learner.stepped"] >= 3 and kinds(ev)["task.decided"] >= 1
-                       and kinds(ev)["weights.applied"] >= 2, timeout=240)
+        await wait_for(
+            bus,
+            lambda ev: (
+                kinds(ev)["learner.stepped"] >= 3
+                and kinds(ev)["task.decided"] >= 1
+                and kinds(ev)["weights.applied"] >= 2
+            ),
+            timeout=240,
+        )
         stop.set()
 
     await asyncio.gather(run_agents(agents, handle_signals=False, until=stop), until_done())
     events = await bus.events()
     seen = kinds(events)
-    for kind in ("task.scheduled", "task.rewritten", "task.decided", "step.taken", "trajectory.completed",
-                 "step.judged", "group.scored", "learner.stepped", "weights.published", "weights.applied",
-                 "agent.status"):
+    for kind in (
+        "task.scheduled",
+        "task.rewritten",
+        "task.decided",
+        "step.taken",
+        "trajectory.completed",
+        "step.judged",
+        "group.scored",
+        "learner.stepped",
+        "weights.published",
+        "weights.applied",
+        "agent.status",
+    ):
         assert seen[kind] > 0, f"no {kind} event"
     check_consistency(events)
     steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy"]
@@ -92,9 +109,20 @@ async def test_short_run_produces_every_event_kind_with_consistent_ids(bus: Nats
     versions = {e.policy_version for e in events if isinstance(e, StepTaken)}
     assert len(versions) >= 2, "rollouts must come from more than one policy version"
     summary = await summarize(bus, 0.0, 60.0)
-    for key in ("policy_success_start", "policy_success_end", "heldout_success_start", "heldout_success_end",
-                "judge_process_accuracy", "judge_outcome_accuracy", "rewrites_proposed", "rewrites_accepted",
-                "run_id", "learner_steps", "events", "trajectories_per_second"):
+    for key in (
+        "policy_success_start",
+        "policy_success_end",
+        "heldout_success_start",
+        "heldout_success_end",
+        "judge_process_accuracy",
+        "judge_outcome_accuracy",
+        "rewrites_proposed",
+        "rewrites_accepted",
+        "run_id",
+        "learner_steps",
+        "events",
+        "trajectories_per_second",
+    ):
         assert key in summary
     assert summary["learner_steps"] == len(steps) and summary["events"]["step.taken"] == seen["step.taken"]
     decided = [e for e in events if isinstance(e, TaskDecided)]
@@ -102,9 +130,12 @@ async def test_short_run_produces_every_event_kind_with_consistent_ids(bus: Nats
 
 
 def spawn(role: str, nats_url: str, run_id: str, cfg: CoevoConfig) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([PYTHON, "-m", "coevo", "agent", role, "--nats", nats_url, "--run-id", run_id,
-                             *cli_args(cfg)], env=subprocess_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [PYTHON, "-m", "coevo", "agent", role, "--nats", nats_url, "--run-id", run_id, *cli_args(cfg)],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 async def stop_procs(*procs: subprocess.Popen[bytes]) -> None:
@@ -122,7 +153,8 @@ async def stop_procs(*procs: subprocess.Popen[bytes]) -> None:
 
 
 async def test_agents_as_separate_processes_and_a_judge_killed_mid_run(
-        bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str) -> None:
+    bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str
+) -> None:
     """Every role in its own OS process; the judge is kill -9'd mid-run and restarted: no vote lost."""
     from coevo.inference.clients import model_dir
 
@@ -139,8 +171,15 @@ async def test_agents_as_separate_processes_and_a_judge_killed_mid_run(
         judge = spawn("judge", nats_url, run_id, loop_cfg)
         # the restarted judge must itself vote (a SIGTERM while it is still starting up would be a
         # plain -15 and prove nothing), and the loop must go on past the kill
-        await wait_for(bus, lambda ev: kinds(ev)["step.judged"] > judged_before
-                       and kinds(ev)["group.scored"] >= 6 and kinds(ev)["learner.stepped"] >= 2, timeout=240)
+        await wait_for(
+            bus,
+            lambda ev: (
+                kinds(ev)["step.judged"] > judged_before
+                and kinds(ev)["group.scored"] >= 6
+                and kinds(ev)["learner.stepped"] >= 2
+            ),
+            timeout=240,
+        )
     finally:
         await stop_procs(*procs.values(), judge)
     # let a final judge finish what is pending, so that every step has its votes
@@ -151,16 +190,19 @@ async def test_agents_as_separate_processes_and_a_judge_killed_mid_run(
     if missing:
         last = spawn("judge", nats_url, run_id, loop_cfg)
         try:
-            events = await wait_for(bus, lambda ev: steps <= {e.step_event_id for e in ev
-                                                              if isinstance(e, StepJudged)}, timeout=120)
+            events = await wait_for(
+                bus, lambda ev: steps <= {e.step_event_id for e in ev if isinstance(e, StepJudged)}, timeout=120
+            )
         except TimeoutError:  # once in CI: say what the steps still without votes became
             now = await bus.events()
             still = steps - {e.step_event_id for e in now if isinstance(e, StepJudged)}
             dead = [e for e in now if isinstance(e, DeadLettered) and any(s.encode() in e.raw for s in still)]
             await stop_procs(last)
             output = last.stderr.read().decode()[-3000:] if last.stderr else ""
-            raise AssertionError(f"{len(still)} of {len(missing)} steps still without votes; dead-lettered: "
-                                 f"{[e.reason for e in dead][:5]}; the last judge said:\n{output}") from None
+            raise AssertionError(
+                f"{len(still)} of {len(missing)} steps still without votes; dead-lettered: "
+                f"{[e.reason for e in dead][:5]}; the last judge said:\n{output}"
+            ) from None
         finally:
             await stop_procs(last)
     check_consistency(events)
@@ -171,8 +213,13 @@ async def test_agents_as_separate_processes_and_a_judge_killed_mid_run(
 
 
 async def test_task_pool_survives_a_restart(bus: NatsBus, loop_cfg: CoevoConfig) -> None:
-    agents = [TasksAgent(bus, loop_cfg), PolicyAgent(bus, loop_cfg), ScorerAgent(bus, loop_cfg),
-              JudgeAgent(bus, loop_cfg), LearnerAgent(bus, loop_cfg)]
+    agents = [
+        TasksAgent(bus, loop_cfg),
+        PolicyAgent(bus, loop_cfg),
+        ScorerAgent(bus, loop_cfg),
+        JudgeAgent(bus, loop_cfg),
+        LearnerAgent(bus, loop_cfg),
+    ]
     stop = asyncio.Event()
 
     async def until() -> None:
@@ -198,13 +245,18 @@ async def test_task_pool_survives_a_restart(bus: NatsBus, loop_cfg: CoevoConfig)
 
 
 async def test_learner_resumes_after_kill_9_without_training_a_group_twice(
-        bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str) -> None:
+    bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str
+) -> None:
     from coevo.inference.clients import model_dir
 
     model_dir(loop_cfg, "policy")
     model_dir(loop_cfg, "judge")
-    producers = [TasksAgent(bus, loop_cfg), PolicyAgent(bus, loop_cfg), ScorerAgent(bus, loop_cfg),
-                 JudgeAgent(bus, loop_cfg)]
+    producers = [
+        TasksAgent(bus, loop_cfg),
+        PolicyAgent(bus, loop_cfg),
+        ScorerAgent(bus, loop_cfg),
+        JudgeAgent(bus, loop_cfg),
+    ]
     stop = asyncio.Event()
 
     def policy_steps(ev) -> list[LearnerStepped]:
@@ -256,14 +308,18 @@ def check_learner_lineage(events, ckpt_root) -> list[LearnerStepped]:
     assert state["version"] == lineage[-1].version
     consumed = set(state["consumed_groups"])
     assert consumed == set(trained)
-    trainable = {g.group_id for g in events if isinstance(g, GroupScored) and g.purpose == "train"
-                 and g.policy_samples and not g.flagged}
+    trainable = {
+        g.group_id
+        for g in events
+        if isinstance(g, GroupScored) and g.purpose == "train" and g.policy_samples and not g.flagged
+    }
     assert trainable - consumed == set(), "an acknowledged group was never trained"
     return lineage
 
 
 async def test_learner_killed_between_checkpoints_trains_the_lost_groups_again(
-        bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str) -> None:
+    bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str
+) -> None:
     """Checkpoints every 3 steps; kill -9 after a step past the last one: the groups of the lost
     steps were not acknowledged, come back, and are trained again on the restored weights."""
     from coevo.inference.clients import model_dir
@@ -272,15 +328,34 @@ async def test_learner_killed_between_checkpoints_trains_the_lost_groups_again(
     model_dir(loop_cfg, "policy")
     model_dir(loop_cfg, "judge")
     root = loop_cfg.run.runs_dir / run_id / "checkpoints" / "policy"
-    producers = [TasksAgent(bus, loop_cfg), PolicyAgent(bus, loop_cfg), ScorerAgent(bus, loop_cfg),
-                 JudgeAgent(bus, loop_cfg)]
+    producers = [
+        TasksAgent(bus, loop_cfg),
+        PolicyAgent(bus, loop_cfg),
+        ScorerAgent(bus, loop_cfg),
+        JudgeAgent(bus, loop_cfg),
+    ]
     stop = asyncio.Event()
     every = ["--set", "learner.checkpoint_every_steps=3", "--set", "learner.checkpoint_every_s=600"]
 
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen([PYTHON, "-m", "coevo", "agent", "learner", "--nats", nats_url, "--run-id", run_id,
-                                 *cli_args(loop_cfg), *every], env=subprocess_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
+        return subprocess.Popen(
+            [
+                PYTHON,
+                "-m",
+                "coevo",
+                "agent",
+                "learner",
+                "--nats",
+                nats_url,
+                "--run-id",
+                run_id,
+                *cli_args(loop_cfg),
+                *every,
+            ],
+            env=subprocess_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
 
     def last_version(ev) -> int:
         return max((e.version for e in ev if isinstance(e, LearnerStepped) and e.role == "policy"), default=0)
@@ -306,9 +381,14 @@ async def test_learner_killed_between_checkpoints_trains_the_lost_groups_again(
                 learner = start()
             first = {e.source.agent_id for e in before if isinstance(e, LearnerStepped)}
             learner = start()
-            await wait_for(bus, lambda ev: last_version([e for e in ev if isinstance(e, LearnerStepped)
-                                                         and e.source.agent_id not in first])
-                           >= killed["version"] + 2, timeout=300)
+            await wait_for(
+                bus,
+                lambda ev: (
+                    last_version([e for e in ev if isinstance(e, LearnerStepped) and e.source.agent_id not in first])
+                    >= killed["version"] + 2
+                ),
+                timeout=300,
+            )
             stop.set()
             await asyncio.sleep(6)
         finally:
@@ -328,48 +408,100 @@ async def test_learner_killed_between_checkpoints_trains_the_lost_groups_again(
 def test_coevo_run_stops_cleanly_and_resume_continues(tmp_path, model_cache) -> None:
     """`coevo run` (the README command) ends on --steps, writes summary.json; --resume continues."""
     runs = tmp_path / "runs"
-    base = [PYTHON, "-m", "coevo", "run", "--steps", "2", "--run.runs_dir", str(runs), "--env.cache_dir",
-            str(model_cache), "--set", "policy.n=4", "--set", "env.n_train=2", "--set", "env.n_heldout=1",
-            "--log.console", "off"]
-    first = subprocess.run([*base, "--run-id", "resumable"], capture_output=True, text=True, env=subprocess_env(),
-                           timeout=300)
+    base = [
+        PYTHON,
+        "-m",
+        "coevo",
+        "run",
+        "--steps",
+        "2",
+        "--run.runs_dir",
+        str(runs),
+        "--env.cache_dir",
+        str(model_cache),
+        "--set",
+        "policy.n=4",
+        "--set",
+        "env.n_train=2",
+        "--set",
+        "env.n_heldout=1",
+        "--log.console",
+        "off",
+    ]
+    first = subprocess.run(
+        [*base, "--run-id", "resumable"], capture_output=True, text=True, env=subprocess_env(), timeout=300
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     s1 = json.loads((runs / "resumable" / "summary.json").read_text())
     assert s1["learner_steps"] >= 2 and s1["run_id"] == "resumable"
-    second = subprocess.run([*base, "--resume", "resumable"], capture_output=True, text=True, env=subprocess_env(),
-                            timeout=300)
+    second = subprocess.run(
+        [*base, "--resume", "resumable"], capture_output=True, text=True, env=subprocess_env(), timeout=300
+    )
     assert second.returncode == 0, second.stderr[-2000:]
     s2 = json.loads((runs / "resumable" / "summary.json").read_text())
     assert s2["learner_steps"] >= s1["learner_steps"] + 2  # one stream, one version sequence
     assert s2["events"]["run.finished"] == 2
     export = tmp_path / "e.jsonl"
-    subprocess.run([PYTHON, "-m", "coevo", "events", "export", str(export), "--run", "resumable", "--runs-dir",
-                    str(runs)], check=True, env=subprocess_env(), capture_output=True, timeout=120)
-    versions = [json.loads(line)["event"]["version"] for line in export.read_text().splitlines()
-                if '"learner.stepped"' in line and '"role": "policy"' in line]
+    subprocess.run(
+        [PYTHON, "-m", "coevo", "events", "export", str(export), "--run", "resumable", "--runs-dir", str(runs)],
+        check=True,
+        env=subprocess_env(),
+        capture_output=True,
+        timeout=120,
+    )
+    versions = [
+        json.loads(line)["event"]["version"]
+        for line in export.read_text().splitlines()
+        if '"learner.stepped"' in line and '"role": "policy"' in line
+    ]
     assert versions == list(range(1, len(versions) + 1))
 
 
-async def test_learner_under_torchrun_with_two_gloo_ranks(bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str,
-                                                          run_id: str) -> None:
+async def test_learner_under_torchrun_with_two_gloo_ranks(
+    bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str
+) -> None:
     """`torchrun --nproc-per-node 2 -m coevo agent learner`: rank 0 consumes, both ranks train (FSDP2)."""
     from coevo.inference.clients import model_dir
     from coevo.training.lane import latest_checkpoint
 
     model_dir(loop_cfg, "policy")
     model_dir(loop_cfg, "judge")
-    producers = [TasksAgent(bus, loop_cfg), PolicyAgent(bus, loop_cfg), ScorerAgent(bus, loop_cfg),
-                 JudgeAgent(bus, loop_cfg)]
+    producers = [
+        TasksAgent(bus, loop_cfg),
+        PolicyAgent(bus, loop_cfg),
+        ScorerAgent(bus, loop_cfg),
+        JudgeAgent(bus, loop_cfg),
+    ]
     stop = asyncio.Event()
     learner = subprocess.Popen(
-        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "coevo",
-         "agent", "learner", "--nats", nats_url, "--run-id", run_id, *cli_args(loop_cfg)],
-        env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "coevo",
+            "agent",
+            "learner",
+            "--nats",
+            nats_url,
+            "--run-id",
+            run_id,
+            *cli_args(loop_cfg),
+        ],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
     async def scenario() -> None:
         try:
-            await wait_for(bus, lambda ev: sum(isinstance(e, LearnerStepped) and e.role == "policy" for e in ev) >= 2,
-                           timeout=300)
+            await wait_for(
+                bus, lambda ev: sum(isinstance(e, LearnerStepped) and e.role == "policy" for e in ev) >= 2, timeout=300
+            )
         finally:
             stop.set()
             os.killpg(learner.pid, signal.SIGTERM)
@@ -383,7 +515,8 @@ async def test_learner_under_torchrun_with_two_gloo_ranks(bus: NatsBus, loop_cfg
 
 
 async def test_a_rank_that_fails_its_step_ends_the_group_which_resumes_from_its_checkpoint(
-        bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str, tmp_path) -> None:
+    bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str, tmp_path
+) -> None:
     """#24: rank 0 fails inside a step (fault point between backward and the all-reduce) while rank 1
     waits in the step's collectives. Rank 0 used to retry the batch alone, issuing new collectives
     against rank 1's old ones. Now the failing rank ends its process and the other follows, so
@@ -396,17 +529,41 @@ async def test_a_rank_that_fails_its_step_ends_the_group_which_resumes_from_its_
 
     model_dir(loop_cfg, "policy")
     model_dir(loop_cfg, "judge")
-    producers = [TasksAgent(bus, loop_cfg), PolicyAgent(bus, loop_cfg), ScorerAgent(bus, loop_cfg),
-                 JudgeAgent(bus, loop_cfg)]
+    producers = [
+        TasksAgent(bus, loop_cfg),
+        PolicyAgent(bus, loop_cfg),
+        ScorerAgent(bus, loop_cfg),
+        JudgeAgent(bus, loop_cfg),
+    ]
     stop = asyncio.Event()
     fault = {"lane.optimizer_step": {"rank": 0, "after": 1, "times": 1}}
 
     def torchrun(log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "coevo", "agent",
-             "learner", "--nats", nats_url, "--run-id", run_id, *cli_args(loop_cfg),
-             "--set", "learner.checkpoint_every_steps=1"],
-            env=subprocess_env() | env, stdout=subprocess.DEVNULL, stderr=log.open("wb"), start_new_session=True)
+            [
+                PYTHON,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "coevo",
+                "agent",
+                "learner",
+                "--nats",
+                nats_url,
+                "--run-id",
+                run_id,
+                *cli_args(loop_cfg),
+                "--set",
+                "learner.checkpoint_every_steps=1",
+            ],
+            env=subprocess_env() | env,
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("wb"),
+            start_new_session=True,
+        )
 
     def steps_of(ev: list) -> list[LearnerStepped]:
         return [e for e in ev if isinstance(e, LearnerStepped)]
@@ -425,8 +582,12 @@ async def test_a_rank_that_fails_its_step_ends_the_group_which_resumes_from_its_
         before = {e.source.agent_id for e in steps_of(await bus.events(["learner.stepped"]))}
         second = torchrun(tmp_path / "second.log", {})
         try:
-            await wait_for(bus, lambda ev: sum(e.source.agent_id not in before for e in steps_of(ev)) >= 3,
-                           timeout=240, kinds=["learner.stepped"])
+            await wait_for(
+                bus,
+                lambda ev: sum(e.source.agent_id not in before for e in steps_of(ev)) >= 3,
+                timeout=240,
+                kinds=["learner.stepped"],
+            )
         finally:
             stop.set()
             os.killpg(second.pid, signal.SIGTERM)
@@ -437,5 +598,7 @@ async def test_a_rank_that_fails_its_step_ends_the_group_which_resumes_from_its_
     per_process = Counter(e.source.agent_id for e in steps)
     assert _trained_twice(steps) == 0, f"trained twice: {_trained_twice(steps)} ({per_process})"
     assert _monotonic(steps), [(e.source.agent_id, e.role, e.version) for e in steps]
-    letters = [d.reason[:200] for d in await bus.events(["dead.lettered"]) if d.original_subject.endswith("group.scored")]
+    letters = [
+        d.reason[:200] for d in await bus.events(["dead.lettered"]) if d.original_subject.endswith("group.scored")
+    ]
     assert not letters, letters

@@ -76,8 +76,11 @@ def test_a_lora_lane_trains_checkpoints_and_publishes_only_its_adapter(tiny: Pat
     assert all(torch.equal(after[k], v) for k, v in frozen.items())  # the base never moves
     assert any(p.abs().sum() > 0 for k, p in after.items() if "lora_B" in k)  # the adapter did
     path, digest, size = lane.publish()
-    assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
-                                                       "manifest.json"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "manifest.json",
+    ]
     assert manifest_of(path)["digest"] == digest and size < 0.12 * full_bytes
     ckpt, _, _ = lane.checkpoint()
     adapter = {k: v.clone() for k, v in lora.adapter_state(lane.model, "policy").items()}
@@ -153,7 +156,8 @@ def test_policy_and_judge_as_two_adapters_of_one_base_held_once(tiny: Path, tmp_
 
 @pytest.mark.parametrize("held", [True, False], ids=["in-memory", "from-disk"])
 async def test_a_local_engine_follows_adapter_versions_as_the_learner_computes_them(
-        tiny: Path, tmp_path: Path, held: bool) -> None:
+    tiny: Path, tmp_path: Path, held: bool
+) -> None:
     """Each version is merged into the base, not into the previous merge: after v1 then v2 the engine
     serves v2 exactly as the lane computes it."""
     lane = Lane("policy", tiny, tmp_path, LORA, device="cpu")
@@ -162,13 +166,24 @@ async def test_a_local_engine_follows_adapter_versions_as_the_learner_computes_t
     for version in (1, 2):
         lane.step(_samples(f"g{version}"), [f"g{version}"])
         path, digest, size = lane.publish()
-        events.append(WeightsPublished(run_id="r", source=src, role="policy", version=lane.version,
-                                       path=str(path), sha256=digest, bytes=size, format="lora"))
+        events.append(
+            WeightsPublished(
+                run_id="r",
+                source=src,
+                role="policy",
+                version=lane.version,
+                path=str(path),
+                sha256=digest,
+                bytes=size,
+                format="lora",
+            )
+        )
     if not held:
         HELD.clear()
     async with LocalEngine(tiny, name="policy", device="cpu") as engine:
-        follower = WeightsFollower("policy", DiskReload(engine, tmp_path, full_verify=True),
-                                   lambda: engine.version, Counter())
+        follower = WeightsFollower(
+            "policy", DiskReload(engine, tmp_path, full_verify=True), lambda: engine.version, Counter()
+        )
         for seq, event in enumerate(events, 1):
             applied = await follower.follow(event, SimpleNamespace(stream_seq=seq))  # type: ignore[arg-type]
             assert applied is not None and applied.ok and applied.transport == "adapter", applied
@@ -189,8 +204,16 @@ async def test_a_server_that_cannot_load_adapters_refuses_them_and_keeps_serving
 
     lane = Lane("policy", tiny, tmp_path, LORA, device="cpu")
     path, digest, size = lane.publish()
-    event = WeightsPublished(run_id="r", source=Source(agent_id="l", role="learner"), role="policy", version=0,
-                             path=str(path), sha256=digest, bytes=size, format="lora")
+    event = WeightsPublished(
+        run_id="r",
+        source=Source(agent_id="l", role="learner"),
+        role="policy",
+        version=0,
+        path=str(path),
+        sha256=digest,
+        bytes=size,
+        format="lora",
+    )
     follower = WeightsFollower("policy", DiskReload(FullOnly(), tmp_path), lambda: 0, Counter())
     applied = await follower.follow(event, None)
     assert applied is not None and not applied.ok and "cannot load LoRA adapters" in (applied.error or "")
@@ -213,8 +236,9 @@ async def test_the_loop_trains_lora_adapters_of_both_lanes_and_the_engines_follo
     from tests.test_vllm import _dump
 
     base = {"policy.model": str(model_dir(loop_cfg, "policy")), "judge.model": str(model_dir(loop_cfg, "policy"))}
-    cfg = load_config(overrides={**_dump(loop_cfg), "learner.lora": {"rank": 4, "alpha": 8.0},
-                                 **(base if one_base else {})})
+    cfg = load_config(
+        overrides={**_dump(loop_cfg), "learner.lora": {"rank": 4, "alpha": 8.0}, **(base if one_base else {})}
+    )
     assert cfg.trains_judge
     agents = build_agents(bus, cfg)
     learner = next(a for a in agents if isinstance(a, LearnerAgent))
@@ -225,9 +249,15 @@ async def test_the_loop_trains_lora_adapters_of_both_lanes_and_the_engines_follo
 
     async def until() -> None:
         try:
-            await wait_for(bus, lambda ev: max(applied(ev, "policy"), default=0) >= 2
-                           and max(applied(ev, "judge"), default=0) >= 1
-                           and any(isinstance(e, StepTaken) and e.policy_version >= 1 for e in ev), timeout=240)
+            await wait_for(
+                bus,
+                lambda ev: (
+                    max(applied(ev, "policy"), default=0) >= 2
+                    and max(applied(ev, "judge"), default=0) >= 1
+                    and any(isinstance(e, StepTaken) and e.policy_version >= 1 for e in ev)
+                ),
+                timeout=240,
+            )
         finally:
             stop.set()
 
@@ -255,7 +285,8 @@ def _default(cfg) -> Path:
 @pytest.mark.vllm
 @pytest.mark.slow
 async def test_vllm_serves_each_adapter_version_as_the_learner_computes_it_and_the_loop_advances(
-        bus, loop_cfg, model_cache: Path, tmp_path: Path) -> None:
+    bus, loop_cfg, model_cache: Path, tmp_path: Path
+) -> None:
     """A real vLLM (CPU build, ``--enable-lora``): an adapter loaded at runtime samples what the LoRA
     lane computes (the parity probe on fresh samples), not the base; then the closed loop with
     ``learner.lora``, policy and judge as two adapters of the one base that server serves, moves both
@@ -286,24 +317,39 @@ async def test_vllm_serves_each_adapter_version_as_the_learner_computes_it_and_t
         assert before < 0.02 and stated < 0.02 and tokens > 100, (before, stated)
         assert against_base > 1e-3, against_base  # the adapter is served, not the base (about 0.05; equal: 1e-14)
         # one base, two roles: policy and judge are two adapters of the model this one server serves
-        cfg = load_config(overrides={**_dump(loop_cfg), "policy.url": url, "policy.model": str(model),
-                                     "judge.backend": "vllm", "judge.url": url, "judge.model": str(model),
-                                     "judge.mode": "verdict", "learner.lora": LORA.lora.model_dump(mode="json"),
-                                     "learner.batch_samples": 8})
+        cfg = load_config(
+            overrides={
+                **_dump(loop_cfg),
+                "policy.url": url,
+                "policy.model": str(model),
+                "judge.backend": "vllm",
+                "judge.url": url,
+                "judge.model": str(model),
+                "judge.mode": "verdict",
+                "learner.lora": LORA.lora.model_dump(mode="json"),
+                "learner.batch_samples": 8,
+            }
+        )
         assert cfg.trains_judge
         stop = asyncio.Event()
 
         def served(events: list, role: str) -> list[WeightsApplied]:
-            return [e for e in events if isinstance(e, WeightsApplied) and e.role == role
-                    and e.server.startswith(role)]
+            return [e for e in events if isinstance(e, WeightsApplied) and e.role == role and e.server.startswith(role)]
 
         def advanced(events: list, role: str) -> bool:
             return len({e.version for e in served(events, role) if e.ok}) >= 2
 
         async def until() -> None:
             try:
-                await wait_for(bus, lambda ev: advanced(ev, "policy") and advanced(ev, "judge")
-                               and any(isinstance(e, StepTaken) and e.policy_version >= 1 for e in ev), timeout=300)
+                await wait_for(
+                    bus,
+                    lambda ev: (
+                        advanced(ev, "policy")
+                        and advanced(ev, "judge")
+                        and any(isinstance(e, StepTaken) and e.policy_version >= 1 for e in ev)
+                    ),
+                    timeout=300,
+                )
             finally:
                 stop.set()
 

@@ -27,8 +27,9 @@ ctypes.CDLL(None).malloc_stats()  # one "Arena N:" block per arena, on stderr
 
 
 def _arenas(mode: str, env: dict[str, str] | None = None) -> tuple[str, int]:
-    out = subprocess.run([sys.executable, "-c", _THREADS_ALLOCATE, mode], capture_output=True, text=True,
-                         check=True, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", _THREADS_ALLOCATE, mode], capture_output=True, text=True, check=True, env=env, timeout=60
+    )
     return out.stdout.strip(), sum(line.startswith("Arena ") for line in out.stderr.splitlines())
 
 
@@ -48,8 +49,15 @@ def test_every_coevo_command_sets_it_first(tmp_path) -> None:
     """``coevo.cli.main`` (what ``coevo run``, ``agent`` and every tool go through) sets the cap."""
     script = _THREADS_ALLOCATE.replace(
         'print(bound_malloc_arenas() if sys.argv[1] == "bound" else "free", flush=True)',
-        f'import coevo.cli; print(coevo.cli.main(["schemas", "export", {str(tmp_path)!r}]), flush=True)')
-    out = subprocess.run([sys.executable, "-c", script, "cli"], capture_output=True, text=True, check=True,
-                         env={"PATH": "/usr/bin:/bin"}, timeout=60)
+        f'import coevo.cli; print(coevo.cli.main(["schemas", "export", {str(tmp_path)!r}]), flush=True)',
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, "cli"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
     assert out.stdout.splitlines()[-1] == "0" and list(tmp_path.iterdir())
     assert sum(line.startswith("Arena ") for line in out.stderr.splitlines()) <= 2

@@ -37,8 +37,12 @@ from coevo.schemas import (
 from tests.conftest import REPO
 
 SRC = Source(agent_id="tasks-1", role="tasks")
-TASK = TaskSpec(task_id="qg-t0", family="quickgame", params={"seed": 1}, knobs={"steps": 3, "distractors": 0,
-                                                                               "slack": 1, "hints": 0})
+TASK = TaskSpec(
+    task_id="qg-t0",
+    family="quickgame",
+    params={"seed": 1},
+    knobs={"steps": 3, "distractors": 0, "slack": 1, "hints": 0},
+)
 HELD = TaskSpec(task_id="qg-h0", family="quickgame", params={"seed": 2}, knobs={"steps": 3}, split="heldout")
 
 
@@ -47,60 +51,188 @@ def ev(cls: type[Event], ts: float, **fields: Any) -> Event:
 
 
 def sample(i: int) -> TrainingSample:
-    return TrainingSample(sample_id=f"s{i}", role="policy", prompt_token_ids=[1], response_token_ids=[2],
-                          logprobs=[-0.1], advantage=0.5, model_version=0, step_event_id=f"e{i}")
+    return TrainingSample(
+        sample_id=f"s{i}",
+        role="policy",
+        prompt_token_ids=[1],
+        response_token_ids=[2],
+        logprobs=[-0.1],
+        advantage=0.5,
+        model_version=0,
+        step_event_id=f"e{i}",
+    )
 
 
 def scored(ts: float, gid: str, acc: float, purpose: str = "train", reward: float = 0.0, **kw: Any) -> Event:
-    return ev(GroupScored, ts, task_id=HELD.task_id if purpose == "eval" else TASK.task_id, group_id=gid,
-              slot_id="heldout-0" if purpose == "eval" else "train-0", purpose=purpose, accuracy=acc,
-              n_trajectories=4, policy_band_ok=True, judge_band_ok=True, mean_reward=reward, **kw)
+    return ev(
+        GroupScored,
+        ts,
+        task_id=HELD.task_id if purpose == "eval" else TASK.task_id,
+        group_id=gid,
+        slot_id="heldout-0" if purpose == "eval" else "train-0",
+        purpose=purpose,
+        accuracy=acc,
+        n_trajectories=4,
+        policy_band_ok=True,
+        judge_band_ok=True,
+        mean_reward=reward,
+        **kw,
+    )
 
 
 def a_run() -> list[Event]:
     """A small run: 6 train groups, a 2-group eval round, 2 learner steps, weights, a rewrite, agents."""
-    child = TASK.model_copy(update={"task_id": "qg-t0__v1", "parent_id": "qg-t0", "version": 1,
-                                    "knobs": {**TASK.knobs, "steps": 4}})
+    child = TASK.model_copy(
+        update={"task_id": "qg-t0__v1", "parent_id": "qg-t0", "version": 1, "knobs": {**TASK.knobs, "steps": 4}}
+    )
     events: list[Event] = [
         ev(TaskScheduled, 0, task=TASK, slot_id="train-0", group_id="g-1", n_rollouts=4),
-        ev(StepTaken, 0.5, trajectory_id="g-1-r0", task_id="qg-t0", group_id="g-1", step_index=0, observation="o",
-           action_text="go north", policy_version=0),
-        ev(StepJudged, 0.6, step_event_id="e1", trajectory_id="g-1-r0", task_id="qg-t0", group_id="g-1",
-           step_index=0, votes=[Vote(index=0, value=1, status="ok"),
-                                Vote(index=1, value=None, status="error", rationale="timeout", cost_usd=0.01)]),
-        ev(TrajectoryCompleted, 0.7, trajectory_id="g-1-r0", task_id="qg-t0", group_id="g-1", outcome="won",
-           num_steps=1, policy_versions=[0]),
+        ev(
+            StepTaken,
+            0.5,
+            trajectory_id="g-1-r0",
+            task_id="qg-t0",
+            group_id="g-1",
+            step_index=0,
+            observation="o",
+            action_text="go north",
+            policy_version=0,
+        ),
+        ev(
+            StepJudged,
+            0.6,
+            step_event_id="e1",
+            trajectory_id="g-1-r0",
+            task_id="qg-t0",
+            group_id="g-1",
+            step_index=0,
+            votes=[
+                Vote(index=0, value=1, status="ok"),
+                Vote(index=1, value=None, status="error", rationale="timeout", cost_usd=0.01),
+            ],
+        ),
+        ev(
+            TrajectoryCompleted,
+            0.7,
+            trajectory_id="g-1-r0",
+            task_id="qg-t0",
+            group_id="g-1",
+            outcome="won",
+            num_steps=1,
+            policy_versions=[0],
+        ),
     ]
     for i, acc in enumerate([0.25, 0.5, 0.5, 0.75, 0.75, 1.0]):
-        events.append(scored(1 + i, f"g-{i + 1}", acc, reward=acc - 0.5, judge_process_accuracy=0.5 + i / 20,
-                             judge_outcome_accuracy=0.6, judge_consistency=0.3,
-                             trajectory_ids=["g-1-r0"] if i == 0 else [],
-                             policy_samples=[sample(i)] if acc < 1 else []))
+        events.append(
+            scored(
+                1 + i,
+                f"g-{i + 1}",
+                acc,
+                reward=acc - 0.5,
+                judge_process_accuracy=0.5 + i / 20,
+                judge_outcome_accuracy=0.6,
+                judge_consistency=0.3,
+                trajectory_ids=["g-1-r0"] if i == 0 else [],
+                policy_samples=[sample(i)] if acc < 1 else [],
+            )
+        )
     events += [
         ev(TaskScheduled, 7, task=HELD, slot_id="heldout-0", group_id="eval1-a", n_rollouts=4, purpose="eval"),
         ev(TaskScheduled, 7, task=HELD, slot_id="heldout-0", group_id="eval1-b", n_rollouts=4, purpose="eval"),
         scored(8, "eval1-a", 0.5, "eval"),
         scored(9, "eval1-b", 1.0, "eval"),
-        ev(LearnerStepped, 10, role="policy", version=1, samples=3, tokens=30, loss=0.5, kl=0.01, clip_fraction=0.1,
-           mismatch_kl=0.02, staleness_histogram={"0": 2, "1": 1}, tokens_per_second=100.0, group_ids=["g-1"]),
+        ev(
+            LearnerStepped,
+            10,
+            role="policy",
+            version=1,
+            samples=3,
+            tokens=30,
+            loss=0.5,
+            kl=0.01,
+            clip_fraction=0.1,
+            mismatch_kl=0.02,
+            staleness_histogram={"0": 2, "1": 1},
+            tokens_per_second=100.0,
+            group_ids=["g-1"],
+        ),
         ev(WeightsApplied, 11, role="policy", server="policy-a", version=1, pause_ms=12.5),
         ev(WeightsApplied, 11.5, role="policy", server="vllm-b", version=1, pause_ms=40.0, transport="gloo"),
         ev(WeightsApplied, 11.6, role="policy", server="vllm-b", version=1, pause_ms=0.0, ok=False, error="x"),
-        ev(TaskRewritten, 12, slot_id="train-0", parent=TASK, candidate=child, direction="harder", rewriter="builtin",
-           precheck_ok=True),
-        ev(TaskDecided, 13, slot_id="train-0", parent_id="qg-t0", candidate_id="qg-t0__v1", direction="harder",
-           accepted=True, reason="in band", parent_accuracy=1.0, candidate_accuracy=0.5, rewriter="builtin"),
+        ev(
+            TaskRewritten,
+            12,
+            slot_id="train-0",
+            parent=TASK,
+            candidate=child,
+            direction="harder",
+            rewriter="builtin",
+            precheck_ok=True,
+        ),
+        ev(
+            TaskDecided,
+            13,
+            slot_id="train-0",
+            parent_id="qg-t0",
+            candidate_id="qg-t0__v1",
+            direction="harder",
+            accepted=True,
+            reason="in band",
+            parent_accuracy=1.0,
+            candidate_accuracy=0.5,
+            rewriter="builtin",
+        ),
         ev(TaskScheduled, 14, task=child, slot_id="train-0", group_id="g-7", n_rollouts=4),
-        ev(AgentStatus, 15, agent_id="judge-1", role="judge", state="running", uptime_s=15,
-           counters={"restarts.main": 2, "judge.handled": 5}),
-        ev(AgentStatus, 15.2, agent_id="policy-1", role="policy", state="running", uptime_s=15,
-           counters={"endpoint.tokens.reused": 5, "endpoint.tokens.diverged": 1}),
-        ev(AgentStatus, 15.4, agent_id="policy-1", role="policy", state="running", uptime_s=16,
-           counters={"endpoint.tokens.reused": 7, "endpoint.tokens.diverged": 2}),
-        ev(DeadLettered, 16, original_subject="coevo.r1.ev.step.taken", consumer="judge", reason="bad", raw=b"x",
-           delivery_count=3),
-        ev(LearnerStepped, 20, role="policy", version=2, samples=2, tokens=20, loss=0.25, kl=0.02, clip_fraction=0.0,
-           mismatch_kl=0.01, staleness_histogram={"1": 2}, tokens_per_second=120.0),
+        ev(
+            AgentStatus,
+            15,
+            agent_id="judge-1",
+            role="judge",
+            state="running",
+            uptime_s=15,
+            counters={"restarts.main": 2, "judge.handled": 5},
+        ),
+        ev(
+            AgentStatus,
+            15.2,
+            agent_id="policy-1",
+            role="policy",
+            state="running",
+            uptime_s=15,
+            counters={"endpoint.tokens.reused": 5, "endpoint.tokens.diverged": 1},
+        ),
+        ev(
+            AgentStatus,
+            15.4,
+            agent_id="policy-1",
+            role="policy",
+            state="running",
+            uptime_s=16,
+            counters={"endpoint.tokens.reused": 7, "endpoint.tokens.diverged": 2},
+        ),
+        ev(
+            DeadLettered,
+            16,
+            original_subject="coevo.r1.ev.step.taken",
+            consumer="judge",
+            reason="bad",
+            raw=b"x",
+            delivery_count=3,
+        ),
+        ev(
+            LearnerStepped,
+            20,
+            role="policy",
+            version=2,
+            samples=2,
+            tokens=20,
+            loss=0.25,
+            kl=0.02,
+            clip_fraction=0.0,
+            mismatch_kl=0.01,
+            staleness_histogram={"1": 2},
+            tokens_per_second=120.0,
+        ),
     ]
     return events
 
@@ -162,8 +294,10 @@ def test_consumer_infos_become_series_and_rows() -> None:
     agg = Aggregator()
     agg.add(ev(TaskScheduled, 0, task=TASK, slot_id="train-0", group_id="g-1", n_rollouts=4), 1)
     points = agg.add_consumers([ConsumerInfo("judge", pending=7, ack_pending=3)], wall=1010.0)
-    assert {p.key: p.value for p in points} == {'consumer_pending{consumer="judge"}': 7.0,
-                                                 'consumer_ack_pending{consumer="judge"}': 3.0}
+    assert {p.key: p.value for p in points} == {
+        'consumer_pending{consumer="judge"}': 7.0,
+        'consumer_ack_pending{consumer="judge"}': 3.0,
+    }
     assert points[0].t == 10.0 and agg.state_json()["consumers"][0]["pending"] == 7
 
 
@@ -179,8 +313,9 @@ def test_summary_fields_are_documented() -> None:
     """docs/observability.md's summary table is the one generated from RunSummary's descriptions."""
     doc = (REPO / "docs" / "observability.md").read_text()
     start, end = doc.index(SUMMARY_TABLE[0]), doc.index(SUMMARY_TABLE[1]) + len(SUMMARY_TABLE[1])
-    assert doc[start:end] == summary_table(), "regenerate: python -c 'from coevo.observe.tally import " \
-        "summary_table; print(summary_table())'"
+    assert doc[start:end] == summary_table(), (
+        "regenerate: python -c 'from coevo.observe.tally import summary_table; print(summary_table())'"
+    )
     assert set(RunTally().summary("r", 1.0).model_dump()) == set(SUMMARY_FIELDS)
     documented = set(re.findall(r"^\| `([a-z_0-9]+)` \|", doc, re.MULTILINE))
     assert set(SPECS) <= documented, set(SPECS) - documented  # and every series
@@ -188,13 +323,22 @@ def test_summary_fields_are_documented() -> None:
 
 def test_the_human_summary_says_what_improved_and_warns_without_a_learner_step() -> None:
     cfg = load_config()
-    summary = {**RunTally().summary("r1", 90.0).model_dump(), "policy_success_start": 0.25, "policy_success_end": 0.75,
-               "learner_steps": 3, "groups_scored": 6}
+    summary = {
+        **RunTally().summary("r1", 90.0).model_dump(),
+        "policy_success_start": 0.25,
+        "policy_success_end": 0.75,
+        "learner_steps": 3,
+        "groups_scored": 6,
+    }
     text = describe(summary, cfg, {"report": "runs/r1/report/index.html"})
     assert "policy success on train groups: 0.25 -> 0.75 (improved, +0.50" in text
     assert "report:" in text and "warning" not in text
-    idle = {**RunTally().summary("r1", 30.0).model_dump(), "groups_scored": 4, "policy_samples": 0,
-            "train_groups_with_samples": 0}
+    idle = {
+        **RunTally().summary("r1", 30.0).model_dump(),
+        "groups_scored": 4,
+        "policy_samples": 0,
+        "train_groups_with_samples": 0,
+    }
     assert "every rollout won or every one lost" in (no_learning_reason(idle, cfg) or "")
     few = {**idle, "policy_samples": 5, "train_groups_with_samples": 2}
     assert f"fewer than learner.batch_samples = {cfg.learner.batch_samples}" in describe(few, cfg, {})
@@ -205,8 +349,9 @@ def test_the_human_summary_says_what_improved_and_warns_without_a_learner_step()
 def test_counter_dumps_stay_out_of_the_console() -> None:
     import logging
 
-    record = logging.LogRecord("coevo.agent.judge", logging.INFO, "", 0, {"event": "agent.stopped", "counters": {}},
-                               None, None)
+    record = logging.LogRecord(
+        "coevo.agent.judge", logging.INFO, "", 0, {"event": "agent.stopped", "counters": {}}, None, None
+    )
     assert not _HideFromConsole().filter(record)
     record.msg = {"event": "run.finished"}
     assert _HideFromConsole().filter(record)
@@ -229,8 +374,10 @@ def test_tensorboard_files_read_back(tmp_path: Path) -> None:
     acc.Reload()
     assert [s.value for s in acc.Scalars("success/success_train")] == [0.25, 0.5, 0.5, 0.75, 0.75, 1.0]
     assert [s.step for s in acc.Scalars("loss/learner_loss/policy")] == [1, 2]
-    assert tb_tag("weights_pause_ms", (("role", "policy"), ("server", "a/b"), ("transport", "disk"))) == \
-        "weights/weights_pause_ms/policy/a_b/disk"
+    assert (
+        tb_tag("weights_pause_ms", (("role", "policy"), ("server", "a/b"), ("transport", "disk")))
+        == "weights/weights_pause_ms/policy/a_b/disk"
+    )
 
 
 def test_wandb_sink_logs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -288,18 +435,27 @@ def test_report_of_a_run_has_the_plots_and_opens_alone(tmp_path: Path) -> None:
     for plot in ("success", "reward", "judge", "kl", "weights", "loss", "staleness_hist"):
         assert f'id="plot-{plot}"' in page
         assert (tmp_path / "report" / "plots" / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "src=\"http" not in page and "<script" not in page
+    assert 'src="http' not in page and "<script" not in page
     assert "learner_steps" in page and SUMMARY_FIELDS["learner_steps"] in page
 
 
 def test_report_of_bench_results(tmp_path: Path) -> None:
     from coevo.cli import main
 
-    curve = [{"seconds": 0.0, "success": 0.2, "policy_version": 0}, {"seconds": 60.0, "success": 0.7,
-                                                                    "policy_version": 9}]
+    curve = [
+        {"seconds": 0.0, "success": 0.2, "policy_version": 0},
+        {"seconds": 60.0, "success": 0.7, "policy_version": 9},
+    ]
     learn = tmp_path / "learn.json"
-    learn.write_text(json.dumps({"final_success": 0.7, "curves": {"integrated": curve, "outcome_only": curve},
-                                 "integrated": {"learner_steps": 9}}))
+    learn.write_text(
+        json.dumps(
+            {
+                "final_success": 0.7,
+                "curves": {"integrated": curve, "outcome_only": curve},
+                "integrated": {"learner_steps": 9},
+            }
+        )
+    )
     ladder = tmp_path / "ladder.json"
     rung = {"train_success": 0.6, "heldout_success": 0.5, "judge_process_accuracy": 0.7, "curve": curve}
     ladder.write_text(json.dumps({"minutes_per_rung": 1, "rungs": {"policy-only": rung, "full": rung}}))
@@ -327,12 +483,29 @@ def test_trace_tree_shows_rationales_and_the_learner_step_number() -> None:
 
     from coevo.tools.trace_view import tree
 
-    step = {"step": 0, "action": "go north", "result": "ok", "policy_version": 2, "reference_label": 1,
-            "advantage": 0.5, "votes": [{"value": 1, "status": "ok", "rationale": "moves toward the key"},
-                                        {"value": None, "status": "error", "rationale": "timeout"}]}
-    t = {"kind": "trajectory", "trajectory_id": "g-1-r0", "task_id": "qg-t0", "outcome": "won", "lineage": [],
-         "steps": [step], "group": None, "learner_step": {"version": 7, "loss": 0.1, "ts": 0.0},
-         "weights": {"applied": []}}
+    step = {
+        "step": 0,
+        "action": "go north",
+        "result": "ok",
+        "policy_version": 2,
+        "reference_label": 1,
+        "advantage": 0.5,
+        "votes": [
+            {"value": 1, "status": "ok", "rationale": "moves toward the key"},
+            {"value": None, "status": "error", "rationale": "timeout"},
+        ],
+    }
+    t = {
+        "kind": "trajectory",
+        "trajectory_id": "g-1-r0",
+        "task_id": "qg-t0",
+        "outcome": "won",
+        "lineage": [],
+        "steps": [step],
+        "group": None,
+        "learner_step": {"version": 7, "loss": 0.1, "ts": 0.0},
+        "weights": {"applied": []},
+    }
     console = Console(width=200, record=True)
     console.print(tree(t))
     text = console.export_text()

@@ -91,9 +91,22 @@ class Page:
 
 @asynccontextmanager
 async def chromium(binary: str) -> AsyncIterator[Page]:
-    proc = subprocess.Popen([binary, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-port=0",
-                             "--remote-allow-origins=*", "--window-size=1400,1000", "--hide-scrollbars",
-                             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--remote-debugging-port=0",
+            "--remote-allow-origins=*",
+            "--window-size=1400,1000",
+            "--hide-scrollbars",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = await asyncio.to_thread(_devtools_port, proc)
         async with aiohttp.ClientSession() as http:
@@ -157,22 +170,56 @@ def wait_state(url: str, predicate: Any, timeout: float) -> dict[str, Any]:
 def live(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Live]:
     runs = tmp_path_factory.mktemp("observed") / "runs"
     port = _free_port()
-    overrides = [a for k, v in {**LOOP_OVERRIDES, "env.cache_dir": str(model_cache), "run.runs_dir": str(runs),
-                                "agent.heartbeat_s": 1.0}.items()
-                 for a in ("--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}")]
-    proc = subprocess.Popen([PYTHON, "-m", "coevo", "run", "--minutes", "6", "--run-id", RUN_ID, "--dashboard-port",
-                             "0", "--metrics-port", str(port), *overrides], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    overrides = [
+        a
+        for k, v in {
+            **LOOP_OVERRIDES,
+            "env.cache_dir": str(model_cache),
+            "run.runs_dir": str(runs),
+            "agent.heartbeat_s": 1.0,
+        }.items()
+        for a in ("--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}")
+    ]
+    proc = subprocess.Popen(
+        [
+            PYTHON,
+            "-m",
+            "coevo",
+            "run",
+            "--minutes",
+            "6",
+            "--run-id",
+            RUN_ID,
+            "--dashboard-port",
+            "0",
+            "--metrics-port",
+            str(port),
+            *overrides,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     assert proc.stdout is not None
     first = proc.stdout.readline() + proc.stdout.readline()
     m = re.search(r"dashboard at (http://127\.0\.0\.1:\d+)", first)
     if m is None:
         proc.kill()
-        pytest.fail(f"coevo run printed no dashboard address: {first!r}\n{proc.stderr.read()[-3000:] if proc.stderr else ''}")
+        pytest.fail(
+            f"coevo run printed no dashboard address: {first!r}\n{proc.stderr.read()[-3000:] if proc.stderr else ''}"
+        )
     run = Live(proc, m.group(1), f"http://127.0.0.1:{port}/metrics", runs, stdout=first)
     try:
-        wait_state(run.dashboard, lambda s: s["summary"]["learner_steps"] >= 2 and s["summary"]["groups_scored"] >= 6
-                   and s["summary"]["events"].get("weights.applied", 0) >= 2, timeout=280)
+        wait_state(
+            run.dashboard,
+            lambda s: (
+                s["summary"]["learner_steps"] >= 2
+                and s["summary"]["groups_scored"] >= 6
+                and s["summary"]["events"].get("weights.applied", 0) >= 2
+            ),
+            timeout=280,
+        )
         yield run
     finally:
         if proc.poll() is None:
@@ -190,8 +237,11 @@ async def test_dashboard_pages_render_live_in_chromium(live: Live, tmp_path: Pat
         await page.goto(url + "/", "document.getElementById('page').dataset.ready === '1'")
         points = "(c) => Number(document.querySelector(`figure.chart[data-chart=${c}]`).dataset.points || 0)"
         for chart in ("success", "reward", "judge", "loss", "kl", "weights"):
-            await page.wait(f"({points})('{chart}') > 0 && document.querySelectorAll("
-                            f"'figure.chart[data-chart={chart}] svg .pt').length > 0", timeout=30)
+            await page.wait(
+                f"({points})('{chart}') > 0 && document.querySelectorAll("
+                f"'figure.chart[data-chart={chart}] svg .pt').length > 0",
+                timeout=30,
+            )
         circles = await page.js("document.querySelectorAll('figure.chart[data-chart=success] circle.pt').length")
         assert circles >= 6
         before = await page.js(f"({points})('success')")
@@ -201,11 +251,15 @@ async def test_dashboard_pages_render_live_in_chromium(live: Live, tmp_path: Pat
         assert shot.stat().st_size > 20_000
 
         await page.goto(url + "/trajectories", "document.querySelectorAll('table.trajectories tbody tr').length > 0")
-        trained = await page.js("[...document.querySelectorAll('table.trajectories tbody tr')]"
-                                ".filter(r => r.innerText.includes('policy step')).length")
+        trained = await page.js(
+            "[...document.querySelectorAll('table.trajectories tbody tr')]"
+            ".filter(r => r.innerText.includes('policy step')).length"
+        )
         assert trained > 0, "no trajectory shows the learner step that trained it"
-        href = await page.js("[...document.querySelectorAll('table.trajectories tbody tr')]"
-                             ".find(r => r.innerText.includes('policy step')).querySelector('a').getAttribute('href')")
+        href = await page.js(
+            "[...document.querySelectorAll('table.trajectories tbody tr')]"
+            ".find(r => r.innerText.includes('policy step')).querySelector('a').getAttribute('href')"
+        )
         await page.goto(url + href, "document.querySelectorAll('table.steps .vote').length > 0", timeout=90)
         text = await page.js("document.getElementById('page').innerText")
         assert "trained by policy learner step" in text and "Steps, votes and advantages" in text
@@ -215,7 +269,9 @@ async def test_dashboard_pages_render_live_in_chromium(live: Live, tmp_path: Pat
         await page.goto(url + "/tasks", "document.querySelectorAll('table.slots tbody tr').length > 0")
         assert await page.js("document.querySelectorAll('table.rewrites tbody tr').length") > 0
         await page.goto(url + "/agents", "document.querySelectorAll('table.agents tbody tr').length >= 5")
-        roles = await page.js("[...document.querySelectorAll('table.agents tbody tr td:nth-child(2)')].map(x => x.innerText)")
+        roles = await page.js(
+            "[...document.querySelectorAll('table.agents tbody tr td:nth-child(2)')].map(x => x.innerText)"
+        )
         assert {"policy", "judge", "scorer", "tasks", "learner"} <= set(roles)
         assert await page.js("document.querySelectorAll('table.consumers tbody tr').length") >= 4
 
@@ -279,12 +335,22 @@ def test_offline_report_dashboard_and_trace_of_the_finished_run(live: Live, tmp_
     if live.proc.poll() is None:
         live.stop()
     common = ["--run", RUN_ID, "--runs-dir", str(live.runs)]
-    done = subprocess.run([PYTHON, "-m", "coevo", "report", *common, "--out", str(tmp_path / "r")], capture_output=True,
-                          text=True, env=subprocess_env(), timeout=180)
+    done = subprocess.run(
+        [PYTHON, "-m", "coevo", "report", *common, "--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "r" / "plots" / "success.png").exists()
-    dash = subprocess.Popen([PYTHON, "-m", "coevo", "dashboard", *common, "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    dash = subprocess.Popen(
+        [PYTHON, "-m", "coevo", "dashboard", *common, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         assert dash.stdout is not None
         m = re.search(r"at (http://127\.0\.0\.1:\d+)", dash.stdout.readline())
@@ -297,7 +363,12 @@ def test_offline_report_dashboard_and_trace_of_the_finished_run(live: Live, tmp_
     finally:
         dash.send_signal(signal.SIGINT)
         dash.wait(timeout=60)
-    tree = subprocess.run([PYTHON, "-m", "coevo", "trace", trajectory, *common], capture_output=True, text=True,
-                          env=subprocess_env(), timeout=120)
+    tree = subprocess.run(
+        [PYTHON, "-m", "coevo", "trace", trajectory, *common],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
     assert tree.returncode == 0, tree.stderr[-2000:]
     assert "votes" in tree.stdout

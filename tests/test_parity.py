@@ -31,8 +31,9 @@ def instruct(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     (``--generation-config auto``, vLLM's default): (URL, model dir)."""
     from coevo.inference.models import ensure_default_model
 
-    model = with_instruct_defaults(ensure_default_model("policy", model_cache),
-                                   tmp_path_factory.mktemp("instruct") / "model")
+    model = with_instruct_defaults(
+        ensure_default_model("policy", model_cache), tmp_path_factory.mktemp("instruct") / "model"
+    )
     with serving(model, model.parent) as url:
         yield url, model
 
@@ -49,12 +50,14 @@ async def test_what_is_sampled_from_an_instruct_model_is_what_the_learner_comput
     assert stated < 0.02, stated  # every field stated: one distribution
 
     sampling = SamplingConfig(top_k=5, top_p=0.7)  # the same truncation, chosen in coevo's config
-    truncated = Lane("policy", model, tmp_path / "trunc", LearnerConfig(), temperature=0.6, sampling=sampling,
-                     device="cpu")
+    truncated = Lane(
+        "policy", model, tmp_path / "trunc", LearnerConfig(), temperature=0.6, sampling=sampling, device="cpu"
+    )
     async with VLLMClient(url, str(model), tokenizer_dir=model, sampling=sampling) as client:
         told, _ = await parity.probe(client, truncated)
-        untold, _ = await parity.probe(client, Lane("policy", model, tmp_path / "untold", LearnerConfig(),
-                                                    temperature=0.6, device="cpu"))
+        untold, _ = await parity.probe(
+            client, Lane("policy", model, tmp_path / "untold", LearnerConfig(), temperature=0.6, device="cpu")
+        )
     assert told < 0.02, told
     assert untold > 0.05, untold  # a learner that did not truncate would train another distribution
 
@@ -85,8 +88,9 @@ async def test_the_learner_refuses_a_server_sampling_another_distribution(instru
     assert await parity.check(off, wrong) is None
 
 
-async def test_a_learner_started_against_the_wrong_server_ends_with_one_line(instruct, nats_url: str, run_id: str,
-                                                                           tmp_path: Path) -> None:
+async def test_a_learner_started_against_the_wrong_server_ends_with_one_line(
+    instruct, nats_url: str, run_id: str, tmp_path: Path
+) -> None:
     """As a user meets it: ``coevo agent learner`` with a policy server serving other weights ends at
     start, exit 2, with the reason on one line instead of a traceback."""
     import asyncio
@@ -104,10 +108,29 @@ async def test_a_learner_started_against_the_wrong_server_ends_with_one_line(ins
         p.data.mul_(-1.0)
     m.save_pretrained(other)
     proc = await asyncio.create_subprocess_exec(
-        PYTHON, "-m", "coevo", "agent", "learner", "--nats", nats_url, "--run-id", run_id,
-        "--run.runs_dir", str(tmp_path / "runs"), "--policy.url", url, "--policy.model", str(other),
-        "--policy.served_name", str(model),
-        "--loop", "policy-only", env=subprocess_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        PYTHON,
+        "-m",
+        "coevo",
+        "agent",
+        "learner",
+        "--nats",
+        nats_url,
+        "--run-id",
+        run_id,
+        "--run.runs_dir",
+        str(tmp_path / "runs"),
+        "--policy.url",
+        url,
+        "--policy.model",
+        str(other),
+        "--policy.served_name",
+        str(model),
+        "--loop",
+        "policy-only",
+        env=subprocess_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 180)
     assert proc.returncode == 2, (out + err).decode()[-3000:]
     last = err.decode().strip().splitlines()[-1]

@@ -40,15 +40,25 @@ def small_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("constrained", [False, True])
 @pytest.mark.parametrize("chunk_elements", [300, 1000, 1 << 25])  # one position per chunk, a few, all at once
-def test_chunked_logprobs_equal_the_full_computation(small_model, temperature: float, constrained: bool,
-                                                     chunk_elements: int) -> None:
+def test_chunked_logprobs_equal_the_full_computation(
+    small_model, temperature: float, constrained: bool, chunk_elements: int
+) -> None:
     torch.manual_seed(1)
     ids = torch.randint(0, 300, (3, 12))
     attn = torch.ones(3, 12, dtype=torch.long)
@@ -85,21 +95,34 @@ def test_a_row_without_response_tokens_still_reaches_every_parameter(small_model
 
 def test_safetensors_written_in_one_pass_load_back_and_match_their_manifest(tmp_path: Path) -> None:
     shared = torch.randn(4, 3)
-    tensors = {"a": torch.randn(5, 7), "b": torch.arange(6, dtype=torch.int64), "c": torch.randn(3).to(torch.bfloat16),
-               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "tied1": shared, "tied2": shared}
+    tensors = {
+        "a": torch.randn(5, 7),
+        "b": torch.arange(6, dtype=torch.int64),
+        "c": torch.randn(3).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "tied1": shared,
+        "tied2": shared,
+    }
     info = tensorfiles.write_safetensors(tmp_path / "x.safetensors", list(tensors.items()))
     loaded = load_file(tmp_path / "x.safetensors")
     assert set(loaded) == set(tensors)
     assert all(loaded[k].dtype == t.dtype and torch.equal(loaded[k], t) for k, t in tensors.items())
     from coevo.weights.manifest import file_sha256
 
-    assert info == {"bytes": (tmp_path / "x.safetensors").stat().st_size,
-                    "sha256": file_sha256(tmp_path / "x.safetensors")}
+    assert info == {
+        "bytes": (tmp_path / "x.safetensors").stat().st_size,
+        "sha256": file_sha256(tmp_path / "x.safetensors"),
+    }
     # above the shard size: shards written in parallel, with the index transformers reads
-    files = tensorfiles.write_weights(tmp_path, {"a": torch.randn(64, 64), "b": torch.randn(64, 64)},
-                                      shard_bytes=64 * 64 * 4)
-    assert sorted(files) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                             "model.safetensors.index.json"]
+    files = tensorfiles.write_weights(
+        tmp_path, {"a": torch.randn(64, 64), "b": torch.randn(64, 64)}, shard_bytes=64 * 64 * 4
+    )
+    assert sorted(files) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
 
@@ -142,7 +165,9 @@ def test_published_weights_are_the_serving_dtype_only_and_held_in_memory(tmp_pat
     assert all(torch.equal(held[k], v.to(torch.bfloat16)) for k, v in state.items())
     reloaded = AutoModelForCausalLM.from_pretrained(path)  # a directory servers load: config, tokenizer, weights
     assert (path / "tokenizer.json").exists()
-    assert torch.equal(reloaded.state_dict()["model.norm.weight"], state["model.norm.weight"].to(torch.bfloat16).float())
+    assert torch.equal(
+        reloaded.state_dict()["model.norm.weight"], state["model.norm.weight"].to(torch.bfloat16).float()
+    )
     lane.step(samples, ["g2"])
     assert torch.equal(HELD.get(path, digest)["model.norm.weight"], held["model.norm.weight"])  # immutable copy
     assert HELD.get(path, "f" * 64) is None

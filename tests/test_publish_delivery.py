@@ -34,7 +34,8 @@ async def _steps(bus: NatsBus) -> list[LearnerStepped]:
 
 
 async def test_groups_stay_unacknowledged_until_a_checkpoint_including_them_is_durable(
-        bus: NatsBus, loop_cfg: CoevoConfig) -> None:
+    bus: NatsBus, loop_cfg: CoevoConfig
+) -> None:
     cfg = _learner_cfg(loop_cfg, **{"learner.checkpoint_every_steps": 1000, "learner.checkpoint_every_s": 1000.0})
     for g in ("g1", "g2"):
         await bus.publish_sync(_scored(bus.run_id, g, f"t-{g}", policy_samples=_samples(g)))
@@ -63,9 +64,12 @@ async def test_groups_stay_unacknowledged_until_a_checkpoint_including_them_is_d
 
 
 async def test_groups_held_up_to_half_of_max_ack_pending_force_a_checkpoint(
-        bus: NatsBus, loop_cfg: CoevoConfig) -> None:
-    cfg = _learner_cfg(loop_cfg, **{"learner.checkpoint_every_steps": 1000, "learner.checkpoint_every_s": 1000.0,
-                                    "bus.max_ack_pending": 4})
+    bus: NatsBus, loop_cfg: CoevoConfig
+) -> None:
+    cfg = _learner_cfg(
+        loop_cfg,
+        **{"learner.checkpoint_every_steps": 1000, "learner.checkpoint_every_s": 1000.0, "bus.max_ack_pending": 4},
+    )
     for g in ("p1", "p2", "p3"):
         await bus.publish_sync(_scored(bus.run_id, g, f"t-{g}", policy_samples=_samples(g)))
     learner = LearnerAgent(bus, cfg)
@@ -73,10 +77,12 @@ async def test_groups_held_up_to_half_of_max_ack_pending_force_a_checkpoint(
 
     async def scenario() -> None:
         try:
+
             async def acked() -> bool:
                 if not await _covered(bus, {"p1", "p2"}):
                     return False
                 return (await bus.js.consumer_info(bus.stream, "learner")).ack_floor.stream_seq >= 2
+
             await _until(acked)
         finally:
             stop.set()
@@ -125,7 +131,8 @@ class _Follower:
 
 
 async def test_followers_apply_in_stream_order_verified_and_follow_a_restored_learner(
-        tmp_path: Path, model_cache: Path) -> None:
+    tmp_path: Path, model_cache: Path
+) -> None:
     from coevo.inference.models import ensure_default_model
     from coevo.weights.manifest import HELD
 
@@ -137,8 +144,9 @@ async def test_followers_apply_in_stream_order_verified_and_follow_a_restored_le
         with torch.no_grad():
             next(lane.model.parameters()).add_(1.0)  # other weights (the same weights have the same digest)
         path, digest, size = lane.publish()
-        published[version] = WeightsPublished(run_id="r", source=src, role="policy", version=version, path=str(path),
-                                              sha256=digest, bytes=size)
+        published[version] = WeightsPublished(
+            run_id="r", source=src, role="policy", version=version, path=str(path), sha256=digest, bytes=size
+        )
     HELD.clear()  # a follower in another process: from disk, verified
     follower = _Follower(LearnerConfig(verify="full", publication_root=tmp_path))
 
@@ -168,7 +176,8 @@ async def test_followers_apply_in_stream_order_verified_and_follow_a_restored_le
 
 
 async def test_a_follower_behind_the_learner_loads_the_newest_announcement_not_each_one(
-        tmp_path: Path, model_cache: Path) -> None:
+    tmp_path: Path, model_cache: Path
+) -> None:
     """#24 chaos: followers loading 20 s late worked through every announcement in turn, each older
     than the learner's newest, several already pruned ("no weights at ..."). While one load runs,
     the announcements that arrive are held and only the newest is loaded next."""
@@ -183,15 +192,20 @@ async def test_a_follower_behind_the_learner_loads_the_newest_announcement_not_e
         with torch.no_grad():
             next(lane.model.parameters()).add_(1.0)
         path, digest, size = lane.publish()
-        published.append(WeightsPublished(run_id="r", source=src, role="policy", version=version, path=str(path),
-                                          sha256=digest, bytes=size))
+        published.append(
+            WeightsPublished(
+                run_id="r", source=src, role="policy", version=version, path=str(path), sha256=digest, bytes=size
+            )
+        )
     HELD.clear()
     follower = _Follower(LearnerConfig(publication_root=tmp_path))
     follower.client.gate = asyncio.Event()
     first = asyncio.create_task(follower.on_weights(published[0], SimpleNamespace(stream_seq=1)))
     await asyncio.wait_for(follower.client.loading.wait(), 10)  # v1 is loading, slowly
-    later = [asyncio.create_task(follower.on_weights(e, SimpleNamespace(stream_seq=i + 2)))
-             for i, e in enumerate(published[1:])]
+    later = [
+        asyncio.create_task(follower.on_weights(e, SimpleNamespace(stream_seq=i + 2)))
+        for i, e in enumerate(published[1:])
+    ]
     await asyncio.sleep(0)  # one turn of the loop: each hands its announcement over, then waits for the load
     follower.client.gate.set()
     await asyncio.wait_for(asyncio.gather(first, *later), 30)  # every announcement answered
@@ -201,7 +215,8 @@ async def test_a_follower_behind_the_learner_loads_the_newest_announcement_not_e
 
 
 async def test_publication_pruning_never_removes_a_version_a_follower_is_loading(
-        tmp_path: Path, model_cache: Path) -> None:
+    tmp_path: Path, model_cache: Path
+) -> None:
     """#23: a follower loads a version slowly while the learner publishes twice KEEP_PUBLISHED newer
     ones. The version being loaded stays whole until the load ends (its lease), and the next
     publication after that removes it."""
@@ -217,8 +232,9 @@ async def test_publication_pruning_never_removes_a_version_a_follower_is_loading
         with torch.no_grad():
             next(lane.model.parameters()).add_(1.0)
         path, digest, size = lane.publish()
-        return WeightsPublished(run_id="r", source=src, role="policy", version=version, path=str(path),
-                                sha256=digest, bytes=size)
+        return WeightsPublished(
+            run_id="r", source=src, role="policy", version=version, path=str(path), sha256=digest, bytes=size
+        )
 
     first = publish(1)
     HELD.clear()

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.slow
 
 
 def coevo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([PYTHON, "-m", "coevo", *args], capture_output=True, text=True, env=subprocess_env(),
-                         timeout=600, cwd=REPO)
+    out = subprocess.run(
+        [PYTHON, "-m", "coevo", *args], capture_output=True, text=True, env=subprocess_env(), timeout=600, cwd=REPO
+    )
     if check:
         assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -26,10 +27,29 @@ def coevo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 def recorded(tmp_path_factory, model_cache: Path) -> tuple[Path, str]:
     """A short real `coevo run`, with rewrites frequent enough that some are accepted."""
     runs = tmp_path_factory.mktemp("runs")
-    coevo("run", "--steps", "8", "--minutes", "4", "--run-id", "rec", "--run.runs_dir", str(runs),
-          "--env.cache_dir", str(model_cache), "--set", "tasks.band=[0.35,0.65]",
-          "--set", "tasks.min_groups_between_rewrites=0", "--set", "env.n_train=4", "--set", "env.n_heldout=2",
-          "--log.console", "off")
+    coevo(
+        "run",
+        "--steps",
+        "8",
+        "--minutes",
+        "4",
+        "--run-id",
+        "rec",
+        "--run.runs_dir",
+        str(runs),
+        "--env.cache_dir",
+        str(model_cache),
+        "--set",
+        "tasks.band=[0.35,0.65]",
+        "--set",
+        "tasks.min_groups_between_rewrites=0",
+        "--set",
+        "env.n_train=4",
+        "--set",
+        "env.n_heldout=2",
+        "--log.console",
+        "off",
+    )
     summary = json.loads((runs / "rec" / "summary.json").read_text())
     assert summary["rewrites_accepted"] >= 1, summary
     return runs, "rec"
@@ -52,14 +72,13 @@ def test_export_import_export_is_identical(recorded, tmp_path: Path) -> None:
 def test_parquet_export_matches_jsonl(recorded, tmp_path: Path) -> None:
     runs, run = recorded
     coevo("events", "export", str(tmp_path / "a.jsonl"), "--run", run, "--runs-dir", str(runs))
-    coevo("events", "export", str(tmp_path / "a.parquet"), "--run", run, "--runs-dir", str(runs),
-          "--format", "parquet")
+    coevo("events", "export", str(tmp_path / "a.parquet"), "--run", run, "--runs-dir", str(runs), "--format", "parquet")
     assert read_export(tmp_path / "a.parquet") == read_export(tmp_path / "a.jsonl")
 
 
 def replay(runs: Path, run: str, into: str, *extra: str) -> tuple[int, dict]:
     out = coevo("replay", "--run", run, "--into", into, "--runs-dir", str(runs), *extra, check=False)
-    return out.returncode, json.loads(out.stdout[out.stdout.index("{"):])
+    return out.returncode, json.loads(out.stdout[out.stdout.index("{") :])
 
 
 def test_replay_into_the_scorer_reproduces_every_advantage(recorded) -> None:
@@ -105,7 +124,7 @@ def test_trace_of_a_trajectory_shows_the_rewrite_lineage(recorded, tmp_path: Pat
     accepted = next(e for e in events if e["kind"] == "task.decided" and e["accepted"])
     traj = next(e for e in events if e["kind"] == "trajectory.completed" and e["task_id"] == accepted["candidate_id"])
     out = coevo("trace", traj["trajectory_id"], "--run", run, "--runs-dir", str(runs), "--json")
-    t = json.loads(out.stdout[out.stdout.index("{"):])
+    t = json.loads(out.stdout[out.stdout.index("{") :])
     assert t["kind"] == "trajectory" and t["task_id"] == accepted["candidate_id"]
     first = t["lineage"][0]
     assert first["task_id"] == accepted["candidate_id"] and first["parent_id"] == accepted["parent_id"]
@@ -114,14 +133,14 @@ def test_trace_of_a_trajectory_shows_the_rewrite_lineage(recorded, tmp_path: Pat
     tree = coevo("trace", traj["trajectory_id"], "--run", run, "--runs-dir", str(runs)).stdout
     assert "rewrite lineage" in tree and accepted["candidate_id"] in tree
     w = coevo("trace", "policy:1", "--run", run, "--runs-dir", str(runs), "--json").stdout
-    weights = json.loads(w[w.index("{"):])
+    weights = json.loads(w[w.index("{") :])
     assert weights["kind"] == "weights" and weights["applied"] and weights["learner_step"]["group_ids"]
 
 
 def test_rejudge_with_the_recorded_responses_agrees_completely(recorded) -> None:
     runs, run = recorded
     out = coevo("rejudge", "--run", run, "--runs-dir", str(runs))
-    r = json.loads(out.stdout[out.stdout.index("{"):])
+    r = json.loads(out.stdout[out.stdout.index("{") :])
     assert r["steps"] > 50 and r["agreement"] == 1.0
     assert r["original"] == r["rejudge"]
 
@@ -137,9 +156,15 @@ async def test_lineage_of_a_candidate_rejected_then_proposed_again_and_accepted(
     decided = next(e for e in events if isinstance(e, TaskDecided))
     candidate = rewrite.candidate.task_id
     await bus.publish_sync(rewrite)
-    await bus.publish_sync(decided.model_copy(update={"event_id": "d-rejected", "accepted": False,
-                                                      "reason": "too easy", "candidate_id": candidate}))
-    await bus.publish_sync(decided.model_copy(update={"event_id": "d-accepted", "accepted": True,
-                                                      "reason": "in band", "candidate_id": candidate}))
+    await bus.publish_sync(
+        decided.model_copy(
+            update={"event_id": "d-rejected", "accepted": False, "reason": "too easy", "candidate_id": candidate}
+        )
+    )
+    await bus.publish_sync(
+        decided.model_copy(
+            update={"event_id": "d-accepted", "accepted": True, "reason": "in band", "candidate_id": candidate}
+        )
+    )
     t = await trace(bus, candidate)
     assert t["kind"] == "task" and t["lineage"][0]["accepted"] is True and t["lineage"][0]["reason"] == "in band"

@@ -51,8 +51,14 @@ def test_ages_come_from_the_marks_the_keeper_recorded() -> None:
 def test_a_consumer_that_never_acknowledges_does_not_hold_the_floor() -> None:
     def info(policy: api.AckPolicy, pending: int, ack_pending: int, floor: int) -> api.ConsumerInfo:
         return api.ConsumerInfo(
-            name="c", stream_name="s", created=0.0, config=api.ConsumerConfig(durable_name="c", ack_policy=policy),
-            num_pending=pending, num_ack_pending=ack_pending, ack_floor=api.SequenceInfo(floor, floor))
+            name="c",
+            stream_name="s",
+            created=0.0,
+            config=api.ConsumerConfig(durable_name="c", ack_policy=policy),
+            num_pending=pending,
+            num_ack_pending=ack_pending,
+            ack_floor=api.SequenceInfo(floor, floor),
+        )
 
     assert consumer_floor(info(api.AckPolicy.NONE, 5, 0, 0), 100) is None
     assert consumer_floor(info(api.AckPolicy.EXPLICIT, 0, 0, 7), 100) == ConsumerFloor("c", 100)
@@ -76,12 +82,22 @@ class Clock:
 
 async def publish(bus: NatsBus, n: int, start: int) -> None:
     for i in range(start, start + n):
-        await bus.publish_sync(AgentStatus(run_id=bus.run_id, source=SRC, agent_id="test", role="test",
-                                           state="running", uptime_s=float(i), detail="x" * 900))
+        await bus.publish_sync(
+            AgentStatus(
+                run_id=bus.run_id,
+                source=SRC,
+                agent_id="test",
+                role="test",
+                state="running",
+                uptime_s=float(i),
+                detail="x" * 900,
+            )
+        )
 
 
 async def test_the_keeper_purges_only_acknowledged_old_events_on_the_real_server(
-        bus: NatsBus, cfg: CoevoConfig) -> None:
+    bus: NatsBus, cfg: CoevoConfig
+) -> None:
     js = bus.js
     await publish(bus, 100, 0)
     size = (await js.stream_info(bus.stream)).state.bytes
@@ -92,9 +108,15 @@ async def test_the_keeper_purges_only_acknowledged_old_events_on_the_real_server
     held = await sub.fetch(10, timeout=5)
     assert [m.metadata.sequence.stream for m in held] == list(range(61, 71))
     # a history reader (no acknowledgements) never holds anything back
-    await js.add_consumer(bus.stream, api.ConsumerConfig(
-        name="reader", ack_policy=api.AckPolicy.NONE, filter_subject=subject_for(bus.run_id, "agent.status"),
-        inactive_threshold=60.0))
+    await js.add_consumer(
+        bus.stream,
+        api.ConsumerConfig(
+            name="reader",
+            ack_policy=api.AckPolicy.NONE,
+            filter_subject=subject_for(bus.run_id, "agent.status"),
+            inactive_threshold=60.0,
+        ),
+    )
 
     limit = size // 5
     keeper_cfg = cfg.model_copy(update={"stream": cfg.stream.model_copy(update={"retain_bytes": limit})})

@@ -22,16 +22,7 @@ from coevo.envs.isolation import HostLayout, bwrap_argv, harness_command
 from coevo.envs.referee import run_tests
 from coevo.envs.sandbox import SandboxLimits, bwrap_returncode, classify, run_python
 from coevo.envs.seccomp import ARCHES, filter_for
-from coevo.envs.verdict import (
-    CallCheck,
-    ConstCheck,
-    Reply,
-    Scripted,
-    decide,
-    helpers_of,
-    parse_reply,
-    plan_test,
-)
+from coevo.envs.verdict import CallCheck, ConstCheck, Reply, Scripted, decide, helpers_of, parse_reply, plan_test
 from coevo.errors import ConfigError, SandboxUnavailable
 
 LIMITS = SandboxLimits(wall_s=4, cpu_s=2, memory_mb=256, file_mb=1)
@@ -40,10 +31,29 @@ BOTH = pytest.mark.parametrize("isolation", ["bwrap", "process"])
 
 # ---- plain data ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value", [
-    None, True, 0, -7, 10**40, 1.5, -0.0, "é\n", b"\x00\xff", 2 - 3j, [1, [2, "x"]], (1, (2,)), (),
-    {1, 2}, frozenset({"a"}), {(1, 2): [3], "k": {"n": None}}, [math.inf, -math.inf],
-])
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        0,
+        -7,
+        10**40,
+        1.5,
+        -0.0,
+        "é\n",
+        b"\x00\xff",
+        2 - 3j,
+        [1, [2, "x"]],
+        (1, (2,)),
+        (),
+        {1, 2},
+        frozenset({"a"}),
+        {(1, 2): [3], "k": {"n": None}},
+        [math.inf, -math.inf],
+    ],
+)
 def test_plain_data_round_trips_with_its_type(value: object) -> None:
     back = decode(unpack(pack(encode(value))[4:]))
     assert back == value and type(back) is type(value)
@@ -74,8 +84,16 @@ def test_anything_else_is_not_plain_data() -> None:
         nested = [nested]
     with pytest.raises(NotPlainData):
         encode(nested)
-    for malformed in ({"x": 1}, {"t": 1}, {"s": [[1]]}, {"d": [[[1], 2]]}, {"t": [], "s": []}, {"F": "1.0"},
-                      {"c": ["a", 1]}, {"b": "zz"}):
+    for malformed in (
+        {"x": 1},
+        {"t": 1},
+        {"s": [[1]]},
+        {"d": [[[1], 2]]},
+        {"t": [], "s": []},
+        {"F": "1.0"},
+        {"c": ["a", 1]},
+        {"b": "zz"},
+    ):
         with pytest.raises(ValueError):
             decode(malformed)
     with pytest.raises(ValueError):
@@ -83,6 +101,7 @@ def test_anything_else_is_not_plain_data() -> None:
 
 
 # ---- verdicts ------------------------------------------------------------------------------------
+
 
 def test_tests_are_planned_as_calls_constants_or_scripts() -> None:
     assert plan_test("assert candidate([1.0, 2.0], 0.3) == True") == CallCheck(([1.0, 2.0], 0.3), {}, "eq", True)
@@ -94,16 +113,28 @@ def test_tests_are_planned_as_calls_constants_or_scripts() -> None:
     assert plan_test("assert abs(candidate(1.33) - 0.33) < 1e-06") == CallCheck((1.33,), {}, "close_lt", 0.33, 1e-6)
     assert plan_test("assert abs(0.5 - candidate(2)) <= 0.1") == CallCheck((2,), {}, "close_le", 0.5, 0.1)
     assert plan_test("assert True, 'This prints if this assert fails'") == ConstCheck(True)
-    for src in ("assert candidate('ab' + 'c') == 3", "import math\nassert candidate(1) == 1",
-                "for x in range(3):\n    assert candidate(x) == x", "assert tuple(candidate([1])) == tuple(f([1]))",
-                "assert candidate(1) == 1 == 1", "assert candidate(*[1]) == 1", "assert candidate(...) == 1",
-                "assert candidate(1) is 3", "assert abs(candidate(1) - 'a') < 1", "this is not python"):
+    for src in (
+        "assert candidate('ab' + 'c') == 3",
+        "import math\nassert candidate(1) == 1",
+        "for x in range(3):\n    assert candidate(x) == x",
+        "assert tuple(candidate([1])) == tuple(f([1]))",
+        "assert candidate(1) == 1 == 1",
+        "assert candidate(*[1]) == 1",
+        "assert candidate(...) == 1",
+        "assert candidate(1) is 3",
+        "assert abs(candidate(1) - 'a') < 1",
+        "this is not python",
+    ):
         assert isinstance(plan_test(src), Scripted), src
 
 
 def test_decide_compares_like_python_on_plain_values() -> None:
-    assert decide(CallCheck((), expect="eq", expected=True), 1) and not decide(CallCheck((), expect="eq", expected=[1]), (1,))
-    assert decide(CallCheck((), expect="is", expected=True), True) and not decide(CallCheck((), expect="is", expected=True), 1)
+    assert decide(CallCheck((), expect="eq", expected=True), 1) and not decide(
+        CallCheck((), expect="eq", expected=[1]), (1,)
+    )
+    assert decide(CallCheck((), expect="is", expected=True), True) and not decide(
+        CallCheck((), expect="is", expected=True), 1
+    )
     assert decide(CallCheck((), expect="close_lt", expected=0.33, tol=1e-6), 0.33 + 1e-7)
     assert not decide(CallCheck((), expect="close_lt", expected=0.33, tol=1e-6), 0.34)
     assert not decide(CallCheck((), expect="close_lt", expected=0.33, tol=1e-6), math.nan)
@@ -115,8 +146,15 @@ def test_only_well_formed_replies_carry_values() -> None:
     assert parse_reply({"value": {"t": [1]}}) == Reply("value", (1,))
     assert parse_reply({"raised": "ValueError", "message": "m"}) == Reply("raised", detail="ValueError: m")
     assert parse_reply({"invalid": "a Forever is not plain data"}).kind == "invalid"
-    for bad in ([True], "COEVO_RESULTS [true]", {"value": {"x": 1}}, {"value": 1, "passed": True}, {"passed": True},
-                {"raised": 1, "message": ""}, None):
+    for bad in (
+        [True],
+        "COEVO_RESULTS [true]",
+        {"value": {"x": 1}},
+        {"value": 1, "passed": True},
+        {"passed": True},
+        {"raised": 1, "message": ""},
+        None,
+    ):
         assert parse_reply(bad).kind == "invalid", bad
 
 
@@ -129,34 +167,67 @@ def test_helpers_are_the_prompts_definitions_without_the_entry_point() -> None:
 
 # ---- process outcomes ----------------------------------------------------------------------------
 
+
 def test_classify_exit_statuses() -> None:
     def c(rc: int | None, **kw: object) -> str:
         args: dict[str, object] = {"timed_out": False, "stderr": "", "duration_s": 0.1, "limits": LIMITS}
         return classify(rc, **{**args, **kw})[0]  # type: ignore[arg-type]
 
     assert [c(0), c(1), c(86), c(87), c(-25), c(-9), c(None, timed_out=True), c(-24, duration_s=2.0)] == [
-        "ok", "error", "forbidden", "memory", "output_limit", "killed", "timeout", "timeout"]
+        "ok",
+        "error",
+        "forbidden",
+        "memory",
+        "output_limit",
+        "killed",
+        "timeout",
+        "timeout",
+    ]
     assert c(1, stderr="OSError: [Errno 27] File too large") == "output_limit"
     assert bwrap_returncode(137) == -9 and bwrap_returncode(1) == 1 and bwrap_returncode(0) == 0
 
 
 def test_bwrap_command_line_isolates_everything() -> None:
-    layout = HostLayout(bwrap="/usr/bin/bwrap", python="/opt/py/bin/python3.11", stdlib="/opt/py/lib/python3.11",
-                        masked=("/opt/py/lib/python3.11/site-packages",),
-                        files=("/usr/lib/x86_64-linux-gnu/libc.so.6", "/opt/py/lib/libpython3.11.so.1.0"),
-                        file_links=(("/usr/lib64/ld.so", "/lib/x86_64-linux-gnu/ld.so"),),
-                        lib_links=(("/lib", "usr/lib"),), harness="/src/harness.py")
+    layout = HostLayout(
+        bwrap="/usr/bin/bwrap",
+        python="/opt/py/bin/python3.11",
+        stdlib="/opt/py/lib/python3.11",
+        masked=("/opt/py/lib/python3.11/site-packages",),
+        files=("/usr/lib/x86_64-linux-gnu/libc.so.6", "/opt/py/lib/libpython3.11.so.1.0"),
+        file_links=(("/usr/lib64/ld.so", "/lib/x86_64-linux-gnu/ld.so"),),
+        lib_links=(("/lib", "usr/lib"),),
+        harness="/src/harness.py",
+    )
     argv = bwrap_argv(layout, harness_command(layout, 5), tmp_mb=16, seccomp_fd=7)
     joined = " ".join(argv)
-    for flag in ("--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-                 "--clearenv", "--uid 65534", "--gid 65534", "--proc /proc", "--seccomp 7",
-                 "--size 16777216 --tmpfs /tmp", "--remount-ro /", "--cap-drop ALL",
-                 "--symlink usr/lib /lib", "--symlink /lib/x86_64-linux-gnu/ld.so /usr/lib64/ld.so",
-                 "--tmpfs /opt/py/lib/python3.11/site-packages --remount-ro /opt/py/lib/python3.11/site-packages"):
+    for flag in (
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--uid 65534",
+        "--gid 65534",
+        "--proc /proc",
+        "--seccomp 7",
+        "--size 16777216 --tmpfs /tmp",
+        "--remount-ro /",
+        "--cap-drop ALL",
+        "--symlink usr/lib /lib",
+        "--symlink /lib/x86_64-linux-gnu/ld.so /usr/lib64/ld.so",
+        "--tmpfs /opt/py/lib/python3.11/site-packages --remount-ro /opt/py/lib/python3.11/site-packages",
+    ):
         assert flag in joined, flag
     binds = [argv[i + 1] for i, a in enumerate(argv) if a in ("--ro-bind", "--bind", "--ro-bind-try")]
-    assert set(binds) == {"/etc/ld.so.cache", "/opt/py/lib/python3.11", "/opt/py/bin/python3.11", "/src/harness.py",
-                          "/usr/lib/x86_64-linux-gnu/libc.so.6", "/opt/py/lib/libpython3.11.so.1.0"}
+    assert set(binds) == {
+        "/etc/ld.so.cache",
+        "/opt/py/lib/python3.11",
+        "/opt/py/bin/python3.11",
+        "/src/harness.py",
+        "/usr/lib/x86_64-linux-gnu/libc.so.6",
+        "/opt/py/lib/libpython3.11.so.1.0",
+    }
     assert argv.index("--tmpfs") > argv.index("/opt/py/lib/python3.11")  # the mask lies over the bind
     assert "--bind" not in argv and argv[-5:] == ["/opt/py/bin/python3.11", "-I", "-S", "/.coevo/harness.py", "5"]
     broad = HostLayout(bwrap="b", python="/usr/bin/python3", stdlib="/usr/lib/python3.11", lib_dirs=("/usr/lib",))
@@ -177,8 +248,10 @@ def test_the_narrowed_view_keeps_only_mapped_files_and_the_links_naming_them(tmp
     (std / "dist" / "dist-packages").mkdir(parents=True)
     assert isolation.package_dirs(str(std)) == (str(std / "dist" / "dist-packages"), str(std / "site-packages"))
     broad = HostLayout(bwrap="b", python=str(tmp_path / "python"), stdlib=str(std), lib_dirs=(str(lib),))
-    view = isolation.narrowed(broad, [str(lib / "libz.so.1"), str(std / "lib-dynload" / "zlib.so"),
-                                      str(tmp_path / "python"), "/nonexistent.so"])
+    view = isolation.narrowed(
+        broad,
+        [str(lib / "libz.so.1"), str(std / "lib-dynload" / "zlib.so"), str(tmp_path / "python"), "/nonexistent.so"],
+    )
     assert view.lib_dirs == () and view.files == (str(lib / "libz.so.1.2.13"),)
     assert view.file_links == ((str(lib / "libz.so.1"), "libz.so.1.2.13"),)
 
@@ -186,7 +259,7 @@ def test_the_narrowed_view_keeps_only_mapped_files_and_the_links_naming_them(tmp
 def _run_bpf(prog: bytes, nr: int, arch: int, arg0: int = 0) -> int:
     """A classic-BPF interpreter for the few opcodes the filter uses."""
     data = struct.pack("<IIQ6Q", nr, arch, 0, arg0, 0, 0, 0, 0, 0)
-    insns = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+    insns = [struct.unpack("=HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
     pc, acc = 0, 0
     while True:
         code, jt, jf, k = insns[pc]
@@ -219,8 +292,10 @@ def test_seccomp_refuses_processes_but_not_threads() -> None:
 
 # ---- configuration -------------------------------------------------------------------------------
 
-def test_coding_refuses_to_run_without_isolation_unless_opted_in(monkeypatch: pytest.MonkeyPatch,
-                                                                 tmp_path: Path) -> None:
+
+def test_coding_refuses_to_run_without_isolation_unless_opted_in(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     assert load_config(overrides={"env.family": "coding"}).env.sandbox == "bwrap"
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
     with pytest.raises(ConfigError, match=r"env\.sandbox.*apt-get install bubblewrap") as err:
@@ -232,8 +307,9 @@ def test_coding_refuses_to_run_without_isolation_unless_opted_in(monkeypatch: py
         load_config(overrides={"env.sandbox": "none"})
 
 
-async def test_missing_bwrap_is_an_error_that_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Path) -> None:
+async def test_missing_bwrap_is_an_error_that_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     isolation.check_bwrap.cache_clear()
     monkeypatch.setenv("PATH", str(tmp_path))
     try:
@@ -245,11 +321,17 @@ async def test_missing_bwrap_is_an_error_that_says_how_to_install_it(monkeypatch
 
 # ---- real sandboxes ------------------------------------------------------------------------------
 
+
 @BOTH
 async def test_ok_program_runs_in_its_own_directory(isolation: str) -> None:
-    r = await run_python("import os\nopen('x.txt', 'w').write('hi')\nprint(open('x.txt').read(), os.getcwd(), "
-                         "open('data.txt').read(), input())", stdin="in\n", files={"data.txt": "d"},
-                         limits=LIMITS, isolation=isolation)  # type: ignore[arg-type]
+    r = await run_python(
+        "import os\nopen('x.txt', 'w').write('hi')\nprint(open('x.txt').read(), os.getcwd(), "
+        "open('data.txt').read(), input())",
+        stdin="in\n",
+        files={"data.txt": "d"},
+        limits=LIMITS,
+        isolation=isolation,
+    )  # type: ignore[arg-type]
     assert r.status == "ok" and r.stdout.startswith("hi /"), r
     text, cwd, data, line = r.stdout.split()
     assert "coevo-sbx" in cwd and (text, data, line) == ("hi", "d", "in")
@@ -260,8 +342,9 @@ async def test_ok_program_runs_in_its_own_directory(isolation: str) -> None:
 async def test_fork_bomb_is_contained(isolation: str) -> None:
     r = await run_python("import os\nwhile True:\n    os.fork()\n", limits=LIMITS, isolation=isolation)  # type: ignore[arg-type]
     assert r.status == "forbidden" and "os.fork" in r.detail
-    r = await run_python("import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])\n", limits=LIMITS,
-                         isolation=isolation)  # type: ignore[arg-type]
+    r = await run_python(
+        "import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])\n", limits=LIMITS, isolation=isolation
+    )  # type: ignore[arg-type]
     assert r.status == "forbidden" and "subprocess.Popen" in r.detail
 
 
@@ -296,8 +379,9 @@ def _left_since(before: set[str], within_s: float = 3.0) -> set[str]:
 
 @BOTH
 async def test_network_is_refused(isolation: str) -> None:
-    r = await run_python("import socket\nsocket.create_connection(('127.0.0.1', 4222), timeout=1)\n", limits=LIMITS,
-                         isolation=isolation)  # type: ignore[arg-type]
+    r = await run_python(
+        "import socket\nsocket.create_connection(('127.0.0.1', 4222), timeout=1)\n", limits=LIMITS, isolation=isolation
+    )  # type: ignore[arg-type]
     assert r.status == "forbidden" and "network" in r.detail
 
 
@@ -315,8 +399,9 @@ async def test_write_outside_its_directory_is_refused(tmp_path: Path, isolation:
 
 @BOTH
 async def test_output_flood_and_errors(isolation: str) -> None:
-    r = await run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", limits=LIMITS,
-                         isolation=isolation)  # type: ignore[arg-type]
+    r = await run_python(
+        "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", limits=LIMITS, isolation=isolation
+    )  # type: ignore[arg-type]
     assert r.status == "output_limit"
     r = await run_python("1/0", limits=LIMITS, isolation=isolation)  # type: ignore[arg-type]
     assert r.status == "error" and "ZeroDivisionError" in r.detail
@@ -326,7 +411,7 @@ async def test_bwrap_sees_no_host_files_users_or_processes(tmp_path: Path) -> No
     (tmp_path / "secret.txt").write_text("s")
     code = f"""import os
 print(os.getuid(), os.getgid(), sorted(p for p in os.listdir('/proc') if p.isdigit()), dict(os.environ))
-for p in ['/etc/passwd', '/home', '/work', '/usr/bin', '/var', {str(tmp_path / 'secret.txt')!r}]:
+for p in ['/etc/passwd', '/home', '/work', '/usr/bin', '/var', {str(tmp_path / "secret.txt")!r}]:
     print(p, os.path.exists(p))
 print(open('/proc/net/dev').read().count(':'))
 try:
@@ -351,23 +436,41 @@ async def test_network_namespace_when_available() -> None:
 
 # ---- run_tests -----------------------------------------------------------------------------------
 
+
 async def test_run_tests_decides_every_form_outside_the_program() -> None:
     program = "def f(x):\n    return {0: [1, 2], 1: (1, 2), 2: 0.3300001, 3: True, 4: 0, 5: 7}[x]\n"
-    tests = ["assert candidate(0) == [1, 2]", "assert candidate(0) == (1, 2)", "assert candidate(1) == (1, 2)",
-             "assert abs(candidate(2) - 0.33) < 1e-6", "assert candidate(3) is True", "assert not candidate(4)",
-             "assert candidate(5)", "assert True", "assert False", "y = 5\nassert candidate(y) == 7",
-             "assert [candidate(i) for i in range(2)] == [[1, 2], (1, 2)]", "assert candidate(5) == 8, 'msg'"]
+    tests = [
+        "assert candidate(0) == [1, 2]",
+        "assert candidate(0) == (1, 2)",
+        "assert candidate(1) == (1, 2)",
+        "assert abs(candidate(2) - 0.33) < 1e-6",
+        "assert candidate(3) is True",
+        "assert not candidate(4)",
+        "assert candidate(5)",
+        "assert True",
+        "assert False",
+        "y = 5\nassert candidate(y) == 7",
+        "assert [candidate(i) for i in range(2)] == [[1, 2], (1, 2)]",
+        "assert candidate(5) == 8, 'msg'",
+    ]
     passed, r = await run_tests(program, "f", tests)
     assert passed == [True, False, True, True, True, True, True, True, False, True, True, False]
     assert r.status == "ok" and r.outcomes == ("ok",) * 12 and r.network_isolated
 
 
 async def test_values_that_are_not_plain_data_fail_as_invalid_value() -> None:
-    program = ("class Yes:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
-               "class L(list):\n    pass\n"
-               "def f(x):\n    return [Yes(), L([1]), [1, Yes()], 1][x]\n")
-    tests = ["assert candidate(0) == 1", "assert candidate(1) == [1]", "assert candidate(2) == [1, 1]",
-             "assert candidate(3) == 1", "assert [candidate(0)] == [1]"]
+    program = (
+        "class Yes:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
+        "class L(list):\n    pass\n"
+        "def f(x):\n    return [Yes(), L([1]), [1, Yes()], 1][x]\n"
+    )
+    tests = [
+        "assert candidate(0) == 1",
+        "assert candidate(1) == [1]",
+        "assert candidate(2) == [1, 1]",
+        "assert candidate(3) == 1",
+        "assert [candidate(0)] == [1]",
+    ]
     passed, r = await run_tests(program, "f", tests)
     assert passed == [False, False, False, True, False]
     assert r.outcomes == ("invalid_value", "invalid_value", "invalid_value", "ok", "invalid_value")
@@ -397,16 +500,21 @@ async def test_raising_dying_and_not_loading_fail_with_their_outcome() -> None:
     passed, r = await run_tests(huge + "def f(x):\n    return x\n", "f", tests[:2])
     assert passed == [False, False] and r.outcomes == ("error", "error") and "not started" in r.detail
     assert (await run_python(huge, limits=LIMITS)).status == "error"
-    passed, r = await run_tests("while True:\n    pass\n", "f", tests[:2], per_test_s=0.5,
-                                limits=SandboxLimits(wall_s=1.5, cpu_s=2))
+    passed, r = await run_tests(
+        "while True:\n    pass\n", "f", tests[:2], per_test_s=0.5, limits=SandboxLimits(wall_s=1.5, cpu_s=2)
+    )
     assert passed == [False, False] and r.outcomes == ("timeout", "timeout") and r.duration_s < 4
 
 
 async def test_scripted_tests_use_the_prompts_helpers_and_only_the_programs_values() -> None:
     prompt = "def double(x):\n    return 2 * x\n\ndef f(x):\n    '''Return double(x).'''\n"
     program = "def double(x):\n    return 0\n\ndef f(x):\n    return 2 * x\n"
-    tests = ["assert candidate(3) == double(3)", "for i in range(50):\n    assert f(i) == double(i)",
-             "assert all(map(candidate, [1, 2]))", "import math\nassert math.isclose(candidate(0.5), 1.0)"]
+    tests = [
+        "assert candidate(3) == double(3)",
+        "for i in range(50):\n    assert f(i) == double(i)",
+        "assert all(map(candidate, [1, 2]))",
+        "import math\nassert math.isclose(candidate(0.5), 1.0)",
+    ]
     passed, r = await run_tests(program, "f", tests, context=prompt)
     assert passed == [True, True, True, True] and r.outcomes == ("ok",) * 4
     cheat = "def f(x):\n    raise StopIteration\n"  # would end map() quietly if it crossed as itself
@@ -417,11 +525,17 @@ async def test_scripted_tests_use_the_prompts_helpers_and_only_the_programs_valu
 async def test_judge_style_generated_tests_still_run() -> None:
     """As ``judge.extract_test`` writes them: one assert, the entry point renamed ``candidate``."""
     entry = "has_close_elements"
-    texts = ["[1.0, 2.0, 3.0], 0.5) == False", "[1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3) == True",
-             "[1.0, 2.0], 0.5) is False and True", "[1.0, 1.05], 0.1)"]
+    texts = [
+        "[1.0, 2.0, 3.0], 0.5) == False",
+        "[1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3) == True",
+        "[1.0, 2.0], 0.5) is False and True",
+        "[1.0, 1.05], 0.1)",
+    ]
     tests = [f"assert {entry}({t}".replace(f"{entry}(", "candidate(") for t in texts]
-    program = ("def has_close_elements(numbers, threshold):\n    return any(abs(a - b) < threshold "
-               "for i, a in enumerate(numbers) for b in numbers[i + 1:])\n")
+    program = (
+        "def has_close_elements(numbers, threshold):\n    return any(abs(a - b) < threshold "
+        "for i, a in enumerate(numbers) for b in numbers[i + 1:])\n"
+    )
     passed, r = await run_tests(program, entry, tests)
     assert passed == [True, True, True, True] and r.status == "ok"
     assert [type(plan_test(t)).__name__ for t in tests] == ["CallCheck", "CallCheck", "Scripted", "CallCheck"]
@@ -429,7 +543,7 @@ async def test_judge_style_generated_tests_still_run() -> None:
 
 # ---- what a program sees of the host (docs/security.md, "The sandbox") ---------------------------
 
-_WALK = r'''
+_WALK = r"""
 import json, os
 std = os.path.dirname(os.__file__)
 seen, in_std, unreadable = [], 0, []
@@ -448,7 +562,7 @@ for root, dirs, files in os.walk("/"):
         else:
             seen.append(path)
 print(json.dumps({"paths": seen, "in_std": in_std, "pids": sorted(os.listdir("/proc")), "std": std}))
-'''
+"""
 
 
 async def test_the_sandbox_holds_only_what_the_threat_model_lists() -> None:
@@ -460,16 +574,36 @@ async def test_the_sandbox_holds_only_what_the_threat_model_lists() -> None:
     assert r.status == "ok", r
     seen = json.loads(r.stdout)
     assert seen["std"] == layout.stdlib and seen["in_std"] > 500  # the standard library is there, whole
-    allowed = {layout.python, *layout.files, *(p for p, _ in layout.file_links), *(p for p, _ in layout.lib_links),
-               "/etc/ld.so.cache", isolation.HARNESS_IN_SANDBOX}
+    allowed = {
+        layout.python,
+        *layout.files,
+        *(p for p, _ in layout.file_links),
+        *(p for p, _ in layout.lib_links),
+        "/etc/ld.so.cache",
+        isolation.HARNESS_IN_SANDBOX,
+    }
     strays = [p for p in seen["paths"] if p not in allowed and not p.startswith(("/proc/", "/dev/"))]
     assert strays == [], strays[:20]  # nothing else: no site-packages, no /etc, no /home, no binaries
     assert not any("-packages/" in p for p in seen["paths"])
     assert all(p.endswith((".so", ".cache", "LC_CTYPE")) or ".so." in p for p in layout.files), layout.files
     assert [p for p in seen["pids"] if p.isdigit()] == ["1", "2"]  # bwrap's init and the program
     dev = {p.removeprefix("/dev/") for p in seen["paths"] if p.startswith("/dev/")}
-    assert dev <= {"null", "zero", "full", "random", "urandom", "tty", "ptmx", "pts/ptmx", "fd", "stdin", "stdout",
-                   "stderr", "core", "shm"}, dev
+    assert dev <= {
+        "null",
+        "zero",
+        "full",
+        "random",
+        "urandom",
+        "tty",
+        "ptmx",
+        "pts/ptmx",
+        "fd",
+        "stdin",
+        "stdout",
+        "stderr",
+        "core",
+        "shm",
+    }, dev
 
 
 def _package_dirs_of_this_machine() -> list[Path]:
@@ -477,8 +611,11 @@ def _package_dirs_of_this_machine() -> list[Path]:
     import site
     import sysconfig
 
-    dirs = {Path(sysconfig.get_path("purelib", vars={"base": sys.base_prefix, "platbase": sys.base_prefix})),
-            Path(sysconfig.get_path("purelib")), *(Path(p) for p in site.getsitepackages())}
+    dirs = {
+        Path(sysconfig.get_path("purelib", vars={"base": sys.base_prefix, "platbase": sys.base_prefix})),
+        Path(sysconfig.get_path("purelib")),
+        *(Path(p) for p in site.getsitepackages()),
+    }
     dirs |= {Path(p) for p in ("/usr/lib/python3/dist-packages", "/usr/local/lib/python3.11/dist-packages")}
     return sorted(d for d in dirs if d.is_dir() and os.access(d, os.W_OK))
 
@@ -501,7 +638,7 @@ async def test_a_dataset_an_installed_package_ships_is_invisible_to_programs() -
             (pkg / "__init__.py").write_text(f"ANSWERS = {secret!r}\n")
             (pkg / "HumanEval.jsonl").write_text(json.dumps({"test": secret}) + "\n")
         probes = [str(p / "HumanEval.jsonl") for p in made]
-        program = f'''
+        program = f"""
 import os, sys
 found = []
 for path in {probes!r}:
@@ -521,13 +658,21 @@ try:
 except ImportError as exc:
     found.append("ImportError")
 print(found)
-'''
+"""
         r = await run_python(program, limits=LIMITS)
         assert r.status == "ok", r
         assert secret not in r.stdout and "coevo_probe_dataset" not in r.stdout, r.stdout
         assert "ImportError" in r.stdout and "FileNotFoundError" in r.stdout
-        plain = subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = {[str(d) for d in dirs]!r}; "
-                                "import coevo_probe_dataset as m; print(m.ANSWERS)"], capture_output=True, text=True)
+        plain = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import sys; sys.path[:0] = {[str(d) for d in dirs]!r}; "
+                "import coevo_probe_dataset as m; print(m.ANSWERS)",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert plain.stdout.strip() == secret  # outside the sandbox the same import works: the probe is real
     finally:
         for pkg in made:
@@ -539,11 +684,15 @@ async def test_a_daemon_thread_alive_at_exit_ends_cleanly_in_the_narrowed_view()
     exit: a plain import never maps it, yet without it such a program aborts (about one run in five
     here, so the program runs several times)."""
     layout = isolation.check_bwrap()
-    host_has_it = any(Path(d, "x86_64-linux-gnu", "libgcc_s.so.1").exists() or Path(d, "libgcc_s.so.1").exists()
-                      for d in ("/usr/lib", "/lib64", "/usr/lib64"))
+    host_has_it = any(
+        Path(d, "x86_64-linux-gnu", "libgcc_s.so.1").exists() or Path(d, "libgcc_s.so.1").exists()
+        for d in ("/usr/lib", "/lib64", "/usr/lib64")
+    )
     assert not host_has_it or any(Path(f).name == "libgcc_s.so.1" for f in layout.files), layout.files
-    spin = ("import threading\ndef spin():\n    while True:\n        sum(range(100))\n"
-            "for _ in range(4):\n    threading.Thread(target=spin, daemon=True).start()\nprint('ok')\n")
+    spin = (
+        "import threading\ndef spin():\n    while True:\n        sum(range(100))\n"
+        "for _ in range(4):\n    threading.Thread(target=spin, daemon=True).start()\nprint('ok')\n"
+    )
     for _ in range(8):
         r = await run_python(spin, limits=LIMITS)
         assert r.status == "ok" and r.stdout.strip() == "ok", r

@@ -58,8 +58,12 @@ class Canary:
         return int(self.tcp.getsockname()[1])
 
     def fmt(self, program: str) -> str:
-        return (program.replace("CANARY_DIR", repr(str(self.dir))).replace("CANARY_PORT", str(self.port))
-                .replace("CANARY_PID", str(self.proc.pid)).replace("HOST_PID", str(os.getpid())))
+        return (
+            program.replace("CANARY_DIR", repr(str(self.dir)))
+            .replace("CANARY_PORT", str(self.port))
+            .replace("CANARY_PID", str(self.proc.pid))
+            .replace("HOST_PID", str(os.getpid()))
+        )
 
     def assert_untouched(self) -> None:
         assert sorted(p.name for p in self.dir.iterdir()) == ["keep.txt", "sock"]
@@ -99,11 +103,18 @@ def canary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Canary]:
     unix.listen()
     unix.setblocking(False)
     flag = tmp_path / "signalled"
-    proc = subprocess.Popen([sys.executable, "-c", (
-        "import signal, time\n"
-        f"for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):\n"
-        f"    signal.signal(s, lambda *a: open({str(flag)!r}, 'w').write('hit'))\n"
-        "time.sleep(120)\n")])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import signal, time\n"
+                f"for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):\n"
+                f"    signal.signal(s, lambda *a: open({str(flag)!r}, 'w').write('hit'))\n"
+                "time.sleep(120)\n"
+            ),
+        ]
+    )
     c = Canary(d, tcp, unix, proc, flag, harness_pids())
     yield c
     proc.kill()
@@ -145,7 +156,8 @@ def has_close_elements(numbers, threshold):
 import json
 json.dumps = lambda *a, **k: '[true, true, true, true, true, true, true]'
 json.loads = lambda *a, **k: [True] * 7
-""" + WRONG,
+"""
+    + WRONG,
     "eq_always_true": """
 class Yes:
     def __eq__(self, other):
@@ -168,16 +180,20 @@ def _quiet(*a, **k):
         return None
 builtins.exec = _quiet
 builtins.AssertionError = type("Never", (Exception,), {})
-""" + WRONG,
-    "disarmed_hook_writes_outside": DISARM + """
+"""
+    + WRONG,
+    "disarmed_hook_writes_outside": DISARM
+    + """
 for path in [CANARY_DIR + "/pwned.txt", "/tmp/coevo-pwned.txt", "/usr/lib/pwned.txt"]:
     try:
         open(path, "w").write("pwned")
         print("wrote", path)
     except OSError as e:
         print("write refused", path, e.errno)
-""" + WRONG,
-    "posixsubprocess_fork_exec": DISARM + """
+"""
+    + WRONG,
+    "posixsubprocess_fork_exec": DISARM
+    + """
 import _posixsubprocess, os
 cmd = "echo pwned > " + CANARY_DIR + "/shell.txt; kill -USR1 CANARY_PID"
 r, w = os.pipe()
@@ -188,8 +204,10 @@ for sh in (b"/bin/sh", b"/usr/bin/sh"):
         print("spawned", pid)
     except Exception as e:
         print("fork_exec refused", type(e).__name__, e)
-""" + WRONG,
-    "other_processes_environ": DISARM + """
+"""
+    + WRONG,
+    "other_processes_environ": DISARM
+    + """
 import os
 seen = []
 for pid in os.listdir("/proc"):
@@ -204,8 +222,10 @@ for pid in (HOST_PID, CANARY_PID, 1):
     except OSError as e:
         seen.append("refused %d %s" % (pid, e.errno))
 print("environ:", seen)
-""" + WRONG,
-    "fork_bomb": DISARM + """
+"""
+    + WRONG,
+    "fork_bomb": DISARM
+    + """
 import os
 n = 0
 try:
@@ -214,7 +234,8 @@ try:
         n += 1
 except OSError as e:
     print("fork refused after", n, e.errno)
-""" + WRONG,
+"""
+    + WRONG,
     "memory_bomb": """
 def has_close_elements(numbers, threshold):
     hoard = []
@@ -222,7 +243,8 @@ def has_close_elements(numbers, threshold):
         hoard.append(bytearray(50 * 1024 * 1024))
     return True
 """,
-    "kill_the_parent": DISARM + """
+    "kill_the_parent": DISARM
+    + """
 import os, signal
 for pid in (os.getppid(), 1, CANARY_PID, HOST_PID):
     for sig in (signal.SIGKILL, signal.SIGUSR1):
@@ -233,8 +255,10 @@ for pid in (os.getppid(), 1, CANARY_PID, HOST_PID):
             print("signalled", pid, sig)
         except OSError as e:
             print("kill refused", pid, e.errno)
-""" + WRONG,
-    "ctypes_raw_syscalls": DISARM + """
+"""
+    + WRONG,
+    "ctypes_raw_syscalls": DISARM
+    + """
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
 print("kill", libc.syscall(62, CANARY_PID, 10), ctypes.get_errno())  # SYS_kill, SIGUSR1
@@ -243,8 +267,10 @@ fd = libc.open((CANARY_DIR + "/ctypes.txt").encode(), os.O_CREAT | os.O_WRONLY, 
 print("open", fd, ctypes.get_errno())
 print("unshare", libc.syscall(272, 0x10000000), ctypes.get_errno())  # a new user namespace
 print("ptrace", libc.syscall(101, 16, CANARY_PID, 0, 0), ctypes.get_errno())  # PTRACE_ATTACH
-""" + WRONG,
-    "network_to_the_host": DISARM + """
+"""
+    + WRONG,
+    "network_to_the_host": DISARM
+    + """
 import socket
 for target, family in ((("127.0.0.1", CANARY_PORT), socket.AF_INET), (CANARY_DIR + "/sock", socket.AF_UNIX)):
     try:
@@ -254,7 +280,8 @@ for target, family in ((("127.0.0.1", CANARY_PORT), socket.AF_INET), (CANARY_DIR
         print("connected", target)
     except OSError as e:
         print("connect refused", target, e.errno)
-""" + WRONG,
+"""
+    + WRONG,
     "signals_disable_the_alarm": """
 import signal
 def has_close_elements(numbers, threshold):
@@ -276,7 +303,8 @@ for fd in range(3, 16):
         os.write(fd, data + (2**31).to_bytes(4, "big"))
     except OSError:
         pass
-""" + WRONG,
+"""
+    + WRONG,
 }
 
 # what each attack's own output shows it tried (and how far it got)
@@ -294,8 +322,7 @@ OUTCOMES = {"eq_always_true": "invalid_value", "memory_bomb": "memory", "signals
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
-async def test_attack_scores_lost_and_leaves_nothing(name: str, canary: Canary, family: Coding,
-                                                    task: TaskSpec) -> None:
+async def test_attack_scores_lost_and_leaves_nothing(name: str, canary: Canary, family: Coding, task: TaskSpec) -> None:
     outcome, result = await attack(family, task, canary.fmt(ATTACKS[name]))
     assert outcome == "lost"
     if name in EVIDENCE:
@@ -309,8 +336,7 @@ async def test_attack_scores_lost_and_leaves_nothing(name: str, canary: Canary, 
     canary.assert_untouched()
 
 
-async def test_the_sandbox_cannot_reach_what_the_attacks_aim_at(canary: Canary, family: Coding,
-                                                               task: TaskSpec) -> None:
+async def test_the_sandbox_cannot_reach_what_the_attacks_aim_at(canary: Canary, family: Coding, task: TaskSpec) -> None:
     """The details behind the outcomes: errno by errno, the OS refused."""
     _, r = await attack(family, task, canary.fmt(ATTACKS["ctypes_raw_syscalls"]))
     out = r.stdout
@@ -345,22 +371,29 @@ async def test_every_humaneval_reference_solution_still_wins(family: Coding) -> 
 # correct solutions of HumanEval/0 that break a constraint the way a policy learns to: each passes
 # every problem test and fails exactly the constraint checks named
 BYPASSES = {
-    "dunder_import": ("""    math = __import__("math")
+    "dunder_import": (
+        """    math = __import__("math")
     for i, a in enumerate(numbers):
         for j, b in enumerate(numbers):
             if i != j and math.fabs(a - b) < threshold:
                 return True
     return False
-""", {"no_imports", "no_while", "no_recursion"}),  # an escape hatch breaks every constraint
-    "iter_sentinel_loop": ("""    i = 0
+""",
+        {"no_imports", "no_while", "no_recursion"},
+    ),  # an escape hatch breaks every constraint
+    "iter_sentinel_loop": (
+        """    i = 0
     for _ in iter(int, 1):
         if i >= len(numbers):
             return False
         if any(i != j and abs(numbers[i] - b) < threshold for j, b in enumerate(numbers)):
             return True
         i += 1
-""", {"no_while"}),
-    "aliased_recursion": ("""from typing import List
+""",
+        {"no_while"},
+    ),
+    "aliased_recursion": (
+        """from typing import List
 
 
 def has_close_elements(numbers: List[float], threshold: float) -> bool:
@@ -371,7 +404,9 @@ def has_close_elements(numbers: List[float], threshold: float) -> bool:
 
 
 again = has_close_elements
-""", {"no_recursion"}),
+""",
+        {"no_recursion"},
+    ),
 }
 
 

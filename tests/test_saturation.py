@@ -27,11 +27,22 @@ def test_the_streak_counts_groups_without_outcome_signal_and_a_mixed_group_resta
     assert saturation.streak_after(0, 0.125) == 0
 
 
-@pytest.mark.parametrize(("streak", "after", "most", "moves", "weight"), [
-    (0, 3, 3, 1, 1.0), (2, 3, 3, 1, 1.0), (3, 3, 3, 2, 0.25), (5, 3, 3, 2, 0.25), (6, 3, 3, 3, 0.25),
-    (30, 3, 3, 3, 0.25), (30, 3, 1, 1, 0.25), (30, 0, 3, 1, 1.0)])
+@pytest.mark.parametrize(
+    ("streak", "after", "most", "moves", "weight"),
+    [
+        (0, 3, 3, 1, 1.0),
+        (2, 3, 3, 1, 1.0),
+        (3, 3, 3, 2, 0.25),
+        (5, 3, 3, 2, 0.25),
+        (6, 3, 3, 3, 0.25),
+        (30, 3, 3, 3, 0.25),
+        (30, 3, 1, 1, 0.25),
+        (30, 0, 3, 1, 1.0),
+    ],
+)
 def test_moves_grow_with_the_streak_up_to_the_bound_and_after_zero_turns_it_off(
-        streak: int, after: int, most: int, moves: int, weight: float) -> None:
+    streak: int, after: int, most: int, moves: int, weight: float
+) -> None:
     assert saturation.moves(streak, after, most) == moves
     assert saturation.weight(streak, after, 0.25) == weight
 
@@ -79,8 +90,11 @@ async def test_a_wide_rewrite_is_one_child_several_knob_steps_away(cfg: CoevoCon
     assert steps == 3 and len(wide.rewriter.split(":")[1].split(",")) == 3
     assert (wide.candidate.parent_id, wide.candidate.version) == (task.task_id, task.version + 1)
     moved = family.difficulty(wide.candidate) - family.difficulty(task)
-    assert moved > family.difficulty(one.candidate) - family.difficulty(task) if direction == "harder" \
+    assert (
+        moved > family.difficulty(one.candidate) - family.difficulty(task)
+        if direction == "harder"
         else moved < family.difficulty(one.candidate) - family.difficulty(task)
+    )
 
 
 # ---- the tasks agent on a real server -----------------------------------------------------------------
@@ -88,13 +102,23 @@ async def test_a_wide_rewrite_is_one_child_several_knob_steps_away(cfg: CoevoCon
 
 def _scored(agent: TasksAgent, slot_id: str, accuracy: float, k: int) -> GroupScored:
     slot = agent.slots[slot_id]
-    return GroupScored(run_id=agent.bus.run_id, source=Source(agent_id="scorer-t", role="scorer"),
-                       task_id=slot.active.task_id, group_id=f"g-{slot_id}-{k}", slot_id=slot_id, purpose="train",
-                       accuracy=accuracy, n_trajectories=8, policy_band_ok=False, judge_band_ok=False)
+    return GroupScored(
+        run_id=agent.bus.run_id,
+        source=Source(agent_id="scorer-t", role="scorer"),
+        task_id=slot.active.task_id,
+        group_id=f"g-{slot_id}-{k}",
+        slot_id=slot_id,
+        purpose="train",
+        accuracy=accuracy,
+        n_trajectories=8,
+        policy_band_ok=False,
+        judge_band_ok=False,
+    )
 
 
 async def test_a_saturated_slot_is_scheduled_a_quarter_as_often_until_a_mixed_group(
-        bus: NatsBus, cfg: CoevoConfig) -> None:
+    bus: NatsBus, cfg: CoevoConfig
+) -> None:
     cfg = cfg.model_copy(update={"loop": "policy-only"})  # no rewriter: scheduling alone
     agent = TasksAgent(bus, cfg)
     await agent.load()
@@ -117,9 +141,11 @@ async def test_a_saturated_slot_is_scheduled_a_quarter_as_often_until_a_mixed_gr
 
 
 async def test_a_saturated_slot_is_rewritten_with_a_larger_move_and_the_event_says_so(
-        bus: NatsBus, cfg: CoevoConfig) -> None:
-    cfg = cfg.model_copy(update={"loop": "full", "tasks": cfg.tasks.model_copy(
-        update={"min_groups_between_rewrites": 3})})
+    bus: NatsBus, cfg: CoevoConfig
+) -> None:
+    cfg = cfg.model_copy(
+        update={"loop": "full", "tasks": cfg.tasks.model_copy(update={"min_groups_between_rewrites": 3})}
+    )
     agent = TasksAgent(bus, cfg)
     await agent.load()
     slot_id = next(s.slot_id for s in agent.slots.values() if s.split == "train")

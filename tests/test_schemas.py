@@ -72,15 +72,22 @@ def test_old_schema_versions_are_upcast(monkeypatch) -> None:
 
 
 def test_schemas_import_is_light() -> None:
-    code = ("import sys, coevo.schemas; heavy = {'torch', 'nats', 'vllm', 'transformers', 'litellm', "
-            "'structlog', 'aiohttp'}; print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))")
+    code = (
+        "import sys, coevo.schemas; heavy = {'torch', 'nats', 'vllm', 'transformers', 'litellm', "
+        "'structlog', 'aiohttp'}; print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))"
+    )
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=subprocess_env(), check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_schemas_export(tmp_path) -> None:
-    out = subprocess.run([PYTHON, "-m", "coevo", "schemas", "export", str(tmp_path)], capture_output=True,
-                         text=True, env=subprocess_env(), check=True)
+    out = subprocess.run(
+        [PYTHON, "-m", "coevo", "schemas", "export", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        check=True,
+    )
     assert "wrote" in out.stdout
     files = sorted(p.stem for p in tmp_path.glob("*.json"))
     assert files == sorted(KIND_TO_MODEL)

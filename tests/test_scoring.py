@@ -28,8 +28,11 @@ P, M, U, E = VoteRec(1), VoteRec(-1), VoteRec(None, "unparseable"), VoteRec(None
 def group() -> list[TrajRec]:
     return [
         TrajRec("t1", "won", (StepRec("s10", 0, (P, P, P), 1), StepRec("s11", 1, (P, M, U), 1))),
-        TrajRec("t2", "lost", (StepRec("s20", 0, (M, M, M), -1), StepRec("s21", 1, (M, M, P), -1),
-                               StepRec("s22", 2, (P, P, P), 1))),
+        TrajRec(
+            "t2",
+            "lost",
+            (StepRec("s20", 0, (M, M, M), -1), StepRec("s21", 1, (M, M, P), -1), StepRec("s22", 2, (P, P, P), 1)),
+        ),
         TrajRec("t3", "truncated", (StepRec("s30", 0, (P, M, M), -1),)),
         TrajRec("t4", "aborted", (StepRec("s40", 0, (P, P, P)),)),
     ]
@@ -93,18 +96,21 @@ def test_accuracy_and_judge_accuracies() -> None:
     assert outc == 1.0
 
 
-@pytest.mark.parametrize(("direction", "parent", "cand", "ok"), [
-    ("harder", 0.875, 0.5, True),
-    ("harder", 0.875, 0.0, False),     # unsolved
-    ("harder", 0.875, 0.875, False),   # not harder (boundary)
-    ("harder", 0.875, 0.2, True),      # exactly at alpha_low: accepted
-    ("harder", 0.875, 0.125, False),   # below alpha_low
-    ("easier", 0.125, 0.5, True),
-    ("easier", 0.125, 0.125, False),   # not easier (boundary)
-    ("easier", 0.125, 0.8, True),      # exactly at alpha_high: accepted
-    ("easier", 0.125, 0.875, False),   # above alpha_high
-    ("easier", 0.0, 0.0, False),
-])
+@pytest.mark.parametrize(
+    ("direction", "parent", "cand", "ok"),
+    [
+        ("harder", 0.875, 0.5, True),
+        ("harder", 0.875, 0.0, False),  # unsolved
+        ("harder", 0.875, 0.875, False),  # not harder (boundary)
+        ("harder", 0.875, 0.2, True),  # exactly at alpha_low: accepted
+        ("harder", 0.875, 0.125, False),  # below alpha_low
+        ("easier", 0.125, 0.5, True),
+        ("easier", 0.125, 0.125, False),  # not easier (boundary)
+        ("easier", 0.125, 0.8, True),  # exactly at alpha_high: accepted
+        ("easier", 0.125, 0.875, False),  # above alpha_high
+        ("easier", 0.0, 0.0, False),
+    ],
+)
 def test_acceptance_gate_on_both_sides_of_each_boundary(direction, parent, cand, ok) -> None:
     accepted, reason = accept_rewrite(direction, parent, cand)
     assert accepted is ok, reason
@@ -115,22 +121,25 @@ def test_rewrite_direction_band() -> None:
     assert rewrite_direction(0.5) is None and rewrite_direction(0.79) is None
 
 
-@pytest.mark.parametrize(("text", "vote"), [
-    (r"good step. \boxed{1}", 1),
-    (r"\boxed{+1}", 1),
-    (r"\boxed{-1}", -1),
-    (r"first \boxed{1} then I changed my mind \boxed{-1}", -1),  # the last box counts
-    (r"\boxed{ -1 }", -1),
-    (r"\boxed{\text{-1}}", -1),
-    (r"\boxed{0}", None),
-    (r"\boxed{1/2}", None),
-    (r"\boxed{good}", None),
-    (r"no box at all: 1", None),
-    (r"\boxed{1", None),  # unbalanced
-    (r"\boxed{{1}}", None),
-    (r"\boxed{-1} and an unfinished \boxed{", -1),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    ("text", "vote"),
+    [
+        (r"good step. \boxed{1}", 1),
+        (r"\boxed{+1}", 1),
+        (r"\boxed{-1}", -1),
+        (r"first \boxed{1} then I changed my mind \boxed{-1}", -1),  # the last box counts
+        (r"\boxed{ -1 }", -1),
+        (r"\boxed{\text{-1}}", -1),
+        (r"\boxed{0}", None),
+        (r"\boxed{1/2}", None),
+        (r"\boxed{good}", None),
+        (r"no box at all: 1", None),
+        (r"\boxed{1", None),  # unbalanced
+        (r"\boxed{{1}}", None),
+        (r"\boxed{-1} and an unfinished \boxed{", -1),
+        ("", None),
+    ],
+)
 def test_vote_parser_on_tricky_outputs(text: str, vote) -> None:
     assert parse_vote(text) == vote
 
@@ -157,7 +166,7 @@ def test_coding_test_rewards_by_hand() -> None:
     from coevo.algorithm.scoring import coding_test_advantages
 
     # programs: A, B correct; C, D, E incorrect.  (correct, passed)
-    t0 = [(True, True), (True, True), (False, False), (False, False), (False, True)]   # all correct pass: +2
+    t0 = [(True, True), (True, True), (False, False), (False, False), (False, True)]  # all correct pass: +2
     t1 = [(True, True), (True, False), (False, True), (False, False), (False, False)]  # a correct fails: -1
     t2 = [(True, False), (True, False), (False, False), (False, False), (False, False)]  # garbage: -0
     z = coding_test_advantages([t0, t1, t2])
@@ -190,7 +199,9 @@ async def test_scorer_memory_of_scored_groups_is_bounded_and_orphans_are_dropped
     assert "g1" not in scorer.groups and scorer.counters["groups.orphans_dropped"] == 1
 
 
-async def test_scorer_restart_reloads_what_a_full_replay_would_from_the_oldest_open_group(bus, cfg, monkeypatch) -> None:
+async def test_scorer_restart_reloads_what_a_full_replay_would_from_the_oldest_open_group(
+    bus, cfg, monkeypatch
+) -> None:
     """A restarted scorer reads steps and votes only from the ``TaskScheduled`` of the oldest group
     still open at the last event its consumer was delivered, and ends with the state a replay of the
     whole stream up to there gives (but for orphans older than that, which it would only drop) and
@@ -205,12 +216,23 @@ async def test_scorer_restart_reloads_what_a_full_replay_would_from_the_oldest_o
         event_id = scored_id(gid) if cls is GroupScored else new_id()  # as the scorer derives it
         return proto[cls].model_copy(update={"event_id": event_id, "group_id": gid, **fields})
 
-    stream = [ev(TaskScheduled, "g1"), ev(StepTaken, "g1"), ev(StepJudged, "g1"),
-              ev(TrajectoryCompleted, "g1", rollout_index=0), ev(StepJudged, "old-orphan"), ev(GroupScored, "g1"),
-              ev(TaskScheduled, "g2"), ev(StepTaken, "g2"), ev(StepJudged, "g1"),  # a late vote of a scored group
-              ev(StepJudged, "orphan"), ev(TaskScheduled, "g3"), ev(StepTaken, "g3"),
-              ev(TrajectoryCompleted, "g2", rollout_index=1), ev(TrajectoryCompleted, "g2", rollout_index=1),
-              ev(StepJudged, "g3")]
+    stream = [
+        ev(TaskScheduled, "g1"),
+        ev(StepTaken, "g1"),
+        ev(StepJudged, "g1"),
+        ev(TrajectoryCompleted, "g1", rollout_index=0),
+        ev(StepJudged, "old-orphan"),
+        ev(GroupScored, "g1"),
+        ev(TaskScheduled, "g2"),
+        ev(StepTaken, "g2"),
+        ev(StepJudged, "g1"),  # a late vote of a scored group
+        ev(StepJudged, "orphan"),
+        ev(TaskScheduled, "g3"),
+        ev(StepTaken, "g3"),
+        ev(TrajectoryCompleted, "g2", rollout_index=1),
+        ev(TrajectoryCompleted, "g2", rollout_index=1),
+        ev(StepJudged, "g3"),
+    ]
     seqs = [(await bus.publish_sync(e)).seq for e in stream]
     delivered = seqs[-1]
     for e in (ev(GroupScored, "g3"), ev(StepTaken, "g2"), ev(TaskScheduled, "g4")):  # past what was delivered
@@ -236,9 +258,15 @@ async def test_scorer_restart_reloads_what_a_full_replay_would_from_the_oldest_o
     await scorer.replay(delivered)
 
     def state(agent: ScorerAgent) -> dict[str, object]:
-        return {gid: (g.scheduled and g.scheduled.event_id, sorted(g.steps),
-                      sorted((k, v.event_id) for k, v in g.judged.items()),
-                      sorted((k, v.event_id) for k, v in g.trajectories.items())) for gid, g in agent.groups.items()}
+        return {
+            gid: (
+                g.scheduled and g.scheduled.event_id,
+                sorted(g.steps),
+                sorted((k, v.event_id) for k, v in g.judged.items()),
+                sorted((k, v.event_id) for k, v in g.trajectories.items()),
+            )
+            for gid, g in agent.groups.items()
+        }
 
     assert list(full.scored) == ["g1"] and list(scorer.scored) == ["g1", "g3"]  # g3's GroupScored came later
     assert set(full.groups) == {"g2", "g3", "orphan", "old-orphan"}
@@ -300,26 +328,56 @@ def test_critic_reads_the_judges_reasoning_and_an_unparseable_vote_is_not_a_minu
     src = Source(agent_id="t", role="t")
     g = Group()
     steps = []
-    for k, (action, votes) in enumerate([("go north", [(1, "ok"), (-1, "ok")]),
-                                         ("jump into pit", [(-1, "ok"), (-1, "ok")]),
-                                         ("wait", [(-1, "ok"), (None, "unparseable")])]):
-        st = StepTaken(run_id="r", source=src, trajectory_id="tr", task_id="q", group_id="g", step_index=k,
-                       observation="o", candidates=[action], prompt_token_ids=[1], response_token_ids=[2],
-                       logprobs=[-0.1], action_text=action, next_observation=f"You {action}. Then more.",
-                       policy_version=0)
+    for k, (action, votes) in enumerate(
+        [
+            ("go north", [(1, "ok"), (-1, "ok")]),
+            ("jump into pit", [(-1, "ok"), (-1, "ok")]),
+            ("wait", [(-1, "ok"), (None, "unparseable")]),
+        ]
+    ):
+        st = StepTaken(
+            run_id="r",
+            source=src,
+            trajectory_id="tr",
+            task_id="q",
+            group_id="g",
+            step_index=k,
+            observation="o",
+            candidates=[action],
+            prompt_token_ids=[1],
+            response_token_ids=[2],
+            logprobs=[-0.1],
+            action_text=action,
+            next_observation=f"You {action}. Then more.",
+            policy_version=0,
+        )
         g.add(st)
-        g.add(StepJudged(run_id="r", source=src, step_event_id=st.event_id, trajectory_id="tr", task_id="q",
-                         group_id="g", step_index=k, votes=[
-                             Vote(index=i, value=v, status=s, rationale="the pit kills you" if v == -1 else "")
-                             for i, (v, s) in enumerate(votes)]))
+        g.add(
+            StepJudged(
+                run_id="r",
+                source=src,
+                step_event_id=st.event_id,
+                trajectory_id="tr",
+                task_id="q",
+                group_id="g",
+                step_index=k,
+                votes=[
+                    Vote(index=i, value=v, status=s, rationale="the pit kills you" if v == -1 else "")
+                    for i, (v, s) in enumerate(votes)
+                ],
+            )
+        )
         steps.append(scoring.StepRec(st.event_id, k, tuple(scoring.VoteRec(v, s) for v, s in votes), None))
     digest = failure_digest(scoring.TrajRec("tr", "lost", tuple(steps)), g)
     assert digest.steps[1] == "2. jump into pit -> You jump into pit"
     assert digest.all_negative_steps == [2]  # step 3 had an unparseable vote: not "every vote -1"
     assert digest.rationales == ["step 2: the pit kills you"]
     summary = critic_summary(digest)
-    assert summary == ("Went wrong at step 2 (jump into pit -> You jump into pit), which every judge vote called bad."
-                       " The judge: the pit kills you.")
-    prompt = LLMRewriter(client=None).prompt(QuickGame(), TaskSpec(task_id="q", family="quickgame",
-                                             knobs={"steps": 3}), "easier", [summary], [digest])
+    assert summary == (
+        "Went wrong at step 2 (jump into pit -> You jump into pit), which every judge vote called bad."
+        " The judge: the pit kills you."
+    )
+    prompt = LLMRewriter(client=None).prompt(
+        QuickGame(), TaskSpec(task_id="q", family="quickgame", knobs={"steps": 3}), "easier", [summary], [digest]
+    )
     assert "2. jump into pit -> You jump into pit" in prompt and "judge on step 2: the pit kills you" in prompt

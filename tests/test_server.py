@@ -85,8 +85,9 @@ async def _roundtrip(url: str, nats_cfg: NatsConfig, n: int = 3) -> int:
 
 
 def _event(run_id: str, i: int) -> TaskScheduled:
-    return TaskScheduled(run_id=run_id, source=SOURCE, task=TaskSpec(task_id=f"t{i}", family="quick"),
-                         group_id=f"g{i}", n_rollouts=1)
+    return TaskScheduled(
+        run_id=run_id, source=SOURCE, task=TaskSpec(task_id=f"t{i}", family="quick"), group_id=f"g{i}", n_rollouts=1
+    )
 
 
 async def _refused(url: str, **opts: object) -> str:
@@ -110,8 +111,12 @@ time.sleep(600)
 
 
 def test_server_dies_when_its_parent_is_killed_9(tmp_path: Path) -> None:
-    child = subprocess.Popen([PYTHON, "-c", CHILD, str(tmp_path / "nats")], env=subprocess_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = subprocess.Popen(
+        [PYTHON, "-c", CHILD, str(tmp_path / "nats")],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         pid_text, url = Lines(child).next().split()
         pid = int(pid_text)
@@ -149,9 +154,14 @@ def test_stop_leaves_no_process(tmp_path: Path) -> None:
 
 
 def test_non_loopback_bind_without_credentials_exits_with_a_clear_error(tmp_path: Path) -> None:
-    result = subprocess.run([PYTHON, "-m", "coevo", "server", "--host", "0.0.0.0", "--port", "-1",
-                             "--store", str(tmp_path / "store")], env=subprocess_env(), capture_output=True,
-                            text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [PYTHON, "-m", "coevo", "server", "--host", "0.0.0.0", "--port", "-1", "--store", str(tmp_path / "store")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     assert "refusing to serve NATS on 0.0.0.0 without authentication" in result.stderr
     for flag in ("--run-id RUN", "--generate-token", "--token-env NAME", "--user U --password-env NAME", "--tls-ca"):
@@ -173,8 +183,7 @@ def test_server_security_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert "--nats.credentials_file " + str(tmp_path / "credentials") + "/ROLE.json" in roles.agent_command("u")
     with pytest.raises(ConfigError, match="without authentication"):
         server_security("10.1.2.3", tmp_path, tls_cert=tmp_path / "c", tls_key=tmp_path / "k")  # TLS alone
-    mtls = server_security("0.0.0.0", tmp_path, tls_cert=tmp_path / "c", tls_key=tmp_path / "k",
-                           tls_ca=tmp_path / "ca")
+    mtls = server_security("0.0.0.0", tmp_path, tls_cert=tmp_path / "c", tls_key=tmp_path / "k", tls_ca=tmp_path / "ca")
     assert mtls.auth is None and mtls.tls is not None  # client certificates authenticate
     with pytest.raises(ConfigError, match="go together"):
         server_security("0.0.0.0", tmp_path, user="u")
@@ -225,9 +234,29 @@ def certificate(tmp_path: Path) -> tuple[Path, Path]:
     if openssl is None:
         pytest.skip("openssl is needed to make a test certificate")
     cert, key = tmp_path / "server.pem", tmp_path / "server.key"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 
@@ -244,9 +273,24 @@ async def test_tls_and_token(tmp_path: Path, certificate: tuple[Path, Path], mon
 
 def test_coevo_server_generates_a_token_and_says_how_to_connect(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    proc = subprocess.Popen([PYTHON, "-m", "coevo", "server", "--host", "0.0.0.0", "--port", "-1", "--store",
-                             str(store), "--generate-token"], env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            PYTHON,
+            "-m",
+            "coevo",
+            "server",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "-1",
+            "--store",
+            str(store),
+            "--generate-token",
+        ],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         lines = Lines(proc)
         ready = lines.next("nats-server ready at ")
@@ -293,8 +337,9 @@ async def test_cluster_keeps_an_r3_stream_serving_while_a_node_is_down(tmp_path:
     run_id = f"t{new_id()[:12]}"
     async with EmbeddedCluster(tmp_path, nodes=3) as cluster:
         assert len(cluster.url.split(",")) == 3
-        bus = await NatsBus.connect(cluster.url, run_id, bus=BusConfig(publish_retries=12),
-                                    stream=StreamConfig(replicas=3))
+        bus = await NatsBus.connect(
+            cluster.url, run_id, bus=BusConfig(publish_retries=12), stream=StreamConfig(replicas=3)
+        )
         try:
             info = await bus.js.stream_info(bus.stream)
             assert info.config.num_replicas == 3 and len(info.cluster.replicas or []) == 2
@@ -370,8 +415,12 @@ async def test_cluster_holds_an_r3_key_value_bucket(tmp_path: Path) -> None:
 
 def test_coevo_server_with_a_run_id_gives_each_role_its_own_credentials(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    proc = subprocess.Popen([PYTHON, "-m", "coevo", "server", "--port", "-1", "--store", str(store),
-                             "--run-id", "r1"], env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "coevo", "server", "--port", "-1", "--store", str(store), "--run-id", "r1"],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         lines = Lines(proc)
         url = lines.next("nats-server ready at ").split()[3]
@@ -380,8 +429,9 @@ def test_coevo_server_with_a_run_id_gives_each_role_its_own_credentials(tmp_path
         assert "Authorization Violation" in asyncio.run(_refused(url))
 
         async def as_roles() -> tuple[int, str]:
-            admin = await NatsBus.connect(url, "r1", nats_cfg=NatsConfig(
-                credentials_file=store / "credentials" / "admin.json"))
+            admin = await NatsBus.connect(
+                url, "r1", nats_cfg=NatsConfig(credentials_file=store / "credentials" / "admin.json")
+            )
             try:
                 await admin.publish_sync(_event("r1", 0))
                 scorer = read_credential(store / "credentials" / "scorer.json")
@@ -391,8 +441,13 @@ def test_coevo_server_with_a_run_id_gives_each_role_its_own_credentials(tmp_path
                         await nc.jetstream(timeout=1.0).publish(subject_for("r1", "task.scheduled"), b"{}")
                 finally:
                     await nc.close()
-                role = await NatsBus.connect(url, "r1", nats_cfg=NatsConfig(  # the stream was made by the server
-                    credentials_file=store / "credentials" / "scorer.json"))
+                role = await NatsBus.connect(
+                    url,
+                    "r1",
+                    nats_cfg=NatsConfig(  # the stream was made by the server
+                        credentials_file=store / "credentials" / "scorer.json"
+                    ),
+                )
                 assert not role.manages and role.nc._inbox_prefix.decode() == "_INBOX_scorer"
                 await role.kv("tasks")  # every bucket exists: a role only opens it
                 await role.close()
@@ -410,9 +465,24 @@ def test_coevo_server_with_a_run_id_gives_each_role_its_own_credentials(tmp_path
 
 
 def test_coevo_server_cluster_prints_the_urls(tmp_path: Path) -> None:
-    proc = subprocess.Popen([PYTHON, "-m", "coevo", "server", "--cluster", "3", "--port", "-1", "--store",
-                             str(tmp_path), "--insecure-loopback"], env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            PYTHON,
+            "-m",
+            "coevo",
+            "server",
+            "--cluster",
+            "3",
+            "--port",
+            "-1",
+            "--store",
+            str(tmp_path),
+            "--insecure-loopback",
+        ],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         ready = Lines(proc).next("nats-server ready at ")
         url = ready.split()[3]

@@ -76,10 +76,14 @@ def test_backoff_grows_with_recent_crashes_and_resets_after_a_quiet_window() -> 
     assert budget.backoff(delays) == 0.1
 
 
-@given(st.integers(min_value=0, max_value=5), st.floats(min_value=0.5, max_value=100.0),
-       st.lists(st.floats(min_value=0.0, max_value=50.0), min_size=1, max_size=40))
-def test_budget_counts_exactly_the_crashes_of_the_last_window(max_restarts: int, window_s: float,
-                                                              gaps: list[float]) -> None:
+@given(
+    st.integers(min_value=0, max_value=5),
+    st.floats(min_value=0.5, max_value=100.0),
+    st.lists(st.floats(min_value=0.0, max_value=50.0), min_size=1, max_size=40),
+)
+def test_budget_counts_exactly_the_crashes_of_the_last_window(
+    max_restarts: int, window_s: float, gaps: list[float]
+) -> None:
     clock = FakeClock()
     budget = RestartBudget(max_restarts, window_s, clock=clock)
     times: list[float] = []
@@ -163,10 +167,12 @@ class KvReadFails(NatsBus):
         return handle
 
 
-@pytest.mark.parametrize(("how", "error"), [("closed", nats.errors.ConnectionClosedError),
-                                             ("deleted", nats.js.errors.NotFoundError)])
+@pytest.mark.parametrize(
+    ("how", "error"), [("closed", nats.errors.ConnectionClosedError), ("deleted", nats.js.errors.NotFoundError)]
+)
 async def test_a_failing_kv_read_propagates_and_seeds_nothing(
-        bus: NatsBus, cfg: CoevoConfig, nats_url: str, run_id: str, how: str, error: type[Exception]) -> None:
+    bus: NatsBus, cfg: CoevoConfig, nats_url: str, run_id: str, how: str, error: type[Exception]
+) -> None:
     first = TasksAgent(bus, cfg)
     await first.load()
     saved = await _stored_slots(bus)

@@ -45,20 +45,23 @@ def test_ppo_loss_matches_hand_computation() -> None:
 def test_ratio_clipping_on_both_sides_only_when_it_lowers_the_objective() -> None:
     # A>0 and r<1-eps: unclipped term is smaller, so no clipping effect (gradient flows)
     new = torch.tensor([[-2.0]], requires_grad=True)
-    out = ppo_loss(new, torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([1.0]), torch.ones(1, 1),
-                   kl_beta=0.0)
+    out = ppo_loss(
+        new, torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([1.0]), torch.ones(1, 1), kl_beta=0.0
+    )
     out.loss.backward()
     assert float(out.loss.detach()) == pytest.approx(-math.exp(-1.0)) and new.grad is not None and float(new.grad) != 0
     # A>0 and r>1+eps: clipped, gradient is zero
     new = torch.tensor([[-0.5]], requires_grad=True)
-    out = ppo_loss(new, torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([1.0]), torch.ones(1, 1),
-                   kl_beta=0.0)
+    out = ppo_loss(
+        new, torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([1.0]), torch.ones(1, 1), kl_beta=0.0
+    )
     out.loss.backward()
     assert float(out.loss.detach()) == pytest.approx(-1.2) and float(new.grad) == 0.0
     # A<0 and r<1-eps: clipped at 0.8, gradient zero
     new = torch.tensor([[-2.0]], requires_grad=True)
-    out = ppo_loss(new, torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([-1.0]), torch.ones(1, 1),
-                   kl_beta=0.0)
+    out = ppo_loss(
+        new, torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([-1.0]), torch.ones(1, 1), kl_beta=0.0
+    )
     out.loss.backward()
     assert float(out.loss.detach()) == pytest.approx(0.8) and float(new.grad) == 0.0
 
@@ -84,11 +87,23 @@ def test_correction_is_a_no_op_with_identical_logprobs() -> None:
 
 def test_pack_by_tokens() -> None:
     def s(n: int) -> TrainingSample:
-        return TrainingSample(sample_id=str(n), role="policy", prompt_token_ids=[1] * n, response_token_ids=[2],
-                              logprobs=[-1.0], advantage=1.0, model_version=0, step_event_id="x")
+        return TrainingSample(
+            sample_id=str(n),
+            role="policy",
+            prompt_token_ids=[1] * n,
+            response_token_ids=[2],
+            logprobs=[-1.0],
+            advantage=1.0,
+            model_version=0,
+            step_event_id="x",
+        )
 
     batches = pack_by_tokens([s(9), s(9), s(19), s(4), s(49)], max_tokens=40)
-    assert [[len(x.prompt_token_ids) for x in b] for b in batches] == [[9, 9], [19, 4], [49]]  # 2x10, 2x20 (= 40), 1x50 alone
+    assert [[len(x.prompt_token_ids) for x in b] for b in batches] == [
+        [9, 9],
+        [19, 4],
+        [49],
+    ]  # 2x10, 2x20 (= 40), 1x50 alone
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +113,25 @@ def tiny(tmp_path_factory) -> Path:
 
 def choice_samples(tiny: Path, n: int = 16) -> list[TrainingSample]:
     async def go() -> list[TrainingSample]:
-        prompt = policy_prompt("goal: take the coin. room: hall. items: coin. exits: north attic.",
-                               ["go north", "take coin"])
+        prompt = policy_prompt(
+            "goal: take the coin. room: hall. items: coin. exits: north attic.", ["go north", "take coin"]
+        )
         async with LocalEngine(tiny, seed=1) as eng:
             cs = await asyncio.gather(*(eng.complete(prompt, choices=list(INDEX_LABELS[:2])) for _ in range(n)))
-        return [TrainingSample(sample_id=f"s{i}", role="policy", prompt_token_ids=c.prompt_token_ids,
-                               response_token_ids=c.response_token_ids, logprobs=c.logprobs,
-                               allowed_token_ids=c.allowed_token_ids, advantage=1.0 if c.choice == 1 else -1.0,
-                               model_version=0, step_event_id=f"e{i}") for i, c in enumerate(cs)]
+        return [
+            TrainingSample(
+                sample_id=f"s{i}",
+                role="policy",
+                prompt_token_ids=c.prompt_token_ids,
+                response_token_ids=c.response_token_ids,
+                logprobs=c.logprobs,
+                allowed_token_ids=c.allowed_token_ids,
+                advantage=1.0 if c.choice == 1 else -1.0,
+                model_version=0,
+                step_event_id=f"e{i}",
+            )
+            for i, c in enumerate(cs)
+        ]
 
     return asyncio.run(go())
 
@@ -132,26 +158,50 @@ def test_sampler_and_learner_agree_and_a_step_learns(tiny: Path, tmp_path: Path)
     assert p_before < 1.0
 
 
-@pytest.mark.parametrize(("parallel", "n", "max_tokens"), [
-    ("ddp", 8, 32768), ("fsdp", 8, 32768),
-    ("fsdp", 1, 32768),  # fewer samples than ranks
-    ("ddp", 1, 32768),
-    ("fsdp", 5, 64),  # one sample per micro-batch: five micro-batches for two ranks
-])
-def test_two_gloo_processes_match_single_process(tiny: Path, tmp_path: Path, parallel: str, n: int,
-                                                 max_tokens: int) -> None:
+@pytest.mark.parametrize(
+    ("parallel", "n", "max_tokens"),
+    [
+        ("ddp", 8, 32768),
+        ("fsdp", 8, 32768),
+        ("fsdp", 1, 32768),  # fewer samples than ranks
+        ("ddp", 1, 32768),
+        ("fsdp", 5, 64),  # one sample per micro-batch: five micro-batches for two ranks
+    ],
+)
+def test_two_gloo_processes_match_single_process(
+    tiny: Path, tmp_path: Path, parallel: str, n: int, max_tokens: int
+) -> None:
     """Data parallel (replicated, or FSDP2-sharded) over two gloo processes == one process, full batch;
     whatever the batch, both ranks run the same collectives (no hang)."""
     from transformers import AutoModelForCausalLM
 
     samples = choice_samples(tiny, 8)[:n]
     (tmp_path / "samples.json").write_text(json.dumps([s.model_dump() for s in samples]))
-    single = Lane("policy", tiny, tmp_path / "single", LearnerConfig(lr=1e-2, max_batch_tokens=max_tokens),
-                  device="cpu")
+    single = Lane(
+        "policy", tiny, tmp_path / "single", LearnerConfig(lr=1e-2, max_batch_tokens=max_tokens), device="cpu"
+    )
     single.step(samples, ["g"])
-    procs = [subprocess.Popen([PYTHON, "-m", "tests.gloo_worker", str(r), "2", str(tmp_path / "init"), str(tiny),
-                               str(tmp_path / "samples.json"), str(tmp_path / "dist"), parallel, str(max_tokens)],
-                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                PYTHON,
+                "-m",
+                "tests.gloo_worker",
+                str(r),
+                "2",
+                str(tmp_path / "init"),
+                str(tiny),
+                str(tmp_path / "samples.json"),
+                str(tmp_path / "dist"),
+                parallel,
+                str(max_tokens),
+            ],
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
     try:
         outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
     finally:
@@ -160,7 +210,11 @@ def test_two_gloo_processes_match_single_process(tiny: Path, tmp_path: Path, par
     for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output[-3000:]
     ckpt = Path(json.loads(outputs[0].strip().splitlines()[-1])["path"])
-    assert (ckpt / "COMPLETE").exists() and (ckpt / "optimizer.rank0.pt").exists() and (ckpt / "optimizer.rank1.pt").exists()
+    assert (
+        (ckpt / "COMPLETE").exists()
+        and (ckpt / "optimizer.rank0.pt").exists()
+        and (ckpt / "optimizer.rank1.pt").exists()
+    )
     gathered = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
     # Adam's first step moves a weight by lr·g/(|g|+eps): where |g| is near eps (1e-8) it amplifies the
     # float32 rounding of summing the gradient in another order (~1e-11) up to lr·1e-11/eps = 1e-5, a
@@ -190,23 +244,43 @@ def test_truncation_keeps_what_vllms_sampler_keeps() -> None:
     assert kept(min_p=0.1) == [0, 1, 2]  # .086 >= .0636 > .032
     assert kept(top_k=3, top_p=0.9) == [0, 1]  # top-p renormalised over the top 3: .664 + .244 >= .9
     assert kept(min_p=0.3, top_k=4) == [0, 1]
-    assert (~truncate(logits, SamplingConfig(top_k=1), keep=torch.tensor([3])).isinf()).nonzero()[:, 1].tolist() \
-        == [0, 3]  # the sampled token stays possible
+    assert (~truncate(logits, SamplingConfig(top_k=1), keep=torch.tensor([3])).isinf()).nonzero()[:, 1].tolist() == [
+        0,
+        3,
+    ]  # the sampled token stays possible
     fields = request_fields(SamplingConfig(top_k=5), 0.7)
-    assert fields == {"temperature": 0.7, "top_k": 5, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-                      "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}
+    assert fields == {
+        "temperature": 0.7,
+        "top_k": 5,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "min_tokens": 0,
+    }
 
 
 def generated_samples(tiny: Path, sampling: object, n: int = 12) -> list[TrainingSample]:
     async def go() -> list[TrainingSample]:
-        prompt = policy_prompt("goal: take the coin. room: hall. items: coin. exits: north attic.",
-                               ["go north", "take coin"], "generate")
+        prompt = policy_prompt(
+            "goal: take the coin. room: hall. items: coin. exits: north attic.", ["go north", "take coin"], "generate"
+        )
         async with LocalEngine(tiny, seed=3, sampling=sampling) as eng:  # type: ignore[arg-type]
             cs = [await eng.complete(prompt, max_tokens=12, temperature=0.7) for _ in range(n)]
-        return [TrainingSample(sample_id=f"s{i}", role="policy", prompt_token_ids=c.prompt_token_ids,
-                               response_token_ids=c.response_token_ids, logprobs=c.logprobs,
-                               advantage=1.0 if i % 2 else -1.0, model_version=0, step_event_id=f"e{i}")
-                for i, c in enumerate(cs)]
+        return [
+            TrainingSample(
+                sample_id=f"s{i}",
+                role="policy",
+                prompt_token_ids=c.prompt_token_ids,
+                response_token_ids=c.response_token_ids,
+                logprobs=c.logprobs,
+                advantage=1.0 if i % 2 else -1.0,
+                model_version=0,
+                step_event_id=f"e{i}",
+            )
+            for i, c in enumerate(cs)
+        ]
 
     return asyncio.run(go())
 
@@ -219,8 +293,9 @@ def test_a_truncated_sampler_and_the_learner_agree(tiny: Path, tmp_path: Path) -
     sampling = SamplingConfig(top_k=8, top_p=0.8, min_p=0.05)
     samples = generated_samples(tiny, sampling)
     assert max(len(s.response_token_ids) for s in samples) > 1
-    told = Lane("policy", tiny, tmp_path / "a", LearnerConfig(lr=1e-9), temperature=0.7, sampling=sampling,
-                device="cpu")
+    told = Lane(
+        "policy", tiny, tmp_path / "a", LearnerConfig(lr=1e-9), temperature=0.7, sampling=sampling, device="cpu"
+    )
     assert told.step(samples, ["g1"]).mismatch_kl < 1e-6
     untold = Lane("policy", tiny, tmp_path / "b", LearnerConfig(lr=1e-9), temperature=0.7, device="cpu")
     assert untold.step(samples, ["g1"]).mismatch_kl > 1e-3

@@ -23,8 +23,9 @@ from coevo.weights.transfer import GlooCollective, Plan, load_checkpoint_tensors
 def pair(timeout_s: float = 5.0) -> tuple[GlooCollective, GlooCollective]:
     store = GlooCollective.host_store("127.0.0.1", 2, timeout_s)
     box: dict[str, GlooCollective] = {}
-    joiner = threading.Thread(target=lambda: box.setdefault("r", GlooCollective.join("127.0.0.1", store.port, 1, 2,
-                                                                                  timeout_s)))
+    joiner = threading.Thread(
+        target=lambda: box.setdefault("r", GlooCollective.join("127.0.0.1", store.port, 1, 2, timeout_s))
+    )
     joiner.start()
     rank0 = GlooCollective(store, 0, 2, timeout_s)
     joiner.join()
@@ -32,15 +33,23 @@ def pair(timeout_s: float = 5.0) -> tuple[GlooCollective, GlooCollective]:
 
 
 def test_plan_describes_tensors_in_order_and_counts_bytes() -> None:
-    t = {"b.weight": torch.zeros(3, 4), "a.bias": torch.zeros(5, dtype=torch.bfloat16),
-         "n": torch.zeros((), dtype=torch.int64)}
+    t = {
+        "b.weight": torch.zeros(3, 4),
+        "a.bias": torch.zeros(5, dtype=torch.bfloat16),
+        "n": torch.zeros((), dtype=torch.int64),
+    }
     plan = Plan.of(t)
     assert plan.names == ("b.weight", "a.bias", "n")  # insertion order, not sorted: the sender's order
     assert plan.dtype_names == ("float32", "bfloat16", "int64")
     assert plan.shapes == ((3, 4), (5,), ())
     assert plan.bytes == 12 * 4 + 5 * 2 + 8
-    offer = TransferOffer(version=3, sha256="x", names=list(plan.names), dtype_names=list(plan.dtype_names),
-                          shapes=[list(s) for s in plan.shapes])
+    offer = TransferOffer(
+        version=3,
+        sha256="x",
+        names=list(plan.names),
+        dtype_names=list(plan.dtype_names),
+        shapes=[list(s) for s in plan.shapes],
+    )
     assert offer.update_info() == plan.update_info()  # what vLLM's /update_weights takes
     assert plan.empty(1).dtype == torch.bfloat16 and plan.empty(1).shape == (5,)
 
@@ -48,8 +57,11 @@ def test_plan_describes_tensors_in_order_and_counts_bytes() -> None:
 def test_gloo_broadcast_delivers_every_tensor_bit_exact() -> None:
     rank0, rank1 = pair()
     torch.manual_seed(0)
-    tensors = {"w": torch.randn(17, 33), "ids": torch.arange(50, dtype=torch.int64),
-               "h": torch.randn(8).to(torch.bfloat16)}
+    tensors = {
+        "w": torch.randn(17, 33),
+        "ids": torch.arange(50, dtype=torch.int64),
+        "h": torch.randn(8).to(torch.bfloat16),
+    }
     plan = Plan.of(tensors)
     sender = threading.Thread(target=send, args=(rank0, tensors, plan))
     sender.start()
@@ -70,7 +82,8 @@ def test_send_to_a_peer_that_never_receives_times_out_instead_of_hanging() -> No
 
 
 async def test_weight_server_connects_pushes_the_newest_checkpoint_and_refuses_clearly(
-        bus, model_cache: Path, tmp_path: Path) -> None:
+    bus, model_cache: Path, tmp_path: Path
+) -> None:
     from coevo.inference.models import ensure_default_model
 
     model = ensure_default_model("policy", model_cache)
@@ -84,10 +97,16 @@ async def test_weight_server_connects_pushes_the_newest_checkpoint_and_refuses_c
         with pytest.raises(BusError, match="connect first"):
             await bus.request(push, TransferRequest(server="vllm-a", version=0), TransferOffer)
         with pytest.raises(BusError, match="malformed TransferConnect"):
-            await bus.request(transfer_subject(bus.run_id, "policy", "connect"),
-                              TransferRequest(server="vllm-a", version=0), TransferEndpoint)
-        ep = await bus.request(transfer_subject(bus.run_id, "policy", "connect"),
-                               TransferConnect(server="vllm-a", workers=1), TransferEndpoint)
+            await bus.request(
+                transfer_subject(bus.run_id, "policy", "connect"),
+                TransferRequest(server="vllm-a", version=0),
+                TransferEndpoint,
+            )
+        ep = await bus.request(
+            transfer_subject(bus.run_id, "policy", "connect"),
+            TransferConnect(server="vllm-a", workers=1),
+            TransferEndpoint,
+        )
         assert ep.backend == "gloo" and ep.world_size == 2 and ep.init_info()["rank_offset"] == 1
         worker = await asyncio.to_thread(GlooCollective.join, ep.master_address, ep.master_port, 1, 2, 5.0)
 

@@ -28,8 +28,9 @@ from coevo.weights.server import WeightServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PROMPT = policy_prompt("goal: take the coin. room: hall. items: coin. exits: north attic.",
-                       ["go north", "take coin", "take red key"])
+PROMPT = policy_prompt(
+    "goal: take the coin. room: hall. items: coin. exits: north attic.", ["go north", "take coin", "take red key"]
+)
 CHOICES = list(INDEX_LABELS[:3])
 
 
@@ -43,10 +44,17 @@ def local_choice_logprobs(model_dir: Path, client: VLLMClient) -> list[float]:
 
 def train_towards(lane: Lane, completion, choice: int) -> tuple[Path, str, int]:
     """One learner step rewarding ``choice`` at the prompt of ``completion``; its checkpoint."""
-    good = TrainingSample(sample_id="s", role="policy", prompt_token_ids=completion.prompt_token_ids,
-                          response_token_ids=[completion.allowed_token_ids[choice]], logprobs=[-1.0],
-                          allowed_token_ids=completion.allowed_token_ids, advantage=1.0, model_version=0,
-                          step_event_id="e")
+    good = TrainingSample(
+        sample_id="s",
+        role="policy",
+        prompt_token_ids=completion.prompt_token_ids,
+        response_token_ids=[completion.allowed_token_ids[choice]],
+        logprobs=[-1.0],
+        allowed_token_ids=completion.allowed_token_ids,
+        advantage=1.0,
+        model_version=0,
+        step_event_id="e",
+    )
     lane.step([good] * 8, ["g"])
     return lane.checkpoint()
 
@@ -154,17 +162,22 @@ async def test_learner_pushes_weights_into_vllm_over_gloo(vllm_server, bus, tmp_
             path, sha, _ = train_towards(lane, before, 2)
             version = client.version + 11
             published["policy"] = (version, path, sha)
-            ep = await bus.request(transfer_subject(bus.run_id, "policy", "connect"),
-                                   TransferConnect(server="vllm-test", workers=await client.workers()),
-                                   TransferEndpoint)
+            ep = await bus.request(
+                transfer_subject(bus.run_id, "policy", "connect"),
+                TransferConnect(server="vllm-test", workers=await client.workers()),
+                TransferEndpoint,
+            )
             await client.init_transfer(ep.init_info(), 60.0)
 
             old = client.version
             long = asyncio.ensure_future(client.complete(PROMPT, max_tokens=150, temperature=1.0))
             await asyncio.sleep(0.1)
-            offer = await bus.request(transfer_subject(bus.run_id, "policy", "push"),
-                                      TransferRequest(server="vllm-test", version=version), TransferOffer,
-                                      timeout_s=60.0)
+            offer = await bus.request(
+                transfer_subject(bus.run_id, "policy", "push"),
+                TransferRequest(server="vllm-test", version=version),
+                TransferOffer,
+                timeout_s=60.0,
+            )
             assert offer.version == version and offer.sha256 == sha
             pause_ms = await client.receive_weights(offer, 60.0)
             done = await long  # in flight during the transfer: finished, on the weights that produced it
@@ -178,9 +191,12 @@ async def test_learner_pushes_weights_into_vllm_over_gloo(vllm_server, bus, tmp_
 
             # the same group serves the next version: back to the base weights, exactly
             published["policy"] = (version + 1, base_path, base_sha)
-            offer = await bus.request(transfer_subject(bus.run_id, "policy", "push"),
-                                      TransferRequest(server="vllm-test", version=version + 1), TransferOffer,
-                                      timeout_s=60.0)
+            offer = await bus.request(
+                transfer_subject(bus.run_id, "policy", "push"),
+                TransferRequest(server="vllm-test", version=version + 1),
+                TransferOffer,
+                timeout_s=60.0,
+            )
             await client.receive_weights(offer, 60.0)
             again = await client.complete(PROMPT, choices=CHOICES)
             expected = local_choice_logprobs(model, client)
@@ -191,8 +207,9 @@ async def test_learner_pushes_weights_into_vllm_over_gloo(vllm_server, bus, tmp_
         await server.aclose()
 
 
-async def test_policy_agent_falls_back_to_the_checkpoint_when_no_learner_pushes(vllm_server, bus, loop_cfg,
-                                                                                tmp_path: Path) -> None:
+async def test_policy_agent_falls_back_to_the_checkpoint_when_no_learner_pushes(
+    vllm_server, bus, loop_cfg, tmp_path: Path
+) -> None:
     """weight_sync gloo: with nobody serving transfers the follower reloads from disk (and says so);
     once a learner serves, the next version is pushed over the group it connects."""
     from coevo.agents.policy import PolicyAgent
@@ -200,9 +217,15 @@ async def test_policy_agent_falls_back_to_the_checkpoint_when_no_learner_pushes(
     from coevo.schemas import Source, WeightsPublished
 
     url, model = vllm_server
-    cfg = load_config(overrides={**_dump(loop_cfg), "policy.url": url, "policy.model": str(model),
-                                 "learner.weight_sync": {"transport": "gloo", "timeout_s": 60.0},
-                                 "learner.publication_root": str(tmp_path)})  # where this test publishes
+    cfg = load_config(
+        overrides={
+            **_dump(loop_cfg),
+            "policy.url": url,
+            "policy.model": str(model),
+            "learner.weight_sync": {"transport": "gloo", "timeout_s": 60.0},
+            "learner.publication_root": str(tmp_path),
+        }
+    )  # where this test publishes
     lane = Lane("policy", model, tmp_path, LearnerConfig(), device="cpu")
     published: dict[str, tuple[int, Path, str]] = {}
     src = Source(agent_id="learner-test", role="learner", model_version=0)
@@ -211,8 +234,11 @@ async def test_policy_agent_falls_back_to_the_checkpoint_when_no_learner_pushes(
         lane.version = version
         path, sha, size = lane.checkpoint()
         published["policy"] = (version, path, sha)
-        await bus.publish_sync(WeightsPublished(run_id=bus.run_id, source=src, role="policy", version=version,
-                                                path=str(path), sha256=sha, bytes=size))
+        await bus.publish_sync(
+            WeightsPublished(
+                run_id=bus.run_id, source=src, role="policy", version=version, path=str(path), sha256=sha, bytes=size
+            )
+        )
         async with asyncio.timeout(120):
             while True:
                 for e in await bus.events(["weights.applied"]):
@@ -243,15 +269,22 @@ async def test_policy_agent_falls_back_to_the_checkpoint_when_no_learner_pushes(
 
 
 @pytest.mark.parametrize("weight_sync", ["disk", "gloo"])
-async def test_run_trains_against_vllm_and_its_weight_version_advances(vllm_server, bus, loop_cfg,
-                                                                       weight_sync: str) -> None:
+async def test_run_trains_against_vllm_and_its_weight_version_advances(
+    vllm_server, bus, loop_cfg, weight_sync: str
+) -> None:
     from coevo.loop import build_agents
     from coevo.runtime.agent import run_agents
 
     url, model = vllm_server
-    cfg = load_config(overrides={**{k: v for k, v in _dump(loop_cfg).items()},
-                                 "policy.url": url, "policy.model": str(model), "learner.batch_samples": 8,
-                                 "learner.weight_sync": weight_sync})
+    cfg = load_config(
+        overrides={
+            **{k: v for k, v in _dump(loop_cfg).items()},
+            "policy.url": url,
+            "policy.model": str(model),
+            "learner.batch_samples": 8,
+            "learner.weight_sync": weight_sync,
+        }
+    )
     async with VLLMClient(url, str(model), tokenizer_dir=model) as probe:  # the server is shared by tests
         await probe._call("POST", "/update_weight_version", json={"new_version": "before-this-run"})
         start = _version(await probe.weight_version())
@@ -260,8 +293,11 @@ async def test_run_trains_against_vllm_and_its_weight_version_advances(vllm_serv
     async def until() -> None:
         async with asyncio.timeout(300):
             while True:
-                applied = [e for e in await bus.events(["weights.applied"]) if isinstance(e, WeightsApplied)
-                           and e.role == "policy" and e.ok]
+                applied = [
+                    e
+                    for e in await bus.events(["weights.applied"])
+                    if isinstance(e, WeightsApplied) and e.role == "policy" and e.ok
+                ]
                 served = [e for e in await bus.events(["step.taken"]) if e.policy_version >= 1]
                 if len(applied) >= 2 and served:  # trained weights applied, and tokens sampled from them
                     break
@@ -272,11 +308,17 @@ async def test_run_trains_against_vllm_and_its_weight_version_advances(vllm_serv
     steps = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped) and e.role == "policy"]
     async with VLLMClient(url, str(model), tokenizer_dir=model) as probe:
         now = _version(await probe.weight_version())
-    applied = [e.version for e in await bus.events(["weights.applied"]) if isinstance(e, WeightsApplied)
-               and e.role == "policy" and e.ok and e.server.startswith("policy")]
+    applied = [
+        e.version
+        for e in await bus.events(["weights.applied"])
+        if isinstance(e, WeightsApplied) and e.role == "policy" and e.ok and e.server.startswith("policy")
+    ]
     assert applied == sorted(applied) and len(set(applied)) >= 2  # the server moved through this run's versions
-    transports = {e.transport for e in await bus.events(["weights.applied"]) if isinstance(e, WeightsApplied)
-                  and e.server.startswith("policy")}
+    transports = {
+        e.transport
+        for e in await bus.events(["weights.applied"])
+        if isinstance(e, WeightsApplied) and e.server.startswith("policy")
+    }
     assert transports == {weight_sync}  # pushed by the learner when asked to, with no fallback to disk
     assert now != start and now == applied[-1] and now in {0} | {s.version for s in steps}
     taken = [e for e in await bus.events(["step.taken"])]
@@ -303,9 +345,17 @@ async def test_a_judge_served_by_vllm_is_trained_and_follows_the_judge_lane(vllm
     from coevo.runtime.agent import run_agents
 
     url, model = vllm_server
-    cfg = load_config(overrides={**_dump(loop_cfg), "judge.backend": "vllm", "judge.url": url,
-                                 "judge.model": str(model), "judge.mode": "verdict", "learner.batch_samples": 8,
-                                 "learner.weight_sync": "gloo"})
+    cfg = load_config(
+        overrides={
+            **_dump(loop_cfg),
+            "judge.backend": "vllm",
+            "judge.url": url,
+            "judge.model": str(model),
+            "judge.mode": "verdict",
+            "learner.batch_samples": 8,
+            "learner.weight_sync": "gloo",
+        }
+    )
     assert cfg.trains_judge
     stop = asyncio.Event()
 
@@ -326,4 +376,3 @@ async def test_a_judge_served_by_vllm_is_trained_and_follows_the_judge_lane(vllm
     assert steps and max(e.version for e in applied) >= 1 and {e.transport for e in applied} == {"gloo"}
     async with VLLMClient(url, str(model), tokenizer_dir=model) as probe:
         assert _version(await probe.weight_version()) == max(e.version for e in applied)
-

@@ -42,8 +42,9 @@ def step_prompt(step: StepTaken, mode: Literal["verdict", "reasoned"]) -> str:
     return judge_prompt(step.objective, step.observation, step.action_text, step.next_observation, mode)
 
 
-async def ask(client: Any, cfg: JudgeBase, prompt: str, index: int
-              ) -> tuple[Completion, Literal[1, -1] | None, Literal["ok", "unparseable"]]:
+async def ask(
+    client: Any, cfg: JudgeBase, prompt: str, index: int
+) -> tuple[Completion, Literal[1, -1] | None, Literal["ok", "unparseable"]]:
     """One vote: (completion, value, ``ok`` or ``unparseable``). A failed call raises.
     Used by the judge agent, and by replay and re-judge with other clients."""
     if cfg.effective_mode == "verdict":
@@ -62,14 +63,17 @@ class JudgeAgent(Agent):
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.client = make_client(self.cfg, "judge", seed=self.cfg.run.seed + 1)
-        self.weights = WeightsFollower.of(self.cfg, self.bus, self.lane, self.client, server=self.agent_id,
-                                          counters=self.counters)
+        self.weights = WeightsFollower.of(
+            self.cfg, self.bus, self.lane, self.client, server=self.agent_id, counters=self.counters
+        )
         self._tests: dict[str, list[dict[str, Any]]] = {}
         self._test_locks: dict[str, asyncio.Lock] = {}
 
     def subscriptions(self) -> list[Subscription]:
-        return [Subscription("judge", (StepTaken,), self.on_step, concurrency=self.cfg.judge.max_concurrent_steps),
-                weights_subscription(self.lane, self.on_weights)]
+        return [
+            Subscription("judge", (StepTaken,), self.on_step, concurrency=self.cfg.judge.max_concurrent_steps),
+            weights_subscription(self.lane, self.on_weights),
+        ]
 
     async def on_weights(self, event: WeightsPublished, delivery: Delivery) -> None:
         if (applied := await self.weights.follow(event, delivery)) is not None:
@@ -92,18 +96,30 @@ class JudgeAgent(Agent):
         except Exception as exc:  # the call failed: an error vote, never a -1
             self.counters["vote_errors"] += 1
             if self.counters["vote_errors"] in (1, 10, 100) or self.counters["vote_errors"] % 1000 == 0:
-                self.log.warning("judge.call_failed", error=str(exc)[:300], errors=self.counters["vote_errors"],
-                                 note="error votes are not votes; groups with mostly errors are not trained on")
+                self.log.warning(
+                    "judge.call_failed",
+                    error=str(exc)[:300],
+                    errors=self.counters["vote_errors"],
+                    note="error votes are not votes; groups with mostly errors are not trained on",
+                )
             return Vote(index=index, value=None, status="error", rationale=str(exc)[:500])
         self.counters[f"votes.{status}"] += 1
-        return Vote(index=index, value=value, status=status,
-                    rationale=c.text if cfg.effective_mode == "reasoned" else "",
-                    prompt_token_ids=IntArray(c.prompt_token_ids), response_token_ids=IntArray(c.response_token_ids),
-                    logprobs=FloatArray(c.logprobs),
-                    allowed_token_ids=None if c.allowed_token_ids is None else IntArray(c.allowed_token_ids),
-                    model_version=None if external else c.model_version, cost_usd=c.cost_usd,
-                    prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-                    latency_ms=c.latency_ms, cached=c.cached)
+        return Vote(
+            index=index,
+            value=value,
+            status=status,
+            rationale=c.text if cfg.effective_mode == "reasoned" else "",
+            prompt_token_ids=IntArray(c.prompt_token_ids),
+            response_token_ids=IntArray(c.response_token_ids),
+            logprobs=FloatArray(c.logprobs),
+            allowed_token_ids=None if c.allowed_token_ids is None else IntArray(c.allowed_token_ids),
+            model_version=None if external else c.model_version,
+            cost_usd=c.cost_usd,
+            prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.completion_tokens,
+            latency_ms=c.latency_ms,
+            cached=c.cached,
+        )
 
     async def report_budget(self, exc: Exception) -> None:
         if self.counters["budget_exceeded"]:
@@ -113,8 +129,11 @@ class JudgeAgent(Agent):
         max_usd = judge.api.max_usd if isinstance(judge, LitellmEndpoint) else None
         self.log.error("judge.budget_exceeded", error=str(exc))
         spent = self.client.spent_usd if isinstance(self.client, Metered) else 0.0
-        await self.emit(self.event(BudgetExceeded, backend=judge.backend, model=judge.model or "",
-                                   spent_usd=spent, max_usd=max_usd or 0.0))
+        await self.emit(
+            self.event(
+                BudgetExceeded, backend=judge.backend, model=judge.model or "", spent_usd=spent, max_usd=max_usd or 0.0
+            )
+        )
 
     async def on_step(self, step: StepTaken, _d: Delivery) -> None:
         if self.cfg.env.family == "coding":
@@ -123,11 +142,21 @@ class JudgeAgent(Agent):
         prompt = step_prompt(step, self.cfg.judge.effective_mode)
         votes = await asyncio.gather(*(self.vote(prompt, j) for j in range(self.cfg.judge.m)))
         versions = [v.model_version for v in votes if v.model_version is not None]
-        await self.emit(self.event(
-            StepJudged, cause=step, event_id=judged_id(step.event_id), correlation_id=step.group_id,
-            step_event_id=step.event_id, trajectory_id=step.trajectory_id, task_id=step.task_id,
-            group_id=step.group_id, step_index=step.step_index, votes=list(votes),
-            judge_version=max(versions) if versions else None))
+        await self.emit(
+            self.event(
+                StepJudged,
+                cause=step,
+                event_id=judged_id(step.event_id),
+                correlation_id=step.group_id,
+                step_event_id=step.event_id,
+                trajectory_id=step.trajectory_id,
+                task_id=step.task_id,
+                group_id=step.group_id,
+                step_index=step.step_index,
+                votes=list(votes),
+                judge_version=max(versions) if versions else None,
+            )
+        )
 
     # ---- coding variant: the judge writes unit tests (docs/algorithm.md §2) --------------------------
 
@@ -147,14 +176,26 @@ class JudgeAgent(Agent):
                 tests = []
                 for j in range(self.cfg.judge.m):
                     try:
-                        c = await self.client.complete(prompt, max_tokens=self.cfg.judge.max_tokens,
-                                                       temperature=self.cfg.judge.temperature, index=j)
+                        c = await self.client.complete(
+                            prompt,
+                            max_tokens=self.cfg.judge.max_tokens,
+                            temperature=self.cfg.judge.temperature,
+                            index=j,
+                        )
                     except Exception as exc:
                         tests.append({"index": j, "code": None, "text": "", "error": str(exc)[:300]})
                         continue
-                    tests.append({"index": j, "code": extract_test(c.text, entry), "text": c.text,
-                                  "prompt_token_ids": c.prompt_token_ids, "response_token_ids": c.response_token_ids,
-                                  "logprobs": c.logprobs, "model_version": c.model_version})
+                    tests.append(
+                        {
+                            "index": j,
+                            "code": extract_test(c.text, entry),
+                            "text": c.text,
+                            "prompt_token_ids": c.prompt_token_ids,
+                            "response_token_ids": c.response_token_ids,
+                            "logprobs": c.logprobs,
+                            "model_version": c.model_version,
+                        }
+                    )
                 if not await kv.create(step.group_id, json.dumps(tests).encode()):
                     theirs = await kv.get(step.group_id)  # another judge wrote them first: use theirs
                     tests = json.loads(theirs) if theirs is not None else tests
@@ -172,15 +213,23 @@ class JudgeAgent(Agent):
         runnable = [t for t in tests if t["code"]]
         passed: list[bool] = []
         if runnable:
-            passed, _ = await run_tests(step.artifact or step.action_text, entry_point(step.objective),
-                                        [t["code"] for t in runnable], isolation=self.cfg.env.sandbox)
+            passed, _ = await run_tests(
+                step.artifact or step.action_text,
+                entry_point(step.objective),
+                [t["code"] for t in runnable],
+                isolation=self.cfg.env.sandbox,
+            )
         verdict = {t["index"]: p for t, p in zip(runnable, passed, strict=True)}
         votes = []
         for t in tests:
-            common = {"index": t["index"], "rationale": t.get("code") or t.get("text", ""),
-                      "prompt_token_ids": t.get("prompt_token_ids", []),
-                      "response_token_ids": t.get("response_token_ids", []), "logprobs": t.get("logprobs", []),
-                      "model_version": t.get("model_version")}
+            common = {
+                "index": t["index"],
+                "rationale": t.get("code") or t.get("text", ""),
+                "prompt_token_ids": t.get("prompt_token_ids", []),
+                "response_token_ids": t.get("response_token_ids", []),
+                "logprobs": t.get("logprobs", []),
+                "model_version": t.get("model_version"),
+            }
             if t.get("error"):
                 votes.append(Vote(value=None, status="error", **common))
             elif t["index"] not in verdict:
@@ -188,10 +237,21 @@ class JudgeAgent(Agent):
             else:
                 votes.append(Vote(value=1 if verdict[t["index"]] else -1, status="ok", **common))
             self.counters[f"votes.{votes[-1].status}"] += 1
-        await self.emit(self.event(
-            StepJudged, cause=step, event_id=judged_id(step.event_id), correlation_id=step.group_id,
-            step_event_id=step.event_id, trajectory_id=step.trajectory_id, task_id=step.task_id,
-            group_id=step.group_id, step_index=step.step_index, votes=votes, judge_version=self.client.version))
+        await self.emit(
+            self.event(
+                StepJudged,
+                cause=step,
+                event_id=judged_id(step.event_id),
+                correlation_id=step.group_id,
+                step_event_id=step.event_id,
+                trajectory_id=step.trajectory_id,
+                task_id=step.task_id,
+                group_id=step.group_id,
+                step_index=step.step_index,
+                votes=votes,
+                judge_version=self.client.version,
+            )
+        )
 
 
 def entry_point(objective: str) -> str:
@@ -200,7 +260,7 @@ def entry_point(objective: str) -> str:
 
 
 def test_prompt(problem: str, entry: str) -> str:
-    return (f"{problem}\n# One unit test for {entry}, as a single assert:\nassert {entry}(")
+    return f"{problem}\n# One unit test for {entry}, as a single assert:\nassert {entry}("
 
 
 def extract_test(text: str, entry: str) -> str | None:

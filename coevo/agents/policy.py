@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from coevo.algorithm.prompts import INDEX_LABELS, parse_action, policy_prompt
 from coevo.envs import make_family
-from coevo.envs.base import Environment, Observation
+from coevo.envs.base import Environment, Observation, StepResult
 from coevo.errors import EnvError
 from coevo.inference.chat import ChatTokens, Conversation
 from coevo.inference.clients import make_client
@@ -53,22 +53,31 @@ if TYPE_CHECKING:
     from coevo.serve.episodes import Episode
 
 
-async def choose(client: Any, cfg: PolicyConfig, obs: Observation, cands: list[str],
-                 conversation: Conversation | None) -> tuple[Completion, int | None, str | None]:
+async def choose(
+    client: Any, cfg: PolicyConfig, obs: Observation, cands: list[str], conversation: Conversation | None
+) -> tuple[Completion, int | None, str | None]:
     """How the policy acts on ``obs`` (the agent, and evaluators that must act exactly like it): one
     model call; the completion, the index of the candidate it names (None: none parsed, or no
     candidates) and, in chat mode, how the conversation's tokens were reused."""
     if conversation is not None:  # chat: the whole episode is one conversation, token-in/token-out
-        c, how = await conversation.ask(client, policy_prompt(obs.text, obs.candidates, "generate"),
-                                        max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+        c, how = await conversation.ask(
+            client,
+            policy_prompt(obs.text, obs.candidates, "generate"),
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+        )
         return c, (parse_action(c.text, len(cands)) if cands else None), how
     if cands and cfg.mode == "choice":
-        c = await client.complete(policy_prompt(obs.text, obs.candidates, cfg.mode),
-                                  choices=list(INDEX_LABELS[: len(cands)]), temperature=cfg.temperature)
+        c = await client.complete(
+            policy_prompt(obs.text, obs.candidates, cfg.mode),
+            choices=list(INDEX_LABELS[: len(cands)]),
+            temperature=cfg.temperature,
+        )
         return c, c.choice, None
     mode: Literal["choice", "generate"] = "choice" if cfg.mode == "choice" else "generate"  # chat has a conversation
-    c = await client.complete(policy_prompt(obs.text, obs.candidates, mode), max_tokens=cfg.max_tokens,
-                              temperature=cfg.temperature)
+    c = await client.complete(
+        policy_prompt(obs.text, obs.candidates, mode), max_tokens=cfg.max_tokens, temperature=cfg.temperature
+    )
     return c, (parse_action(c.text, len(cands)) if cands else None), None
 
 
@@ -96,8 +105,9 @@ class PolicyAgent(Agent):
         super().__init__(*a, **kw)
         self.family = make_family(self.cfg.env)
         self.client = make_client(self.cfg, "policy", seed=self.cfg.run.seed)
-        self.weights = WeightsFollower.of(self.cfg, self.bus, self.lane, self.client, server=self.agent_id,
-                                          counters=self.counters)
+        self.weights = WeightsFollower.of(
+            self.cfg, self.bus, self.lane, self.client, server=self.agent_id, counters=self.counters
+        )
         self.rollout_permits = asyncio.Semaphore(self.cfg.policy.max_concurrent_trajectories)
         self._chat_tokens: ChatTokens | None = None
         self.endpoint: Any = None
@@ -106,15 +116,28 @@ class PolicyAgent(Agent):
             from coevo.serve import Endpoint
 
             key, key_file = endpoint_key(self.cfg, self.bus.run_id)
-            self.endpoint = Endpoint(self.cfg, self.client, self, family=self.family, counters=self.counters,
-                                     log=self.log, key=key, key_file=key_file)
+            self.endpoint = Endpoint(
+                self.cfg,
+                self.client,
+                self,
+                family=self.family,
+                counters=self.counters,
+                log=self.log,
+                key=key,
+                key_file=key_file,
+            )
 
     def subscriptions(self) -> list[Subscription]:
-        subs = [Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16, batch=1),  # rollouts are slow
-                weights_subscription(self.lane, self.on_weights)]
+        subs = [
+            Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16, batch=1),  # rollouts are slow
+            weights_subscription(self.lane, self.on_weights),
+        ]
         if self.cfg.endpoint_port is not None:  # new episodes wait while the learner is behind on the endpoint's groups
-            subs.append(Subscription("policy-steps", (LearnerStepped,), self.on_stepped, concurrency=1, shared=False,
-                                     deliver="last"))
+            subs.append(
+                Subscription(
+                    "policy-steps", (LearnerStepped,), self.on_stepped, concurrency=1, shared=False, deliver="last"
+                )
+            )
         return subs
 
     async def on_stepped(self, event: LearnerStepped, _d: Delivery) -> None:
@@ -147,8 +170,9 @@ class PolicyAgent(Agent):
             left = deadline - time.monotonic()
             if left <= 0:
                 self.counters["groups.played_behind"] += 1
-                self.log.warning("policy.weights_behind", group_id=task.group_id, want=want,
-                                 serving=self.client.version)
+                self.log.warning(
+                    "policy.weights_behind", group_id=task.group_id, want=want, serving=self.client.version
+                )
                 return
             self.weights_changed.clear()
             await wait_event(self.weights_changed, left)
@@ -157,8 +181,9 @@ class PolicyAgent(Agent):
         if self.cfg.env.remote:
             from coevo.envs.service import RemoteEnv
 
-            return RemoteEnv(self.bus.nc, self.bus.run_id, self.cfg.env.family,
-                             step_timeout_s=self.cfg.env.step_timeout_s)
+            return RemoteEnv(
+                self.bus.nc, self.bus.run_id, self.cfg.env.family, step_timeout_s=self.cfg.env.step_timeout_s
+            )
         return self.family.make_env()
 
     async def on_task(self, event: TaskScheduled, delivery: Delivery) -> None:
@@ -180,8 +205,9 @@ class PolicyAgent(Agent):
             self._chat_tokens = ChatTokens(self.client.tokenizer)  # type: ignore[attr-defined]
         return Conversation(self._chat_tokens)
 
-    async def choose(self, obs: Observation, cands: list[str], conversation: Conversation | None
-                     ) -> tuple[Completion, int | None]:
+    async def choose(
+        self, obs: Observation, cands: list[str], conversation: Conversation | None
+    ) -> tuple[Completion, int | None]:
         """One model call for ``obs``: the completion and the candidate it names (None: none)."""
         c, index, how = await choose(self.client, self.cfg.policy, obs, cands, conversation)
         if how is not None:
@@ -207,16 +233,7 @@ class PolicyAgent(Agent):
                         self.counters["action_parse_failures"] += 1
                     action = cands[index_] if index_ is not None else (c.text if not cands else "")
                     result = await env.step(action)
-                    step = self.event(
-                        StepTaken, cause=task_event, correlation_id=task_event.group_id, trajectory_id=traj_id,
-                        task_id=task_event.task.task_id, group_id=task_event.group_id, step_index=k,
-                        objective=obs.objective, observation=obs.text, candidates=list(obs.candidates),
-                        prompt_token_ids=c.prompt_token_ids, response_token_ids=c.response_token_ids,
-                        logprobs=c.logprobs, allowed_token_ids=c.allowed_token_ids, response_text=c.text,
-                        action_index=index_, action_text=action, parse_ok=parse_ok,
-                        next_observation=result.observation.text, done=result.done,
-                        reference_label=result.reference_label, policy_version=c.model_version,
-                        artifact=result.info.get("program"))
+                    step = self.step_event(task_event, traj_id, k, obs, c, index_, action, parse_ok, result)
                     await self.emit(step)
                     step_ids.append(step.event_id)
                     versions.append(c.model_version)
@@ -234,34 +251,110 @@ class PolicyAgent(Agent):
             finally:
                 await env.close()
         self.counters[f"trajectories.{outcome}"] += 1
-        await self.emit(self.event(
-            TrajectoryCompleted, cause=task_event, correlation_id=task_event.group_id, trajectory_id=traj_id,
-            task_id=task_event.task.task_id, group_id=task_event.group_id, rollout_index=index,
-            outcome=outcome, num_steps=len(step_ids), step_event_ids=step_ids, policy_versions=versions,
-            error=error))
+        await self.emit(
+            self.event(
+                TrajectoryCompleted,
+                cause=task_event,
+                correlation_id=task_event.group_id,
+                trajectory_id=traj_id,
+                task_id=task_event.task.task_id,
+                group_id=task_event.group_id,
+                rollout_index=index,
+                outcome=outcome,
+                num_steps=len(step_ids),
+                step_event_ids=step_ids,
+                policy_versions=versions,
+                error=error,
+            )
+        )
+
+    def step_event(
+        self,
+        task_event: TaskScheduled,
+        traj_id: str,
+        k: int,
+        obs: Observation,
+        c: Completion,
+        index: int | None,
+        action: str,
+        parse_ok: bool,
+        result: StepResult,
+    ) -> StepTaken:
+        """The ``StepTaken`` of step ``k``: what was seen, sampled (tokens, log-probs) and done, and its result."""
+        return self.event(
+            StepTaken,
+            cause=task_event,
+            correlation_id=task_event.group_id,
+            trajectory_id=traj_id,
+            task_id=task_event.task.task_id,
+            group_id=task_event.group_id,
+            step_index=k,
+            objective=obs.objective,
+            observation=obs.text,
+            candidates=list(obs.candidates),
+            prompt_token_ids=c.prompt_token_ids,
+            response_token_ids=c.response_token_ids,
+            logprobs=c.logprobs,
+            allowed_token_ids=c.allowed_token_ids,
+            response_text=c.text,
+            action_index=index,
+            action_text=action,
+            parse_ok=parse_ok,
+            next_observation=result.observation.text,
+            done=result.done,
+            reference_label=result.reference_label,
+            policy_version=c.model_version,
+            artifact=result.info.get("program"),
+        )
 
     # ---- the endpoint's episodes as events (coevo.serve.Sink) ----------------------------------
 
     async def publish_group(self, task: TaskSpec) -> TaskScheduled:
         """A group of an outside agent's own task (its next ``n`` episodes fill it)."""
         group_id = f"ext-{new_id()[:16]}"
-        event = self.event(TaskScheduled, task=task, group_id=group_id, n_rollouts=self.cfg.policy.n,
-                           purpose="train", correlation_id=group_id)
+        event = self.event(
+            TaskScheduled,
+            task=task,
+            group_id=group_id,
+            n_rollouts=self.cfg.policy.n,
+            purpose="train",
+            correlation_id=group_id,
+        )
         await self.emit(event, confirm=True)
         return event
 
     async def publish_step(self, episode: Episode, fields: dict[str, Any]) -> str:
         sched = episode.scheduled
-        step = self.event(StepTaken, cause=sched, correlation_id=sched.group_id, trajectory_id=episode.trajectory_id,
-                          task_id=sched.task.task_id, group_id=sched.group_id, objective=episode.goal, **fields)
+        step = self.event(
+            StepTaken,
+            cause=sched,
+            correlation_id=sched.group_id,
+            trajectory_id=episode.trajectory_id,
+            task_id=sched.task.task_id,
+            group_id=sched.group_id,
+            objective=episode.goal,
+            **fields,
+        )
         await self.emit(step, confirm=True)
         return step.event_id
 
     async def publish_end(self, episode: Episode, outcome: Outcome, error: str | None) -> None:
         sched = episode.scheduled
         self.counters[f"trajectories.{outcome}"] += 1
-        await self.emit(self.event(
-            TrajectoryCompleted, cause=sched, correlation_id=sched.group_id, trajectory_id=episode.trajectory_id,
-            task_id=sched.task.task_id, group_id=sched.group_id, rollout_index=episode.rollout_index,
-            outcome=outcome, num_steps=len(episode.step_ids), step_event_ids=list(episode.step_ids),
-            policy_versions=list(episode.versions), error=error), confirm=True)
+        await self.emit(
+            self.event(
+                TrajectoryCompleted,
+                cause=sched,
+                correlation_id=sched.group_id,
+                trajectory_id=episode.trajectory_id,
+                task_id=sched.task.task_id,
+                group_id=sched.group_id,
+                rollout_index=episode.rollout_index,
+                outcome=outcome,
+                num_steps=len(episode.step_ids),
+                step_event_ids=list(episode.step_ids),
+                policy_versions=list(episode.versions),
+                error=error,
+            ),
+            confirm=True,
+        )

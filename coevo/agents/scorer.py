@@ -88,14 +88,22 @@ class Group:
         return None
 
 
-def make_sample(sample_id: str, role: str, tokens: Any, advantage: float, model_version: int,
-                step_event_id: str) -> TrainingSample:
+def make_sample(
+    sample_id: str, role: str, tokens: Any, advantage: float, model_version: int, step_event_id: str
+) -> TrainingSample:
     """The one way to build a training sample: the tokens and sampling log-probs of ``tokens``
     (a ``StepTaken`` or a judge vote), with its advantage."""
-    return TrainingSample(sample_id=sample_id, role=role, prompt_token_ids=tokens.prompt_token_ids,  # type: ignore[arg-type]
-                          response_token_ids=tokens.response_token_ids, logprobs=tokens.logprobs,
-                          allowed_token_ids=tokens.allowed_token_ids, advantage=advantage,
-                          model_version=model_version, step_event_id=step_event_id)
+    return TrainingSample(
+        sample_id=sample_id,
+        role=role,  # type: ignore[arg-type]
+        prompt_token_ids=tokens.prompt_token_ids,
+        response_token_ids=tokens.response_token_ids,
+        logprobs=tokens.logprobs,
+        allowed_token_ids=tokens.allowed_token_ids,
+        advantage=advantage,
+        model_version=model_version,
+        step_event_id=step_event_id,
+    )
 
 
 def group_records(g: Group) -> tuple[list[scoring.TrajRec], list[str]]:
@@ -136,8 +144,9 @@ def judge_vote_samples(trajs: list[scoring.TrajRec], g: Group, rewards: dict[str
             continue
         for vote, va in zip(judged.votes, scoring.consistency_advantages(rewards[s.step_id], s.votes), strict=True):
             if va is not None and va != 0.0 and vote.response_token_ids:
-                out.append(make_sample(f"j-{s.step_id}-{vote.index}", "judge", vote, va, vote.model_version or 0,
-                                       s.step_id))
+                out.append(
+                    make_sample(f"j-{s.step_id}-{vote.index}", "judge", vote, va, vote.model_version or 0, s.step_id)
+                )
     return out
 
 
@@ -148,11 +157,20 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
     trajs, stragglers = group_records(g)
     acc = scoring.accuracy(trajs)
     common = GroupScore(
-        task_id=g.scheduled.task.task_id, group_id=g.scheduled.group_id, slot_id=g.scheduled.slot_id,
-        purpose=g.scheduled.purpose, n_trajectories=len(trajs), n_aborted=sum(t.outcome == "aborted" for t in trajs),
-        trajectory_ids=[t.trajectory_id for t in trajs], step_event_ids=[s.step_id for t in trajs for s in t.steps],
-        stragglers=stragglers, accuracy=0.0, policy_band_ok=False, judge_band_ok=False,
-        flagged="no completed trajectory")
+        task_id=g.scheduled.task.task_id,
+        group_id=g.scheduled.group_id,
+        slot_id=g.scheduled.slot_id,
+        purpose=g.scheduled.purpose,
+        n_trajectories=len(trajs),
+        n_aborted=sum(t.outcome == "aborted" for t in trajs),
+        trajectory_ids=[t.trajectory_id for t in trajs],
+        step_event_ids=[s.step_id for t in trajs for s in t.steps],
+        stragglers=stragglers,
+        accuracy=0.0,
+        policy_band_ok=False,
+        judge_band_ok=False,
+        flagged="no completed trajectory",
+    )
     if acc is None:
         return common
     rewards = scoring.integrated_rewards(trajs, sc.lam, sc.reward, sc.env_reward_weight)
@@ -167,17 +185,31 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
     if trainable and train_judge and judge_ok:
         coding = g.scheduled.task.family == "coding"
         judge_samples = coding_judge_samples(trajs, g) if coding else judge_vote_samples(trajs, g, rewards)
-    consistency = [r for t in trajs for s in t.steps
-                   for r in scoring.consistency_rewards(rewards[s.step_id], s.votes) if r is not None]
+    consistency = [
+        r
+        for t in trajs
+        for s in t.steps
+        for r in scoring.consistency_rewards(rewards[s.step_id], s.votes)
+        if r is not None
+    ]
     proc, outc = scoring.judge_accuracies(trajs)
-    return common.model_copy(update={
-        "accuracy": acc, "policy_band_ok": policy_ok, "judge_band_ok": judge_ok,
-        "policy_samples": policy_samples(trajs, g, scoring.step_advantages(trajs, rewards))
-        if trainable and policy_ok else [],
-        "judge_samples": judge_samples, "judge_process_accuracy": proc, "judge_outcome_accuracy": outc,
-        "flagged": flagged, "failures": [failure_digest(t, g) for t in trajs if t.outcome in ("lost", "truncated")],
-        "mean_reward": sum(rewards.values()) / len(rewards) if rewards else 0.0,
-        "judge_consistency": sum(consistency) / len(consistency) if consistency else None})
+    return common.model_copy(
+        update={
+            "accuracy": acc,
+            "policy_band_ok": policy_ok,
+            "judge_band_ok": judge_ok,
+            "policy_samples": policy_samples(trajs, g, scoring.step_advantages(trajs, rewards))
+            if trainable and policy_ok
+            else [],
+            "judge_samples": judge_samples,
+            "judge_process_accuracy": proc,
+            "judge_outcome_accuracy": outc,
+            "flagged": flagged,
+            "failures": [failure_digest(t, g) for t in trajs if t.outcome in ("lost", "truncated")],
+            "mean_reward": sum(rewards.values()) / len(rewards) if rewards else 0.0,
+            "judge_consistency": sum(consistency) / len(consistency) if consistency else None,
+        }
+    )
 
 
 def coding_judge_samples(trajs: list[scoring.TrajRec], g: Group) -> list[TrainingSample]:
@@ -188,13 +220,18 @@ def coding_judge_samples(trajs: list[scoring.TrajRec], g: Group) -> list[Trainin
         return []
     template = programs[0][1]
     assert template is not None
-    results = [[(ok, j.votes[k].value == 1) for ok, j in programs if k < len(j.votes)]  # type: ignore[union-attr]
-               for k in range(len(template.votes))]
+    results = [
+        [(ok, j.votes[k].value == 1) for ok, j in programs if k < len(j.votes)]  # type: ignore[union-attr]
+        for k in range(len(template.votes))
+    ]
     group_id = g.scheduled.group_id if g.scheduled else ""
-    return [make_sample(f"j-{group_id}-test{vote.index}", "judge", vote, adv, vote.model_version or 0,
-                        template.step_event_id)
-            for vote, adv in zip(template.votes, scoring.coding_test_advantages(results), strict=True)
-            if adv != 0.0 and vote.response_token_ids]
+    return [
+        make_sample(
+            f"j-{group_id}-test{vote.index}", "judge", vote, adv, vote.model_version or 0, template.step_event_id
+        )
+        for vote, adv in zip(template.votes, scoring.coding_test_advantages(results), strict=True)
+        if adv != 0.0 and vote.response_token_ids
+    ]
 
 
 def failure_digest(t: scoring.TrajRec, g: Group) -> FailureDigest:
@@ -211,8 +248,13 @@ def failure_digest(t: scoring.TrajRec, g: Group) -> FailureDigest:
             why = next((v.rationale.strip() for v in judged.votes if v.rationale.strip()), "") if judged else ""
             if why:
                 rationales.append(f"step {k}: {why[-300:]}")
-    return FailureDigest(trajectory_id=t.trajectory_id, outcome=t.outcome, steps=lines,
-                         all_negative_steps=negative, rationales=rationales)
+    return FailureDigest(
+        trajectory_id=t.trajectory_id,
+        outcome=t.outcome,
+        steps=lines,
+        all_negative_steps=negative,
+        rationales=rationales,
+    )
 
 
 class ScorerAgent(Agent):
@@ -281,8 +323,14 @@ class ScorerAgent(Agent):
             if event is not None and getattr(event, "group_id", None) not in self.scored:
                 self.groups.setdefault(event.group_id, Group()).add(event)  # type: ignore[attr-defined]
                 n += 1
-        self.log.info("scorer.rebuilt", events=n, groups=len(self.groups), scored=len(self.scored),
-                      from_seq=start, delivered=delivered)
+        self.log.info(
+            "scorer.rebuilt",
+            events=n,
+            groups=len(self.groups),
+            scored=len(self.scored),
+            from_seq=start,
+            delivered=delivered,
+        )
 
     async def on_event(self, event: Any, _d: Delivery) -> None:
         gid = event.group_id
@@ -303,14 +351,20 @@ class ScorerAgent(Agent):
             return
         score = score_group(g, self.cfg, train_judge=self.train_judge)
         if why != "complete":
-            self.log.warning("scorer.straggler_policy", group_id=gid, why=why, stragglers=len(score.stragglers),
-                             trajectories=score.n_trajectories)
+            self.log.warning(
+                "scorer.straggler_policy",
+                group_id=gid,
+                why=why,
+                stragglers=len(score.stragglers),
+                trajectories=score.n_trajectories,
+            )
             self.counters[f"scored.{why}"] += 1
         assert g.scheduled is not None
         # stored before the group is forgotten as scored: a failed store leaves it open, so its
         # redelivered input (or the next tick of the straggler clock) scores it again, under the same id
-        await self.emit_stored(self.event(GroupScored, cause=g.scheduled, event_id=scored_id(gid),
-                                          correlation_id=gid, **dict(score)))
+        await self.emit_stored(
+            self.event(GroupScored, cause=g.scheduled, event_id=scored_id(gid), correlation_id=gid, **dict(score))
+        )
         self.counters["groups_scored"] += 1
         self.remember(gid)
         del self.groups[gid]

@@ -116,8 +116,10 @@ class Lockstep:
             return False
         self.done_at = now if self.done_at is None else self.done_at
         last = self.versions or {}
-        if any(versions.get(lane, 0) <= last.get(lane, 0) for lane in self.trains) \
-                and now - self.done_at < self.timeout_s:
+        if (
+            any(versions.get(lane, 0) <= last.get(lane, 0) for lane in self.trains)
+            and now - self.done_at < self.timeout_s
+        ):
             return False  # a step that trains the last wave is not published yet
         self.left, self.versions, self.trains, self.done_at = self.size, dict(versions), set(), None
         return True
@@ -177,11 +179,15 @@ class TasksAgent(Agent):
             await super().run()
 
     def subscriptions(self) -> list[Subscription]:
-        return [Subscription("tasks", (GroupScored,), self.on_scored, concurrency=1),
-                Subscription("tasks-weights", (WeightsPublished,), self.on_weights, concurrency=1, shared=False,
-                             deliver="last"),
-                Subscription("tasks-steps", (LearnerStepped,), self.on_stepped, concurrency=1, shared=False,
-                             deliver="last")]
+        return [
+            Subscription("tasks", (GroupScored,), self.on_scored, concurrency=1),
+            Subscription(
+                "tasks-weights", (WeightsPublished,), self.on_weights, concurrency=1, shared=False, deliver="last"
+            ),
+            Subscription(
+                "tasks-steps", (LearnerStepped,), self.on_stepped, concurrency=1, shared=False, deliver="last"
+            ),
+        ]
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -234,8 +240,9 @@ class TasksAgent(Agent):
         if self.policy_version - oldest > self.cfg.learner.max_staleness:
             return False
         versions = {"policy": self.policy_version, "judge": self.judge_version}
-        return self.cfg.learner.max_staleness > 0 or \
-            self.lockstep.admits(len(self.inflight.groups) + self.scoring, versions, time.monotonic())
+        return self.cfg.learner.max_staleness > 0 or self.lockstep.admits(
+            len(self.inflight.groups) + self.scoring, versions, time.monotonic()
+        )
 
     def next_group(self) -> tuple[Slot, TaskSpec, Literal["train", "candidate", "eval"]]:
         """Candidates first, then a due held-out evaluation round, then a train slot by stride scheduling
@@ -252,8 +259,9 @@ class TasksAgent(Agent):
             slot = self.slots[self.eval_queue.pop(0)]
             return slot, slot.active, "eval"
         tc = self.cfg.tasks
-        weights = {s.slot_id: saturation.weight(s.saturated_streak, tc.saturated_after, tc.saturated_share)
-                   for s in train}
+        weights = {
+            s.slot_id: saturation.weight(s.saturated_streak, tc.saturated_after, tc.saturated_share) for s in train
+        }
         slot = self.slots[self.stride.pick(weights)]
         if weights[slot.slot_id] < 1:
             self.counters["scheduled.train_saturated"] += 1
@@ -266,8 +274,15 @@ class TasksAgent(Agent):
         prefix = f"eval{k}-" if purpose == "eval" else ("cand-" if purpose == "candidate" else "g-")
         group_id = f"{prefix}{new_id()[:16]}"
         self.model_version = self.policy_version  # the version this group is scheduled at (its source)
-        event = self.event(TaskScheduled, task=task, slot_id=slot.slot_id, group_id=group_id,
-                           n_rollouts=self.cfg.policy.n, purpose=purpose, correlation_id=group_id)
+        event = self.event(
+            TaskScheduled,
+            task=task,
+            slot_id=slot.slot_id,
+            group_id=group_id,
+            n_rollouts=self.cfg.policy.n,
+            purpose=purpose,
+            correlation_id=group_id,
+        )
         await self.emit(event, confirm=True)
         self.inflight.groups[group_id] = self.policy_version
         self.inflight.scheduled_at[group_id] = time.time()
@@ -360,16 +375,27 @@ class TasksAgent(Agent):
         elif event.purpose == "eval":
             slot.last_accuracy = event.accuracy
         await self.save(slot)
-        trained = not event.flagged and (event.purpose == "train" or (
-            event.purpose == "candidate" and slot.active.task_id == event.task_id))  # accepted
-        self.lockstep.scored([lane for lane, samples in (("policy", event.policy_samples),
-                                                         ("judge", event.judge_samples)) if trained and samples])
+        trained = not event.flagged and (
+            event.purpose == "train" or (event.purpose == "candidate" and slot.active.task_id == event.task_id)
+        )  # accepted
+        self.lockstep.scored(
+            [
+                lane
+                for lane, samples in (("policy", event.policy_samples), ("judge", event.judge_samples))
+                if trained and samples
+            ]
+        )
 
     async def maybe_rewrite(self, slot: Slot, event: GroupScored) -> None:
         low, high = self.cfg.tasks.band
         direction = scoring.rewrite_direction(event.accuracy, low, high)
-        if (self.rewriter is None or slot.split != "train" or direction is None or slot.candidate is not None
-                or slot.groups_since_rewrite < self.cfg.tasks.min_groups_between_rewrites):
+        if (
+            self.rewriter is None
+            or slot.split != "train"
+            or direction is None
+            or slot.candidate is not None
+            or slot.groups_since_rewrite < self.cfg.tasks.min_groups_between_rewrites
+        ):
             return
         tc = self.cfg.tasks
         moves = saturation.moves(slot.saturated_streak, tc.saturated_after, tc.saturated_moves)
@@ -379,9 +405,21 @@ class TasksAgent(Agent):
             check = await self.family.precheck(proposal.candidate)
             ok, why = check.ok, (None if check.ok else check.reason)
         slot.rewrites_proposed += 1
-        await self.emit(self.event(TaskRewritten, cause=event, slot_id=slot.slot_id, parent=slot.active,
-                                   candidate=proposal.candidate, direction=direction, summaries=proposal.summaries,
-                                   rewriter=proposal.rewriter, moves=moves, precheck_ok=ok, precheck_error=why))
+        await self.emit(
+            self.event(
+                TaskRewritten,
+                cause=event,
+                slot_id=slot.slot_id,
+                parent=slot.active,
+                candidate=proposal.candidate,
+                direction=direction,
+                summaries=proposal.summaries,
+                rewriter=proposal.rewriter,
+                moves=moves,
+                precheck_ok=ok,
+                precheck_error=why,
+            )
+        )
         self.counters["rewrites_proposed"] += 1
         if moves > 1:
             self.counters["rewrites_proposed_wide"] += 1
@@ -391,11 +429,21 @@ class TasksAgent(Agent):
         else:  # rejected before any rollout: the decision says why
             slot.groups_since_rewrite = 0  # back off before trying again
             candidate_id = proposal.candidate.task_id if proposal.candidate else f"{slot.active.task_id}__invalid"
-            await self.emit(self.event(
-                TaskDecided, cause=event, slot_id=slot.slot_id, parent_id=slot.active.task_id,
-                candidate_id=candidate_id, direction=direction, accepted=False,
-                reason=f"{'pre-check failed' if proposal.candidate else 'invalid proposal'}: {why}",
-                parent_accuracy=event.accuracy, candidate_accuracy=None, rewriter=proposal.rewriter))
+            await self.emit(
+                self.event(
+                    TaskDecided,
+                    cause=event,
+                    slot_id=slot.slot_id,
+                    parent_id=slot.active.task_id,
+                    candidate_id=candidate_id,
+                    direction=direction,
+                    accepted=False,
+                    reason=f"{'pre-check failed' if proposal.candidate else 'invalid proposal'}: {why}",
+                    parent_accuracy=event.accuracy,
+                    candidate_accuracy=None,
+                    rewriter=proposal.rewriter,
+                )
+            )
 
     async def decide(self, slot: Slot, event: GroupScored) -> None:
         if slot.candidate is None or event.task_id != slot.candidate.task_id:
@@ -407,12 +455,22 @@ class TasksAgent(Agent):
             accepted, reason = False, f"candidate group flagged: {event.flagged}"
         else:
             accepted, reason = scoring.accept_rewrite(slot.candidate_direction, parent_acc, event.accuracy, low, high)
-        await self.emit(self.event(
-            TaskDecided, cause=event, slot_id=slot.slot_id, parent_id=slot.active.task_id,
-            candidate_id=slot.candidate.task_id, group_id=event.group_id, direction=slot.candidate_direction,
-            accepted=accepted, reason=reason,
-            parent_accuracy=parent_acc, candidate_accuracy=event.accuracy,
-            rewriter=self.rewriter.name if self.rewriter else "none"))
+        await self.emit(
+            self.event(
+                TaskDecided,
+                cause=event,
+                slot_id=slot.slot_id,
+                parent_id=slot.active.task_id,
+                candidate_id=slot.candidate.task_id,
+                group_id=event.group_id,
+                direction=slot.candidate_direction,
+                accepted=accepted,
+                reason=reason,
+                parent_accuracy=parent_acc,
+                candidate_accuracy=event.accuracy,
+                rewriter=self.rewriter.name if self.rewriter else "none",
+            )
+        )
         if accepted:
             slot.history.append(slot.active.task_id)
             slot.active = slot.candidate
@@ -420,5 +478,10 @@ class TasksAgent(Agent):
             slot.last_accuracy = event.accuracy
             slot.saturated_streak = 0
             self.counters["rewrites_accepted"] += 1
-        slot.candidate, slot.candidate_direction, slot.candidate_scheduled, slot.parent_accuracy = None, None, False, None
+        slot.candidate, slot.candidate_direction, slot.candidate_scheduled, slot.parent_accuracy = (
+            None,
+            None,
+            False,
+            None,
+        )
         slot.groups_since_rewrite = 0

@@ -50,8 +50,12 @@ def behind(current: int, oldest: int | None, waiting: int, max_staleness: int, m
     """Why new rollouts must wait (None: they may start): a waiting group would be trained more
     than ``max_staleness`` versions after it was scheduled, or ``max_waiting`` groups already wait."""
     if oldest is not None and current - oldest > max_staleness:
-        return (f"the learner is behind: a group scheduled at policy version {oldest} is still untrained at version "
-                f"{current} (learner.max_staleness = {max_staleness})")
+        return (
+            f"the learner is behind: a group scheduled at policy version {oldest} is still untrained at version "
+            f"{current} (learner.max_staleness = {max_staleness})"
+        )
     if waiting >= max_waiting:
-        return f"the learner is behind: {waiting} groups wait to be trained (tasks.max_groups_in_flight = {max_waiting})"
+        return (
+            f"the learner is behind: {waiting} groups wait to be trained (tasks.max_groups_in_flight = {max_waiting})"
+        )
     return None

@@ -22,17 +22,25 @@ def policy_prompt(observation: str, candidates: list[str], mode: Literal["choice
     actions = " | ".join(f"{INDEX_LABELS[i]} {c}" for i, c in enumerate(shown))
     if mode == "choice":
         return f"{observation}\nactions: {actions}\nchoose:"
-    return (f"{observation}\nactions: {actions}\n"
-            f"Think briefly, then give the index of your action as \\boxed{{index}}.\n")
+    return (
+        f"{observation}\nactions: {actions}\nThink briefly, then give the index of your action as \\boxed{{index}}.\n"
+    )
 
 
-def judge_prompt(objective: str, observation: str, action: str, next_observation: str,
-                 mode: Literal["verdict", "reasoned"] = "verdict") -> str:
+def judge_prompt(
+    objective: str,
+    observation: str,
+    action: str,
+    next_observation: str,
+    mode: Literal["verdict", "reasoned"] = "verdict",
+) -> str:
     body = f"judge. goal: {objective}\nstate: {observation}\naction: {action}\nresult: {next_observation}\n"
     if mode == "verdict":
         return body + "verdict:"
-    return body + ("Does this action move the agent towards the goal? Reason step by step, then answer "
-                   "\\boxed{1} for a good step or \\boxed{-1} for a bad one.\n")
+    return body + (
+        "Does this action move the agent towards the goal? Reason step by step, then answer "
+        "\\boxed{1} for a good step or \\boxed{-1} for a bad one.\n"
+    )
 
 
 def last_boxed(text: str) -> str | None:
@@ -46,7 +54,7 @@ def last_boxed(text: str) -> str | None:
             elif text[i] == "}":
                 depth -= 1
                 if depth == 0:
-                    return text[start + len(_BOXED): i]
+                    return text[start + len(_BOXED) : i]
             i += 1
         start = text.rfind(_BOXED, 0, start)  # unbalanced: try an earlier one
     return None

@@ -31,8 +31,9 @@ class Proposal:
 class Rewriter(Protocol):
     name: str
 
-    async def propose(self, family: Family, task: TaskSpec, direction: Direction,
-                      failures: list[FailureDigest], moves: int = 1) -> Proposal:
+    async def propose(
+        self, family: Family, task: TaskSpec, direction: Direction, failures: list[FailureDigest], moves: int = 1
+    ) -> Proposal:
         """A candidate ``moves`` knob steps from ``task`` in ``direction`` (one child of ``task``)."""
         ...
 
@@ -49,8 +50,14 @@ def critic_summary(f: FailureDigest) -> str:
         first = f"Ended {f.outcome} after {len(f.steps)} steps; last: {f.steps[-1].split('. ', 1)[-1]}."
     else:
         first = f"Ended {f.outcome} without a valid step."
-    why = next((r.split(": ", 1)[-1] for r in f.rationales
-                if f.all_negative_steps and r.startswith(f"step {f.all_negative_steps[0]}:")), "")
+    why = next(
+        (
+            r.split(": ", 1)[-1]
+            for r in f.rationales
+            if f.all_negative_steps and r.startswith(f"step {f.all_negative_steps[0]}:")
+        ),
+        "",
+    )
     if why:
         second = " The judge: " + " ".join(why.split())[:160].rstrip(".") + "."
     else:
@@ -74,15 +81,22 @@ def failure_text(failures: list[FailureDigest], summaries: list[str], most: int 
 
 
 # keywords in the summaries -> the knob that most likely caused the failure
-_BLAME = (("pit", "distractors"), ("does not fit", "distractors"), ("locked", "steps"),
-          ("out of steps", "slack"), ("no valid action", "hints"), ("nothing happens", "hints"))
+_BLAME = (
+    ("pit", "distractors"),
+    ("does not fit", "distractors"),
+    ("locked", "steps"),
+    ("out of steps", "slack"),
+    ("no valid action", "hints"),
+    ("nothing happens", "hints"),
+)
 
 
 class BuiltinRewriter:
     name = "builtin"
 
-    async def propose(self, family: Family, task: TaskSpec, direction: Direction,
-                      failures: list[FailureDigest], moves: int = 1) -> Proposal:
+    async def propose(
+        self, family: Family, task: TaskSpec, direction: Direction, failures: list[FailureDigest], moves: int = 1
+    ) -> Proposal:
         """Up to ``moves`` operator steps, each the first applicable one in order: easier by blame (the
         knob the summaries point at first, again while it moves), harder rotating through the knobs by
         version and step so that no knob runs away alone; one child of ``task``, named after its steps."""
@@ -124,18 +138,31 @@ class LLMRewriter:
         self.retries = retries
         self.max_tokens = max_tokens
 
-    def prompt(self, family: Family, task: TaskSpec, direction: Direction, summaries: list[str],
-               failures: list[FailureDigest] | None = None, moves: int = 1) -> str:
+    def prompt(
+        self,
+        family: Family,
+        task: TaskSpec,
+        direction: Direction,
+        summaries: list[str],
+        failures: list[FailureDigest] | None = None,
+        moves: int = 1,
+    ) -> str:
         bounds = {k.name: [k.low, k.high] for k in family.knobs}
-        wide = (f"Every recent attempt ended the same way: move the knobs by about {moves} steps in total, "
-                "not one.\n") if moves > 1 else ""
-        return (f"You rewrite {family.name} tasks to make them {direction} while keeping their intent.\n"
-                f"Current knobs: {json.dumps(task.knobs)}\nBounds: {json.dumps(bounds)}\n{wide}"
-                f"Why recent attempts failed:\n{failure_text(failures or [], summaries)}\n"
-                'Answer with JSON only: {"knobs": {...}, "reason": "..."}\n')
+        wide = (
+            (f"Every recent attempt ended the same way: move the knobs by about {moves} steps in total, not one.\n")
+            if moves > 1
+            else ""
+        )
+        return (
+            f"You rewrite {family.name} tasks to make them {direction} while keeping their intent.\n"
+            f"Current knobs: {json.dumps(task.knobs)}\nBounds: {json.dumps(bounds)}\n{wide}"
+            f"Why recent attempts failed:\n{failure_text(failures or [], summaries)}\n"
+            'Answer with JSON only: {"knobs": {...}, "reason": "..."}\n'
+        )
 
-    async def propose(self, family: Family, task: TaskSpec, direction: Direction,
-                      failures: list[FailureDigest], moves: int = 1) -> Proposal:
+    async def propose(
+        self, family: Family, task: TaskSpec, direction: Direction, failures: list[FailureDigest], moves: int = 1
+    ) -> Proposal:
         summaries = [critic_summary(f) for f in failures]
         prompt = self.prompt(family, task, direction, summaries, failures, moves)
         error = "no answer"
@@ -166,7 +193,7 @@ def parse_llm_proposal(family: Family, task: TaskSpec, direction: Direction, tex
     if start < 0 or end <= start:
         raise ValueError("no JSON object in the answer")
     try:
-        data = json.loads(text[start:end + 1])
+        data = json.loads(text[start : end + 1])
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON: {exc}") from None
     knobs = data.get("knobs") if isinstance(data, dict) else None

@@ -58,8 +58,9 @@ def mean_vote(votes: Sequence[VoteRec]) -> float:
     return sum((v.value or 0) if v.status == "ok" else 0 for v in counted) / len(counted)
 
 
-def integrated_rewards(trajs: Sequence[TrajRec], lam: float = 1.0,
-                       mode: RewardMode = "integrated", env_weight: float = 1.0) -> dict[str, float]:
+def integrated_rewards(
+    trajs: Sequence[TrajRec], lam: float = 1.0, mode: RewardMode = "integrated", env_weight: float = 1.0
+) -> dict[str, float]:
     """R_i = O + lam * mean vote of step i (docs/algorithm.md §1), plus ``env_weight`` times the
     environment's own reward for the step, in every mode (it is the environment's signal, not the
     judge's: ``outcome-only`` drops only the votes)."""
@@ -156,8 +157,9 @@ def in_band(acc: float, low: float, high: float) -> bool:
     return low - 1e-12 <= acc <= high + 1e-12
 
 
-def accept_rewrite(direction: Literal["harder", "easier"], parent_acc: float, candidate_acc: float,
-                   low: float = 0.2, high: float = 0.8) -> tuple[bool, str]:
+def accept_rewrite(
+    direction: Literal["harder", "easier"], parent_acc: float, candidate_acc: float, low: float = 0.2, high: float = 0.8
+) -> tuple[bool, str]:
     if direction == "harder":
         if not 0 < candidate_acc:
             return False, f"candidate unsolved (acc {candidate_acc:.3f} = 0)"

@@ -30,19 +30,16 @@ from typing import Any
 from coevo.bench.chaos import Fleet
 from coevo.runtime.credentials import credentials_dir, role_users
 from coevo.runtime.proc import die_with_parent
-from coevo.schemas import (
-    Event,
-    GroupScored,
-    LearnerStepped,
-    TaskScheduled,
-    TrajectoryCompleted,
-    WeightsPublished,
-)
+from coevo.schemas import Event, GroupScored, LearnerStepped, TaskScheduled, TrajectoryCompleted, WeightsPublished
 
 ROLLOUT_ROLES = ("tasks", "policy", "judge", "scorer")
 LEARNER_ROLE = "learner"
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-              "PYTHONUNBUFFERED": "1"}
+ONE_THREAD = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 @dataclass(frozen=True)
@@ -109,9 +106,9 @@ class PinnedFleet(Fleet):
         args = self.agent_args(role)
         self.starts[role] += 1
         with (self.logs / f"{role}-{self.starts[role]}.log").open("wb") as log:
-            self.procs[role] = await asyncio.create_subprocess_exec(*args, stdout=log, stderr=log,
-                                                                    env={**os.environ, **ONE_THREAD},
-                                                                    preexec_fn=die_with_parent)
+            self.procs[role] = await asyncio.create_subprocess_exec(
+                *args, stdout=log, stderr=log, env={**os.environ, **ONE_THREAD}, preexec_fn=die_with_parent
+            )
         pin(self.procs[role].pid, self.cores[role])  # before the interpreter has started a second thread
 
     def log_tail(self, role: str, chars: int = 2000) -> str:
@@ -151,8 +148,9 @@ def trajectory_versions(events: list[Event], at: dict[str, int]) -> dict[str, in
 def idle_fraction(events: list[Event], t0: float, seconds: float) -> float:
     """Share of ``[t0, t0 + seconds]`` with no group in flight (scheduled, not yet scored): the rollouts
     waiting for the learner."""
-    marks = sorted((e.ts, 1 if isinstance(e, TaskScheduled) else -1) for e in events
-                   if isinstance(e, TaskScheduled | GroupScored))
+    marks = sorted(
+        (e.ts, 1 if isinstance(e, TaskScheduled) else -1) for e in events if isinstance(e, TaskScheduled | GroupScored)
+    )
     idle, in_flight, last = 0.0, 0, t0
     for ts, delta in marks:
         if in_flight <= 0 and ts > t0:
@@ -168,7 +166,7 @@ def rolling_success(scored: list[GroupScored], t0: float, window: int) -> list[t
     train = sorted((e for e in scored if e.purpose == "train"), key=lambda e: e.ts)
     out = []
     for i, e in enumerate(train):
-        last = train[max(0, i + 1 - window): i + 1]
+        last = train[max(0, i + 1 - window) : i + 1]
         out.append((round(e.ts - t0, 1), round(statistics.fmean(g.accuracy for g in last), 4)))
     return out
 
@@ -198,7 +196,7 @@ def measure(events: list[Event], t0: float, seconds: float, *, target: float, wi
     policy = [s for s in steps if s.role == "policy"]
     judge = [s for s in steps if s.role == "judge"]
     curve = rolling_success([e for e in inside if isinstance(e, GroupScored)], t0, window)
-    reached = next(((t, s) for t, s in curve[window - 1:] if s >= target), None)  # full windows only
+    reached = next(((t, s) for t, s in curve[window - 1 :] if s >= target), None)  # full windows only
     hist = staleness(policy)
     trained = sum(hist.values())
     trajectories = sum(isinstance(e, TrajectoryCompleted) for e in inside)
@@ -232,9 +230,20 @@ def _mean(values: list[Any]) -> float | None:
     return round(statistics.fmean(xs), 3) if xs else None
 
 
-MEANS = ("learner_steps_per_minute", "trajectories_per_second", "seconds_to_target", "steps_to_target",
-         "learner_busy_fraction", "rollouts_idle_fraction", "policy_step_s", "judge_step_s", "samples_per_step", "samples_trained_per_minute",
-         "stale_fraction", "success_end")
+MEANS = (
+    "learner_steps_per_minute",
+    "trajectories_per_second",
+    "seconds_to_target",
+    "steps_to_target",
+    "learner_busy_fraction",
+    "rollouts_idle_fraction",
+    "policy_step_s",
+    "judge_step_s",
+    "samples_per_step",
+    "samples_trained_per_minute",
+    "stale_fraction",
+    "success_end",
+)
 
 
 def summarize_mode(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -247,14 +256,16 @@ def summarize_mode(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def compare(sync: list[dict[str, Any]], asyn: list[dict[str, Any]]) -> dict[str, Any]:
     """Async over sync, per seed and of the means; time to target as sync / async (above 1: async faster)."""
+
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a is not None and b else None
 
     s, a = summarize_mode(sync), summarize_mode(asyn)
     return {
         "learner_steps_per_minute": ratio(a["learner_steps_per_minute"], s["learner_steps_per_minute"]),
-        "learner_steps_per_minute_by_seed": [ratio(x["learner_steps_per_minute"], y["learner_steps_per_minute"])
-                                             for x, y in zip(asyn, sync, strict=True)],
+        "learner_steps_per_minute_by_seed": [
+            ratio(x["learner_steps_per_minute"], y["learner_steps_per_minute"]) for x, y in zip(asyn, sync, strict=True)
+        ],
         "trajectories_per_second": ratio(a["trajectories_per_second"], s["trajectories_per_second"]),
         "samples_trained_per_minute": ratio(a["samples_trained_per_minute"], s["samples_trained_per_minute"]),
         "time_to_target_sync_over_async": ratio(s["seconds_to_target"], a["seconds_to_target"]),
@@ -266,8 +277,15 @@ def compare(sync: list[dict[str, Any]], asyn: list[dict[str, Any]]) -> dict[str,
 
 
 def run_overrides(plan: AsyncPlan, work: Path, cache: Path, seed: int, staleness: int) -> dict[str, Any]:
-    return {"run.runs_dir": str(work / "runs"), "env.cache_dir": str(cache), "log.console": "off",
-            "loop": plan.loop, "run.seed": seed, **plan.overrides, "learner.max_staleness": staleness}
+    return {
+        "run.runs_dir": str(work / "runs"),
+        "env.cache_dir": str(cache),
+        "log.console": "off",
+        "loop": plan.loop,
+        "run.seed": seed,
+        **plan.overrides,
+        "learner.max_staleness": staleness,
+    }
 
 
 def async_overrides(base: dict[str, Any], plan: AsyncPlan, sync: dict[str, Any]) -> dict[str, Any]:
@@ -295,8 +313,14 @@ async def first_scheduled(fleet: PinnedFleet, deadline: float) -> float:
     raise RuntimeError(f"no group scheduled within the startup limit; logs in {fleet.logs}")
 
 
-async def run_mode(url: str, work: Path, run_id: str, overrides: dict[str, Any], plan: AsyncPlan,
-                   cores: tuple[frozenset[int], frozenset[int]]) -> dict[str, Any]:
+async def run_mode(
+    url: str,
+    work: Path,
+    run_id: str,
+    overrides: dict[str, Any],
+    plan: AsyncPlan,
+    cores: tuple[frozenset[int], frozenset[int]],
+) -> dict[str, Any]:
     """Start the fleet, measure ``plan.minutes`` from the first scheduled group, stop, read the stream."""
     from coevo.runtime.bus import NatsBus
 
@@ -318,8 +342,12 @@ async def run_mode(url: str, work: Path, run_id: str, overrides: dict[str, Any],
         await fleet.stop(tuple(roles), grace_s=30.0)
     async with await NatsBus.connect(url, run_id, nats_cfg=fleet.admin()) as bus:
         events = await bus.events()
-    return {**measure(events, t0, seconds, target=plan.target, window=plan.window),
-            "max_staleness": overrides["learner.max_staleness"], "affinity": pinned, "agents_exited": exited}
+    return {
+        **measure(events, t0, seconds, target=plan.target, window=plan.window),
+        "max_staleness": overrides["learner.max_staleness"],
+        "affinity": pinned,
+        "agents_exited": exited,
+    }
 
 
 async def bench_async(plan: AsyncPlan, *, cache: Path | None = None, workdir: Path | None = None) -> dict[str, Any]:
@@ -349,15 +377,25 @@ async def bench_async(plan: AsyncPlan, *, cache: Path | None = None, workdir: Pa
                 base = load_config(overrides=run_overrides(plan, work, models, seed, 0))
                 for role in ("policy", "judge"):  # built once here, not by three agents at once
                     await asyncio.to_thread(model_dir, base, role)
-                sync = await run_mode(server.url, work, f"sync{seed}", run_overrides(plan, work, models, seed, 0),
-                                      plan, cores)
+                sync = await run_mode(
+                    server.url, work, f"sync{seed}", run_overrides(plan, work, models, seed, 0), plan, cores
+                )
                 overrides = async_overrides(run_overrides(plan, work, models, seed, modes["async"]), plan, sync)
                 runs["sync"].append(sync)
-                runs["async"].append({**await run_mode(server.url, work, f"async{seed}", overrides, plan, cores),
-                                      **{k: overrides.get(f"learner.{k}") for k in ("batch_groups", "batch_samples")}})
+                runs["async"].append(
+                    {
+                        **await run_mode(server.url, work, f"async{seed}", overrides, plan, cores),
+                        **{k: overrides.get(f"learner.{k}") for k in ("batch_groups", "batch_samples")},
+                    }
+                )
     ratios = compare(runs["sync"], runs["async"])
-    return {"plan": {**plan.__dict__, "max_staleness": modes},
-            "cores": {"rollouts": sorted(cores[0]), "learner": sorted(cores[1]), "nats-server": nats},
-            "sync": summarize_mode(runs["sync"]), "async": summarize_mode(runs["async"]), "ratios": ratios,
-            "target": "async/sync learner steps per minute >= 1.6 with pinned cores",
-            "met": (ratios["learner_steps_per_minute"] or 0) >= 1.6, "runs": runs}
+    return {
+        "plan": {**plan.__dict__, "max_staleness": modes},
+        "cores": {"rollouts": sorted(cores[0]), "learner": sorted(cores[1]), "nats-server": nats},
+        "sync": summarize_mode(runs["sync"]),
+        "async": summarize_mode(runs["async"]),
+        "ratios": ratios,
+        "target": "async/sync learner steps per minute >= 1.6 with pinned cores",
+        "met": (ratios["learner_steps_per_minute"] or 0) >= 1.6,
+        "runs": runs,
+    }

@@ -37,12 +37,22 @@ PROMPTS = 64  # distinct token lists, shared round-robin (a group's rollouts sha
 def make_event(run_id: str, target_bytes: int, i: int) -> StepTaken:
     """A ``StepTaken`` shaped like a real one, ``target_bytes`` long on the wire: envelope and text,
     then token ids (prompt 4 : response 1) with one log-prob per response token."""
-    base = StepTaken(run_id=run_id, source=Source(agent_id="bench", role="bench", model_version=3),
-                     trajectory_id=f"tr{i}", task_id="t", group_id="g", step_index=i % 6,
-                     objective="reach the treasure room", observation="You are in a hall. Exits: north, east.",
-                     candidates=["go north", "go east", "take key"], response_text="go north",
-                     action_index=0, action_text="go north", next_observation="You are in the library.",
-                     policy_version=3)
+    base = StepTaken(
+        run_id=run_id,
+        source=Source(agent_id="bench", role="bench", model_version=3),
+        trajectory_id=f"tr{i}",
+        task_id="t",
+        group_id="g",
+        step_index=i % 6,
+        objective="reach the treasure room",
+        observation="You are in a hall. Exits: north, east.",
+        candidates=["go north", "go east", "take key"],
+        response_text="go north",
+        action_index=0,
+        action_text="go north",
+        next_observation="You are in the library.",
+        policy_version=3,
+    )
     per_unit = len(encode(_with_tokens(base, 100, 0))) - len(encode(base))  # 100 units: 80 prompt, 20 response
     units = max(0, (target_bytes - len(encode(base))) * 100 // per_unit)
     return _with_tokens(base, units, i)
@@ -51,12 +61,15 @@ def make_event(run_id: str, target_bytes: int, i: int) -> StepTaken:
 def _with_tokens(base: StepTaken, units: int, i: int) -> StepTaken:
     n_prompt, n_response = units * 4 // 5, units // 5
     seed = i % PROMPTS
-    return StepTaken.model_validate({  # validated, as a producer's constructor call is: arrays, not lists
-        **dict(base), "event_id": new_id(),
-        "prompt_token_ids": _tokens(n_prompt, seed),
-        "response_token_ids": _tokens(n_response, seed + PROMPTS),
-        "logprobs": _logprobs(n_response, seed),
-    })
+    return StepTaken.model_validate(
+        {  # validated, as a producer's constructor call is: arrays, not lists
+            **dict(base),
+            "event_id": new_id(),
+            "prompt_token_ids": _tokens(n_prompt, seed),
+            "response_token_ids": _tokens(n_response, seed + PROMPTS),
+            "logprobs": _logprobs(n_response, seed),
+        }
+    )
 
 
 @functools.lru_cache(maxsize=8 * PROMPTS)
@@ -66,7 +79,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 @functools.lru_cache(maxsize=8 * PROMPTS)
 def _logprobs(n: int, seed: int) -> list[float]:
-    return [-((seed * 31 + k) * 0.618_034 % 1.0) ** 3 * 6.0 for k in range(n)]
+    return [-(((seed * 31 + k) * 0.618_034 % 1.0) ** 3) * 6.0 for k in range(n)]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -98,8 +111,9 @@ async def _coevo_once(url: str, events: list[Event], cfg: BusConfig) -> dict[str
             if count == len(events):
                 done.set()
 
-        consumer = Consumer(bus, Subscription("bench", (type(events[0]),), handler),
-                            Source(agent_id="bench", role="bench"))
+        consumer = Consumer(
+            bus, Subscription("bench", (type(events[0]),), handler), Source(agent_id="bench", role="bench")
+        )
         stop = asyncio.Event()
         t1 = time.perf_counter()
         async with asyncio.TaskGroup() as tg:
@@ -108,16 +122,19 @@ async def _coevo_once(url: str, events: list[Event], cfg: BusConfig) -> dict[str
             t_con = time.perf_counter() - t1
             stop.set()
         lat = bus.stats.latencies_ms
-        return {"publish_per_s": len(events) / t_pub, "consume_per_s": len(events) / t_con,
-                "end_to_end_per_s": len(events) / (t_pub + t_con),
-                "p50_ms": statistics.median(lat), "p99_ms": _pct(lat, 0.99)}
+        return {
+            "publish_per_s": len(events) / t_pub,
+            "consume_per_s": len(events) / t_con,
+            "end_to_end_per_s": len(events) / (t_pub + t_con),
+            "p50_ms": statistics.median(lat),
+            "p99_ms": _pct(lat, 0.99),
+        }
     finally:
         await bus.js.delete_stream(bus.stream)
         await bus.close()
 
 
-async def _plain_once(url: str, run_id: str, payloads: list[bytes], max_pending: int,
-                      batch: int) -> dict[str, float]:
+async def _plain_once(url: str, run_id: str, payloads: list[bytes], max_pending: int, batch: int) -> dict[str, float]:
     import nats
     from nats.js import api
 
@@ -125,8 +142,9 @@ async def _plain_once(url: str, run_id: str, payloads: list[bytes], max_pending:
     js = nc.jetstream(publish_async_max_pending=max_pending)
     stream = f"PLAIN_{run_id}"
     subject = f"plain.{run_id}.x"
-    await js.add_stream(api.StreamConfig(name=stream, subjects=[subject], storage=api.StorageType.FILE,
-                                         duplicate_window=120.0))
+    await js.add_stream(
+        api.StreamConfig(name=stream, subjects=[subject], storage=api.StorageType.FILE, duplicate_window=120.0)
+    )
     try:
         lat: list[float] = []
         t0 = time.perf_counter()
@@ -140,9 +158,12 @@ async def _plain_once(url: str, run_id: str, payloads: list[bytes], max_pending:
             fut.add_done_callback(acked)
         await js.publish_async_completed()
         t_pub = time.perf_counter() - t0
-        sub = await js.pull_subscribe(subject, durable="plain", stream=stream,
-                                      config=api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT,
-                                                                max_ack_pending=1000))
+        sub = await js.pull_subscribe(
+            subject,
+            durable="plain",
+            stream=stream,
+            config=api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=1000),
+        )
         t1 = time.perf_counter()
         got = 0
         while got < len(payloads):
@@ -150,9 +171,13 @@ async def _plain_once(url: str, run_id: str, payloads: list[bytes], max_pending:
                 await m.ack()
                 got += 1
         t_con = time.perf_counter() - t1
-        return {"publish_per_s": len(payloads) / t_pub, "consume_per_s": len(payloads) / t_con,
-                "end_to_end_per_s": len(payloads) / (t_pub + t_con),
-                "p50_ms": statistics.median(lat), "p99_ms": _pct(lat, 0.99)}
+        return {
+            "publish_per_s": len(payloads) / t_pub,
+            "consume_per_s": len(payloads) / t_con,
+            "end_to_end_per_s": len(payloads) / (t_pub + t_con),
+            "p50_ms": statistics.median(lat),
+            "p99_ms": _pct(lat, 0.99),
+        }
     finally:
         await js.delete_stream(stream)
         await nc.close()
@@ -183,9 +208,15 @@ async def bench_bus(count: int = 20_000, repeats: int = 5, url: str | None = Non
                     run_id = f"bench{new_id()[:8]}"
                     events: list[Event] = [make_event(run_id, size, i) for i in range(count)]
                     payloads = [encode(e) for e in events]
-                    pair = [(plain_runs, functools.partial(_plain_once, endpoint, run_id, payloads,
-                                                           cfg.max_inflight_publishes, cfg.fetch_batch)),
-                             (coevo_runs, functools.partial(_coevo_once, endpoint, events, cfg))]
+                    pair = [
+                        (
+                            plain_runs,
+                            functools.partial(
+                                _plain_once, endpoint, run_id, payloads, cfg.max_inflight_publishes, cfg.fetch_batch
+                            ),
+                        ),
+                        (coevo_runs, functools.partial(_coevo_once, endpoint, events, cfg)),
+                    ]
                     # alternate which goes first: the second runs while the server still deletes the first's files
                     for runs, once in pair[::-1] if rep % 2 else pair:
                         runs.append(await once())
@@ -194,13 +225,18 @@ async def bench_bus(count: int = 20_000, repeats: int = 5, url: str | None = Non
                 ratios.append(ratio)
                 c, p = _best(coevo_runs), _best(plain_runs)
                 probe = make_event(run_id, size, 0)
-                out["sizes"][label] = {"event_bytes": len(payloads[0]),
-                                       "token_ids": len(probe.prompt_token_ids) + len(probe.response_token_ids),
-                                       "logprobs": len(probe.logprobs), "coevo": c, "nats_py": p,
-                                       "ratio": round(ratio, 3), "paired_ratios": [round(r, 3) for r in paired],
-                                       "publish_ratio": round(statistics.median(_paired(coevo_runs, plain_runs, "publish_per_s")), 3),
-                                       "consume_ratio": round(statistics.median(_paired(coevo_runs, plain_runs, "consume_per_s")), 3),
-                                       "ratio_of_best": round(c["end_to_end_per_s"] / p["end_to_end_per_s"], 3)}
+                out["sizes"][label] = {
+                    "event_bytes": len(payloads[0]),
+                    "token_ids": len(probe.prompt_token_ids) + len(probe.response_token_ids),
+                    "logprobs": len(probe.logprobs),
+                    "coevo": c,
+                    "nats_py": p,
+                    "ratio": round(ratio, 3),
+                    "paired_ratios": [round(r, 3) for r in paired],
+                    "publish_ratio": round(statistics.median(_paired(coevo_runs, plain_runs, "publish_per_s")), 3),
+                    "consume_ratio": round(statistics.median(_paired(coevo_runs, plain_runs, "consume_per_s")), 3),
+                    "ratio_of_best": round(c["end_to_end_per_s"] / p["end_to_end_per_s"], 3),
+                }
             out["ratio"] = round(min(ratios), 3)
             out["target_ratio"] = 0.9
             return out
@@ -224,14 +260,18 @@ def bench_codec(n: int = 5000) -> dict[str, Any]:
         raw, b64, lists = encode(e), encode_json(e), to_json(e.model_dump())
         packed = msgspec.msgpack.encode(e.model_dump())
         res = {
-            "wire_encode_us": per_call_us(encode, e), "wire_decode_us": per_call_us(decode, raw),
+            "wire_encode_us": per_call_us(encode, e),
+            "wire_decode_us": per_call_us(decode, raw),
             "wire_bytes": len(raw),
-            "json_base64_encode_us": per_call_us(encode_json, e), "json_base64_decode_us": per_call_us(decode, b64),
+            "json_base64_encode_us": per_call_us(encode_json, e),
+            "json_base64_decode_us": per_call_us(decode, b64),
             "json_base64_bytes": len(b64),
-            "json_lists_decode_us": per_call_us(decode, lists), "json_lists_bytes": len(lists),
+            "json_lists_decode_us": per_call_us(decode, lists),
+            "json_lists_bytes": len(lists),
             "msgpack_encode_us": per_call_us(lambda x: msgspec.msgpack.encode(x.model_dump()), e),
-            "msgpack_decode_us": per_call_us(lambda b: EVENT_ADAPTER.validate_python(msgspec.msgpack.decode(b)),
-                                             packed),
+            "msgpack_decode_us": per_call_us(
+                lambda b: EVENT_ADAPTER.validate_python(msgspec.msgpack.decode(b)), packed
+            ),
             "msgpack_bytes": len(packed),
         }
         out[label] = {k: round(v, 2) for k, v in res.items()}

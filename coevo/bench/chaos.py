@@ -50,22 +50,24 @@ from coevo.config import NatsConfig
 from coevo.runtime.bus import connect_nats
 from coevo.runtime.credentials import ADMIN, credential_path, credentials_dir, role_users
 from coevo.runtime.proc import die_with_parent
-from coevo.schemas import (
-    DeadLettered,
-    Event,
-    GroupScored,
-    LearnerStepped,
-    TaskScheduled,
-    TrajectoryCompleted,
-    envelope,
-)
+from coevo.schemas import DeadLettered, Event, GroupScored, LearnerStepped, TaskScheduled, TrajectoryCompleted, envelope
 
 log = structlog.get_logger("coevo.bench.chaos")
 
 ROLES = ("tasks", "policy", "judge", "scorer", "learner", "env")
 KILLABLE = ("policy", "judge", "scorer", "learner", "env", "tasks")
-KINDS = ("kill", "node", "garbage", "store_reads", "slow_handlers", "follower_lag", "rank_failure", "disk_full",
-         "link_cut", "sigterm_cut")
+KINDS = (
+    "kill",
+    "node",
+    "garbage",
+    "store_reads",
+    "slow_handlers",
+    "follower_lag",
+    "rank_failure",
+    "disk_full",
+    "link_cut",
+    "sigterm_cut",
+)
 BASIC = ("kill", "node", "garbage")
 
 
@@ -157,8 +159,13 @@ def _monotonic(steps: list[LearnerStepped]) -> bool:
 
 def _trail(events: list[Event], group_id: str) -> dict[str, int]:
     """What the stream holds of one group, by kind (to see where a lost group stopped)."""
-    return dict(Counter(e.kind for e in events if getattr(e, "group_id", None) == group_id  # type: ignore[attr-defined]
-                        or getattr(e, "correlation_id", None) == group_id))
+    return dict(
+        Counter(
+            e.kind  # type: ignore[attr-defined]
+            for e in events
+            if getattr(e, "group_id", None) == group_id or getattr(e, "correlation_id", None) == group_id
+        )
+    )
 
 
 def judge_stream(events: list[Event], seconds: float) -> dict[str, Any]:
@@ -256,8 +263,9 @@ class Fleet:
         args = self.agent_args(role)
         self.starts[role] += 1
         log = (self.logs / f"{role}-{self.starts[role]}.log").open("wb")
-        self.procs[role] = await asyncio.create_subprocess_exec(*args, stdout=log, stderr=log, env=self.env(role),
-                                                                preexec_fn=die_with_parent, start_new_session=True)
+        self.procs[role] = await asyncio.create_subprocess_exec(
+            *args, stdout=log, stderr=log, env=self.env(role), preexec_fn=die_with_parent, start_new_session=True
+        )
         log.close()
 
     async def revive(self) -> list[str]:
@@ -304,10 +312,18 @@ def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
 
 def chaos_overrides(runs_dir: Path, cache: Path | None, replicas: int, plan: ChaosPlan | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "run.runs_dir": str(runs_dir), "stream.replicas": replicas, "env.remote": "true",
-        "log.console": "off", "agent.heartbeat_s": 2.0, "bus.ack_wait_s": 10.0, "bus.in_progress_every_s": 2.0,
-        "scorer.vote_timeout_s": 20.0, "scorer.group_timeout_s": 45.0, "tasks.inflight_timeout_s": 120.0,
-        "learner.verdict_wait_s": 10.0, "agent.max_restarts": 50,
+        "run.runs_dir": str(runs_dir),
+        "stream.replicas": replicas,
+        "env.remote": "true",
+        "log.console": "off",
+        "agent.heartbeat_s": 2.0,
+        "bus.ack_wait_s": 10.0,
+        "bus.in_progress_every_s": 2.0,
+        "scorer.vote_timeout_s": 20.0,
+        "scorer.group_timeout_s": 45.0,
+        "tasks.inflight_timeout_s": 120.0,
+        "learner.verdict_wait_s": 10.0,
+        "agent.max_restarts": 50,
     }
     if cache is not None:
         out["env.cache_dir"] = str(cache)
@@ -326,8 +342,10 @@ async def _garbage(nc: Any, run_id: str, rng: random.Random) -> int:
     n = 0
     for kind in KIND_TO_MODEL:
         subject = f"{events_prefix(run_id)}.{kind}"
-        for payload in (rng.randbytes(rng.randint(0, 64)),
-                        json.dumps({"kind": kind, "run_id": run_id, "event_id": f"x{rng.random()}"}).encode()):
+        for payload in (
+            rng.randbytes(rng.randint(0, 64)),
+            json.dumps({"kind": kind, "run_id": run_id, "event_id": f"x{rng.random()}"}).encode(),
+        ):
             try:
                 await nc.jetstream().publish(subject, payload, timeout=2.0)
                 n += 1
@@ -451,8 +469,9 @@ def _small_disk(path: Path, mb: int) -> Iterator[Path | None]:
     import subprocess
 
     path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         log.warning("chaos.disk_full_unavailable", error=done.stderr.strip())
         yield None
@@ -488,19 +507,30 @@ async def _drain(fleet: Fleet, deadline: float) -> None:
             await asyncio.sleep(2.0)
 
 
-async def run_fleet(cluster: Any, workdir: Path, run_id: str, plan: ChaosPlan, *, faults: bool,
-                    cache: Path | None, hosts: Any = None) -> dict[str, Any]:
+async def run_fleet(
+    cluster: Any, workdir: Path, run_id: str, plan: ChaosPlan, *, faults: bool, cache: Path | None, hosts: Any = None
+) -> dict[str, Any]:
     from coevo.runtime.bus import NatsBus
 
     logs = workdir / run_id
     logs.mkdir(parents=True, exist_ok=True)
     active = plan if faults else replace(plan, faults=())
-    fleet = Fleet(cluster.url, run_id, chaos_overrides(workdir / "runs", cache, len(cluster.nodes), active), logs,
-                  plan=active, hosts=hosts, credentials=credentials_dir(workdir / "nats"))
+    fleet = Fleet(
+        cluster.url,
+        run_id,
+        chaos_overrides(workdir / "runs", cache, len(cluster.nodes), active),
+        logs,
+        plan=active,
+        hosts=hosts,
+        credentials=credentials_dir(workdir / "nats"),
+    )
     await fleet.provision()
     with contextlib.ExitStack() as stack:
-        disk = stack.enter_context(_small_disk(workdir / "runs" / run_id / "checkpoints", plan.disk_mb)) \
-            if "disk_full" in active.faults else None
+        disk = (
+            stack.enter_context(_small_disk(workdir / "runs" / run_id / "checkpoints", plan.disk_mb))
+            if "disk_full" in active.faults
+            else None
+        )
         try:
             for role in ROLES:
                 await fleet.start(role)
@@ -514,15 +544,22 @@ async def run_fleet(cluster: Any, workdir: Path, run_id: str, plan: ChaosPlan, *
             await fleet.stop(grace_s=10.0)
     async with await NatsBus.connect(cluster.url, run_id, nats_cfg=fleet.admin()) as bus:
         verdict = judge_stream(await bus.events(), seconds)
-    return {**verdict, "seconds": round(seconds, 1), "faults_injected": sum(injector.faults.values()),
-            "faults": dict(injector.faults), "fault_points_fired": _fault_points(workdir / "runs" / run_id),
-            "sigterm_while_cut_off_s": injector.sigterm_s,
-            "disk_full_unavailable": "disk_full" in active.faults and disk is None,
-            "agent_starts": dict(fleet.starts), "agent_exits": dict(fleet.exits)}
+    return {
+        **verdict,
+        "seconds": round(seconds, 1),
+        "faults_injected": sum(injector.faults.values()),
+        "faults": dict(injector.faults),
+        "fault_points_fired": _fault_points(workdir / "runs" / run_id),
+        "sigterm_while_cut_off_s": injector.sigterm_s,
+        "disk_full_unavailable": "disk_full" in active.faults and disk is None,
+        "agent_starts": dict(fleet.starts),
+        "agent_exits": dict(fleet.exits),
+    }
 
 
-async def bench_chaos(plan: ChaosPlan, *, cache: Path | None = None, baseline: bool = True,
-                      workdir: Path | None = None) -> dict[str, Any]:
+async def bench_chaos(
+    plan: ChaosPlan, *, cache: Path | None = None, baseline: bool = True, workdir: Path | None = None
+) -> dict[str, Any]:
     """``workdir``: keep the cluster's stores, the runs and the agents' logs there (default: a temporary
     directory, removed)."""
     from coevo.bench.hosts import Hosts
@@ -533,17 +570,26 @@ async def bench_chaos(plan: ChaosPlan, *, cache: Path | None = None, baseline: b
         runs = (f"chaos{plan.seed}", f"calm{plan.seed}")
         users = role_users(credentials_dir(work / "nats"), runs)
         hosts = stack.enter_context(Hosts(plan.hosts, tag=str(plan.seed % 100))) if plan.hosts else None
-        async with EmbeddedCluster(work / "nats", nodes=plan.hosts or 3, auth=users,
-                                   hosts=hosts.placement() if hosts else None) as cluster:
+        async with EmbeddedCluster(
+            work / "nats", nodes=plan.hosts or 3, auth=users, hosts=hosts.placement() if hosts else None
+        ) as cluster:
             chaos = await run_fleet(cluster, work, runs[0], plan, faults=True, cache=cache, hosts=hosts)
-            calm = await run_fleet(cluster, work, runs[1], plan, faults=False, cache=cache, hosts=hosts) \
-                if baseline else None
+            calm = (
+                await run_fleet(cluster, work, runs[1], plan, faults=False, cache=cache, hosts=hosts)
+                if baseline
+                else None
+            )
     out: dict[str, Any] = {"plan": {**plan.__dict__, "faults": list(plan.faults)}, "chaos": chaos}
     if calm is not None:
         out["fault_free"] = calm
-        out["throughput_vs_fault_free"] = round(chaos["trajectories_per_second"] /
-                                                max(calm["trajectories_per_second"], 1e-9), 3)
+        out["throughput_vs_fault_free"] = round(
+            chaos["trajectories_per_second"] / max(calm["trajectories_per_second"], 1e-9), 3
+        )
     slowest_stop = max(chaos["sigterm_while_cut_off_s"], default=0.0)
-    out["ok"] = (chaos["groups_lost"] == 0 and chaos["groups_trained_twice"] == 0
-                 and chaos["learner_versions_monotonic"] and slowest_stop < 5.0)
+    out["ok"] = (
+        chaos["groups_lost"] == 0
+        and chaos["groups_trained_twice"] == 0
+        and chaos["learner_versions_monotonic"]
+        and slowest_stop < 5.0
+    )
     return out

@@ -57,8 +57,9 @@ async def _family(url: str, cache: Path, fam_name: str, seconds: float, concurre
     from coevo.runtime.agent import run_agents
     from coevo.runtime.app import open_bus
 
-    cfg = load_config(overrides={"env.family": fam_name, "env.cache_dir": str(cache),
-                                 "log.console": "off", "agent.heartbeat_s": 60})
+    cfg = load_config(
+        overrides={"env.family": fam_name, "env.cache_dir": str(cache), "log.console": "off", "agent.heartbeat_s": 60}
+    )
     family: Family = make_family(cfg.env)
     tasks = family.initial_tasks(4, 0, 0)
     for t in tasks:  # compile / warm caches outside the timing
@@ -70,15 +71,20 @@ async def _family(url: str, cache: Path, fam_name: str, seconds: float, concurre
         async with asyncio.TaskGroup() as tg:
             tg.create_task(run_agents(hosts, handle_signals=False, until=stop))
             await asyncio.sleep(0.5)
-            remote = await _random_steps(functools.partial(RemoteEnv, bus.nc, bus.run_id, fam_name),
-                                         tasks, seconds, concurrency)
+            remote = await _random_steps(
+                functools.partial(RemoteEnv, bus.nc, bus.run_id, fam_name), tasks, seconds, concurrency
+            )
             stop.set()
-    return {"in_process_steps_per_s": round(local, 1), "service_steps_per_s": round(remote, 1),
-            "service_over_in_process": round(remote / local, 3) if local else None}
+    return {
+        "in_process_steps_per_s": round(local, 1),
+        "service_steps_per_s": round(remote, 1),
+        "service_over_in_process": round(remote / local, 3) if local else None,
+    }
 
 
-async def bench_envs(seconds: float = 5.0, families: tuple[str, ...] = ("quickgame", "textworld", "coding"),
-                     concurrency: int = 4) -> dict[str, Any]:
+async def bench_envs(
+    seconds: float = 5.0, families: tuple[str, ...] = ("quickgame", "textworld", "coding"), concurrency: int = 4
+) -> dict[str, Any]:
     from coevo.envs.sandbox import run_python
     from coevo.runtime.app import nats_endpoint
 
@@ -86,8 +92,9 @@ async def bench_envs(seconds: float = 5.0, families: tuple[str, ...] = ("quickga
     with tempfile.TemporaryDirectory() as tmp:
         async with nats_endpoint(None, Path(tmp) / "nats") as endpoint:
             for fam_name in tracked(families, "bench envs", unit="families"):
-                out["families"][fam_name] = await _family(endpoint.url, Path(tmp) / "cache", fam_name, seconds,
-                                                          concurrency)
+                out["families"][fam_name] = await _family(
+                    endpoint.url, Path(tmp) / "cache", fam_name, seconds, concurrency
+                )
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         await run_python("print(sum(range(1000)))")

@@ -62,8 +62,10 @@ class Budget:
 
     def __post_init__(self) -> None:
         if self.amount <= 0 or (self.kind == "steps" and self.amount != int(self.amount)):
-            raise ValueError(f"a {self.kind} budget must be a positive {'integer' if self.kind == 'steps' else 'number'}, "
-                             f"got {self.amount}")
+            raise ValueError(
+                f"a {self.kind} budget must be a positive {'integer' if self.kind == 'steps' else 'number'}, "
+                f"got {self.amount}"
+            )
 
     @classmethod
     def parse(cls, text: str, *, cap_s: float = 1800.0) -> Budget:
@@ -99,9 +101,38 @@ class Budget:
 
 # ---- statistics over seeds ---------------------------------------------------------------------
 
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 """Student t quantiles t_{0.975, df} for df = 1..30."""
 
 
@@ -129,8 +160,14 @@ def seed_stats(values: list[float | None]) -> dict[str, Any]:
         return {"n": 1, "mean": round(mean, 6), "sd": None, "half_width": None, "low": None, "high": None}
     sd = statistics.stdev(xs)
     half = t975(n - 1) * sd / math.sqrt(n)
-    return {"n": n, "mean": round(mean, 6), "sd": round(sd, 6), "half_width": round(half, 6),
-            "low": round(mean - half, 6), "high": round(mean + half, 6)}
+    return {
+        "n": n,
+        "mean": round(mean, 6),
+        "sd": round(sd, 6),
+        "half_width": round(half, 6),
+        "low": round(mean - half, 6),
+        "high": round(mean + half, 6),
+    }
 
 
 def paired_stats(a: list[float | None], b: list[float | None]) -> dict[str, Any]:
@@ -168,9 +205,16 @@ async def _play(engine: Any, family: Family, env: Environment, task: TaskSpec, p
     return False
 
 
-async def evaluate(model_dir: Path, tasks: list[TaskSpec], episodes: int, seed: int = 0, *,
-                   family: Family | None = None, policy: PolicyConfig | None = None,
-                   concurrency: int = 32) -> float:
+async def evaluate(
+    model_dir: Path,
+    tasks: list[TaskSpec],
+    episodes: int,
+    seed: int = 0,
+    *,
+    family: Family | None = None,
+    policy: PolicyConfig | None = None,
+    concurrency: int = 32,
+) -> float:
     """Success rate of the policy at ``model_dir`` on ``tasks``, sampling as the policy agent does
     (``policy``: its mode and temperature; default config when None). Episode ``i`` plays
     ``tasks[i % len(tasks)]``, so every task gets its share; ``family`` (default: built from the
@@ -182,6 +226,7 @@ async def evaluate(model_dir: Path, tasks: list[TaskSpec], episodes: int, seed: 
     policy = policy or PolicyConfig()
     permits = asyncio.Semaphore(concurrency)  # environments open at once (TextWorld: one emulator each)
     async with LocalEngine(model_dir, seed=seed) as engine:
+
         async def one(task: TaskSpec) -> bool:
             async with permits:
                 env = family.make_env()
@@ -217,11 +262,18 @@ async def eval_set(cfg: CoevoConfig, episodes: int) -> EvalSet:
     from coevo.envs import make_family
 
     family = make_family(cfg.env)
-    pool = [(t, (await family.precheck(t)).ok)
-            for t in family.initial_tasks(cfg.env.n_train, cfg.env.n_heldout, cfg.env.seed)]
+    pool = [
+        (t, (await family.precheck(t)).ok)
+        for t in family.initial_tasks(cfg.env.n_train, cfg.env.n_heldout, cfg.env.seed)
+    ]
     heldout = family.initial_tasks(0, cfg.env.n_heldout, HELDOUT_SEED) if cfg.env.n_heldout else []
-    return EvalSet(family, [t for t, ok in pool if ok and t.split == "train"],
-                   [t for t in heldout if (await family.precheck(t)).ok], cfg.policy, episodes)
+    return EvalSet(
+        family,
+        [t for t, ok in pool if ok and t.split == "train"],
+        [t for t in heldout if (await family.precheck(t)).ok],
+        cfg.policy,
+        episodes,
+    )
 
 
 # ---- one run -------------------------------------------------------------------------------------
@@ -237,12 +289,22 @@ def pool_snapshot(slots: Iterable[Slot]) -> dict[str, Any]:
     train slots whose active task is no longer the initial one."""
     train = [s for s in slots if s.split == "train"]
     measured = [s.last_accuracy for s in train if s.last_accuracy is not None]
-    return {"pool_accuracy": round(sum(measured) / len(measured), 4) if measured else None,
-            "slots_rewritten": sum(bool(s.history) for s in train)}
+    return {
+        "pool_accuracy": round(sum(measured) / len(measured), 4) if measured else None,
+        "slots_rewritten": sum(bool(s.history) for s in train),
+    }
 
 
-async def _curve(ev: EvalSet, ckpts: Path, base: Path, seconds: float, eval_every_s: float,
-                 stop: asyncio.Event, bar: Any, pool: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+async def _curve(
+    ev: EvalSet,
+    ckpts: Path,
+    base: Path,
+    seconds: float,
+    eval_every_s: float,
+    stop: asyncio.Event,
+    bar: Any,
+    pool: Callable[[], dict[str, Any]],
+) -> list[dict[str, Any]]:
     """Train success of the newest checkpoint every ``eval_every_s`` until ``seconds`` (with the
     ``pool`` snapshot taken as the evaluation starts); then sets ``stop``."""
     from coevo.runtime.aio import wait_event
@@ -320,15 +382,28 @@ class StepWatch:
                 self.stop.set()
 
 
-async def _step_curve(ev: EvalSet, base: Path, watch: StepWatch, budget: Budget, eval_every: float,
-                      bar: Any, pool: Callable[[], dict[str, Any]]) -> tuple[list[dict[str, Any]], Path]:
+async def _step_curve(
+    ev: EvalSet,
+    base: Path,
+    watch: StepWatch,
+    budget: Budget,
+    eval_every: float,
+    bar: Any,
+    pool: Callable[[], dict[str, Any]],
+) -> tuple[list[dict[str, Any]], Path]:
     """Train success at step 0 (the base) and at each milestone of a step budget; the last model evaluated."""
+
     async def point(model: Path, version: int, t: float) -> dict[str, Any]:
         training_on = pool()
         success = await ev.success(model, "train", seed=len(curve))
         bar.update(completed=version)
-        return {"step": version, "seconds": round(t, 1), "success": success or 0.0, "policy_version": version,
-                **training_on}
+        return {
+            "step": version,
+            "seconds": round(t, 1),
+            "success": success or 0.0,
+            "policy_version": version,
+            **training_on,
+        }
 
     curve: list[dict[str, Any]] = []
     curve.append(await point(base, 0, 0.0))
@@ -351,16 +426,21 @@ async def run_budget(cfg: CoevoConfig, budget: Budget, *, eval_every: float, epi
     from coevo.training.lane import latest_checkpoint
 
     if budget.kind == "steps" and cfg.learner.publish_every != 1:
-        raise ConfigError("a step budget evaluates every milestone version: learner.publish_every must be 1",
-                          field="learner.publish_every")
+        raise ConfigError(
+            "a step budget evaluates every milestone version: learner.publish_every must be 1",
+            field="learner.publish_every",
+        )
     ev = await eval_set(cfg, episodes)
     base = await asyncio.to_thread(model_dir, cfg, "policy")
     await asyncio.to_thread(model_dir, cfg, "judge")
     async with open_runtime(cfg, name="coevo-bench") as rt:
         ckpts = rt.run_dir / "checkpoints" / "policy"
         stop = asyncio.Event()
-        watch = StepWatch(ckpts / "published", rt.run_dir / "evaluated", budget.milestones(eval_every), stop) \
-            if budget.kind == "steps" else None
+        watch = (
+            StepWatch(ckpts / "published", rt.run_dir / "evaluated", budget.milestones(eval_every), stop)
+            if budget.kind == "steps"
+            else None
+        )
         agents = build_agents(rt.bus, cfg, on_step=watch.on_step if watch else None)
         tasks = next((a for a in agents if isinstance(a, TasksAgent)), None)
 
@@ -373,11 +453,14 @@ async def run_budget(cfg: CoevoConfig, budget: Budget, *, eval_every: float, epi
             if watch is None:
                 _, curve = await asyncio.gather(
                     run_agents(agents, handle_signals=False, until=stop),
-                    _curve(ev, ckpts, base, budget.seconds, eval_every, stop, bar, pool))
+                    _curve(ev, ckpts, base, budget.seconds, eval_every, stop, bar, pool),
+                )
                 final = latest_checkpoint(ckpts) or base
             else:
-                _, (curve, final) = await asyncio.gather(run_agents(agents, handle_signals=False, until=stop),
-                                                         _step_curve(ev, base, watch, budget, eval_every, bar, pool))
+                _, (curve, final) = await asyncio.gather(
+                    run_agents(agents, handle_signals=False, until=stop),
+                    _step_curve(ev, base, watch, budget, eval_every, bar, pool),
+                )
         elapsed = time.monotonic() - t0
         held = await ev.success(final, "heldout", seed=999)
         held0 = await ev.success(base, "heldout", seed=999)
@@ -385,54 +468,108 @@ async def run_budget(cfg: CoevoConfig, budget: Budget, *, eval_every: float, epi
     return run_result(cfg, budget, curve, summary, ev, held0, held, elapsed) | pool()
 
 
-def run_result(cfg: CoevoConfig, budget: Budget, curve: list[dict[str, Any]], summary: dict[str, Any], ev: EvalSet,
-               held0: float | None, held: float | None, elapsed: float) -> dict[str, Any]:
+def run_result(
+    cfg: CoevoConfig,
+    budget: Budget,
+    curve: list[dict[str, Any]],
+    summary: dict[str, Any],
+    ev: EvalSet,
+    held0: float | None,
+    held: float | None,
+    elapsed: float,
+) -> dict[str, Any]:
     """One run's numbers from its curve and summary (pure)."""
     hit = next((p for p in curve if p["success"] >= TARGET), None)
     reached = hit["seconds"] if hit else None
     steps = curve[-1]["policy_version"]
-    return {"seed": cfg.run.seed, "budget": budget.describe(), "budget_reached": (
-                steps >= budget.amount if budget.kind == "steps" else True),
-            "policy_steps": steps, "train_success_initial": curve[0]["success"], "train_success": curve[-1]["success"],
-            "best_train_success": max(p["success"] for p in curve), "heldout_success_initial": held0,
-            "heldout_success": held, "seconds_to_0.8": reached, "steps_to_0.8": hit["policy_version"] if hit else None,
-            "seconds_to_0.8_or_budget": reached if reached is not None else round(elapsed, 1),
-            "seconds": round(elapsed, 1), "train_tasks": len(ev.train), "heldout_tasks": len(ev.heldout),
-            **{k: summary[k] for k in ("judge_process_accuracy", "judge_outcome_accuracy",
-                                       "judge_process_accuracy_heldout", "judge_outcome_accuracy_heldout",
-                                       "rewrites_accepted", "learner_steps", "policy_kl_rejected",
-                                       "policy_mismatch_kl_max", "policy_step_kl_max")},
-            "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / max(elapsed, 1e-9), 2),
-            "curve": curve}
+    return {
+        "seed": cfg.run.seed,
+        "budget": budget.describe(),
+        "budget_reached": (steps >= budget.amount if budget.kind == "steps" else True),
+        "policy_steps": steps,
+        "train_success_initial": curve[0]["success"],
+        "train_success": curve[-1]["success"],
+        "best_train_success": max(p["success"] for p in curve),
+        "heldout_success_initial": held0,
+        "heldout_success": held,
+        "seconds_to_0.8": reached,
+        "steps_to_0.8": hit["policy_version"] if hit else None,
+        "seconds_to_0.8_or_budget": reached if reached is not None else round(elapsed, 1),
+        "seconds": round(elapsed, 1),
+        "train_tasks": len(ev.train),
+        "heldout_tasks": len(ev.heldout),
+        **{
+            k: summary[k]
+            for k in (
+                "judge_process_accuracy",
+                "judge_outcome_accuracy",
+                "judge_process_accuracy_heldout",
+                "judge_outcome_accuracy_heldout",
+                "rewrites_accepted",
+                "learner_steps",
+                "policy_kl_rejected",
+                "policy_mismatch_kl_max",
+                "policy_step_kl_max",
+            )
+        },
+        "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / max(elapsed, 1e-9), 2),
+        "curve": curve,
+    }
 
 
 def bench_config(tmp: Path, overrides: dict[str, Any]) -> CoevoConfig:
-    base = {"run.runs_dir": str(tmp / "runs"), "log.console": "off", "agent.heartbeat_s": 10.0,
-            "run.minutes": 0}
+    base = {"run.runs_dir": str(tmp / "runs"), "log.console": "off", "agent.heartbeat_s": 10.0, "run.minutes": 0}
     return load_config(overrides={**base, **overrides})
 
 
 # ---- configurations × seeds ----------------------------------------------------------------------
 
-METRICS = ("train_success", "heldout_success", "judge_process_accuracy", "judge_outcome_accuracy",
-           "seconds_to_0.8", "seconds_to_0.8_or_budget", "train_success_initial", "heldout_success_initial",
-           "best_train_success", "judge_process_accuracy_heldout", "judge_outcome_accuracy_heldout",
-           "learner_steps", "rewrites_accepted", "trajectories_per_second", "pool_accuracy", "slots_rewritten",
-           "policy_steps", "seconds", "steps_to_0.8", "policy_kl_rejected", "policy_mismatch_kl_max",
-           "policy_step_kl_max")
+METRICS = (
+    "train_success",
+    "heldout_success",
+    "judge_process_accuracy",
+    "judge_outcome_accuracy",
+    "seconds_to_0.8",
+    "seconds_to_0.8_or_budget",
+    "train_success_initial",
+    "heldout_success_initial",
+    "best_train_success",
+    "judge_process_accuracy_heldout",
+    "judge_outcome_accuracy_heldout",
+    "learner_steps",
+    "rewrites_accepted",
+    "trajectories_per_second",
+    "pool_accuracy",
+    "slots_rewritten",
+    "policy_steps",
+    "seconds",
+    "steps_to_0.8",
+    "policy_kl_rejected",
+    "policy_mismatch_kl_max",
+    "policy_step_kl_max",
+)
 """Summarised per configuration. ``seconds_to_0.8``: over the runs that reached 0.8 train success
 (``reached_0.8`` counts them); ``seconds_to_0.8_or_budget``: every run, one that never reached it
 counted as its whole run (the budget, a lower bound on its time); ``steps_to_0.8``: the policy version of
 that evaluation. ``seconds``: the run's wall clock (under a step budget, what the steps took)."""
-PAIRED = ("train_success", "heldout_success", "best_train_success", "judge_process_accuracy",
-          "judge_outcome_accuracy", "seconds_to_0.8_or_budget", "seconds")
+PAIRED = (
+    "train_success",
+    "heldout_success",
+    "best_train_success",
+    "judge_process_accuracy",
+    "judge_outcome_accuracy",
+    "seconds_to_0.8_or_budget",
+    "seconds",
+)
 
 
 def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-metric ``seed_stats`` of one configuration's runs (one per seed)."""
     reached = sum(r["seconds_to_0.8"] is not None for r in runs)
-    return {"reached_0.8": f"{reached}/{len(runs)}", "summary": {m: seed_stats([r.get(m) for r in runs])
-                                                                   for m in METRICS}}
+    return {
+        "reached_0.8": f"{reached}/{len(runs)}",
+        "summary": {m: seed_stats([r.get(m) for r in runs]) for m in METRICS},
+    }
 
 
 def family_of(family: str, preset: str) -> str:
@@ -455,30 +592,47 @@ def plan_runs(configs: dict[str, dict[str, Any]], seeds: int) -> list[tuple[int,
     return [(s, c, {**configs[c], "run.seed": s, "env.seed": s}) for s in range(seeds) for c in configs]
 
 
-def aggregate_seeds(runs: dict[str, list[dict[str, Any]]], *, seeds: int, family: str, preset: str,
-                    budget: Budget, episodes: int) -> dict[str, Any]:
+def aggregate_seeds(
+    runs: dict[str, list[dict[str, Any]]], *, seeds: int, family: str, preset: str, budget: Budget, episodes: int
+) -> dict[str, Any]:
     """``run_seeds``' result from its runs, with no I/O: ``runs[c][s]`` is configuration ``c``'s run with
     seed ``s``, so every configuration has exactly the seeds ``0..seeds-1`` in order (what ``paired``
     pairs by position; a ValueError otherwise). Per configuration: ``summarize_runs`` and the runs as given."""
     for c, rs in runs.items():
         if [r["seed"] for r in rs] != list(range(seeds)):
-            raise ValueError(f"configuration {c!r} has runs for seeds {[r['seed'] for r in rs]}, "
-                             f"not 0..{seeds - 1} in order")
+            raise ValueError(
+                f"configuration {c!r} has runs for seeds {[r['seed'] for r in rs]}, not 0..{seeds - 1} in order"
+            )
     return {
-        "family": family, "preset": preset, "budget": budget.describe(), "budget_kind": budget.kind,
+        "family": family,
+        "preset": preset,
+        "budget": budget.describe(),
+        "budget_kind": budget.kind,
         "minutes_per_run": round(budget.amount / 60, 3) if budget.kind == "seconds" else None,
-        "steps_per_run": budget.steps, "seeds": list(range(seeds)),
-        "episodes_per_evaluation": episodes, "heldout_seed": HELDOUT_SEED,
+        "steps_per_run": budget.steps,
+        "seeds": list(range(seeds)),
+        "episodes_per_evaluation": episodes,
+        "heldout_seed": HELDOUT_SEED,
         "interval": "95 % Student t over seeds: mean ± t(0.975, n-1)·sd/√n (sample sd); none for n = 1",
         "seconds_to_0.8": "first evaluation with train success >= 0.8; seconds_to_0.8 averages the runs that "
-                          "reached it (reached_0.8 counts them), seconds_to_0.8_or_budget counts the others "
-                          "as the budget",
-        "configs": {c: {**summarize_runs(rs), "runs": rs} for c, rs in runs.items()}}
+        "reached it (reached_0.8 counts them), seconds_to_0.8_or_budget counts the others "
+        "as the budget",
+        "configs": {c: {**summarize_runs(rs), "runs": rs} for c, rs in runs.items()},
+    }
 
 
-async def run_seeds(configs: dict[str, dict[str, Any]], *, seeds: int, budget: Budget, eval_every: float,
-                    episodes: int, family: str, preset: str, cache_dir: Path | None,
-                    overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+async def run_seeds(
+    configs: dict[str, dict[str, Any]],
+    *,
+    seeds: int,
+    budget: Budget,
+    eval_every: float,
+    episodes: int,
+    family: str,
+    preset: str,
+    cache_dir: Path | None,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Every configuration once per seed (``plan_runs``' seed-major order) and the statistics over seeds
     (``aggregate_seeds``); ``overrides`` (config fields) apply to every run."""
     plan = plan_runs(configs, seeds)
@@ -504,9 +658,12 @@ def _mean(out: dict[str, Any], config: str, metric: str) -> Any:
 
 LEARN: dict[str, dict[str, Any]] = {"integrated": {}, "outcome_only": {"scorer.reward": "outcome-only"}}
 """``bench learn``'s configurations: integrated reward, then outcome-only reward."""
-RUNGS: dict[str, dict[str, Any]] = {"policy-only": {"loop": "policy-only"}, "policy+judge": {"loop": "policy+judge"},
-                                    "full": {"loop": "full"},
-                                    "full-unsaturated": {"loop": "full", "tasks.saturated_after": 0}}
+RUNGS: dict[str, dict[str, Any]] = {
+    "policy-only": {"loop": "policy-only"},
+    "policy+judge": {"loop": "policy+judge"},
+    "full": {"loop": "full"},
+    "full-unsaturated": {"loop": "full", "tasks.saturated_after": 0},
+}
 """The rungs ``bench ladder --rungs`` chooses from: ``full-unsaturated`` is the full loop without the saturated-slot
 rules (``coevo.algorithm.saturation``), the ablation of that rule."""
 LADDER: dict[str, dict[str, Any]] = {k: RUNGS[k] for k in ("policy-only", "policy+judge", "full")}
@@ -520,9 +677,20 @@ def rungs_named(names: str) -> dict[str, dict[str, Any]]:
     if unknown or len(chosen) < 2 or len(set(chosen)) < len(chosen):
         raise ValueError(f"--rungs {names!r}: two or more distinct rungs of {', '.join(RUNGS)}")
     return {n: RUNGS[n] for n in chosen}
-RUNG_KEYS = ("train_success", "heldout_success", "train_success_initial", "heldout_success_initial",
-             "judge_process_accuracy", "judge_outcome_accuracy", "judge_process_accuracy_heldout",
-             "judge_outcome_accuracy_heldout", "rewrites_accepted", "learner_steps")
+
+
+RUNG_KEYS = (
+    "train_success",
+    "heldout_success",
+    "train_success_initial",
+    "heldout_success_initial",
+    "judge_process_accuracy",
+    "judge_outcome_accuracy",
+    "judge_process_accuracy_heldout",
+    "judge_outcome_accuracy_heldout",
+    "rewrites_accepted",
+    "learner_steps",
+)
 """The metrics whose means over seeds ``ladder_result`` gives per rung (``coevo report`` plots these)."""
 
 
@@ -531,11 +699,17 @@ def learn_result(out: dict[str, Any], configs: dict[str, dict[str, Any]] = LEARN
     it is): adds the paired differences first - second configuration, the headline means over seeds,
     every run's curve (``"<config> s<seed>"``) and the target."""
     a, b = configs
-    return {**out, "paired": {f"{a} - {b}": paired(out, a, b)},
-            "headline": {f"{c}.{m}": _mean(out, c, m) for c in configs
-                         for m in ("train_success", "heldout_success", "seconds_to_0.8")},
-            "curves": {f"{c} s{r['seed']}": r["curve"] for c in configs for r in out["configs"][c]["runs"]},
-            "target": "final train success >= 0.8 within 10 minutes"}
+    return {
+        **out,
+        "paired": {f"{a} - {b}": paired(out, a, b)},
+        "headline": {
+            f"{c}.{m}": _mean(out, c, m)
+            for c in configs
+            for m in ("train_success", "heldout_success", "seconds_to_0.8")
+        },
+        "curves": {f"{c} s{r['seed']}": r["curve"] for c in configs for r in out["configs"][c]["runs"]},
+        "target": "final train success >= 0.8 within 10 minutes",
+    }
 
 
 def ladder_result(out: dict[str, Any]) -> dict[str, Any]:
@@ -543,9 +717,14 @@ def ladder_result(out: dict[str, Any]) -> dict[str, Any]:
     dict; ``out`` is left as it is): adds each higher rung's paired differences against the bottom one, and per
     rung, in ladder order, the means over seeds of ``RUNG_KEYS`` and the first seed's curve."""
     bottom, *higher = out["configs"]
-    return {**out, "paired": {f"{c} - {bottom}": paired(out, c, bottom) for c in higher},
-            "rungs": {c: {**{k: _mean(out, c, k) for k in RUNG_KEYS}, "curve": rung["runs"][0]["curve"]}
-                      for c, rung in out["configs"].items()}}
+    return {
+        **out,
+        "paired": {f"{c} - {bottom}": paired(out, c, bottom) for c in higher},
+        "rungs": {
+            c: {**{k: _mean(out, c, k) for k in RUNG_KEYS}, "curve": rung["runs"][0]["curve"]}
+            for c, rung in out["configs"].items()
+        },
+    }
 
 
 def _budget(budget: Budget | float) -> Budget:
@@ -553,13 +732,31 @@ def _budget(budget: Budget | float) -> Budget:
     return budget if isinstance(budget, Budget) else Budget("seconds", float(budget) * 60)
 
 
-async def bench_learn(budget: Budget | float = 10.0, eval_every: float = 30.0, episodes: int = 64,
-                      cache_dir: Path | None = None, *, seeds: int = 1, preset: str = "default",
-                      family: str = "quickgame", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+async def bench_learn(
+    budget: Budget | float = 10.0,
+    eval_every: float = 30.0,
+    episodes: int = 64,
+    cache_dir: Path | None = None,
+    *,
+    seeds: int = 1,
+    preset: str = "default",
+    family: str = "quickgame",
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Integrated reward vs outcome-only, ``seeds`` runs each, ``budget`` each (minutes when a number)."""
-    return learn_result(await run_seeds(LEARN, seeds=seeds, budget=_budget(budget), eval_every=eval_every,
-                                        episodes=episodes, family=family, preset=preset, cache_dir=cache_dir,
-                                        overrides=overrides))
+    return learn_result(
+        await run_seeds(
+            LEARN,
+            seeds=seeds,
+            budget=_budget(budget),
+            eval_every=eval_every,
+            episodes=episodes,
+            family=family,
+            preset=preset,
+            cache_dir=cache_dir,
+            overrides=overrides,
+        )
+    )
 
 
 def lora_configs(rank: int, lr: float) -> dict[str, dict[str, Any]]:
@@ -568,22 +765,58 @@ def lora_configs(rank: int, lr: float) -> dict[str, dict[str, Any]]:
     return {"lora": {"learner.lora": {"rank": rank, "alpha": 2.0 * rank}, "learner.lr": lr}, "full": {}}
 
 
-async def bench_learn_lora(budget: Budget | float = 10.0, eval_every: float = 30.0, episodes: int = 64,
-                           cache_dir: Path | None = None, *, rank: int = 16, lr: float = 5e-3, seeds: int = 1,
-                           preset: str = "default", family: str = "quickgame",
-                           overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+async def bench_learn_lora(
+    budget: Budget | float = 10.0,
+    eval_every: float = 30.0,
+    episodes: int = 64,
+    cache_dir: Path | None = None,
+    *,
+    rank: int = 16,
+    lr: float = 5e-3,
+    seeds: int = 1,
+    preset: str = "default",
+    family: str = "quickgame",
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """LoRA lanes against full fine-tuning at an equal budget, ``seeds`` runs each (paired by seed)."""
     configs = lora_configs(rank, lr)
-    out = await run_seeds(configs, seeds=seeds, budget=_budget(budget), eval_every=eval_every, episodes=episodes,
-                          family=family, preset=preset, cache_dir=cache_dir, overrides=overrides)
+    out = await run_seeds(
+        configs,
+        seeds=seeds,
+        budget=_budget(budget),
+        eval_every=eval_every,
+        episodes=episodes,
+        family=family,
+        preset=preset,
+        cache_dir=cache_dir,
+        overrides=overrides,
+    )
     return {**learn_result(out, configs), "lora": configs["lora"]}
 
 
-async def bench_ladder(budget: Budget | float = 5.0, eval_every: float = 30.0, episodes: int = 64,
-                       cache_dir: Path | None = None, *, seeds: int = 1, preset: str = "default",
-                       family: str = "quickgame", overrides: dict[str, Any] | None = None,
-                       rungs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+async def bench_ladder(
+    budget: Budget | float = 5.0,
+    eval_every: float = 30.0,
+    episodes: int = 64,
+    cache_dir: Path | None = None,
+    *,
+    seeds: int = 1,
+    preset: str = "default",
+    family: str = "quickgame",
+    overrides: dict[str, Any] | None = None,
+    rungs: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """The paper's ladder (policy-only, + judge training, + environment adaptation), ``seeds`` runs each."""
-    return ladder_result(await run_seeds(rungs or LADDER, seeds=seeds, budget=_budget(budget), eval_every=eval_every,
-                                         episodes=episodes, family=family, preset=preset, cache_dir=cache_dir,
-                                         overrides=overrides))
+    return ladder_result(
+        await run_seeds(
+            rungs or LADDER,
+            seeds=seeds,
+            budget=_budget(budget),
+            eval_every=eval_every,
+            episodes=episodes,
+            family=family,
+            preset=preset,
+            cache_dir=cache_dir,
+            overrides=overrides,
+        )
+    )

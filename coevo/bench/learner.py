@@ -60,10 +60,16 @@ def build_model(shape: Shape, folder: Path) -> None:
     from coevo.inference.models import build_tokenizer
 
     build_tokenizer(folder)
-    cfg = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                      num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                      num_key_value_heads=shape.kv_heads, max_position_embeddings=4096,
-                      tie_word_embeddings=shape.tied)
+    cfg = Qwen2Config(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=shape.tied,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(folder)
 
@@ -74,15 +80,31 @@ def random_batch(vocab: int, samples: int, prompt: int, response: int, version: 
     from coevo.schemas import FloatArray, IntArray, TrainingSample
 
     g = torch.Generator().manual_seed(seed)
-    return [TrainingSample(sample_id=f"{seed}-{i}", role="policy",
-                           prompt_token_ids=IntArray(torch.randint(4, vocab, (prompt,), generator=g).tolist()),
-                           response_token_ids=IntArray(torch.randint(4, vocab, (response,), generator=g).tolist()),
-                           logprobs=FloatArray([-7.0] * response), advantage=1.0 if i % 2 else -1.0,
-                           model_version=version, step_event_id=f"e{seed}") for i in range(samples)]
+    return [
+        TrainingSample(
+            sample_id=f"{seed}-{i}",
+            role="policy",
+            prompt_token_ids=IntArray(torch.randint(4, vocab, (prompt,), generator=g).tolist()),
+            response_token_ids=IntArray(torch.randint(4, vocab, (response,), generator=g).tolist()),
+            logprobs=FloatArray([-7.0] * response),
+            advantage=1.0 if i % 2 else -1.0,
+            model_version=version,
+            step_event_id=f"e{seed}",
+        )
+        for i in range(samples)
+    ]
 
 
-def bench_learner(size: str, device: str = "cpu", *, steps: int | None = None, samples: int | None = None,
-                  tokens: int | None = None, checkpoint_every: int = 1, lora_rank: int | None = None) -> dict[str, Any]:
+def bench_learner(
+    size: str,
+    device: str = "cpu",
+    *,
+    steps: int | None = None,
+    samples: int | None = None,
+    tokens: int | None = None,
+    checkpoint_every: int = 1,
+    lora_rank: int | None = None,
+) -> dict[str, Any]:
     """Step, publish and checkpoint costs of one lane at ``size`` on ``device`` (a LoRA lane of rank
     ``lora_rank``: then also the full model's publication and what two roles hold, for comparison)."""
     from coevo.config import LearnerConfig, LoraConfig
@@ -100,6 +122,7 @@ def bench_learner(size: str, device: str = "cpu", *, steps: int | None = None, s
         build_model(shape, Path(tmp) / "model")
         lane = Lane("policy", Path(tmp) / "model", Path(tmp) / "ckpt", lc, device=device)
         try:
+
             def batch(seed: int) -> list[Any]:
                 return random_batch(shape.vocab, samples, tokens - response, response, lane.version, seed)
 
@@ -114,8 +137,13 @@ def bench_learner(size: str, device: str = "cpu", *, steps: int | None = None, s
         report = _report(size, device, params, lane.publish_dtype, samples, tokens, steps, rows)
         report["trainable_parameters"] = sum(p.numel() for p in lane.trainable())
         if lora_rank:
-            report["lora"] = _lora_comparison(Path(tmp), lc, device, report["publish_bytes"], lambda ln: random_batch(
-                shape.vocab, samples, tokens - response, response, ln.version, 0))
+            report["lora"] = _lora_comparison(
+                Path(tmp),
+                lc,
+                device,
+                report["publish_bytes"],
+                lambda ln: random_batch(shape.vocab, samples, tokens - response, response, ln.version, 0),
+            )
     return report
 
 
@@ -141,10 +169,15 @@ def _lora_comparison(tmp: Path, lc: Any, device: str, adapter_bytes: int, batch:
     one_base = _held_bytes(lanes)
     for lane in lanes:
         lane.close()
-    return {"rank": lc.lora.rank, "full_publish_bytes": full_bytes, "adapter_publish_bytes": adapter_bytes,
-            "publish_fraction": round(adapter_bytes / full_bytes, 4),
-            "two_roles_full_held_bytes": two_full, "two_roles_one_base_held_bytes": one_base,
-            "two_roles_held_fraction": round(one_base / two_full, 4)}
+    return {
+        "rank": lc.lora.rank,
+        "full_publish_bytes": full_bytes,
+        "adapter_publish_bytes": adapter_bytes,
+        "publish_fraction": round(adapter_bytes / full_bytes, 4),
+        "two_roles_full_held_bytes": two_full,
+        "two_roles_one_base_held_bytes": one_base,
+        "two_roles_held_fraction": round(one_base / two_full, 4),
+    }
 
 
 def _held_bytes(lanes: list[Any]) -> int:
@@ -162,8 +195,9 @@ def _held_bytes(lanes: list[Any]) -> int:
 
 
 def _measure(lane: Any, batch: Any, steps: int, checkpoint_every: int) -> dict[str, list[float]]:
-    rows: dict[str, list[float]] = {k: [] for k in ("step_s", "publish_s", "publish_bytes", "blocking_s",
-                                                    "checkpoint_s", "checkpoint_bytes")}
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("step_s", "publish_s", "publish_bytes", "blocking_s", "checkpoint_s", "checkpoint_bytes")
+    }
     pending = None
     for k in range(steps):
         data = batch(k)
@@ -192,8 +226,9 @@ def _checkpointed(rows: dict[str, list[float]], ckpt: Any) -> None:
     rows["checkpoint_bytes"].append(ckpt.bytes)
 
 
-def _report(size: str, device: str, params: int, dtype: Any, samples: int, tokens: int, steps: int,
-            rows: dict[str, list[float]]) -> dict[str, Any]:
+def _report(
+    size: str, device: str, params: int, dtype: Any, samples: int, tokens: int, steps: int, rows: dict[str, list[float]]
+) -> dict[str, Any]:
     def med(key: str) -> float:
         return statistics.median(rows[key]) if rows[key] else 0.0
 
@@ -201,10 +236,18 @@ def _report(size: str, device: str, params: int, dtype: Any, samples: int, token
     tokens_per_s = samples * tokens / step_s if step_s else 0.0
     peak = _peak_flops(device)
     return {
-        "size": size, "device": device, "parameters": params, "publish_dtype": str(dtype).removeprefix("torch."),
-        "samples": samples, "tokens_per_sample": tokens, "steps": steps,
-        "step_s": round(step_s, 4), "publish_s": round(publish_s, 4), "publish_bytes": int(med("publish_bytes")),
-        "checkpoint_s": round(med("checkpoint_s"), 4), "checkpoint_bytes": int(med("checkpoint_bytes")),
+        "size": size,
+        "device": device,
+        "parameters": params,
+        "publish_dtype": str(dtype).removeprefix("torch."),
+        "samples": samples,
+        "tokens_per_sample": tokens,
+        "steps": steps,
+        "step_s": round(step_s, 4),
+        "publish_s": round(publish_s, 4),
+        "publish_bytes": int(med("publish_bytes")),
+        "checkpoint_s": round(med("checkpoint_s"), 4),
+        "checkpoint_bytes": int(med("checkpoint_bytes")),
         "checkpoint_blocking_s": round(max(rows["blocking_s"], default=0.0), 4),
         "train_tokens_per_s": round(tokens_per_s, 1),
         "mfu": round(6 * params * tokens_per_s / peak, 4) if peak else None,

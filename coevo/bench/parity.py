@@ -36,15 +36,28 @@ class UnstatedClient(VLLMClient):
     """The request coevo sent before: the temperature alone (the server fills in the rest from
     ``generation_config.json``). For measuring what that did, never for sampling."""
 
-    async def complete(self, prompt: str, *, max_tokens: int = 64, temperature: float = 1.0,
-                       **_: object) -> Completion:
+    async def complete(self, prompt: str, *, max_tokens: int = 64, temperature: float = 1.0, **_: object) -> Completion:
         ids = self.encode(prompt)
-        data = await self._call("POST", "/v1/completions", json={
-            "model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature,
-            "logprobs": 1, "return_token_ids": True})
+        data = await self._call(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": self.model,
+                "prompt": ids,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "logprobs": 1,
+                "return_token_ids": True,
+            },
+        )
         choice = data["choices"][0]
-        return Completion(choice["text"], ids, list(choice["token_ids"]),
-                          [float(x) for x in choice["logprobs"]["token_logprobs"]], self.version)
+        return Completion(
+            choice["text"],
+            ids,
+            list(choice["token_ids"]),
+            [float(x) for x in choice["logprobs"]["token_logprobs"]],
+            self.version,
+        )
 
 
 def with_instruct_defaults(model: Path, into: Path) -> Path:
@@ -65,8 +78,9 @@ async def measure(url: str, model: Path, work: Path, rollouts: int, steps: int =
     truncation = SamplingConfig(**TRUNCATION)
 
     def lane(name: str, temperature: float, sampling: SamplingConfig | None = None) -> Lane:
-        return Lane("policy", model, work / name, LearnerConfig(), temperature=temperature, sampling=sampling,
-                    device="cpu")
+        return Lane(
+            "policy", model, work / name, LearnerConfig(), temperature=temperature, sampling=sampling, device="cpu"
+        )
 
     plain, cut, uncut = lane("plain", 1.0), lane("cut", 0.6, truncation), lane("uncut", 0.6)
     out: dict[str, Any] = {}
@@ -96,8 +110,10 @@ async def _samples(client: VLLMClient, lane: Any, rollouts: int) -> list[Any]:
     """Fresh completions as training samples with alternating advantages (a step that moves the weights)."""
     from coevo.training.parity import fresh_samples
 
-    return [s.model_copy(update={"advantage": 1.0 if i % 2 else -1.0})
-            for i, s in enumerate(await fresh_samples(client, lane, rollouts=rollouts))]
+    return [
+        s.model_copy(update={"advantage": 1.0 if i % 2 else -1.0})
+        for i, s in enumerate(await fresh_samples(client, lane, rollouts=rollouts))
+    ]
 
 
 async def bench_parity(python: str, *, cache: Path | None = None, rollouts: int = 40) -> dict[str, Any]:
@@ -114,6 +130,13 @@ async def bench_parity(python: str, *, cache: Path | None = None, rollouts: int 
             async with served(python, model) as url:
                 results[name] = await measure(url, model, work / name, rollouts)
                 log.info("parity.measured", model=name, **{k: str(v) for k, v in results[name].items()})
-    return {"bench": "parity", "model": "tiny default policy (fp32, vLLM CPU)", "rollouts_per_setting": rollouts,
-            "max_tokens": 16, "instruct_defaults": INSTRUCT_DEFAULTS, "truncation": TRUNCATION,
-            "kl_nats_per_token": results, "seconds": round(time.monotonic() - t0, 1)}
+    return {
+        "bench": "parity",
+        "model": "tiny default policy (fp32, vLLM CPU)",
+        "rollouts_per_setting": rollouts,
+        "max_tokens": 16,
+        "instruct_defaults": INSTRUCT_DEFAULTS,
+        "truncation": TRUNCATION,
+        "kl_nats_per_token": results,
+        "seconds": round(time.monotonic() - t0, 1),
+    }

@@ -46,7 +46,7 @@ def robust_slope_per_hour(samples: list[tuple[float, float]]) -> float:
     """Theil–Sen slope of (seconds, value) samples, per hour: the median of the slopes between every
     pair of samples at distinct times (0 with fewer than two). Half the samples would have to be
     outliers to move it arbitrarily; a least-squares fit moves with one large swing."""
-    pairs = [(v2 - v1) / (t2 - t1) for i, (t1, v1) in enumerate(samples) for t2, v2 in samples[i + 1:] if t2 != t1]
+    pairs = [(v2 - v1) / (t2 - t1) for i, (t1, v1) in enumerate(samples) for t2, v2 in samples[i + 1 :] if t2 != t1]
     return statistics.median(pairs) * 3600 if pairs else 0.0
 
 
@@ -127,15 +127,17 @@ def _descendants(pid: int) -> list[int]:
 
 
 def summarize_samples(samples: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
-    warm = samples[len(samples) // 5:]
+    warm = samples[len(samples) // 5 :]
     keys = samples[0][1].keys() if samples else []
     return {
         "samples": len(samples),
         "slope_per_hour": {k: round(slope_per_hour([(t, s[k]) for t, s in warm]), 2) for k in keys},
-        "robust_slope_per_hour": {k: round(robust_slope_per_hour([(t, s[k]) for t, s in warm]), 2)
-                                  for k in keys},
-        "window_medians": {k: [[round(t), round(v, 1)] for t, v in window_medians([(t, s[k]) for t, s in samples])]
-                           for k in keys if k.startswith("rss_")},
+        "robust_slope_per_hour": {k: round(robust_slope_per_hour([(t, s[k]) for t, s in warm]), 2) for k in keys},
+        "window_medians": {
+            k: [[round(t), round(v, 1)] for t, v in window_medians([(t, s[k]) for t, s in samples])]
+            for k in keys
+            if k.startswith("rss_")
+        },
         "end": {k: round(v, 1) for k, v in samples[-1][1].items()} if samples else {},
         "series": [{"t_s": round(t, 1), **{k: round(v, 1) for k, v in s.items()}} for t, s in samples],
     }
@@ -144,11 +146,25 @@ def summarize_samples(samples: list[tuple[float, dict[str, float]]]) -> dict[str
 async def bench_soak(minutes: float = 30.0, every_s: float = 10.0, extra: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="coevo-soak-") as tmp:
         run_id = "soak"
-        args = [sys.executable, "-m", "coevo", "run", "--minutes", str(minutes), "--run-id", run_id,
-                "--set", f"run.runs_dir={tmp}", "--set", "log.console=off", *(extra or [])]
+        args = [
+            sys.executable,
+            "-m",
+            "coevo",
+            "run",
+            "--minutes",
+            str(minutes),
+            "--run-id",
+            run_id,
+            "--set",
+            f"run.runs_dir={tmp}",
+            "--set",
+            "log.console=off",
+            *(extra or []),
+        ]
         with (Path(tmp) / "stderr.txt").open("wb") as errf:  # a file, not a pipe: a long run cannot block on it
-            proc = await asyncio.create_subprocess_exec(*args, stdout=subprocess.DEVNULL, stderr=errf,
-                                                        preexec_fn=die_with_parent)
+            proc = await asyncio.create_subprocess_exec(
+                *args, stdout=subprocess.DEVNULL, stderr=errf, preexec_fn=die_with_parent
+            )
         run_dir = Path(tmp) / run_id
         samples: list[tuple[float, dict[str, float]]] = []
         t0 = time.monotonic()
@@ -159,8 +175,13 @@ async def bench_soak(minutes: float = 30.0, every_s: float = 10.0, extra: list[s
                 if run_dir.exists():
                     samples.append((time.monotonic() - t0, await asyncio.to_thread(sample, proc.pid, run_dir)))
         err = (Path(tmp) / "stderr.txt").read_bytes()[-2000:].decode(errors="replace")
-        result = {"minutes": minutes, "every_s": every_s, "returncode": proc.returncode,
-                  **summarize_samples(samples), "final_run_dir_mb": round(dir_mb(run_dir), 1)}
+        result = {
+            "minutes": minutes,
+            "every_s": every_s,
+            "returncode": proc.returncode,
+            **summarize_samples(samples),
+            "final_run_dir_mb": round(dir_mb(run_dir), 1),
+        }
         if proc.returncode != 0:
             result["stderr_tail"] = err
         return result

@@ -47,14 +47,20 @@ def registered_family(name: str, cfg: EnvConfig) -> Family:
     if not found:
         raise ValueError(family_problem(name) or f"unknown family {name!r}")
     if len({ep.value for ep in found}) > 1:
-        raise ValueError(f"family {name!r} is registered twice under {FAMILY_ENTRY_POINTS!r}: "
-                         f"{', '.join(sorted({ep.value for ep in found}))} (uninstall one)")
+        raise ValueError(
+            f"family {name!r} is registered twice under {FAMILY_ENTRY_POINTS!r}: "
+            f"{', '.join(sorted({ep.value for ep in found}))} (uninstall one)"
+        )
     target = found[0].load()
     family = target() if isinstance(target, type) and issubclass(target, Family) else target(cfg)
     if not isinstance(family, Family):
-        raise TypeError(f"entry point {found[0].value} of family {name!r} gave {type(family).__name__}, not a "
-                        "coevo.envs.base.Family (register a Family subclass or a callable (EnvConfig) -> Family)")
+        raise TypeError(
+            f"entry point {found[0].value} of family {name!r} gave {type(family).__name__}, not a "
+            "coevo.envs.base.Family (register a Family subclass or a callable (EnvConfig) -> Family)"
+        )
     if family.name != name:
-        raise ValueError(f"entry point {name!r} built a family named {family.name!r}: the names must agree "
-                         "(task specs carry the family's name)")
+        raise ValueError(
+            f"entry point {name!r} built a family named {family.name!r}: the names must agree "
+            "(task specs carry the family's name)"
+        )
     return family

@@ -127,8 +127,15 @@ class Family(abc.ABC):
         version = task.version + 1
         merged = {**task.params, **(params or {})}
         digest = spec_hash(self.name, merged, knobs)[:8]
-        return TaskSpec(task_id=f"{root}__v{version}-{digest}", family=self.name, params=merged, knobs=knobs,
-                        parent_id=task.task_id, version=version, split=task.split)
+        return TaskSpec(
+            task_id=f"{root}__v{version}-{digest}",
+            family=self.name,
+            params=merged,
+            knobs=knobs,
+            parent_id=task.task_id,
+            version=version,
+            split=task.split,
+        )
 
     def difficulty(self, task: TaskSpec) -> float:
         """A scalar for tests and reports: sum of knob positions, oriented so higher = harder."""

@@ -81,8 +81,9 @@ def humaneval_problems() -> dict[str, Problem]:
     out = {}
     for pid, p in read_problems().items():
         prelude, tests = split_check(p["test"])
-        out[pid] = Problem(pid, p["prompt"], p["entry_point"], tuple(tests), prelude,
-                           p["prompt"] + p["canonical_solution"])
+        out[pid] = Problem(
+            pid, p["prompt"], p["entry_point"], tuple(tests), prelude, p["prompt"] + p["canonical_solution"]
+        )
     return out
 
 
@@ -103,19 +104,41 @@ def load_jsonl(path: Path) -> dict[str, Problem]:
                     io.append((str(t["stdin"]), str(t["stdout"])))
                 else:
                     tests.append(f"assert candidate(*{t['input']!r}) == {t['output']!r}")
-            out[str(d["id"])] = Problem(str(d["id"]), d["prompt"], d.get("entry_point", ""), tuple(tests),
-                                        solution=d.get("solution"), io_tests=tuple(io))
+            out[str(d["id"])] = Problem(
+                str(d["id"]),
+                d["prompt"],
+                d.get("entry_point", ""),
+                tuple(tests),
+                solution=d.get("solution"),
+                io_tests=tuple(io),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise EnvError(f"{path}:{n}: not a problem: {exc!r}") from exc
     return out
 
 
-async def run_tests(program: str, entry_point: str, tests: list[str], *, prelude: str = "", context: str = "",
-                    per_test_s: float = 2.0, limits: SandboxLimits | None = None,
-                    isolation: Isolation = "bwrap") -> tuple[list[bool], SandboxResult]:
+async def run_tests(
+    program: str,
+    entry_point: str,
+    tests: list[str],
+    *,
+    prelude: str = "",
+    context: str = "",
+    per_test_s: float = 2.0,
+    limits: SandboxLimits | None = None,
+    isolation: Isolation = "bwrap",
+) -> tuple[list[bool], SandboxResult]:
     """Run ``tests`` (assert code using ``candidate``) against ``program``: see ``coevo.envs.referee``."""
-    return await referee.run_tests(program, entry_point, tests, prelude=prelude, context=context,
-                                   per_test_s=per_test_s, limits=limits, isolation=isolation)
+    return await referee.run_tests(
+        program,
+        entry_point,
+        tests,
+        prelude=prelude,
+        context=context,
+        per_test_s=per_test_s,
+        limits=limits,
+        isolation=isolation,
+    )
 
 
 def strip_examples(prompt: str) -> str:
@@ -143,8 +166,11 @@ class CodingEnv(Environment):
         self.task = task
         self.done = False
         entry = self.family.problems(task).entry_point
-        return Observation(text=self.family.prompt_for(task), candidates=[],
-                           objective=f"complete the function {entry}" if entry else "write the program")
+        return Observation(
+            text=self.family.prompt_for(task),
+            candidates=[],
+            objective=f"complete the function {entry}" if entry else "write the program",
+        )
 
     async def step(self, action: str) -> StepResult:
         if self.done or self.task is None:
@@ -154,11 +180,20 @@ class CodingEnv(Environment):
         passed, sandbox = await self.family.evaluate(self.task, action, broken)
         won = bool(passed) and all(passed)
         problem = self.family.problems(self.task)
-        return StepResult(Observation(text=f"{sum(passed)}/{len(passed)} tests passed"), True,
-                          "won" if won else "lost", 1 if won else -1,
-                          {"pass_matrix": passed, "sandbox": sandbox.status, "detail": sandbox.detail,
-                           "program": Coding.complete(problem, action), "entry_point": problem.entry_point,
-                           "constraint_violations": broken})
+        return StepResult(
+            Observation(text=f"{sum(passed)}/{len(passed)} tests passed"),
+            True,
+            "won" if won else "lost",
+            1 if won else -1,
+            {
+                "pass_matrix": passed,
+                "sandbox": sandbox.status,
+                "detail": sandbox.detail,
+                "program": Coding.complete(problem, action),
+                "entry_point": problem.entry_point,
+                "constraint_violations": broken,
+            },
+        )
 
 
 class Coding(Family):
@@ -200,24 +235,30 @@ class Coding(Family):
     def checks_for(self, task: TaskSpec) -> list[str]:
         """A name for each position of ``evaluate``'s pass list: tests, constraints, stdin/stdout tests."""
         p = self.problems(task)
-        return ([f"test {i}" for i in range(len(p.tests))] + self.constraints_of(task)
-                + [f"io test {i}" for i in range(len(p.io_tests))])
+        return (
+            [f"test {i}" for i in range(len(p.tests))]
+            + self.constraints_of(task)
+            + [f"io test {i}" for i in range(len(p.io_tests))]
+        )
 
     def constraint_violations(self, task: TaskSpec, program: str) -> dict[str, list[str]]:
         """Each of the task's constraints → why the (completed) program breaks it; empty: satisfied."""
         p = self.problems(task)
-        return violations(self.complete(p, program), entry_point=p.entry_point,
-                          constraints=self.constraints_of(task), prompt=p.prompt)
+        return violations(
+            self.complete(p, program), entry_point=p.entry_point, constraints=self.constraints_of(task), prompt=p.prompt
+        )
 
-    async def evaluate(self, task: TaskSpec, program: str,
-                       broken: dict[str, list[str]] | None = None) -> tuple[list[bool], SandboxResult]:
+    async def evaluate(
+        self, task: TaskSpec, program: str, broken: dict[str, list[str]] | None = None
+    ) -> tuple[list[bool], SandboxResult]:
         """The pass list (``checks_for``) and the sandbox's result; ``broken``: the program's
         ``constraint_violations``, when the caller has them already."""
         p = self.problems(task)
         broken = self.constraint_violations(task, program) if broken is None else broken
         program = self.complete(p, program)
-        passed, result = await run_tests(program, p.entry_point, self.tests_for(task), prelude=p.prelude,
-                                         context=p.prompt, isolation=self.sandbox)
+        passed, result = await run_tests(
+            program, p.entry_point, self.tests_for(task), prelude=p.prelude, context=p.prompt, isolation=self.sandbox
+        )
         passed += [not broken[c] for c in self.constraints_of(task)]
         for stdin, expected in p.io_tests:
             r = await run_python(program, stdin=stdin, isolation=self.sandbox)
@@ -244,9 +285,16 @@ class Coding(Family):
             params = {"source": "humaneval"}
         heldout = [i for n, i in enumerate(ids) if n % 5 == 4][:n_heldout]
         train = [i for n, i in enumerate(ids) if n % 5 != 4][:n_train]
-        return [TaskSpec(task_id=f"code-{_slug(i)}", family=self.name, params={**params, "problem": i},
-                         knobs={"constraints": 0, "examples": 1}, split="train" if i in train else "heldout")
-                for i in train + heldout]
+        return [
+            TaskSpec(
+                task_id=f"code-{_slug(i)}",
+                family=self.name,
+                params={**params, "problem": i},
+                knobs={"constraints": 0, "examples": 1},
+                split="train" if i in train else "heldout",
+            )
+            for i in train + heldout
+        ]
 
     async def precheck(self, task: TaskSpec) -> PrecheckResult:
         try:

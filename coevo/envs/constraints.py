@@ -24,22 +24,68 @@ MAX_PROGRAM_CHARS = 200_000
 CONSTRAINT_NAMES: tuple[str, ...] = ("no_imports", "no_while", "no_recursion")
 
 # names that run code from data, or reach namespaces and modules the program's text does not show
-ESCAPE_NAMES = frozenset({
-    "exec", "eval", "compile", "__import__", "globals", "locals", "vars", "__builtins__", "breakpoint",
-    "__loader__", "__spec__", "__build_class__", "importlib", "import_module",
-    "help",  # site's help() imports modules by name (absent under -S, but fail closed)
-    "attrgetter", "methodcaller",  # operator's getattr by a computed name
-    "get_type_hints", "ForwardRef",  # evaluate annotation strings
-    "Formatter",  # string.Formatter().get_field("0.__globals__", ...) returns the object
-})
-ESCAPE_ATTRS = frozenset({"exec", "eval", "__import__", "importlib", "import_module", "attrgetter",
-                          "methodcaller", "get_type_hints", "ForwardRef", "Formatter"})
+ESCAPE_NAMES = frozenset(
+    {
+        "exec",
+        "eval",
+        "compile",
+        "__import__",
+        "globals",
+        "locals",
+        "vars",
+        "__builtins__",
+        "breakpoint",
+        "__loader__",
+        "__spec__",
+        "__build_class__",
+        "importlib",
+        "import_module",
+        "help",  # site's help() imports modules by name (absent under -S, but fail closed)
+        "attrgetter",
+        "methodcaller",  # operator's getattr by a computed name
+        "get_type_hints",
+        "ForwardRef",  # evaluate annotation strings
+        "Formatter",  # string.Formatter().get_field("0.__globals__", ...) returns the object
+    }
+)
+ESCAPE_ATTRS = frozenset(
+    {
+        "exec",
+        "eval",
+        "__import__",
+        "importlib",
+        "import_module",
+        "attrgetter",
+        "methodcaller",
+        "get_type_hints",
+        "ForwardRef",
+        "Formatter",
+    }
+)
 # frames, code objects, tracebacks: each reaches a namespace (f_globals, f_builtins) or code
-FRAME_ATTRS = frozenset({
-    "f_globals", "f_locals", "f_builtins", "f_back", "f_code", "gi_frame", "gi_code", "gi_yieldfrom",
-    "cr_frame", "cr_code", "cr_await", "ag_frame", "ag_code", "ag_await", "tb_frame", "tb_next",
-    "co_code", "co_consts", "co_names",
-})
+FRAME_ATTRS = frozenset(
+    {
+        "f_globals",
+        "f_locals",
+        "f_builtins",
+        "f_back",
+        "f_code",
+        "gi_frame",
+        "gi_code",
+        "gi_yieldfrom",
+        "cr_frame",
+        "cr_code",
+        "cr_await",
+        "ag_frame",
+        "ag_code",
+        "ag_await",
+        "tb_frame",
+        "tb_next",
+        "co_code",
+        "co_consts",
+        "co_names",
+    }
+)
 REFLECTION_CALLS = frozenset({"getattr", "setattr", "delattr"})
 # The dunder allowlist (every other dunder name or attribute is an escape hatch):
 # - the name ``__name__``: the module's name, a string, read by the ``if __name__ == "__main__":``
@@ -54,12 +100,38 @@ ALLOWED_DUNDER_CALLS = frozenset({"__init__"})
 # modules a program may import while any constraint applies (all pure computation); anything else
 # (sys, builtins, inspect, gc, types, ctypes, pickle, marshal, os, subprocess, __main__, a module the
 # program wrote itself, ...) can reach code or namespaces the check cannot see
-SAFE_MODULES = frozenset({
-    "__future__", "abc", "array", "bisect", "calendar", "cmath", "collections", "copy", "dataclasses",
-    "datetime", "decimal", "enum", "fractions", "functools", "hashlib", "heapq", "itertools", "json",
-    "math", "numbers", "operator", "random", "re", "statistics", "string", "textwrap", "typing",
-    "unicodedata",
-})
+SAFE_MODULES = frozenset(
+    {
+        "__future__",
+        "abc",
+        "array",
+        "bisect",
+        "calendar",
+        "cmath",
+        "collections",
+        "copy",
+        "dataclasses",
+        "datetime",
+        "decimal",
+        "enum",
+        "fractions",
+        "functools",
+        "hashlib",
+        "heapq",
+        "itertools",
+        "json",
+        "math",
+        "numbers",
+        "operator",
+        "random",
+        "re",
+        "statistics",
+        "string",
+        "textwrap",
+        "typing",
+        "unicodedata",
+    }
+)
 # itertools' unbounded iterators: ``for`` over one is a ``while True`` loop
 UNBOUNDED = frozenset({"count", "cycle"})  # always unbounded; ``repeat`` is with one argument
 GROWING = frozenset({"append", "extend", "insert"})
@@ -85,8 +157,7 @@ class _Tree:
         return parent if isinstance(parent, ast.Call) and parent.func is node else None
 
 
-def violations(program: str, *, entry_point: str, constraints: Sequence[str],
-               prompt: str = "") -> dict[str, list[str]]:
+def violations(program: str, *, entry_point: str, constraints: Sequence[str], prompt: str = "") -> dict[str, list[str]]:
     """Each requested constraint (in order, once) → why ``program`` breaks it (empty: satisfied)."""
     unknown = [c for c in constraints if c not in CONSTRAINT_NAMES]
     if unknown:
@@ -100,8 +171,12 @@ def violations(program: str, *, entry_point: str, constraints: Sequence[str],
         tree = ast.parse(program)
         facts = _index(tree)
         allowed = _prompt_imports(prompt)
-        found = {"escape": _escapes(facts, allowed), "no_imports": _imports(facts, allowed),
-                 "no_while": _while_loops(facts, allowed), "no_recursion": _recursion(facts, entry_point)}
+        found = {
+            "escape": _escapes(facts, allowed),
+            "no_imports": _imports(facts, allowed),
+            "no_while": _while_loops(facts, allowed),
+            "no_recursion": _recursion(facts, entry_point),
+        }
     except (SyntaxError, ValueError, OverflowError) as exc:
         return _all(wanted, f"the program does not parse ({type(exc).__name__}: {exc}): not checked")
     except (RecursionError, MemoryError) as exc:
@@ -145,7 +220,9 @@ def _prompt_imports(prompt: str) -> frozenset[str]:
         return frozenset()
     for text in (prompt, prompt + "\n    pass\n"):
         try:
-            return frozenset(ast.dump(n) for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Import, ast.ImportFrom)))
+            return frozenset(
+                ast.dump(n) for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Import, ast.ImportFrom))
+            )
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue
     out: set[str] = set()
@@ -181,9 +258,15 @@ def _attribute_uses(facts: _Tree) -> Iterator[tuple[ast.AST, ast.expr, str]]:
     for node, _ in facts.nodes:
         if isinstance(node, ast.Attribute):
             yield node, node.value, node.attr
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in REFLECTION_CALLS
-              and len(node.args) >= 2 and not any(isinstance(a, ast.Starred) for a in node.args[:2])
-              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in REFLECTION_CALLS
+            and len(node.args) >= 2
+            and not any(isinstance(a, ast.Starred) for a in node.args[:2])
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
             yield node, node.args[0], node.args[1].value
 
 
@@ -194,14 +277,17 @@ def _escapes(facts: _Tree, allowed: frozenset[str]) -> list[str]:
         if isinstance(node, ast.Name):
             if node.id in ESCAPE_NAMES:
                 out.append(f"{_at(node)}: `{node.id}` can run or reach code the check cannot see")
-            elif (_is_dunder(node.id) and not isinstance(node.ctx, ast.Store)
-                  and node.id not in ALLOWED_DUNDER_NAMES):
+            elif _is_dunder(node.id) and not isinstance(node.ctx, ast.Store) and node.id not in ALLOWED_DUNDER_NAMES:
                 out.append(f"{_at(node)}: the dunder name `{node.id}`")
             elif node.id in REFLECTION_CALLS and not facts.is_callee(node):
                 out.append(f"{_at(node)}: `{node.id}` used other than as a direct call")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in REFLECTION_CALLS:
-            literal = (len(node.args) >= 2 and not any(isinstance(a, ast.Starred) for a in node.args[:2])
-                       and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str))
+            literal = (
+                len(node.args) >= 2
+                and not any(isinstance(a, ast.Starred) for a in node.args[:2])
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            )
             if not literal:
                 out.append(f"{_at(node)}: `{node.func.id}` with a name that is not a string literal")
         elif isinstance(node, (ast.Import, ast.ImportFrom)) and ast.dump(node) not in allowed:
@@ -213,8 +299,10 @@ def _escapes(facts: _Tree, allowed: frozenset[str]) -> list[str]:
     own = _own_names(facts)
     for node, base, name in _attribute_uses(facts):
         module = modules.get(base.id) if isinstance(base, ast.Name) else None
-        out.append(_attribute_escape(node, name, called=facts.is_callee(node), module=module)
-                   or _private_escape(node, name, own))
+        out.append(
+            _attribute_escape(node, name, called=facts.is_callee(node), module=module)
+            or _private_escape(node, name, own)
+        )
     return [r for r in out if r]
 
 
@@ -255,14 +343,20 @@ def _attribute_escape(node: ast.AST, name: str, *, called: bool, module: str | N
 
 def _import_escapes(node: ast.Import | ast.ImportFrom) -> list[str]:
     if isinstance(node, ast.Import):
-        return [f"{_at(node)}: imports `{a.name}`, a module outside the allowed ones" for a in node.names
-                if a.name.split(".")[0] not in SAFE_MODULES]
+        return [
+            f"{_at(node)}: imports `{a.name}`, a module outside the allowed ones"
+            for a in node.names
+            if a.name.split(".")[0] not in SAFE_MODULES
+        ]
     if node.level or not node.module:
         return [f"{_at(node)}: a relative import"]
     if node.module.split(".")[0] not in SAFE_MODULES:
         return [f"{_at(node)}: imports from `{node.module}`, a module outside the allowed ones"]
-    return [f"{_at(node)}: imports `{a.name}` from `{node.module}`" for a in node.names
-            if a.name in ESCAPE_NAMES or a.name in ESCAPE_ATTRS or a.name.startswith("_")]
+    return [
+        f"{_at(node)}: imports `{a.name}` from `{node.module}`"
+        for a in node.names
+        if a.name in ESCAPE_NAMES or a.name in ESCAPE_ATTRS or a.name.startswith("_")
+    ]
 
 
 def _string_annotations(node: ast.arg | ast.FunctionDef | ast.AsyncFunctionDef | ast.AnnAssign) -> list[str]:
@@ -274,9 +368,11 @@ def _string_annotations(node: ast.arg | ast.FunctionDef | ast.AsyncFunctionDef |
 
 
 def _imports(facts: _Tree, allowed: frozenset[str]) -> list[str]:
-    return [f"{_at(node)}: `{ast.unparse(node)}` (imports other than the prompt's own)"
-            for node, _ in facts.nodes
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and ast.dump(node) not in allowed]
+    return [
+        f"{_at(node)}: `{ast.unparse(node)}` (imports other than the prompt's own)"
+        for node, _ in facts.nodes
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and ast.dump(node) not in allowed
+    ]
 
 
 def _while_loops(facts: _Tree, allowed: frozenset[str]) -> list[str]:
@@ -295,10 +391,14 @@ def _while_loops(facts: _Tree, allowed: frozenset[str]) -> list[str]:
     for node, _ in facts.nodes:
         if isinstance(node, ast.While):
             out.append(f"{_at(node)}: a while loop")
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in ITERATOR_METHODS and \
-                isinstance(facts.parents.get(node), ast.ClassDef):
-            out.append(f"{_at(node)}: a class defining `{node.name}`: iterating it runs until it says stop, "
-                       "a while loop")
+        elif (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.name in ITERATOR_METHODS
+            and isinstance(facts.parents.get(node), ast.ClassDef)
+        ):
+            out.append(
+                f"{_at(node)}: a class defining `{node.name}`: iterating it runs until it says stop, a while loop"
+            )
         elif isinstance(node, ast.Name) and node.id == "iter" and isinstance(node.ctx, ast.Load):
             call = facts.call_of(node)
             if call is None:
@@ -322,9 +422,12 @@ def _unbounded(facts: _Tree, node: ast.AST, name: str) -> list[str]:
     call = facts.call_of(node)
     if call is None:
         return [f"{_at(node)}: itertools.{name} used other than as a direct call"]
-    bounded = (name == "repeat" and not any(isinstance(a, ast.Starred) for a in call.args)
-               and not any(k.arg is None for k in call.keywords)
-               and len(call.args) + sum(k.arg == "times" for k in call.keywords) >= 2)
+    bounded = (
+        name == "repeat"
+        and not any(isinstance(a, ast.Starred) for a in call.args)
+        and not any(k.arg is None for k in call.keywords)
+        and len(call.args) + sum(k.arg == "times" for k in call.keywords) >= 2
+    )
     return [] if bounded else [f"{_at(node)}: itertools.{name} never ends: a while loop"]
 
 
@@ -340,12 +443,23 @@ def _grows(iterable: ast.expr, body: Sequence[ast.AST]) -> list[str]:
     name = iterable.id
     for stmt in body:
         for n in ast.walk(stmt):
-            grows = ((isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in GROWING
-                      and isinstance(n.func.value, ast.Name) and n.func.value.id == name)
-                     or (isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and n.target.id == name)
-                     or (isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store)
-                         and isinstance(n.value, ast.Name) and n.value.id == name
-                         and isinstance(n.slice, ast.Slice)))
+            grows = (
+                (
+                    isinstance(n, ast.Call)
+                    and isinstance(n.func, ast.Attribute)
+                    and n.func.attr in GROWING
+                    and isinstance(n.func.value, ast.Name)
+                    and n.func.value.id == name
+                )
+                or (isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and n.target.id == name)
+                or (
+                    isinstance(n, ast.Subscript)
+                    and isinstance(n.ctx, ast.Store)
+                    and isinstance(n.value, ast.Name)
+                    and n.value.id == name
+                    and isinstance(n.slice, ast.Slice)
+                )
+            )
             if grows:
                 return [f"{_at(n)}: a for loop over `{name}`, which it grows: a while loop"]
     return []

@@ -63,7 +63,9 @@ def _factory(spec: str, kwargs: dict[str, Any]) -> Callable[[], Any]:
     try:
         gymnasium.spec(target)
     except gymnasium.error.Error as exc:
-        raise ValueError(f"{spec}: {module} has no class {target} and gymnasium knows no id {target!r} ({exc})") from None
+        raise ValueError(
+            f"{spec}: {module} has no class {target} and gymnasium knows no id {target!r} ({exc})"
+        ) from None
     return lambda: gymnasium.make(target, disable_env_checker=True, **kwargs)
 
 
@@ -104,9 +106,15 @@ class GymFamily(Family):
         tasks = []
         for i in range(n_train + n_heldout):
             split: Literal["train", "heldout"] = "train" if i < n_train else "heldout"
-            tasks.append(TaskSpec(task_id=f"gym-{split[0]}{i}", family=self.name,
-                                  params={"seed": rng.randrange(1_000_000)}, knobs=dict(self.initial_knobs),
-                                  split=split))
+            tasks.append(
+                TaskSpec(
+                    task_id=f"gym-{split[0]}{i}",
+                    family=self.name,
+                    params={"seed": rng.randrange(1_000_000)},
+                    knobs=dict(self.initial_knobs),
+                    split=split,
+                )
+            )
         return tasks
 
     async def precheck(self, task: TaskSpec) -> PrecheckResult:
@@ -150,8 +158,10 @@ class GymEnvironment(Environment):
         elif isinstance(obs, str):
             text = obs
         else:
-            raise EnvError(f"{self.family.name}: observation of type {type(obs).__name__} is not text; set "
-                           "env.gym_observation = 'module:function' ((obs, info) -> str)")
+            raise EnvError(
+                f"{self.family.name}: observation of type {type(obs).__name__} is not text; set "
+                "env.gym_observation = 'module:function' ((obs, info) -> str)"
+            )
         cands = next((list(map(str, info[k])) for k in CANDIDATE_KEYS if info.get(k)), None)
         if cands is None:
             cands = self._discrete_labels()
@@ -200,11 +210,17 @@ class GymEnvironment(Environment):
         outcome = self._outcome(bool(terminated), bool(truncated), info)
         self.done = outcome is not None
         label = info.get("reference_label")
-        return StepResult(self.last, self.done, outcome, label if label in (1, -1) else None,
-                          {"reward": float(reward), "return": self.total})
+        return StepResult(
+            self.last,
+            self.done,
+            outcome,
+            label if label in (1, -1) else None,
+            {"reward": float(reward), "return": self.total},
+        )
 
-    def _outcome(self, terminated: bool, truncated: bool,
-                 info: dict[str, Any]) -> Literal["won", "lost", "truncated"] | None:
+    def _outcome(
+        self, terminated: bool, truncated: bool, info: dict[str, Any]
+    ) -> Literal["won", "lost", "truncated"] | None:
         if terminated:
             won = info["won"] if "won" in info else self.total > self.family.win_threshold
             return "won" if won else "lost"

@@ -115,6 +115,7 @@ def unpack(payload: bytes) -> Any:
 
 # ---- inside the sandbox --------------------------------------------------------------------------
 
+
 def _read_exact(fd: int, n: int) -> bytes | None:
     buf = b""
     while len(buf) < n:
@@ -143,15 +144,19 @@ def recv(fd: int) -> Any:
 def send(fd: int, obj: Any) -> None:
     data = pack(obj)
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def apply_limits(limits: dict[str, int]) -> None:
     import resource
 
-    pairs = {"memory_mb": (resource.RLIMIT_AS, 1024 * 1024), "file_mb": (resource.RLIMIT_FSIZE, 1024 * 1024),
-             "cpu_s": (resource.RLIMIT_CPU, 1), "open_files": (resource.RLIMIT_NOFILE, 1),
-             "processes": (resource.RLIMIT_NPROC, 1)}
+    pairs = {
+        "memory_mb": (resource.RLIMIT_AS, 1024 * 1024),
+        "file_mb": (resource.RLIMIT_FSIZE, 1024 * 1024),
+        "cpu_s": (resource.RLIMIT_CPU, 1),
+        "open_files": (resource.RLIMIT_NOFILE, 1),
+        "processes": (resource.RLIMIT_NPROC, 1),
+    }
     for name, (res, unit) in pairs.items():
         if name in limits:
             value = int(limits[name]) * unit
@@ -166,10 +171,32 @@ class SandboxViolation(BaseException):
 
 def guard(root: str) -> None:
     """The audit hook of the ``process`` isolation, kept as a second layer under bubblewrap."""
-    proc_events = {"os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system",
-                   "subprocess.Popen", "os.kill", "os.killpg", "pty.spawn", "signal.pthread_kill"}
-    fs_events = {"os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.chmod", "os.chown", "os.symlink",
-                 "os.link", "os.truncate", "shutil.rmtree", "os.utime"}
+    proc_events = {
+        "os.fork",
+        "os.forkpty",
+        "os.posix_spawn",
+        "os.exec",
+        "os.spawn",
+        "os.system",
+        "subprocess.Popen",
+        "os.kill",
+        "os.killpg",
+        "pty.spawn",
+        "signal.pthread_kill",
+    }
+    fs_events = {
+        "os.remove",
+        "os.rmdir",
+        "os.rename",
+        "os.mkdir",
+        "os.chmod",
+        "os.chown",
+        "os.symlink",
+        "os.link",
+        "os.truncate",
+        "shutil.rmtree",
+        "os.utime",
+    }
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
     def inside(path: Any) -> bool:
@@ -190,8 +217,9 @@ def guard(root: str) -> None:
             deny("ctypes")
         if event == "open":
             path, mode, flags = args
-            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
-                      (mode is None and isinstance(flags, int) and flags & write_flags)
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                mode is None and isinstance(flags, int) and flags & write_flags
+            )
             if writing and not inside(path):
                 deny("writing outside the sandbox directory (" + str(path) + ")")
         elif event in fs_events:

@@ -43,8 +43,7 @@ INSTALL_HINT = "install bubblewrap: apt-get install bubblewrap (or your distribu
 WORKDIR = "/tmp/coevo-sbx"
 HARNESS_IN_SANDBOX = "/.coevo/harness.py"
 SANDBOX_UID = 65534
-_SYSTEM_LIB_DIRS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32", "/lib", "/lib64", "/lib32",
-                    "/libx32")
+_SYSTEM_LIB_DIRS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32", "/lib", "/lib64", "/lib32", "/libx32")
 _PACKAGE_DIRS = ("site-packages", "dist-packages")
 
 log = structlog.get_logger("coevo.sandbox")
@@ -72,16 +71,31 @@ def _under(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-def bwrap_argv(layout: HostLayout, command: list[str], *, tmp_mb: int, seccomp_fd: int | None,
-               info_fd: int | None = None) -> list[str]:
+def bwrap_argv(
+    layout: HostLayout, command: list[str], *, tmp_mb: int, seccomp_fd: int | None, info_fd: int | None = None
+) -> list[str]:
     """The bubblewrap command line that runs ``command`` (see ``harness_command``) in a sandbox;
     ``info_fd`` receives bwrap's JSON with the host pid of the sandbox's init (``child-pid``)."""
     argv = [layout.bwrap, "--unshare-all", "--unshare-user"]
     if layout.disable_userns:
         argv.append("--disable-userns")
-    argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL",
-             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--clearenv",
-             "--setenv", "HOME", WORKDIR, "--setenv", "LANG", "C.UTF-8"]
+    argv += [
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--uid",
+        str(SANDBOX_UID),
+        "--gid",
+        str(SANDBOX_UID),
+        "--clearenv",
+        "--setenv",
+        "HOME",
+        WORKDIR,
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+    ]
     bound: list[str] = []
     for d in layout.lib_dirs:
         argv += ["--ro-bind", d, d]
@@ -102,8 +116,7 @@ def bwrap_argv(layout: HostLayout, command: list[str], *, tmp_mb: int, seccomp_f
     argv += ["--ro-bind", layout.harness, HARNESS_IN_SANDBOX, "--proc", "/proc", "--dev", "/dev"]
     if layout.tmp_size:
         argv += ["--size", str(tmp_mb * 1024 * 1024)]
-    argv += ["--tmpfs", "/tmp", "--dir", WORKDIR, "--chdir", WORKDIR, "--remount-ro", "/dev",
-             "--remount-ro", "/"]
+    argv += ["--tmpfs", "/tmp", "--dir", WORKDIR, "--chdir", WORKDIR, "--remount-ro", "/dev", "--remount-ro", "/"]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
     if info_fd is not None:
@@ -159,10 +172,17 @@ def host_layout(bwrap: str) -> HostLayout:
     helptext = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10, env={}).stdout
     # the directory of a shared libpython: bound in the broad view only, narrowed to the file after the probe
     libpython = [os.path.dirname(stdlib)] if not _under(os.path.dirname(stdlib), dirs) else []
-    return HostLayout(bwrap=bwrap, python=python, stdlib=stdlib, masked=package_dirs(stdlib),
-                      lib_dirs=(*dirs, *libpython), lib_links=tuple(links),
-                      ld_cache=os.path.exists("/etc/ld.so.cache"), tmp_size="--size" in helptext,
-                      disable_userns="--disable-userns" in helptext)
+    return HostLayout(
+        bwrap=bwrap,
+        python=python,
+        stdlib=stdlib,
+        masked=package_dirs(stdlib),
+        lib_dirs=(*dirs, *libpython),
+        lib_links=tuple(links),
+        ld_cache=os.path.exists("/etc/ld.so.cache"),
+        tmp_size="--size" in helptext,
+        disable_userns="--disable-userns" in helptext,
+    )
 
 
 # Runs as ``python -I -S -c _PROBE`` inside a sandbox: imports every extension module of the standard
@@ -210,8 +230,15 @@ def _sandboxed(layout: HostLayout, code: str) -> subprocess.CompletedProcess[str
     fd = seccomp_memfd()
     try:
         argv = bwrap_argv(layout, [layout.python, "-I", "-S", "-c", code], tmp_mb=1, seccomp_fd=fd)
-        return subprocess.run(argv, capture_output=True, text=True, timeout=60, env={}, stdin=subprocess.DEVNULL,
-                              pass_fds=() if fd is None else (fd,))
+        return subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={},
+            stdin=subprocess.DEVNULL,
+            pass_fds=() if fd is None else (fd,),
+        )
     finally:
         if fd is not None:
             os.close(fd)
@@ -236,7 +263,8 @@ def check_bwrap() -> HostLayout:
             f"bubblewrap at {bwrap} cannot start a sandbox here ({r.stderr.strip()[-300:] or f'exit {r.returncode}'}); "
             "it needs unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or "
             "kernel.apparmor_restrict_unprivileged_userns=0) or running as root; or set env.sandbox = 'process' "
-            "for trusted programs only")
+            "for trusted programs only"
+        )
     seen = json.loads(r.stdout)
     layout = narrowed(broad, seen["maps"])
     again = _sandboxed(layout, _PROBE)
@@ -245,16 +273,23 @@ def check_bwrap() -> HostLayout:
         raise SandboxUnavailable(
             f"the sandbox's narrowed view of {broad.python} is incomplete on this host "
             f"({again.stderr.strip()[-300:] or 'modules that no longer import: ' + ', '.join(lost)}); "
-            "please report it with `ldd` of the interpreter")
+            "please report it with `ldd` of the interpreter"
+        )
     if host_filter() is None:
-        log.warning("sandbox.no_seccomp", machine=os.uname().machine,
-                    detail="no seccomp table for this architecture: process creation is limited by rlimits only")
+        log.warning(
+            "sandbox.no_seccomp",
+            machine=os.uname().machine,
+            detail="no seccomp table for this architecture: process creation is limited by rlimits only",
+        )
     return layout
 
 
 @functools.cache
 def warn_unisolated() -> None:
     """Say once per process that programs run without OS isolation."""
-    log.warning("sandbox.unisolated", setting="env.sandbox = 'process'",
-                detail="programs run as this user with only an audit hook and rlimits: NOT safe for untrusted "
-                       "(RL-trained) policies; use env.sandbox = 'bwrap'")
+    log.warning(
+        "sandbox.unisolated",
+        setting="env.sandbox = 'process'",
+        detail="programs run as this user with only an audit hook and rlimits: NOT safe for untrusted "
+        "(RL-trained) policies; use env.sandbox = 'bwrap'",
+    )

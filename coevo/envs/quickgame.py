@@ -165,7 +165,9 @@ def transition(world: World, s: State, action: str) -> tuple[State, str]:
     if words[:1] == ["take"] and len(words) == 3 and words[2] == "key":
         color = words[1]
         if color in world.keys.get(s.room, []) and (s.room, color) not in s.taken:
-            return State(s.room, s.held | {color}, s.taken | {(s.room, color)}, s.unlocked), f"you take the {color} key."
+            return State(
+                s.room, s.held | {color}, s.taken | {(s.room, color)}, s.unlocked
+            ), f"you take the {color} key."
         return s, "there is no such key here."
     if words[:1] == ["unlock"] and len(words) == 6:
         direction, color = words[1], words[4]
@@ -209,8 +211,10 @@ def describe(world: World, s: State, steps_left: int, hint: str | None) -> str:
         locked = d.key is not None and (s.room, d.direction) not in s.unlocked
         exits.append(f"{d.direction} {world.rooms[d.to]}{' locked' if locked else ''}")
     held = ", ".join(f"{c} key" for c in sorted(s.held, key=COLORS.index)) or "nothing"
-    text = (f"goal: take the coin. room: {world.rooms[s.room]}. items: {', '.join(items) or 'none'}. "
-            f"carry: {held}. exits: {', '.join(exits) or 'none'}. steps left: {steps_left}.")
+    text = (
+        f"goal: take the coin. room: {world.rooms[s.room]}. items: {', '.join(items) or 'none'}. "
+        f"carry: {held}. exits: {', '.join(exits) or 'none'}. steps left: {steps_left}."
+    )
     if hint:
         text += f" hint: {hint}."
     return text
@@ -249,8 +253,11 @@ class QuickGameEnv(Environment):
         assert self.world is not None
         hint = self._best_action() if self.hints else None
         text = describe(self.world, self.state, self.world.max_steps - self.steps, hint)
-        return Observation(text=(feedback + " " + text).strip(), candidates=candidates(self.world, self.state),
-                           objective="take the coin")
+        return Observation(
+            text=(feedback + " " + text).strip(),
+            candidates=candidates(self.world, self.state),
+            objective="take the coin",
+        )
 
     async def step(self, action: str) -> StepResult:
         if self.done or self.world is None:
@@ -286,8 +293,12 @@ class QuickGame(Family):
     def make_env(self) -> QuickGameEnv:
         return QuickGameEnv()
 
-    initial_knobs: ClassVar[dict[str, tuple[int, int]]] = {"steps": (2, 4), "distractors": (0, 2),
-                                                           "slack": (1, 1), "hints": (0, 0)}
+    initial_knobs: ClassVar[dict[str, tuple[int, int]]] = {
+        "steps": (2, 4),
+        "distractors": (0, 2),
+        "slack": (1, 1),
+        "hints": (0, 0),
+    }
     """The initial pool draws each knob uniformly from this range (the rewriter then moves train tasks)."""
     id_prefix: ClassVar[str] = "qg"
 
@@ -298,8 +309,15 @@ class QuickGame(Family):
             split: Literal["train", "heldout"] = "train" if i < n_train else "heldout"
             # a fixed knob draws nothing: the default pool stays the one earlier versions built
             knobs = {k: lo if lo == hi else rng.randint(lo, hi) for k, (lo, hi) in self.initial_knobs.items()}
-            tasks.append(TaskSpec(task_id=f"{self.id_prefix}-{split[0]}{i}", family=self.name,
-                                  params={"seed": rng.randrange(1_000_000)}, knobs=knobs, split=split))
+            tasks.append(
+                TaskSpec(
+                    task_id=f"{self.id_prefix}-{split[0]}{i}",
+                    family=self.name,
+                    params={"seed": rng.randrange(1_000_000)},
+                    knobs=knobs,
+                    split=split,
+                )
+            )
         return tasks
 
     async def precheck(self, task: TaskSpec) -> PrecheckResult:
@@ -325,6 +343,10 @@ class QuickGameHard(QuickGame):
     most groups of 8 trajectories hold no success at all."""
 
     name = "quickgame-hard"
-    initial_knobs: ClassVar[dict[str, tuple[int, int]]] = {"steps": (4, 5), "distractors": (2, 3),
-                                                           "slack": (0, 0), "hints": (0, 0)}
+    initial_knobs: ClassVar[dict[str, tuple[int, int]]] = {
+        "steps": (4, 5),
+        "distractors": (2, 3),
+        "slack": (0, 0),
+        "hints": (0, 0),
+    }
     id_prefix: ClassVar[str] = "qgh"

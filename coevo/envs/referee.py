@@ -29,16 +29,7 @@ from typing import Any
 from coevo.envs.harness import decode, encode
 from coevo.envs.isolation import Isolation
 from coevo.envs.sandbox import Sandbox, SandboxLimits, SandboxResult, Status
-from coevo.envs.verdict import (
-    CallCheck,
-    ConstCheck,
-    Reply,
-    Scripted,
-    decide,
-    helpers_of,
-    parse_reply,
-    plan_test,
-)
+from coevo.envs.verdict import CallCheck, ConstCheck, Reply, Scripted, decide, helpers_of, parse_reply, plan_test
 from coevo.errors import BadFrame, ChannelClosed
 
 
@@ -187,9 +178,17 @@ def default_limits(per_test_s: float, n_tests: int) -> SandboxLimits:
     return SandboxLimits(wall_s=wall, cpu_s=int(wall) + 1)
 
 
-async def run_tests(program: str, entry_point: str, tests: list[str], *, prelude: str = "", context: str = "",
-                    per_test_s: float = 2.0, limits: SandboxLimits | None = None,
-                    isolation: Isolation = "bwrap") -> tuple[list[bool], SandboxResult]:
+async def run_tests(
+    program: str,
+    entry_point: str,
+    tests: list[str],
+    *,
+    prelude: str = "",
+    context: str = "",
+    per_test_s: float = 2.0,
+    limits: SandboxLimits | None = None,
+    isolation: Isolation = "bwrap",
+) -> tuple[list[bool], SandboxResult]:
     """Run ``tests`` (assert code using ``candidate``) against ``program``'s ``entry_point``.
 
     ``prelude`` (module-level code of the test file) and the helper definitions of ``context`` (the
@@ -202,8 +201,12 @@ async def run_tests(program: str, entry_point: str, tests: list[str], *, prelude
         return [], SandboxResult("ok", None, "", "", 0.0, network_isolated=isolation == "bwrap")
     ready_s = min(limits.wall_s, max(5.0, per_test_s))
     prog = _Process({"mode": "serve", "program": program, "entry": entry_point}, isolation, limits, ready_s)
-    script = _Process({"mode": "test", "entry": entry_point, "prelude": prelude,
-                       "helpers": helpers_of(context, entry_point)}, isolation, limits, ready_s)
+    script = _Process(
+        {"mode": "test", "entry": entry_point, "prelude": prelude, "helpers": helpers_of(context, entry_point)},
+        isolation,
+        limits,
+        ready_s,
+    )
     outcomes: list[Outcome] = []
     try:
         for plan in map(plan_test, tests):
@@ -221,8 +224,12 @@ async def run_tests(program: str, entry_point: str, tests: list[str], *, prelude
     first = next((o for o in outcomes if o.status != "ok"), None)
     last = prog.last
     return [o.passed for o in outcomes], SandboxResult(
-        status=first.status if first else "ok", returncode=last.returncode if last else None,
-        stdout=last.stdout if last else "", stderr=last.stderr if last else "",
-        duration_s=time.monotonic() - t0, detail=first.detail if first else "",
+        status=first.status if first else "ok",
+        returncode=last.returncode if last else None,
+        stdout=last.stdout if last else "",
+        stderr=last.stderr if last else "",
+        duration_s=time.monotonic() - t0,
+        detail=first.detail if first else "",
         network_isolated=last.network_isolated if last else False,
-        outcomes=tuple(o.status for o in outcomes))
+        outcomes=tuple(o.status for o in outcomes),
+    )

@@ -30,14 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from coevo.envs import harness
-from coevo.envs.isolation import (
-    Isolation,
-    bwrap_argv,
-    check_bwrap,
-    harness_command,
-    seccomp_memfd,
-    warn_unisolated,
-)
+from coevo.envs.isolation import Isolation, bwrap_argv, check_bwrap, harness_command, seccomp_memfd, warn_unisolated
 from coevo.errors import BadFrame, ChannelClosed
 
 Status = Literal["ok", "error", "timeout", "memory", "forbidden", "output_limit", "killed", "invalid_value"]
@@ -74,8 +67,9 @@ class SandboxResult:
         return self.status == "ok"
 
 
-def classify(rc: int | None, *, timed_out: bool, stderr: str, duration_s: float,
-             limits: SandboxLimits) -> tuple[Status, str]:
+def classify(
+    rc: int | None, *, timed_out: bool, stderr: str, duration_s: float, limits: SandboxLimits
+) -> tuple[Status, str]:
     """What a finished process's exit says (``rc`` < 0: killed by that signal)."""
     if timed_out or (rc in (-signal.SIGXCPU, -signal.SIGKILL) and duration_s >= limits.cpu_s * 0.9):
         return "timeout", f"exceeded {limits.wall_s}s wall or {limits.cpu_s}s CPU"
@@ -186,8 +180,13 @@ class Sandbox:
                 self._info_r, info_w = os.pipe()
                 os.set_blocking(self._info_r, False)
                 fds += [fd for fd in (seccomp_fd, info_w) if fd is not None]
-                argv = bwrap_argv(layout, harness_command(layout, child_sock.fileno()),
-                                  tmp_mb=self.limits.tmp_mb, seccomp_fd=seccomp_fd, info_fd=info_w)
+                argv = bwrap_argv(
+                    layout,
+                    harness_command(layout, child_sock.fileno()),
+                    tmp_mb=self.limits.tmp_mb,
+                    seccomp_fd=seccomp_fd,
+                    info_fd=info_w,
+                )
                 cwd, env, preexec = out_dir, {}, None
                 self._isolated_net = True
             else:
@@ -201,8 +200,16 @@ class Sandbox:
             self._t0 = time.monotonic()
             with (Path(out_dir) / "stdout.txt").open("wb") as out, (Path(out_dir) / "stderr.txt").open("wb") as err:
                 self._proc = await asyncio.create_subprocess_exec(
-                    *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-                    stdout=out, stderr=err, start_new_session=True, pass_fds=fds, preexec_fn=preexec)
+                    *argv,
+                    cwd=cwd,
+                    env=env,
+                    stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                    pass_fds=fds,
+                    preexec_fn=preexec,
+                )
         except BaseException:
             parent_sock.close()
             raise
@@ -256,8 +263,7 @@ class Sandbox:
         assert self._proc is not None, "wait before start"
         if self.result is None:
             try:
-                await asyncio.wait_for(self._proc.communicate(stdin),
-                                       max(0.0, self.deadline - time.monotonic()))
+                await asyncio.wait_for(self._proc.communicate(stdin), max(0.0, self.deadline - time.monotonic()))
             except TimeoutError:
                 self._timed_out = True
         return await self.close()
@@ -297,16 +303,21 @@ class Sandbox:
         for d in self._dirs:
             shutil.rmtree(d, ignore_errors=True)
         duration = time.monotonic() - self._t0 if self._t0 else 0.0
-        status, detail = classify(rc, timed_out=self._timed_out, stderr=stderr, duration_s=duration,
-                                  limits=self.limits)
+        status, detail = classify(rc, timed_out=self._timed_out, stderr=stderr, duration_s=duration, limits=self.limits)
         if self._setup_error:
             status, detail = "error", f"not started: {self._setup_error}"
         self.result = SandboxResult(status, rc, stdout, stderr, duration, detail, self._isolated_net)
         return self.result
 
 
-async def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = None,
-                     files: dict[str, str] | None = None, isolation: Isolation = "bwrap") -> SandboxResult:
+async def run_python(
+    code: str,
+    *,
+    stdin: str = "",
+    limits: SandboxLimits | None = None,
+    files: dict[str, str] | None = None,
+    isolation: Isolation = "bwrap",
+) -> SandboxResult:
     """Run ``code`` as ``__main__`` with ``stdin``; ``files`` are written to its working directory."""
     async with Sandbox(isolation, limits) as sbx:
         await sbx.start({"mode": "run", "program": code, "files": files or {}}, stdin=True)

@@ -32,21 +32,38 @@ _NR, _ARCH, _ARG0_LOW = 0, 4, 16
 
 
 class _Arch:
-    def __init__(self, audit: int, clone: int, clone3: int, forks: tuple[int, ...], denied: tuple[int, ...],
-                 x32: bool) -> None:
+    def __init__(
+        self, audit: int, clone: int, clone3: int, forks: tuple[int, ...], denied: tuple[int, ...], x32: bool
+    ) -> None:
         self.audit, self.clone, self.clone3, self.forks, self.denied, self.x32 = (
-            audit, clone, clone3, forks, denied, x32)
+            audit,
+            clone,
+            clone3,
+            forks,
+            denied,
+            x32,
+        )
 
 
 ARCHES = {
     # ptrace, process_vm_readv/writev, keyctl, add_key, request_key, bpf, userfaultfd, perf_event_open,
     # unshare, setns, mount, umount2, pivot_root, io_uring_setup/enter/register, open_by_handle_at
-    "x86_64": _Arch(0xC000003E, clone=56, clone3=435, forks=(57, 58), x32=True,
-                    denied=(101, 310, 311, 250, 248, 249, 321, 323, 298, 272, 308, 165, 166, 155,
-                            425, 426, 427, 304)),
-    "aarch64": _Arch(0xC00000B7, clone=220, clone3=435, forks=(), x32=False,
-                     denied=(117, 270, 271, 219, 217, 218, 280, 282, 241, 97, 268, 40, 39, 41,
-                             425, 426, 427, 265)),
+    "x86_64": _Arch(
+        0xC000003E,
+        clone=56,
+        clone3=435,
+        forks=(57, 58),
+        x32=True,
+        denied=(101, 310, 311, 250, 248, 249, 321, 323, 298, 272, 308, 165, 166, 155, 425, 426, 427, 304),
+    ),
+    "aarch64": _Arch(
+        0xC00000B7,
+        clone=220,
+        clone3=435,
+        forks=(),
+        x32=False,
+        denied=(117, 270, 271, 219, 217, 218, 280, 282, 241, 97, 268, 40, 39, 41, 425, 426, 427, 265),
+    ),
 }
 
 

@@ -52,6 +52,7 @@ class EnvHost(Agent):
         # owned here, so slow episodes do not queue behind each other.
         subjects = (env_subject(self.bus.run_id, fam), env_subject(self.bus.run_id, fam, self.agent_id))
         async with asyncio.TaskGroup() as tg:
+
             async def dispatch(msg: Msg) -> None:
                 if any(is_request(msg, s) for s in subjects):
                     tg.create_task(self._on_request(msg), name=f"{self.agent_id}:request")
@@ -102,8 +103,7 @@ class EnvHost(Agent):
             return EnvReply(ok=True, worker_id=self.agent_id, session_id=sid, observation=_obs(obs))
         entry = self.sessions.get(req.session_id)
         if entry is None:
-            return EnvReply(ok=False, error=f"no session {req.session_id} on {self.agent_id}",
-                            worker_id=self.agent_id)
+            return EnvReply(ok=False, error=f"no session {req.session_id} on {self.agent_id}", worker_id=self.agent_id)
         env, _ = entry
         if isinstance(req, EnvClose):
             await env.close()
@@ -116,16 +116,24 @@ class EnvHost(Agent):
             del self.sessions[req.session_id]
         else:
             self.sessions[req.session_id] = (env, time.monotonic())
-        return EnvReply(ok=True, worker_id=self.agent_id, session_id=req.session_id,
-                        observation=_obs(result.observation), done=result.done, outcome=result.outcome,
-                        reference_label=result.reference_label, info_json=json.dumps(result.info, default=str))
+        return EnvReply(
+            ok=True,
+            worker_id=self.agent_id,
+            session_id=req.session_id,
+            observation=_obs(result.observation),
+            done=result.done,
+            outcome=result.outcome,
+            reference_label=result.reference_label,
+            info_json=json.dumps(result.info, default=str),
+        )
 
 
 class RemoteEnv(Environment):
     """An ``Environment`` whose episodes run on an env worker somewhere on the bus."""
 
-    def __init__(self, nc: NATS, run_id: str, family: str, *, step_timeout_s: float = 30.0,
-                 open_retries: int = 5) -> None:
+    def __init__(
+        self, nc: NATS, run_id: str, family: str, *, step_timeout_s: float = 30.0, open_retries: int = 5
+    ) -> None:
         self.nc = nc
         self.run_id = run_id
         self.family = family
@@ -179,8 +187,13 @@ class RemoteEnv(Environment):
         if reply.done:
             self.session_id = None
         o = reply.observation
-        return StepResult(Observation(o.text, list(o.candidates), o.objective), reply.done, reply.outcome,
-                          reply.reference_label, json.loads(reply.info_json))
+        return StepResult(
+            Observation(o.text, list(o.candidates), o.objective),
+            reply.done,
+            reply.outcome,
+            reply.reference_label,
+            json.loads(reply.info_json),
+        )
 
     def _aborted(self, why: str) -> StepResult:
         self.session_id = None
@@ -196,7 +209,10 @@ class RemoteEnv(Environment):
         task = asyncio.current_task()
         wait_s = 0.5 if task is not None and task.cancelling() else 5.0
         try:
-            await self._request(env_subject(self.run_id, self.family, self.worker_id),
-                                EnvClose(session_id=sid).model_dump_json().encode(), wait_s)
+            await self._request(
+                env_subject(self.run_id, self.family, self.worker_id),
+                EnvClose(session_id=sid).model_dump_json().encode(),
+                wait_s,
+            )
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
             pass

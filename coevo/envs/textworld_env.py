@@ -22,16 +22,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from coevo.envs.base import (
-    EnvError,
-    Environment,
-    Family,
-    Knob,
-    Observation,
-    PrecheckResult,
-    StepResult,
-    spec_hash,
-)
+from coevo.envs.base import EnvError, Environment, Family, Knob, Observation, PrecheckResult, StepResult, spec_hash
 from coevo.schemas import TaskSpec
 
 if TYPE_CHECKING:
@@ -96,8 +87,7 @@ class TextWorld(Family):
                 return game
             return self._compile(task, knobs, seed, key, final, game)
 
-    def _compile(self, task: TaskSpec, knobs: dict[str, int], seed: int, key: str, final: Path,
-                 game: Path) -> Path:
+    def _compile(self, task: TaskSpec, knobs: dict[str, int], seed: int, key: str, final: Path, game: Path) -> Path:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=self.cache_dir))
         try:
@@ -142,10 +132,21 @@ class TextWorld(Family):
         out = []
         for i in range(n_train + n_heldout):
             split: Literal["train", "heldout"] = "train" if i < n_train else "heldout"
-            knobs = {"quest_length": rng.randint(2, 4), "objects": rng.randint(3, 6), "rooms": rng.randint(1, 3),
-                     "hints": 1}
-            out.append(TaskSpec(task_id=f"tw-{split[0]}{i}", family=self.name,
-                                params={"seed": rng.randrange(1_000_000)}, knobs=knobs, split=split))
+            knobs = {
+                "quest_length": rng.randint(2, 4),
+                "objects": rng.randint(3, 6),
+                "rooms": rng.randint(1, 3),
+                "hints": 1,
+            }
+            out.append(
+                TaskSpec(
+                    task_id=f"tw-{split[0]}{i}",
+                    family=self.name,
+                    params={"seed": rng.randrange(1_000_000)},
+                    knobs=knobs,
+                    split=split,
+                )
+            )
         return out
 
     async def precheck(self, task: TaskSpec) -> PrecheckResult:
@@ -207,16 +208,26 @@ class TextWorldEnv(Environment):
 
         path = await _tw(self.family.game_path, task)
         await self.close()
-        infos = textworld.EnvInfos(admissible_commands=True, objective=True, policy_commands=True, won=True,
-                                   lost=True, description=True, inventory=True)
+        infos = textworld.EnvInfos(
+            admissible_commands=True,
+            objective=True,
+            policy_commands=True,
+            won=True,
+            lost=True,
+            description=True,
+            inventory=True,
+        )
         self._env = await _tw(lambda: textworld.start(str(path), request_infos=infos))
         self._state = await _tw(self._env.reset)
         self.steps = 0
         self.limit = self.family.max_steps(task)
         self.done = False
         s = self._state
-        return Observation(text=f"{s['objective'].strip()}\n{s['description'].strip()}",
-                           candidates=sorted(s["admissible_commands"]), objective=s["objective"].strip())
+        return Observation(
+            text=f"{s['objective'].strip()}\n{s['description'].strip()}",
+            candidates=sorted(s["admissible_commands"]),
+            objective=s["objective"].strip(),
+        )
 
     async def step(self, action: str) -> StepResult:
         if self.done or self._env is None:
@@ -234,8 +245,9 @@ class TextWorldEnv(Environment):
         elif game_over or self.steps >= self.limit:
             outcome = "truncated"
         self.done = outcome is not None
-        obs = Observation(text=s.feedback.strip(), candidates=sorted(s["admissible_commands"] or []),
-                          objective=s["objective"].strip())
+        obs = Observation(
+            text=s.feedback.strip(), candidates=sorted(s["admissible_commands"] or []), objective=s["objective"].strip()
+        )
         return StepResult(obs, self.done, outcome, label, {"policy": policy})
 
     async def close(self) -> None:

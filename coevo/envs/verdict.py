@@ -108,8 +108,15 @@ def _compare(e: ast.Compare) -> CallCheck | None:
         return None
     if isinstance(op, (ast.Lt, ast.LtE)):
         ok, tol = _literal(right)
-        if not (ok and type(tol) in (int, float) and isinstance(left, ast.Call) and isinstance(left.func, ast.Name)
-                and left.func.id == "abs" and len(left.args) == 1 and not left.keywords):
+        if not (
+            ok
+            and type(tol) in (int, float)
+            and isinstance(left, ast.Call)
+            and isinstance(left.func, ast.Name)
+            and left.func.id == "abs"
+            and len(left.args) == 1
+            and not left.keywords
+        ):
             return None
         diff = left.args[0]
         if not (isinstance(diff, ast.BinOp) and isinstance(diff.op, ast.Sub)):

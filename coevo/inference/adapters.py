@@ -65,8 +65,9 @@ def adapted_weights(adapter: Mapping[str, torch.Tensor]) -> list[str]:
     return [k.removeprefix(PREFIX).removesuffix(_A) + ".weight" for k in adapter if k.endswith(_A)]
 
 
-def merged(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor],
-           config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def merged(
+    base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
     """The base weights of every adapted layer with the adapter added, in the base's dtype and device
     (computed in fp32): ``{"<module>.weight": W + s B A}``."""
     import torch

@@ -84,10 +84,12 @@ class ChatTokens:
         self.tokenizer = tokenizer
         self.template = getattr(tokenizer, "chat_template", None) or CHAT_TEMPLATE
 
-    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-               generation: bool = True) -> str:
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                  add_generation_prompt=generation, chat_template=self.template)
+    def render(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, generation: bool = True
+    ) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation, chat_template=self.template
+        )
         return str(text)
 
     def encode(self, text: str) -> list[int]:
@@ -97,8 +99,9 @@ class ChatTokens:
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
-    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               previous: Turn | None = None) -> tuple[list[int], TokenPath]:
+    def prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, previous: Turn | None = None
+    ) -> tuple[list[int], TokenPath]:
         """The prompt ids of ``messages`` (normalised), reusing ``previous``'s exact tokens when the
         conversation extends it."""
         full = self.render(messages, tools=tools)
@@ -110,25 +113,27 @@ class ChatTokens:
             return fresh, "diverged"
         return ids, ("reused" if ids == fresh else "mismatch")
 
-    def _extend(self, prev: Turn, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                full: str) -> list[int] | None:
+    def _extend(
+        self, prev: Turn, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, full: str
+    ) -> list[int] | None:
         k = len(prev.messages)
-        if tools != prev.tools or messages[:k + 1] != [*prev.messages, prev.assistant]:
+        if tools != prev.tools or messages[: k + 1] != [*prev.messages, prev.assistant]:
             return None
         before = self.render(prev.messages, tools=tools)
         with_turn = self.render([*prev.messages, prev.assistant], tools=tools, generation=False)
         if not (with_turn.startswith(before) and full.startswith(with_turn)):
             return None
-        turn_text = with_turn[len(before):]  # the assistant turn as the template writes it
+        turn_text = with_turn[len(before) :]  # the assistant turn as the template writes it
         sampled = self.decode(prev.response_ids)
         if not turn_text.startswith(sampled):  # the template rewrites the turn (e.g. tool calls): no reuse
             return None
-        closing = turn_text[len(sampled):]  # what the template adds after the sampled tokens (EOS, newline)
-        return [*prev.prompt_ids, *prev.response_ids, *self.encode(closing), *self.encode(full[len(with_turn):])]
+        closing = turn_text[len(sampled) :]  # what the template adds after the sampled tokens (EOS, newline)
+        return [*prev.prompt_ids, *prev.response_ids, *self.encode(closing), *self.encode(full[len(with_turn) :])]
 
 
-def completion_prompt(tokenizer: Any, prompt: str, previous: tuple[str, list[int], str, list[int]] | None
-                      ) -> tuple[list[int], TokenPath]:
+def completion_prompt(
+    tokenizer: Any, prompt: str, previous: tuple[str, list[int], str, list[int]] | None
+) -> tuple[list[int], TokenPath]:
     """``/v1/completions``: the ids of ``prompt`` (BOS + text, as every client encodes), reusing the
     previous call's (prompt text, prompt ids, response text, response ids) when ``prompt`` extends it
     and the response text is exactly what those ids decode to (a stop string cut inside a token, or
@@ -143,7 +148,7 @@ def completion_prompt(tokenizer: Any, prompt: str, previous: tuple[str, list[int
         return fresh, "diverged"
     if tokenizer.decode(response_ids, skip_special_tokens=True) != response_text:
         return fresh, "diverged"  # the shown text is not what the sampled ids say (cut at a stop string)
-    rest = prompt[len(text) + len(response_text):]
+    rest = prompt[len(text) + len(response_text) :]
     out = [*ids, *response_ids, *tokenizer.encode(rest, add_special_tokens=False)]
     return out, ("reused" if out == fresh else "mismatch")
 

@@ -45,16 +45,27 @@ def make_client(cfg: CoevoConfig, role: Literal["policy", "judge", "rewriter"], 
         from coevo.inference.vllm_client import VLLMClient
 
         local = model_dir(cfg, "policy")
-        return VLLMClient(cfg.policy.url, cfg.policy.served_name or str(local), name="policy", tokenizer_dir=local,
-                          sampling=cfg.policy.sampling)
+        return VLLMClient(
+            cfg.policy.url,
+            cfg.policy.served_name or str(local),
+            name="policy",
+            tokenizer_dir=local,
+            sampling=cfg.policy.sampling,
+        )
     if role == "judge" and not isinstance(cfg.judge, LocalJudge):
         return endpoint_client(cfg.judge, "judge", sampling=cfg.judge.sampling)
-    return LocalEngine(model_dir(cfg, role), name=role, device=cfg.learner.device, seed=seed,
-                       sampling=cfg.policy.sampling if role == "policy" else cfg.judge.sampling)
+    return LocalEngine(
+        model_dir(cfg, role),
+        name=role,
+        device=cfg.learner.device,
+        seed=seed,
+        sampling=cfg.policy.sampling if role == "policy" else cfg.judge.sampling,
+    )
 
 
-def endpoint_client(ep: LitellmEndpoint | VllmEndpoint | LocalRewriter, name: str,
-                    sampling: SamplingConfig | None = None) -> InferenceClient:
+def endpoint_client(
+    ep: LitellmEndpoint | VllmEndpoint | LocalRewriter, name: str, sampling: SamplingConfig | None = None
+) -> InferenceClient:
     """The client of a judge's or rewriter's endpoint section, by its ``backend`` tag."""
     if isinstance(ep, LitellmEndpoint):
         from coevo.inference.litellm_client import LiteLLMClient

@@ -81,9 +81,18 @@ class InferenceClient(Protocol):
     @property
     def version(self) -> int: ...
 
-    async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
-                       temperature: float = 1.0, index: int = 0,
-                       prompt_ids: list[int] | None = None, stop: list[str] | None = None) -> Completion: ...
+    async def complete(
+        self,
+        prompt: str,
+        *,
+        choices: list[str] | None = None,
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        index: int = 0,
+        prompt_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+    ) -> Completion: ...
+
     # prompt_ids (token-in): sample after exactly these tokens; ``prompt`` is then only a label;
     # stop: generation ends once the text holds one of these (the tokens so far are returned, the
     # stop string's included: cutting the text is the caller's, and a client may end at fewer stop
@@ -142,8 +151,17 @@ class LocalEngine:
     """A transformers causal LM served in process (CPU or CUDA), with hot-swappable weights. ``model_dir``
     may be a LoRA adapter directory (a LoRA lane's checkpoint): its base, with the adapter merged."""
 
-    def __init__(self, model_dir: Path, *, name: str = "local", device: str | None = None, max_batch: int = 64,
-                 seed: int = 0, version: int = 0, sampling: SamplingConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        name: str = "local",
+        device: str | None = None,
+        max_batch: int = 64,
+        seed: int = 0,
+        version: int = 0,
+        sampling: SamplingConfig | None = None,
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -196,12 +214,27 @@ class LocalEngine:
         if self._server is None:
             raise RuntimeError(f"engine {self.name} is not running (use `async with engine:`)")
 
-    async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
-                       temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None,
-                       stop: list[str] | None = None) -> Completion:
+    async def complete(
+        self,
+        prompt: str,
+        *,
+        choices: list[str] | None = None,
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        index: int = 0,
+        prompt_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+    ) -> Completion:
         self._ensure_started()
-        req = _Request(prompt, choices, max_tokens, temperature, asyncio.get_running_loop().create_future(),
-                       prompt_ids=prompt_ids, stop=stop)
+        req = _Request(
+            prompt,
+            choices,
+            max_tokens,
+            temperature,
+            asyncio.get_running_loop().create_future(),
+            prompt_ids=prompt_ids,
+            stop=stop,
+        )
         self._queue.put_nowait(req)
         return await req.future
 
@@ -337,11 +370,19 @@ class LocalEngine:
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding: the next token is always at the end
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                            position_ids=position_ids.to(self.device)).logits[:, -1, :].float().cpu()
+        logits = (
+            self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=position_ids.to(self.device),
+            )
+            .logits[:, -1, :]
+            .float()
+            .cpu()
+        )
         results = []
         for i, r in enumerate(batch):
             assert r.choices is not None
@@ -349,8 +390,17 @@ class LocalEngine:
             sub = truncate(logits[i, allowed][None] / max(r.temperature, 1e-5), self.sampling)[0]
             logp = torch.log_softmax(sub, -1)
             k = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
-            results.append(Completion(r.choices[k], prompts[i], [allowed[k]], [float(logp[k])], self._version,
-                                      choice=k, allowed_token_ids=list(allowed)))
+            results.append(
+                Completion(
+                    r.choices[k],
+                    prompts[i],
+                    [allowed[k]],
+                    [float(logp[k])],
+                    self._version,
+                    choice=k,
+                    allowed_token_ids=list(allowed),
+                )
+            )
         return results
 
     def _stopped(self, ids: list[int], stops: list[str], window: int = 32) -> bool:
@@ -383,4 +433,3 @@ class LocalEngine:
             ids = torch.tensor([[tok]], device=self.device)
         text = cast(str, self.tokenizer.decode(out_ids, skip_special_tokens=True))  # one sequence: one string
         return Completion(text, prompt, out_ids, out_lp, self._version, finish_reason=finish)
-

@@ -25,8 +25,14 @@ from coevo.inference.engine import Completion
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-list download at import
 
-RETRYABLE = ("RateLimitError", "Timeout", "APIConnectionError", "ServiceUnavailableError", "InternalServerError",
-             "APIError")
+RETRYABLE = (
+    "RateLimitError",
+    "Timeout",
+    "APIConnectionError",
+    "ServiceUnavailableError",
+    "InternalServerError",
+    "APIError",
+)
 
 
 class LiteLLMClient:
@@ -78,8 +84,16 @@ class LiteLLMClient:
         self._cache = kv if self.api.cache else None
 
     def cache_key(self, prompt: str, max_tokens: int, temperature: float, index: int) -> str:
-        blob = json.dumps({"model": self.model, "prompt": hashlib.sha256(prompt.encode()).hexdigest(),
-                           "max_tokens": max_tokens, "temperature": temperature, "index": index}, sort_keys=True)
+        blob = json.dumps(
+            {
+                "model": self.model,
+                "prompt": hashlib.sha256(prompt.encode()).hexdigest(),
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "index": index,
+            },
+            sort_keys=True,
+        )
         return hashlib.sha256(blob.encode()).hexdigest()
 
     async def _cached(self, key: str) -> dict[str, Any] | None:
@@ -107,9 +121,18 @@ class LiteLLMClient:
         except Exception:  # unknown to LiteLLM's model map: validate the JSON ourselves
             return False
 
-    async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 256,
-                       temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None,
-                       stop: list[str] | None = None, response_format: Any = None) -> Completion:
+    async def complete(
+        self,
+        prompt: str,
+        *,
+        choices: list[str] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 1.0,
+        index: int = 0,
+        prompt_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+        response_format: Any = None,
+    ) -> Completion:
         # stop: not sent (the text is the caller's to cut at every stop string, as InferenceClient says)
         if choices:
             raise ExternalCallFailed(self.model, "constrained choices need a local model (use a reasoned prompt)")
@@ -119,9 +142,18 @@ class LiteLLMClient:
         hit = await self._cached(key)
         if hit is not None:
             self.cache_hits += 1
-            return Completion(hit["text"], [], [], [], 0, latency_ms=0.0, cost_usd=0.0, cached=True,
-                              prompt_tokens=hit.get("prompt_tokens", 0),
-                              completion_tokens=hit.get("completion_tokens", 0))
+            return Completion(
+                hit["text"],
+                [],
+                [],
+                [],
+                0,
+                latency_ms=0.0,
+                cost_usd=0.0,
+                cached=True,
+                prompt_tokens=hit.get("prompt_tokens", 0),
+                completion_tokens=hit.get("completion_tokens", 0),
+            )
         async with self._sem:  # checked inside: at most max_concurrency calls can overshoot the cap
             if self.api.max_usd is not None and self.spent_usd >= self.api.max_usd:
                 raise OverBudget(self.model, f"spent ${self.spent_usd:.4f} of max_usd ${self.api.max_usd}")
@@ -134,18 +166,25 @@ class LiteLLMClient:
         pt, ct = int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
         self.calls += 1
         if self._cache is not None:
-            await self._cache.put(key, json.dumps({"text": text, "prompt_tokens": pt,
-                                                   "completion_tokens": ct}).encode())
-        return Completion(text, [], [], [], 0, latency_ms=latency, cost_usd=cost, prompt_tokens=pt,
-                          completion_tokens=ct)
+            await self._cache.put(
+                key, json.dumps({"text": text, "prompt_tokens": pt, "completion_tokens": ct}).encode()
+            )
+        return Completion(
+            text, [], [], [], 0, latency_ms=latency, cost_usd=cost, prompt_tokens=pt, completion_tokens=ct
+        )
 
-    async def _call(self, prompt: str, max_tokens: int, temperature: float,
-                    response_format: Any = None) -> tuple[Any, float]:
+    async def _call(
+        self, prompt: str, max_tokens: int, temperature: float, response_format: Any = None
+    ) -> tuple[Any, float]:
         last = "no attempt"
         for attempt in range(self.api.retries + 1):
-            kwargs: dict[str, Any] = {"model": "m0", "messages": [{"role": "user", "content": prompt}],
-                                      "max_tokens": max_tokens, "temperature": temperature,
-                                      "timeout": self.api.timeout_s}
+            kwargs: dict[str, Any] = {
+                "model": "m0",
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "timeout": self.api.timeout_s,
+            }
             if response_format is not None:
                 kwargs["response_format"] = response_format
             mock = self._mock()

@@ -23,15 +23,22 @@ from typing import Literal
 ModelKind = Literal["policy", "judge"]
 
 SPECIAL = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"]
-TINY = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "max_position_embeddings": 1024}
+TINY = {
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+}
 """head_dim 64: vLLM's CPU attention kernel needs it (see STACK.md)."""
 VOCAB = 1024
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
     "{{ 'assistant:' + (m['content'] or '') + eos_token + '\\n' }}"
     "{% else %}{{ m['role'] + ': ' + (m['content'] or '') + '\\n' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+)
 """The tiny models' chat template (also the fallback of a model without one, ``coevo.inference.chat``):
 ``role: content`` lines after BOS; an assistant turn is ``assistant:`` + its content + EOS, so the
 tokens a model generated (ending with EOS) are exactly the turn's tokens in the next prompt."""
@@ -55,8 +62,14 @@ def _corpus(seed: int = 0, n: int = 400) -> list[str]:
             texts.append(policy_prompt(obs, cands))
             state, feedback = transition(world, state, action)
             steps += 1
-            texts.append(judge_prompt("take the coin", obs, action, feedback + " " +
-                                      describe(world, state, world.max_steps - steps, action)))
+            texts.append(
+                judge_prompt(
+                    "take the coin",
+                    obs,
+                    action,
+                    feedback + " " + describe(world, state, world.max_steps - steps, action),
+                )
+            )
     texts += [r"\boxed{1}", r"\boxed{-1}", "the step is good", "the step is bad", "def return for in if else"]
     texts += [" ".join(str(d) for d in range(10)), "hint: you go north. you take the coin."]
     return texts
@@ -78,11 +91,16 @@ def build_tokenizer(out_dir: Path, seed: int = 0) -> None:
     tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
-                                   eos_token="<|eos|>", unk_token="<|unk|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>", unk_token="<|unk|>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
 
@@ -95,9 +113,14 @@ def build_model(out_dir: Path, kind: ModelKind, seed: int = 0) -> None:
 
     quiet_transformers()
     tok = AutoTokenizer.from_pretrained(out_dir)
-    config = Qwen2Config(vocab_size=len(tok), tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         **TINY)  # type: ignore[arg-type]  # mypy checks a **dict[str, int] against every keyword
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        **TINY,  # type: ignore[arg-type]  # mypy checks a **dict[str, int] against every keyword
+    )
     torch.manual_seed(seed + (0 if kind == "policy" else 1))
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -25,8 +25,13 @@ NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalt
 
 def request_fields(sampling: SamplingConfig, temperature: float) -> dict[str, Any]:
     """Every sampling field of a vLLM completions request (top_k 0: off)."""
-    return {"temperature": temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
-            **NEUTRAL}
+    return {
+        "temperature": temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "min_p": sampling.min_p,
+        **NEUTRAL,
+    }
 
 
 def truncate(logits: torch.Tensor, sampling: SamplingConfig, keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -43,19 +43,48 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """the values vLLM accepts for ``--max-lora-rank``"""
 
 
-def server_command(python: str, model: Path | str, port: int, *, transfer_backend: str = "coevo_gloo",
-                   lora_rank: int | None = None, extra: Sequence[str] = ()) -> list[str]:
+def server_command(
+    python: str,
+    model: Path | str,
+    port: int,
+    *,
+    transfer_backend: str = "coevo_gloo",
+    lora_rank: int | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """The command line coevo starts vLLM with (tests, benchmarks): log-probs of the distribution
     actually sampled from, fp32, pushed weights through ``transfer_backend``, and with ``lora_rank``
     LoRA adapters up to that rank (two at once: policy and judge on one base)."""
     lora = []
     if lora_rank is not None:
-        lora = ["--enable-lora", "--max-loras", "2",
-                "--max-lora-rank", str(next(r for r in LORA_RANKS if r >= lora_rank))]
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--logprobs-mode", "processed_logprobs", "--max-model-len", "512",
-            "--dtype", "float32", "--weight-transfer-config", json.dumps({"backend": transfer_backend}), *lora,
-            *extra]
+        lora = [
+            "--enable-lora",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            str(next(r for r in LORA_RANKS if r >= lora_rank)),
+        ]
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-model-len",
+        "512",
+        "--dtype",
+        "float32",
+        "--weight-transfer-config",
+        json.dumps({"backend": transfer_backend}),
+        *lora,
+        *extra,
+    ]
 
 
 class _RWLock:
@@ -88,9 +117,19 @@ class _RWLock:
 
 
 class VLLMClient:
-    def __init__(self, url: str, model: str, *, name: str = "vllm", tokenizer_dir: str | Path | None = None,
-                 max_concurrency: int = 64, timeout_s: float = 120.0, retries: int = 3,
-                 pause_mode: str = "wait", sampling: SamplingConfig | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        name: str = "vllm",
+        tokenizer_dir: str | Path | None = None,
+        max_concurrency: int = 64,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        pause_mode: str = "wait",
+        sampling: SamplingConfig | None = None,
+    ) -> None:
         self.name = name
         self.base = url.rstrip("/")
         self.root = self.base[: -len("/v1")] if self.base.endswith("/v1") else self.base
@@ -137,8 +176,16 @@ class VLLMClient:
 
     # ---- HTTP --------------------------------------------------------------------------------
 
-    async def _call(self, method: str, path: str, *, json: Any = None, params: Any = None,
-                    retry: bool = True, timeout_s: float | None = None) -> dict[str, Any]:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Any = None,
+        retry: bool = True,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
         if self._session is None:
             raise VLLMError(f"client {self.name} is not open (use `async with`)")
         url = self.root + path
@@ -154,8 +201,11 @@ class VLLMClient:
                     if resp.status >= 400:
                         error = body.get("error") if isinstance(body, dict) else None
                         param = error.get("param") if isinstance(error, dict) else None
-                        raise VLLMError(f"{method} {path} -> {resp.status}: {str(body)[:500]}", status=resp.status,
-                                        param=param if isinstance(param, str) else None)
+                        raise VLLMError(
+                            f"{method} {path} -> {resp.status}: {str(body)[:500]}",
+                            status=resp.status,
+                            param=param if isinstance(param, str) else None,
+                        )
                     return body if isinstance(body, dict) else {"result": body}
             except (aiohttp.ClientError, TimeoutError) as exc:
                 last = exc
@@ -173,13 +223,26 @@ class VLLMClient:
     def choice_token_ids(self, choices: list[str]) -> list[int]:
         return choice_token_ids(self.tokenizer, choices, self._choice_ids)
 
-    async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 64,
-                       temperature: float = 1.0, index: int = 0, prompt_ids: list[int] | None = None,
-                       stop: list[str] | None = None) -> Completion:
+    async def complete(
+        self,
+        prompt: str,
+        *,
+        choices: list[str] | None = None,
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        index: int = 0,
+        prompt_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+    ) -> Completion:
         prompt_ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt)
-        body: dict[str, Any] = {"model": self.served, "prompt": prompt_ids, "max_tokens": max_tokens,
-                                **request_fields(self.sampling, temperature), "logprobs": 1,
-                                "return_token_ids": True}
+        body: dict[str, Any] = {
+            "model": self.served,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            **request_fields(self.sampling, temperature),
+            "logprobs": 1,
+            "return_token_ids": True,
+        }
         if stop:  # vLLM takes at most 4 (a 400 beyond): the caller cuts at every stop string anyway
             body.update(stop=list(stop)[:MAX_STOPS], include_stop_str_in_output=True)
         allowed = None
@@ -197,10 +260,16 @@ class VLLMClient:
         out_ids = list(choice.get("token_ids") or [])
         lps = [float(x) if x is not None else 0.0 for x in (choice.get("logprobs") or {}).get("token_logprobs", [])]
         picked = allowed.index(out_ids[0]) if allowed and out_ids and out_ids[0] in allowed else None
-        return Completion(text=choice.get("text", ""), prompt_token_ids=list(choice.get("prompt_token_ids") or
-                                                                             prompt_ids),
-                          response_token_ids=out_ids, logprobs=lps, model_version=version, choice=picked,
-                          allowed_token_ids=allowed, finish_reason=choice.get("finish_reason") or "stop")
+        return Completion(
+            text=choice.get("text", ""),
+            prompt_token_ids=list(choice.get("prompt_token_ids") or prompt_ids),
+            response_token_ids=out_ids,
+            logprobs=lps,
+            model_version=version,
+            choice=picked,
+            allowed_token_ids=allowed,
+            finish_reason=choice.get("finish_reason") or "stop",
+        )
 
     # ---- weights -----------------------------------------------------------------------------
 
@@ -234,8 +303,12 @@ class VLLMClient:
             raise VLLMError(f"refusing to reload from {path}: no *.safetensors there")
 
         async def reload() -> None:
-            await self._call("POST", "/collective_rpc", retry=False,
-                             json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            await self._call(
+                "POST",
+                "/collective_rpc",
+                retry=False,
+                json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+            )
             await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
 
         return await self._swap(version, reload)
@@ -250,8 +323,12 @@ class VLLMClient:
             raise VLLMError(f"refusing to load an adapter from {path}: no {adapters.ADAPTER_CONFIG} there")
 
         async def load() -> None:
-            await self._call("POST", "/v1/load_lora_adapter", retry=False,
-                             json={"lora_name": self.adapter_name, "lora_path": str(path), "load_inplace": True})
+            await self._call(
+                "POST",
+                "/v1/load_lora_adapter",
+                retry=False,
+                json={"lora_name": self.adapter_name, "lora_path": str(path), "load_inplace": True},
+            )
             self.served = self.adapter_name
 
         # no server pause and no prefix-cache reset: other adapters (another role on this base) go on
@@ -264,8 +341,9 @@ class VLLMClient:
 
     async def init_transfer(self, init_info: dict[str, Any], timeout_s: float) -> None:
         """Have the server's workers join the learner's transfer group (blocks until they did)."""
-        await self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info}, retry=False,
-                         timeout_s=timeout_s)
+        await self._call(
+            "POST", "/init_weight_transfer_engine", json={"init_info": init_info}, retry=False, timeout_s=timeout_s
+        )
 
     async def receive_weights(self, offer: TransferOffer, timeout_s: float) -> float:
         """Take the weights the learner is broadcasting now (vLLM's native weight transfer endpoints);
@@ -276,14 +354,18 @@ class VLLMClient:
         async def receive() -> None:
             await self._call("POST", "/start_weight_update", retry=False)
             try:
-                await self._call("POST", "/update_weights", json={"update_info": offer.update_info()},
-                                 retry=False, timeout_s=timeout_s)
+                await self._call(
+                    "POST",
+                    "/update_weights",
+                    json={"update_info": offer.update_info()},
+                    retry=False,
+                    timeout_s=timeout_s,
+                )
             except BaseException:
                 with contextlib.suppress(VLLMError):
                     await self._call("POST", "/finish_weight_update", json={}, retry=False)
                 raise
-            await self._call("POST", "/finish_weight_update", json={"weight_version": str(offer.version)},
-                             retry=False)
+            await self._call("POST", "/finish_weight_update", json={"weight_version": str(offer.version)}, retry=False)
 
         return await self._swap(offer.version, receive)
 

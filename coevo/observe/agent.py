@@ -32,8 +32,14 @@ class MetricsAgent(Agent):
     async def main(self) -> None:
         run_dir = self.cfg.run.runs_dir / self.bus.run_id
         lc = self.cfg.log
-        sinks = make_sinks(run_dir, self.bus.run_id, tensorboard=lc.tensorboard, wandb=lc.wandb,
-                           project=lc.wandb_project, config=self.cfg.model_dump(mode="json"))
+        sinks = make_sinks(
+            run_dir,
+            self.bus.run_id,
+            tensorboard=lc.tensorboard,
+            wandb=lc.wandb,
+            project=lc.wandb_project,
+            config=self.cfg.model_dump(mode="json"),
+        )
         observer = Observer(self.bus, aggregator=self.aggregator, sinks=sinks, marker=run_dir / "tb" / "observed_seq")
         await observer.run(self.stopping)
         self.counters["events_observed"] = self.aggregator.last_seq

@@ -55,8 +55,14 @@ class ConsumerInfo:
 class Aggregator:
     """Events -> series (``SPECS``), the summary's tally, and the views of the dashboard's pages."""
 
-    def __init__(self, *, cap: int = 2000, tick_s: float = 5.0, window_s: float = 30.0,
-                 difficulty: Callable[[TaskSpec], float | None] = knob_difficulty) -> None:
+    def __init__(
+        self,
+        *,
+        cap: int = 2000,
+        tick_s: float = 5.0,
+        window_s: float = 30.0,
+        difficulty: Callable[[TaskSpec], float | None] = knob_difficulty,
+    ) -> None:
         self.cap, self.tick_s, self.window_s, self.difficulty = cap, tick_s, window_s, difficulty
         self.series: dict[str, Series] = {}
         self.tally = RunTally()
@@ -77,10 +83,19 @@ class Aggregator:
         self._rates: deque[tuple[float, int, int]] = deque()  # (t, trajectories, env steps) per tick
         self._next_tick: float | None = None
         self._handlers: dict[type[Event], Callable[[Any, float], list[Point]]] = {
-            GroupScored: self._group, LearnerStepped: self._learner, WeightsApplied: self._weights,
-            TaskScheduled: self._scheduled, TaskRewritten: self._rewritten, TaskDecided: self._decided,
-            StepJudged: self._judged, TrajectoryCompleted: self._trajectory, AgentStatus: self._status,
-            DeadLettered: self._dead, RunFinished: self._finished, StepTaken: lambda e, t: []}
+            GroupScored: self._group,
+            LearnerStepped: self._learner,
+            WeightsApplied: self._weights,
+            TaskScheduled: self._scheduled,
+            TaskRewritten: self._rewritten,
+            TaskDecided: self._decided,
+            StepJudged: self._judged,
+            TrajectoryCompleted: self._trajectory,
+            AgentStatus: self._status,
+            DeadLettered: self._dead,
+            RunFinished: self._finished,
+            StepTaken: lambda e, t: [],
+        }
 
     # ---- input -------------------------------------------------------------------------------
 
@@ -105,11 +120,18 @@ class Aggregator:
         t = max(0.0, wall - self.t0) if self.t0 is not None else 0.0
         out = []
         for c in infos:
-            self.agents.consumers[c.name] = {"name": c.name, "pending": c.pending, "ack_pending": c.ack_pending,
-                                             "redelivered": c.redelivered, "waiting": c.waiting}
+            self.agents.consumers[c.name] = {
+                "name": c.name,
+                "pending": c.pending,
+                "ack_pending": c.ack_pending,
+                "redelivered": c.redelivered,
+                "waiting": c.waiting,
+            }
             labels = (("consumer", c.name),)
-            out += [self._point("consumer_pending", labels, t, c.pending, wall),
-                    self._point("consumer_ack_pending", labels, t, c.ack_pending, wall)]
+            out += [
+                self._point("consumer_pending", labels, t, c.pending, wall),
+                self._point("consumer_ack_pending", labels, t, c.ack_pending, wall),
+            ]
         return out
 
     def finish(self) -> list[Point]:
@@ -125,17 +147,29 @@ class Aggregator:
 
     def series_json(self) -> dict[str, Any]:
         """Every series with its points, and the catalogue (for the dashboard and the report)."""
-        return {"charts": {k: {"title": v[0], "unit": v[1]} for k, v in CHARTS.items()},
-                "specs": {k: {"help": s.help, "chart": s.chart, "unit": s.unit, "counter": s.counter}
-                          for k, s in SPECS.items()},
-                "series": {k: {"name": s.name, "labels": dict(s.labels), "points": s.visible()}
-                           for k, s in self.series.items()}}
+        return {
+            "charts": {k: {"title": v[0], "unit": v[1]} for k, v in CHARTS.items()},
+            "specs": {
+                k: {"help": s.help, "chart": s.chart, "unit": s.unit, "counter": s.counter} for k, s in SPECS.items()
+            },
+            "series": {
+                k: {"name": s.name, "labels": dict(s.labels), "points": s.visible()} for k, s in self.series.items()
+            },
+        }
 
     def state_json(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "t": round(self.t_last, 1), "last_seq": self.last_seq,
-                "t0": self.t0, "summary": self.summary(), "finished": self.finished,
-                "learner": self.learner, "staleness": self.staleness,
-                **self.pool.as_dict(), **self.agents.as_dict()}
+        return {
+            "run_id": self.run_id,
+            "t": round(self.t_last, 1),
+            "last_seq": self.last_seq,
+            "t0": self.t0,
+            "summary": self.summary(),
+            "finished": self.finished,
+            "learner": self.learner,
+            "staleness": self.staleness,
+            **self.pool.as_dict(),
+            **self.agents.as_dict(),
+        }
 
     def latest(self) -> list[tuple[str, Labels, float]]:
         """The latest value of every series (for Prometheus)."""
@@ -143,8 +177,7 @@ class Aggregator:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _point(self, name: str, labels: Labels, t: float, value: float, wall: float,
-               step: int | None = None) -> Point:
+    def _point(self, name: str, labels: Labels, t: float, value: float, wall: float, step: int | None = None) -> Point:
         key = series_key(name, labels)
         s = self.series.get(key)
         if s is None:
@@ -177,8 +210,10 @@ class Aggregator:
             self._rates.popleft()
         t_a, trajs_a, steps_a = self._rates[0]
         if t - t_a > 0:
-            out += [self._point("trajectories_per_second", (), t, round((trajs - trajs_a) / (t - t_a), 3), wall),
-                    self._point("env_steps_per_second", (), t, round((steps - steps_a) / (t - t_a), 3), wall)]
+            out += [
+                self._point("trajectories_per_second", (), t, round((trajs - trajs_a) / (t - t_a), 3), wall),
+                self._point("env_steps_per_second", (), t, round((steps - steps_a) / (t - t_a), 3), wall),
+            ]
         return out
 
     # ---- one handler per event type ----------------------------------------------------------
@@ -189,15 +224,19 @@ class Aggregator:
         out = []
         if e.purpose == "train":
             self._rewards.append(e.mean_reward)
-            out += [self._point("success_train", (), t, e.accuracy, e.ts),
-                    self._point("reward_mean", (), t, round(e.mean_reward, 5), e.ts)]
+            out += [
+                self._point("success_train", (), t, e.accuracy, e.ts),
+                self._point("reward_mean", (), t, round(e.mean_reward, 5), e.ts),
+            ]
             if len(self._rewards) >= 2:
                 out.append(self._point("reward_std", (), t, round(statistics.stdev(self._rewards), 5), e.ts))
         elif e.purpose == "eval":
             out += self._eval_round(e, t)
-        for name, value in (("judge_process_accuracy", e.judge_process_accuracy),
-                            ("judge_outcome_accuracy", e.judge_outcome_accuracy),
-                            ("judge_consistency", e.judge_consistency)):
+        for name, value in (
+            ("judge_process_accuracy", e.judge_process_accuracy),
+            ("judge_outcome_accuracy", e.judge_outcome_accuracy),
+            ("judge_consistency", e.judge_consistency),
+        ):
             if value is not None:
                 out.append(self._point(name, (), t, value, e.ts))
         return out
@@ -221,12 +260,26 @@ class Aggregator:
         for k, v in e.staleness_histogram.items():
             hist[k] = hist.get(k, 0) + v
             self._add_total("learner_staleness_samples_total", v, (("role", e.role), ("staleness", k)))
-        self.learner[e.role] = {"version": e.version, "loss": e.loss, "kl": e.kl, "clip_fraction": e.clip_fraction,
-                                "mismatch_kl": e.mismatch_kl, "tokens_per_second": e.tokens_per_second,
-                                "samples": e.samples, "t": round(t, 1)}
-        out = [self._point(name, labels, t, value, e.ts, step=e.version) for name, value in (
-            ("learner_loss", e.loss), ("learner_kl", e.kl), ("learner_clip_fraction", e.clip_fraction),
-            ("learner_mismatch_kl", e.mismatch_kl), ("learner_tokens_per_second", e.tokens_per_second))]
+        self.learner[e.role] = {
+            "version": e.version,
+            "loss": e.loss,
+            "kl": e.kl,
+            "clip_fraction": e.clip_fraction,
+            "mismatch_kl": e.mismatch_kl,
+            "tokens_per_second": e.tokens_per_second,
+            "samples": e.samples,
+            "t": round(t, 1),
+        }
+        out = [
+            self._point(name, labels, t, value, e.ts, step=e.version)
+            for name, value in (
+                ("learner_loss", e.loss),
+                ("learner_kl", e.kl),
+                ("learner_clip_fraction", e.clip_fraction),
+                ("learner_mismatch_kl", e.mismatch_kl),
+                ("learner_tokens_per_second", e.tokens_per_second),
+            )
+        ]
         if n:
             mean = sum(_num(k) * v for k, v in e.staleness_histogram.items()) / n
             out.append(self._point("learner_staleness_mean", labels, t, round(mean, 4), e.ts, step=e.version))
@@ -272,12 +325,16 @@ class Aggregator:
 
     def _status(self, e: AgentStatus, t: float) -> list[Point]:
         restarts = self.agents.status(e)
-        self._add_total("agent_restarts_total", self._growth(e.agent_id, "restarts", restarts),
-                        (("agent", e.agent_id),))
+        self._add_total(
+            "agent_restarts_total", self._growth(e.agent_id, "restarts", restarts), (("agent", e.agent_id),)
+        )
         for key, total in e.counters.items():  # an agent's counters are its totals since it started
             if key.startswith("endpoint.tokens."):
-                self._add_total("endpoint_prompts_total", self._growth(e.agent_id, key, total),
-                                (("tokens", key.removeprefix("endpoint.tokens.")),))
+                self._add_total(
+                    "endpoint_prompts_total",
+                    self._growth(e.agent_id, key, total),
+                    (("tokens", key.removeprefix("endpoint.tokens.")),),
+                )
         return []
 
     def _growth(self, agent_id: str, key: str, total: float) -> float:

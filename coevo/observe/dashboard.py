@@ -33,8 +33,9 @@ def static_text(name: str) -> str:
     return resources.files("coevo.observe").joinpath("static", name).read_text(encoding="utf-8")
 
 
-def dashboard_app(observer: Observer, *, trace: TraceFn | None = None, title: str = "coevo",
-                  health: Health | None = None) -> web.Application:
+def dashboard_app(
+    observer: Observer, *, trace: TraceFn | None = None, title: str = "coevo", health: Health | None = None
+) -> web.Application:
     """The dashboard (pages, JSON API, live stream) plus ``/metrics`` and ``/healthz``."""
     app = web.Application()
     app[OBSERVER] = observer
@@ -48,15 +49,13 @@ def dashboard_app(observer: Observer, *, trace: TraceFn | None = None, title: st
         name = r.match_info["name"]
         if name not in STATIC:
             raise web.HTTPNotFound()
-        return web.Response(text=static_text(name), content_type=STATIC[name],
-                            headers={"Cache-Control": "no-cache"})
+        return web.Response(text=static_text(name), content_type=STATIC[name], headers={"Cache-Control": "no-cache"})
 
     async def series(_r: web.Request) -> web.Response:
         return web.json_response(agg.series_json())
 
     async def state(_r: web.Request) -> web.Response:
-        return web.json_response({**agg.state_json(), "live": observer.running, "title": title},
-                                 dumps=_dumps)
+        return web.json_response({**agg.state_json(), "live": observer.running, "title": title}, dumps=_dumps)
 
     async def trajectories(r: web.Request) -> web.Response:
         limit = int(r.query.get("limit", "300"))
@@ -75,9 +74,16 @@ def dashboard_app(observer: Observer, *, trace: TraceFn | None = None, title: st
         return observer.healthy, {"last_seq": agg.last_seq, "run_id": agg.run_id}
 
     app.add_routes([web.get(p, page) for p in PAGES])
-    app.add_routes([web.get("/static/{name}", static), web.get("/api/series", series),
-                    web.get("/api/state", state), web.get("/api/trajectories", trajectories),
-                    web.get("/api/trace/{ident}", traced), web.get("/api/stream", _stream)])
+    app.add_routes(
+        [
+            web.get("/static/{name}", static),
+            web.get("/api/series", series),
+            web.get("/api/state", state),
+            web.get("/api/trajectories", trajectories),
+            web.get("/api/trace/{ident}", traced),
+            web.get("/api/stream", _stream),
+        ]
+    )
     app.add_routes(metrics_routes(registry_for(aggregator=agg), health or default_health))
     return app
 
@@ -90,8 +96,9 @@ async def _stream(request: web.Request) -> web.StreamResponse:
     """Server-sent events: ``points`` (new points as ``[key, name, labels, t, value]``), ``tick`` (the
     run's clock and last sequence, once a second), ``reload`` (this page fell behind)."""
     observer = request.app[OBSERVER]
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
     await resp.prepare(request)
     sub = observer.subscribe()
     agg = observer.aggregator

@@ -58,12 +58,17 @@ class AgentCollector:
         self.agents = agents
 
     def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily("coevo_agent_up", "1 while the agent runs (state label: its state)",
-                               labels=["agent", "role", "state"])
-        uptime = GaugeMetricFamily("coevo_agent_uptime_seconds", "seconds since the agent started",
-                                   labels=["agent", "role"])
-        counters = GaugeMetricFamily("coevo_agent_counter", "the agent's own counters (handled, emitted, "
-                                     "restarts, per consumer statistics)", labels=["agent", "role", "counter"])
+        up = GaugeMetricFamily(
+            "coevo_agent_up", "1 while the agent runs (state label: its state)", labels=["agent", "role", "state"]
+        )
+        uptime = GaugeMetricFamily(
+            "coevo_agent_uptime_seconds", "seconds since the agent started", labels=["agent", "role"]
+        )
+        counters = GaugeMetricFamily(
+            "coevo_agent_counter",
+            "the agent's own counters (handled, emitted, restarts, per consumer statistics)",
+            labels=["agent", "role", "counter"],
+        )
         for a in self.agents:
             up.add_metric([a.agent_id, a.role, a.state], float(a.state in ("running", "paused", "starting")))
             uptime.add_metric([a.agent_id, a.role], a.uptime_s)
@@ -97,8 +102,11 @@ def metrics_routes(registry: CollectorRegistry, health: Health) -> list[web.Rout
 
     async def healthz(_request: web.Request) -> web.Response:
         ok, detail = health()
-        return web.Response(status=200 if ok else 503, content_type="application/json",
-                            text=json.dumps({"status": "ok" if ok else "unhealthy", **detail}))
+        return web.Response(
+            status=200 if ok else 503,
+            content_type="application/json",
+            text=json.dumps({"status": "ok" if ok else "unhealthy", **detail}),
+        )
 
     return [web.get("/metrics", metrics), web.get("/healthz", healthz)]
 
@@ -110,8 +118,9 @@ def metrics_app(registry: CollectorRegistry, health: Health) -> web.Application:
 
 
 @asynccontextmanager
-async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
-                fallback_any_port: bool = False) -> AsyncIterator[str]:
+async def serve(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0, *, fallback_any_port: bool = False
+) -> AsyncIterator[str]:
     """Serve ``app``; yields its base URL (``http://host:port``). ``fallback_any_port``: when ``port`` is
     taken, take any free one instead of failing."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)

@@ -58,9 +58,15 @@ class LiveRun:
 
 
 @asynccontextmanager
-async def observe_run(bus: NatsBus, opts: ObserveOptions, *, sinks: Sequence[Sink] = (),
-                      marker: Path | None = None, agents: Sequence[Agent] = (),
-                      title: str = "coevo") -> AsyncIterator[LiveRun]:
+async def observe_run(
+    bus: NatsBus,
+    opts: ObserveOptions,
+    *,
+    sinks: Sequence[Sink] = (),
+    marker: Path | None = None,
+    agents: Sequence[Agent] = (),
+    title: str = "coevo",
+) -> AsyncIterator[LiveRun]:
     """Start the observer and the servers ``opts`` asks for; yields their handle."""
     observer = Observer(bus, sinks=sinks, marker=marker)
     stop = asyncio.Event()
@@ -70,18 +76,25 @@ async def observe_run(bus: NatsBus, opts: ObserveOptions, *, sinks: Sequence[Sin
             if opts.dashboard:
                 app = dashboard_app(observer, trace=opts.trace, title=title)
                 live.dashboard_url = await servers.enter_async_context(
-                    serve(app, opts.host, opts.dashboard_port, fallback_any_port=opts.dashboard_port == 8765))
+                    serve(app, opts.host, opts.dashboard_port, fallback_any_port=opts.dashboard_port == 8765)
+                )
             if opts.metrics_port is not None:
                 registry = registry_for(agents=agents, aggregator=observer.aggregator)
-                live.metrics_url = await servers.enter_async_context(
-                    serve(metrics_app(registry, agents_health(agents)), opts.host, opts.metrics_port)) + "/metrics"
+                live.metrics_url = (
+                    await servers.enter_async_context(
+                        serve(metrics_app(registry, agents_health(agents)), opts.host, opts.metrics_port)
+                    )
+                    + "/metrics"
+                )
             yield live
         finally:
             stop.set()
 
 
 @asynccontextmanager
-async def agent_metrics(agents: Sequence[Agent], port: int | None, host: str = "127.0.0.1") -> AsyncIterator[str | None]:
+async def agent_metrics(
+    agents: Sequence[Agent], port: int | None, host: str = "127.0.0.1"
+) -> AsyncIterator[str | None]:
     """``/metrics`` and ``/healthz`` for the agents of a ``coevo agent`` process (nothing when ``port`` is None);
     a metrics agent's series are included."""
     if port is None:

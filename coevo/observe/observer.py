@@ -52,8 +52,15 @@ def read_marker(path: Path | None) -> int:
 class Observer:
     """Folds a run's events into ``aggregator`` as they are stored and fans the points out."""
 
-    def __init__(self, bus: NatsBus, *, aggregator: Aggregator | None = None, sinks: Iterable[Sink] = (),
-                 poll_s: float = 5.0, marker: Path | None = None) -> None:
+    def __init__(
+        self,
+        bus: NatsBus,
+        *,
+        aggregator: Aggregator | None = None,
+        sinks: Iterable[Sink] = (),
+        poll_s: float = 5.0,
+        marker: Path | None = None,
+    ) -> None:
         self.bus = bus
         self.aggregator = aggregator or Aggregator()
         self.sinks = list(sinks)
@@ -109,8 +116,10 @@ class Observer:
             except BusError as exc:  # busy or gone: next poll
                 log.info("observer.consumer_info_failed", error=repr(exc))
             else:
-                self._publish(self.aggregator.add_consumers(infos, time.time()),
-                              sink=self.aggregator.last_seq > self.sink_after_seq)
+                self._publish(
+                    self.aggregator.add_consumers(infos, time.time()),
+                    sink=self.aggregator.last_seq > self.sink_after_seq,
+                )
             await wait_event(done, self.poll_s)
 
     def _publish(self, points: list[Point], *, sink: bool) -> None:

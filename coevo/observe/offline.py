@@ -27,15 +27,15 @@ async def aggregate(bus: NatsBus) -> Aggregator:
     return agg
 
 
-async def run_report(run_id: str, runs_dir: Path, url: str | None, out: Path,
-                     credentials: Path | None = None) -> Path:
+async def run_report(run_id: str, runs_dir: Path, url: str | None, out: Path, credentials: Path | None = None) -> Path:
     """``coevo report --run``: read the run (its own store, or ``url``), write ``out/index.html``."""
     from coevo.observe.report import write_report
     from coevo.runtime.app import run_reader_config
 
     store = runs_dir / run_id / "nats"
-    async with open_bus(run_id, url=url, store=store, existing=True, name="coevo-report",
-                        cfg=run_reader_config(store, url, credentials)) as bus:
+    async with open_bus(
+        run_id, url=url, store=store, existing=True, name="coevo-report", cfg=run_reader_config(store, url, credentials)
+    ) as bus:
         agg = await aggregate(bus)
     summary_path = runs_dir / run_id / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None

@@ -47,15 +47,17 @@ class Bar:
         if self._progress is not None:
             self._progress.advance(self._task, n)
 
-    def update(self, *, completed: float | None = None, total: float | None = None,
-               description: str | None = None) -> None:
+    def update(
+        self, *, completed: float | None = None, total: float | None = None, description: str | None = None
+    ) -> None:
         if self._progress is not None:
             self._progress.update(self._task, completed=completed, total=total, description=description)
 
 
 @contextmanager
-def progress_bar(description: str, total: float | None = None, *, unit: str = "events",
-                 force: bool = False) -> Iterator[Bar]:
+def progress_bar(
+    description: str, total: float | None = None, *, unit: str = "events", force: bool = False
+) -> Iterator[Bar]:
     """A bar with count, rate, elapsed and remaining time (``total`` None: count and rate only); inside
     another bar, a row of the same display. ``force``: draw even when stderr is not a terminal (tests)."""
     if not (force or sys.stderr.isatty()):
@@ -65,8 +67,15 @@ def progress_bar(description: str, total: float | None = None, *, unit: str = "e
     if active is not None:
         yield Bar(active, active.add_task(description, total=total, unit=unit))
         return
-    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               RateColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+    columns = [
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        RateColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=Console(stderr=True), transient=False) as p:
         token = _ACTIVE.set(p)
         try:

@@ -21,8 +21,25 @@ from coevo.observe.tally import SUMMARY_FIELDS
 
 REQUIRED = ("success", "reward", "judge", "kl", "weights")
 """Plotted even when empty (the report says "no data" rather than leaving them out)."""
-ORDER = (*REQUIRED, "consistency", "loss", "clip", "mismatch_kl", "tokens", "rates", "staleness", "staleness_hist", "rewrites",
-         "difficulty", "judge_calls", "judge_cost", "dead_letters", "consumers", "restarts", "weights_failed")
+ORDER = (
+    *REQUIRED,
+    "consistency",
+    "loss",
+    "clip",
+    "mismatch_kl",
+    "tokens",
+    "rates",
+    "staleness",
+    "staleness_hist",
+    "rewrites",
+    "difficulty",
+    "judge_calls",
+    "judge_cost",
+    "dead_letters",
+    "consumers",
+    "restarts",
+    "weights_failed",
+)
 SMOOTHED = {"success_train", "reward_mean", "judge_process_accuracy", "judge_outcome_accuracy", "judge_consistency"}
 
 
@@ -115,9 +132,20 @@ def _save_plots(pngs: list[tuple[str, str, bytes]], out: Path) -> str:
     for name, caption, data in pngs:
         (out / "plots" / f"{name}.png").write_bytes(data)
         b64 = base64.b64encode(data).decode()
-        figures.append(f'<figure id="plot-{name}"><img alt="{html.escape(caption)}" src="data:image/png;base64,{b64}">'
-                       f"<figcaption>{html.escape(caption)} (plots/{name}.png)</figcaption></figure>")
+        figures.append(
+            f'<figure id="plot-{name}"><img alt="{html.escape(caption)}" src="data:image/png;base64,{b64}">'
+            f"<figcaption>{html.escape(caption)} (plots/{name}.png)</figcaption></figure>"
+        )
     return '<div class="plots">' + "".join(figures) + "</div>"
+
+
+LEARNER_KEYS = ("version", "loss", "kl", "clip_fraction", "mismatch_kl", "tokens_per_second")
+SLOT_KEYS = ("slot_id", "split", "task_id", "knobs", "difficulty", "accuracy", "accepted", "rejected")
+REWRITE_KEYS = ("slot_id", "parent_id", "candidate_id", "direction", "accepted", "reason")
+
+
+def _pick(row: dict[str, Any], keys: tuple[str, ...]) -> tuple[Any, ...]:
+    return tuple(row.get(k) for k in keys)
 
 
 def write_report(agg: Aggregator, out: Path, *, summary: dict[str, Any] | None = None) -> Path:
@@ -133,27 +161,39 @@ def write_report(agg: Aggregator, out: Path, *, summary: dict[str, Any] | None =
             pngs.append((chart, helps, chart_png(chart, series)))
     summary = summary or agg.finished or agg.summary()
     state = agg.state_json()
-    body = [f"<p>Run <code>{html.escape(str(agg.run_id))}</code>: {agg.last_seq} events over "
-            f"{agg.t_last / 60:.1f} minutes of event time.</p>", "<h2>Curves</h2>", _save_plots(pngs, out),
-            "<h2>Summary</h2>", _table(((k, summary.get(k), SUMMARY_FIELDS.get(k, "")) for k in summary),
-                                      ("field", "value", "meaning")),
-            "<h2>Learner (last step per lane)</h2>",
-            _table(((role, *(v.get(k) for k in ("version", "loss", "kl", "clip_fraction", "mismatch_kl",
-                                                "tokens_per_second"))) for role, v in agg.learner.items()),
-                   ("lane", "version", "loss", "KL", "clip fraction", "mismatch KL", "tokens/s")),
-            "<h2>Task slots</h2>", _table(((s["slot_id"], s["split"], s["task_id"], s["knobs"], s["difficulty"],
-                                            s["accuracy"], s["accepted"], s["rejected"]) for s in state["slots"]),
-                                          ("slot", "split", "active task", "knobs", "difficulty", "last accuracy",
-                                           "rewrites accepted", "rejected")),
-            "<h2>Rewrites (newest 100)</h2>",
-            _table(((r["slot_id"], r["parent_id"], r.get("candidate_id"), r["direction"], r.get("accepted"),
-                     r.get("reason")) for r in state["rewrites"][:100]),
-                   ("slot", "parent", "candidate", "direction", "accepted", "reason")),
-            "<h2>Agents</h2>", _table(((a["agent_id"], a["role"], a["state"], a["restarts"]) for a in state["agents"]),
-                                      ("agent", "role", "last state", "restarts")),
-            f"<h2>Dead letters ({len(state['dead_letters'])})</h2>",
-            _table(((d["consumer"], d["subject"], d["reason"]) for d in state["dead_letters"]),
-                   ("consumer", "subject", "reason"))]
+    body = [
+        f"<p>Run <code>{html.escape(str(agg.run_id))}</code>: {agg.last_seq} events over "
+        f"{agg.t_last / 60:.1f} minutes of event time.</p>",
+        "<h2>Curves</h2>",
+        _save_plots(pngs, out),
+        "<h2>Summary</h2>",
+        _table(((k, summary.get(k), SUMMARY_FIELDS.get(k, "")) for k in summary), ("field", "value", "meaning")),
+        "<h2>Learner (last step per lane)</h2>",
+        _table(
+            ((role, *_pick(v, LEARNER_KEYS)) for role, v in agg.learner.items()),
+            ("lane", "version", "loss", "KL", "clip fraction", "mismatch KL", "tokens/s"),
+        ),
+        "<h2>Task slots</h2>",
+        _table(
+            (_pick(s, SLOT_KEYS) for s in state["slots"]),
+            ("slot", "split", "active task", "knobs", "difficulty", "last accuracy", "rewrites accepted", "rejected"),
+        ),
+        "<h2>Rewrites (newest 100)</h2>",
+        _table(
+            (_pick(r, REWRITE_KEYS) for r in state["rewrites"][:100]),
+            ("slot", "parent", "candidate", "direction", "accepted", "reason"),
+        ),
+        "<h2>Agents</h2>",
+        _table(
+            ((a["agent_id"], a["role"], a["state"], a["restarts"]) for a in state["agents"]),
+            ("agent", "role", "last state", "restarts"),
+        ),
+        f"<h2>Dead letters ({len(state['dead_letters'])})</h2>",
+        _table(
+            ((d["consumer"], d["subject"], d["reason"]) for d in state["dead_letters"]),
+            ("consumer", "subject", "reason"),
+        ),
+    ]
     return _write(out, f"coevo run {agg.run_id}", "".join(body))
 
 
@@ -170,8 +210,7 @@ def _write(out: Path, title: str, body: str) -> Path:
 def _curves_png(title: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
     fig, ax = _figure()
     for name, curve in curves.items():
-        ax.plot([p["seconds"] / 60 for p in curve], [p["success"] for p in curve], marker="o", markersize=3,
-                label=name)
+        ax.plot([p["seconds"] / 60 for p in curve], [p["success"] for p in curve], marker="o", markersize=3, label=name)
     ax.set(title=title, xlabel="minutes", ylabel="success (evaluator)", ylim=(0, 1))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -183,8 +222,12 @@ def _rungs_png(rungs: dict[str, dict[str, Any]]) -> bytes:
     keys = ("train_success", "heldout_success", "judge_process_accuracy")
     width = 0.8 / len(keys)
     for i, key in enumerate(keys):
-        ax.bar([j + i * width for j in range(len(rungs))], [r.get(key) or 0.0 for r in rungs.values()], width,
-               label=key.replace("_", " "))
+        ax.bar(
+            [j + i * width for j in range(len(rungs))],
+            [r.get(key) or 0.0 for r in rungs.values()],
+            width,
+            label=key.replace("_", " "),
+        )
     ax.set_xticks([j + width for j in range(len(rungs))], list(rungs))
     ax.set(title="Ablation ladder at equal wall-clock budget", ylim=(0, 1))
     ax.legend(fontsize=8)
@@ -207,7 +250,9 @@ def write_bench_report(result: dict[str, Any], out: Path, *, name: str = "benchm
     """The report of a ``coevo bench ... --json`` file: learn (curves), ladder (rungs), or any other (a table)."""
     pngs = []
     if "curves" in result:
-        pngs.append(("curves", "success over time, per configuration", _curves_png("coevo bench learn", result["curves"])))
+        pngs.append(
+            ("curves", "success over time, per configuration", _curves_png("coevo bench learn", result["curves"]))
+        )
     if "rungs" in result:
         rungs = result["rungs"]
         pngs.append(("rungs", "final success and judge accuracy per rung", _rungs_png(rungs)))

@@ -25,60 +25,116 @@ class Spec:
 
 
 SPECS: dict[str, Spec] = {
-    "success_train": Spec("policy success on one train group: the fraction of its rollouts won", "success",
-                          "fraction won"),
-    "success_heldout": Spec("held-out success: mean over one evaluation round (the same tasks every round)",
-                            "success", "fraction won"),
+    "success_train": Spec(
+        "policy success on one train group: the fraction of its rollouts won", "success", "fraction won"
+    ),
+    "success_heldout": Spec(
+        "held-out success: mean over one evaluation round (the same tasks every round)", "success", "fraction won"
+    ),
     "reward_mean": Spec("mean integrated step reward of one train group", "reward", "reward"),
     "reward_std": Spec("standard deviation of the mean rewards of the last 16 train groups", "reward", "reward"),
-    "judge_process_accuracy": Spec("judge's step votes agreeing with the environment's step labels (per group)",
-                                   "judge", "accuracy"),
-    "judge_outcome_accuracy": Spec("judge's votes agreeing with the trajectory outcome (per group)", "judge",
-                                   "accuracy"),
-    "judge_consistency": Spec("mean consistency reward R·S of the judge's votes (per group; its agreement with "
-                              "the integrated rewards)", "consistency", "R·S"),
+    "judge_process_accuracy": Spec(
+        "judge's step votes agreeing with the environment's step labels (per group)", "judge", "accuracy"
+    ),
+    "judge_outcome_accuracy": Spec(
+        "judge's votes agreeing with the trajectory outcome (per group)", "judge", "accuracy"
+    ),
+    "judge_consistency": Spec(
+        "mean consistency reward R·S of the judge's votes (per group; its agreement with the integrated rewards)",
+        "consistency",
+        "R·S",
+    ),
     "learner_loss": Spec("loss of one learner step", "loss", "loss", labels=("role",)),
-    "learner_kl": Spec("KL between the trained and the sampling policy, one learner step", "kl", "nats",
-                       labels=("role",)),
-    "learner_mismatch_kl": Spec("KL between the learner's and the inference engine's log-probs of the sampled "
-                                "tokens (trainer/inference mismatch)", "mismatch_kl", "nats", labels=("role",)),
-    "learner_clip_fraction": Spec("fraction of tokens whose ratio was clipped, one learner step", "clip",
-                                  "fraction", labels=("role",)),
-    "learner_tokens_per_second": Spec("training tokens per second of one learner step", "tokens", "tokens/s",
-                                      labels=("role",)),
-    "learner_staleness_mean": Spec("mean staleness (learner version - sampling version) of a step's samples",
-                                   "staleness", "versions", labels=("role",)),
-    "learner_staleness_samples_total": Spec("samples trained at each staleness, since the start", "staleness_hist",
-                                            "samples", counter=True, labels=("role", "staleness")),
+    "learner_kl": Spec(
+        "KL between the trained and the sampling policy, one learner step", "kl", "nats", labels=("role",)
+    ),
+    "learner_mismatch_kl": Spec(
+        "KL between the learner's and the inference engine's log-probs of the sampled "
+        "tokens (trainer/inference mismatch)",
+        "mismatch_kl",
+        "nats",
+        labels=("role",),
+    ),
+    "learner_clip_fraction": Spec(
+        "fraction of tokens whose ratio was clipped, one learner step", "clip", "fraction", labels=("role",)
+    ),
+    "learner_tokens_per_second": Spec(
+        "training tokens per second of one learner step", "tokens", "tokens/s", labels=("role",)
+    ),
+    "learner_staleness_mean": Spec(
+        "mean staleness (learner version - sampling version) of a step's samples",
+        "staleness",
+        "versions",
+        labels=("role",),
+    ),
+    "learner_staleness_samples_total": Spec(
+        "samples trained at each staleness, since the start",
+        "staleness_hist",
+        "samples",
+        counter=True,
+        labels=("role", "staleness"),
+    ),
     "trajectories_per_second": Spec("completed trajectories per second (30 s window)", "rates", "1/s"),
     "env_steps_per_second": Spec("environment steps per second (30 s window)", "rates", "1/s"),
-    "weights_pause_ms": Spec("pause of a weight swap on one inference server", "weights", "ms",
-                             labels=("role", "server", "transport")),
-    "weights_apply_failures_total": Spec("weight swaps that failed (the server kept its old weights)",
-                                         "weights_failed", "swaps", counter=True, labels=("role", "server")),
+    "weights_pause_ms": Spec(
+        "pause of a weight swap on one inference server", "weights", "ms", labels=("role", "server", "transport")
+    ),
+    "weights_apply_failures_total": Spec(
+        "weight swaps that failed (the server kept its old weights)",
+        "weights_failed",
+        "swaps",
+        counter=True,
+        labels=("role", "server"),
+    ),
     "rewrites_proposed_total": Spec("task rewrites proposed by the rewriter", "rewrites", "rewrites", counter=True),
-    "rewrites_accepted_total": Spec("rewrites accepted by the gate (measured accuracy in band)", "rewrites",
-                                    "rewrites", counter=True),
-    "rewrites_rejected_total": Spec("rewrites rejected by the gate or the precheck", "rewrites", "rewrites",
-                                    counter=True),
-    "task_difficulty": Spec("difficulty of a slot's active task (knob positions, higher = harder)", "difficulty",
-                            "difficulty", labels=("slot",)),
-    "judge_errors_total": Spec("judge votes that failed (API errors: never a -1)", "judge_calls", "votes",
-                               counter=True),
+    "rewrites_accepted_total": Spec(
+        "rewrites accepted by the gate (measured accuracy in band)", "rewrites", "rewrites", counter=True
+    ),
+    "rewrites_rejected_total": Spec(
+        "rewrites rejected by the gate or the precheck", "rewrites", "rewrites", counter=True
+    ),
+    "task_difficulty": Spec(
+        "difficulty of a slot's active task (knob positions, higher = harder)",
+        "difficulty",
+        "difficulty",
+        labels=("slot",),
+    ),
+    "judge_errors_total": Spec(
+        "judge votes that failed (API errors: never a -1)", "judge_calls", "votes", counter=True
+    ),
     "judge_calls_total": Spec("judge model calls (not from the cache)", "judge_calls", "calls", counter=True),
     "judge_cost_usd_total": Spec("cost of the judge's API calls", "judge_cost", "USD", counter=True),
-    "dead_letters_total": Spec("messages a consumer gave up on (kept as DeadLettered)", "dead_letters",
-                               "messages", counter=True, labels=("consumer",)),
-    "consumer_pending": Spec("messages not yet delivered to a durable consumer (JetStream consumer info)",
-                             "consumers", "messages", labels=("consumer",)),
-    "consumer_ack_pending": Spec("messages delivered to a durable consumer and not acknowledged yet",
-                                 "consumers", "messages", labels=("consumer",)),
-    "endpoint_prompts_total": Spec("prompts the policy endpoint built, by how: fresh, reused or mismatch (the "
-                                   "sampled tokens kept), diverged (a prefix break: the conversation did not extend "
-                                   "the tokens sampled, so it was tokenised afresh), tokens (ids given)", "endpoint",
-                                   "calls", counter=True, labels=("tokens",)),
-    "agent_restarts_total": Spec("crashed tasks an agent restarted (its supervision)", "restarts", "restarts",
-                                 counter=True, labels=("agent",)),
+    "dead_letters_total": Spec(
+        "messages a consumer gave up on (kept as DeadLettered)",
+        "dead_letters",
+        "messages",
+        counter=True,
+        labels=("consumer",),
+    ),
+    "consumer_pending": Spec(
+        "messages not yet delivered to a durable consumer (JetStream consumer info)",
+        "consumers",
+        "messages",
+        labels=("consumer",),
+    ),
+    "consumer_ack_pending": Spec(
+        "messages delivered to a durable consumer and not acknowledged yet",
+        "consumers",
+        "messages",
+        labels=("consumer",),
+    ),
+    "endpoint_prompts_total": Spec(
+        "prompts the policy endpoint built, by how: fresh, reused or mismatch (the "
+        "sampled tokens kept), diverged (a prefix break: the conversation did not extend "
+        "the tokens sampled, so it was tokenised afresh), tokens (ids given)",
+        "endpoint",
+        "calls",
+        counter=True,
+        labels=("tokens",),
+    ),
+    "agent_restarts_total": Spec(
+        "crashed tasks an agent restarted (its supervision)", "restarts", "restarts", counter=True, labels=("agent",)
+    ),
 }
 
 CHARTS: dict[str, tuple[str, str]] = {

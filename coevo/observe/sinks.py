@@ -65,8 +65,15 @@ class WandbSink:
         import wandb
 
         directory.mkdir(parents=True, exist_ok=True)
-        self._run: Any = wandb.init(project=project, name=run_id, id=run_id, dir=str(directory), mode="offline",
-                                    config=config or {}, resume="allow")
+        self._run: Any = wandb.init(
+            project=project,
+            name=run_id,
+            id=run_id,
+            dir=str(directory),
+            mode="offline",
+            config=config or {},
+            resume="allow",
+        )
 
     def write(self, points: Iterable[Point]) -> None:
         if self._run is None:
@@ -80,8 +87,15 @@ class WandbSink:
             self._run = None
 
 
-def make_sinks(run_dir: Path, run_id: str, *, tensorboard: bool, wandb: bool, project: str = "coevo",
-               config: dict[str, Any] | None = None) -> list[Sink]:
+def make_sinks(
+    run_dir: Path,
+    run_id: str,
+    *,
+    tensorboard: bool,
+    wandb: bool,
+    project: str = "coevo",
+    config: dict[str, Any] | None = None,
+) -> list[Sink]:
     """The sinks a run's config asks for: TensorBoard under ``run_dir/tb``; W&B when asked and installed."""
     sinks: list[Sink] = []
     if tensorboard:

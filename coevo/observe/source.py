@@ -14,8 +14,14 @@ from coevo.runtime.history import TAIL_PREFIX
 from coevo.schemas import Event
 
 
-def tail(bus: NatsBus, stop: asyncio.Event, *, start_seq: int = 1, wait_s: float = 1.0,
-         on_caught_up: Callable[[], None] | None = None) -> AsyncIterator[tuple[int, Event | None]]:
+def tail(
+    bus: NatsBus,
+    stop: asyncio.Event,
+    *,
+    start_seq: int = 1,
+    wait_s: float = 1.0,
+    on_caught_up: Callable[[], None] | None = None,
+) -> AsyncIterator[tuple[int, Event | None]]:
     """``(sequence, event)`` from ``start_seq`` on, live until ``stop`` (``NatsBus.tail``)."""
     return bus.tail(stop, start_seq=start_seq, wait_s=wait_s, on_caught_up=on_caught_up)
 
@@ -27,6 +33,13 @@ async def consumer_infos(bus: NatsBus) -> list[ConsumerInfo]:
         name = info.name or ""
         if name.startswith((TAIL_PREFIX, "history_")):
             continue
-        out.append(ConsumerInfo(name=name, pending=info.num_pending or 0, ack_pending=info.num_ack_pending or 0,
-                                redelivered=info.num_redelivered or 0, waiting=info.num_waiting or 0))
+        out.append(
+            ConsumerInfo(
+                name=name,
+                pending=info.num_pending or 0,
+                ack_pending=info.num_ack_pending or 0,
+                redelivered=info.num_redelivered or 0,
+                waiting=info.num_waiting or 0,
+            )
+        )
     return out

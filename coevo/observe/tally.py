@@ -13,15 +13,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from coevo.schemas import (
-    Event,
-    GroupScored,
-    LearnerStepped,
-    StepJudged,
-    TaskDecided,
-    TaskRewritten,
-    TaskScheduled,
-)
+from coevo.schemas import Event, GroupScored, LearnerStepped, StepJudged, TaskDecided, TaskRewritten, TaskScheduled
 
 
 class RunSummary(BaseModel):
@@ -31,66 +23,83 @@ class RunSummary(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     run_id: str = Field(description="the run's id (its directory under runs/, its stream COEVO_<run_id>)")
-    policy_success_start: float | None = Field(description=(
-        'mean success (fraction of rollouts won) of the first fifth of the train groups'))
-    policy_success_end: float | None = Field(description='the same over the last fifth of the train groups')
-    heldout_success_start: float | None = Field(description=(
-        'mean success of the first held-out evaluation round (fixed tasks, never trained '
-        'on)'))
-    heldout_success_end: float | None = Field(description=(
-        'the same for the last complete evaluation round (every held-out group of it '
-        'scored; a round cut short by the end of the run is left out)'))
-    judge_process_accuracy_start: float | None = Field(description=(
-        "judge's step votes agreeing with the environment's step labels: the first "
-        'quarter of the scored groups'))
-    judge_process_accuracy: float | None = Field(description='the same over the last quarter of the scored groups')
-    judge_outcome_accuracy_start: float | None = Field(description=(
-        "judge's votes agreeing with the trajectory's outcome: first quarter of groups"))
-    judge_outcome_accuracy: float | None = Field(description='the same over the last quarter of the scored groups')
-    judge_process_accuracy_heldout: float | None = Field(description=(
-        'judge process accuracy on held-out groups, last half of them'))
-    judge_outcome_accuracy_heldout: float | None = Field(description=(
-        'judge outcome accuracy on held-out groups, last half of them'))
-    rewrites_proposed: int = Field(description='task rewrites the rewriter proposed (task.rewritten events)')
-    rewrites_accepted: int = Field(description=(
-        "rewrites the acceptance gate accepted (they replaced their slot's task)"))
-    rewrites_proposed_wide: int = Field(description=(
-        'of the rewrites proposed, those of a saturated slot (more than one knob step, '
-        'tasks.saturated_*)'))
-    learner_steps: int = Field(description='optimiser steps of the policy lane (= the last policy weights version)')
-    judge_learner_steps: int = Field(description='optimiser steps of the judge lane')
-    policy_kl_rejected: int = Field(description=(
-        'policy batches undone by learner.max_step_kl (their step moved the policy too '
-        'far)'))
-    policy_step_kl_max: float | None = Field(description=(
-        'largest KL per token a policy step moved its weights (measured under '
-        'learner.max_step_kl)'))
-    policy_mismatch_kl_max: float | None = Field(description=(
-        "largest KL per token from the sampler to the learner's weights at a policy step"))
-    policy_samples: int = Field(description=(
-        'policy training samples the scorer produced (one per step of a trainable group)'))
-    train_groups_with_samples: int = Field(description=(
-        'train groups that produced policy samples (a group where every rollout won, or '
-        'every one lost, has no signal and produces none)'))
-    events: dict[str, int] = Field(description=(
-        'number of stored events of each kind (all purposes, all agents, heartbeats '
-        'included)'))
-    trajectories_per_second: float = Field(description='completed trajectories (all purposes) per second of the run')
-    judge_errors: int = Field(description='judge votes that failed (an API error is an error vote, never a -1)')
-    judge_calls: int = Field(description='judge votes answered by a model call')
-    judge_cache_hits: int = Field(description='judge votes answered from the response cache')
+    policy_success_start: float | None = Field(
+        description=("mean success (fraction of rollouts won) of the first fifth of the train groups")
+    )
+    policy_success_end: float | None = Field(description="the same over the last fifth of the train groups")
+    heldout_success_start: float | None = Field(
+        description=("mean success of the first held-out evaluation round (fixed tasks, never trained on)")
+    )
+    heldout_success_end: float | None = Field(
+        description=(
+            "the same for the last complete evaluation round (every held-out group of it "
+            "scored; a round cut short by the end of the run is left out)"
+        )
+    )
+    judge_process_accuracy_start: float | None = Field(
+        description=(
+            "judge's step votes agreeing with the environment's step labels: the first quarter of the scored groups"
+        )
+    )
+    judge_process_accuracy: float | None = Field(description="the same over the last quarter of the scored groups")
+    judge_outcome_accuracy_start: float | None = Field(
+        description=("judge's votes agreeing with the trajectory's outcome: first quarter of groups")
+    )
+    judge_outcome_accuracy: float | None = Field(description="the same over the last quarter of the scored groups")
+    judge_process_accuracy_heldout: float | None = Field(
+        description=("judge process accuracy on held-out groups, last half of them")
+    )
+    judge_outcome_accuracy_heldout: float | None = Field(
+        description=("judge outcome accuracy on held-out groups, last half of them")
+    )
+    rewrites_proposed: int = Field(description="task rewrites the rewriter proposed (task.rewritten events)")
+    rewrites_accepted: int = Field(
+        description=("rewrites the acceptance gate accepted (they replaced their slot's task)")
+    )
+    rewrites_proposed_wide: int = Field(
+        description=("of the rewrites proposed, those of a saturated slot (more than one knob step, tasks.saturated_*)")
+    )
+    learner_steps: int = Field(description="optimiser steps of the policy lane (= the last policy weights version)")
+    judge_learner_steps: int = Field(description="optimiser steps of the judge lane")
+    policy_kl_rejected: int = Field(
+        description=("policy batches undone by learner.max_step_kl (their step moved the policy too far)")
+    )
+    policy_step_kl_max: float | None = Field(
+        description=("largest KL per token a policy step moved its weights (measured under learner.max_step_kl)")
+    )
+    policy_mismatch_kl_max: float | None = Field(
+        description=("largest KL per token from the sampler to the learner's weights at a policy step")
+    )
+    policy_samples: int = Field(
+        description=("policy training samples the scorer produced (one per step of a trainable group)")
+    )
+    train_groups_with_samples: int = Field(
+        description=(
+            "train groups that produced policy samples (a group where every rollout won, or "
+            "every one lost, has no signal and produces none)"
+        )
+    )
+    events: dict[str, int] = Field(
+        description=("number of stored events of each kind (all purposes, all agents, heartbeats included)")
+    )
+    trajectories_per_second: float = Field(description="completed trajectories (all purposes) per second of the run")
+    judge_errors: int = Field(description="judge votes that failed (an API error is an error vote, never a -1)")
+    judge_calls: int = Field(description="judge votes answered by a model call")
+    judge_cache_hits: int = Field(description="judge votes answered from the response cache")
     judge_cost_usd: float = Field(description="cost of the judge's API calls, from LiteLLM's prices")
     seconds: float = Field(description="wall-clock duration of the run (this process's part of it after a resume)")
-    groups_scored: int = Field(description='train groups scored (the groups policy_success_* averages over)')
-    groups_scored_by_purpose: dict[str, int] = Field(description=(
-        'scored groups by purpose: train, candidate (a rewrite under measurement), eval '
-        "(held-out); their sum is events['group.scored']"))
+    groups_scored: int = Field(description="train groups scored (the groups policy_success_* averages over)")
+    groups_scored_by_purpose: dict[str, int] = Field(
+        description=(
+            "scored groups by purpose: train, candidate (a rewrite under measurement), eval "
+            "(held-out); their sum is events['group.scored']"
+        )
+    )
 
 
 SUMMARY_FIELDS: dict[str, str] = {name: f.description or "" for name, f in RunSummary.model_fields.items()}
 """field -> what it means (the report's tooltips)"""
-SUMMARY_TABLE = ("<!-- summary-table: generated from coevo.observe.tally.RunSummary -->",
-                 "<!-- /summary-table -->")
+SUMMARY_TABLE = ("<!-- summary-table: generated from coevo.observe.tally.RunSummary -->", "<!-- /summary-table -->")
 """the markers around the generated table in docs/observability.md"""
 
 
@@ -193,8 +202,8 @@ class RunTally:
             judge_process_accuracy=_mean(self.proc[-tail:]),
             judge_outcome_accuracy_start=_mean(self.outc[:otail]),
             judge_outcome_accuracy=_mean(self.outc[-otail:]),
-            judge_process_accuracy_heldout=_mean(self.proc_heldout[-max(1, len(self.proc_heldout) // 2):]),
-            judge_outcome_accuracy_heldout=_mean(self.outc_heldout[-max(1, len(self.outc_heldout) // 2):]),
+            judge_process_accuracy_heldout=_mean(self.proc_heldout[-max(1, len(self.proc_heldout) // 2) :]),
+            judge_outcome_accuracy_heldout=_mean(self.outc_heldout[-max(1, len(self.outc_heldout) // 2) :]),
             rewrites_proposed=self.counts["task.rewritten"],
             rewrites_accepted=self.accepted,
             rewrites_proposed_wide=self.wide,

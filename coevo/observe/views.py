@@ -43,9 +43,21 @@ class PoolView:
     rewrites: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # by candidate id
 
     def slot(self, slot_id: str) -> dict[str, Any]:
-        return self.slots.setdefault(slot_id, {
-            "slot_id": slot_id, "split": None, "task_id": None, "knobs": {}, "difficulty": None,
-            "accuracy": None, "groups": 0, "candidate": None, "accepted": 0, "rejected": 0})
+        return self.slots.setdefault(
+            slot_id,
+            {
+                "slot_id": slot_id,
+                "split": None,
+                "task_id": None,
+                "knobs": {},
+                "difficulty": None,
+                "accuracy": None,
+                "groups": 0,
+                "candidate": None,
+                "accepted": 0,
+                "rejected": 0,
+            },
+        )
 
     def scheduled(self, e: TaskScheduled, difficulty: float | None) -> bool:
         """A group was scheduled; True when the slot's active task changed."""
@@ -68,33 +80,61 @@ class PoolView:
     def rewritten(self, e: TaskRewritten, t: float) -> None:
         cand = e.candidate
         key = cand.task_id if cand else f"{e.parent.task_id}:{e.event_id}"
-        _bounded_put(self.rewrites, key, {
-            "t": round(t, 1), "slot_id": e.slot_id, "parent_id": e.parent.task_id,
-            "candidate_id": cand.task_id if cand else None, "direction": e.direction, "rewriter": e.rewriter,
-            "knobs_before": dict(e.parent.knobs), "knobs_after": dict(cand.knobs) if cand else None,
-            "precheck_ok": e.precheck_ok, "precheck_error": e.precheck_error, "summaries": e.summaries[:3],
-            "accepted": None if e.precheck_ok else False,
-            "reason": None if e.precheck_ok else f"precheck: {e.precheck_error or 'failed'}",
-            "parent_accuracy": None, "candidate_accuracy": None}, self.limit)
+        _bounded_put(
+            self.rewrites,
+            key,
+            {
+                "t": round(t, 1),
+                "slot_id": e.slot_id,
+                "parent_id": e.parent.task_id,
+                "candidate_id": cand.task_id if cand else None,
+                "direction": e.direction,
+                "rewriter": e.rewriter,
+                "knobs_before": dict(e.parent.knobs),
+                "knobs_after": dict(cand.knobs) if cand else None,
+                "precheck_ok": e.precheck_ok,
+                "precheck_error": e.precheck_error,
+                "summaries": e.summaries[:3],
+                "accepted": None if e.precheck_ok else False,
+                "reason": None if e.precheck_ok else f"precheck: {e.precheck_error or 'failed'}",
+                "parent_accuracy": None,
+                "candidate_accuracy": None,
+            },
+            self.limit,
+        )
         if not e.precheck_ok:
             self.slot(e.slot_id)["rejected"] += 1
 
     def decided(self, e: TaskDecided, t: float) -> None:
         rec = self.rewrites.get(e.candidate_id)
         if rec is None:
-            rec = {"t": round(t, 1), "slot_id": e.slot_id, "parent_id": e.parent_id, "candidate_id": e.candidate_id,
-                   "direction": e.direction, "rewriter": e.rewriter, "precheck_ok": True}
+            rec = {
+                "t": round(t, 1),
+                "slot_id": e.slot_id,
+                "parent_id": e.parent_id,
+                "candidate_id": e.candidate_id,
+                "direction": e.direction,
+                "rewriter": e.rewriter,
+                "precheck_ok": True,
+            }
             _bounded_put(self.rewrites, e.candidate_id, rec, self.limit)
-        rec.update(accepted=e.accepted, reason=e.reason, parent_accuracy=e.parent_accuracy,
-                   candidate_accuracy=e.candidate_accuracy, decided_t=round(t, 1))
+        rec.update(
+            accepted=e.accepted,
+            reason=e.reason,
+            parent_accuracy=e.parent_accuracy,
+            candidate_accuracy=e.candidate_accuracy,
+            decided_t=round(t, 1),
+        )
         s = self.slot(e.slot_id)
         s["accepted" if e.accepted else "rejected"] += 1
         if s["candidate"] == e.candidate_id:
             s["candidate"] = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"slots": sorted(self.slots.values(), key=lambda s: (s["split"] or "", s["slot_id"])),
-                "rewrites": list(reversed(self.rewrites.values()))}
+        return {
+            "slots": sorted(self.slots.values(), key=lambda s: (s["split"] or "", s["slot_id"])),
+            "rewrites": list(reversed(self.rewrites.values())),
+        }
 
 
 @dataclass
@@ -110,21 +150,36 @@ class AgentsView:
         """Record a heartbeat; returns the agent's restarts so far."""
         restarts = sum(v for k, v in e.counters.items() if k.startswith("restarts."))
         self.agents[e.agent_id] = {
-            "agent_id": e.agent_id, "role": e.role, "state": e.state, "uptime_s": round(e.uptime_s, 1),
-            "restarts": restarts, "last_seen": e.ts, "detail": e.detail,
-            "counters": {k: v for k, v in sorted(e.counters.items()) if "." not in k or k.count(".") == 1}}
+            "agent_id": e.agent_id,
+            "role": e.role,
+            "state": e.state,
+            "uptime_s": round(e.uptime_s, 1),
+            "restarts": restarts,
+            "last_seen": e.ts,
+            "detail": e.detail,
+            "counters": {k: v for k, v in sorted(e.counters.items()) if "." not in k or k.count(".") == 1},
+        }
         return restarts
 
     def dead_lettered(self, e: DeadLettered, t: float) -> None:
-        self.dead_letters.appendleft({"t": round(t, 1), "consumer": e.consumer, "subject": e.original_subject,
-                                      "reason": e.reason[:300], "delivery_count": e.delivery_count})
+        self.dead_letters.appendleft(
+            {
+                "t": round(t, 1),
+                "consumer": e.consumer,
+                "subject": e.original_subject,
+                "reason": e.reason[:300],
+                "delivery_count": e.delivery_count,
+            }
+        )
         while len(self.dead_letters) > self.limit:
             self.dead_letters.pop()
 
     def as_dict(self) -> dict[str, Any]:
-        return {"agents": sorted(self.agents.values(), key=lambda a: (a["role"], a["agent_id"])),
-                "consumers": sorted(self.consumers.values(), key=lambda c: c["name"]),
-                "dead_letters": list(self.dead_letters)}
+        return {
+            "agents": sorted(self.agents.values(), key=lambda a: (a["role"], a["agent_id"])),
+            "consumers": sorted(self.consumers.values(), key=lambda c: c["name"]),
+            "dead_letters": list(self.dead_letters),
+        }
 
 
 @dataclass
@@ -137,11 +192,23 @@ class TrajectoriesView:
 
     def completed(self, e: TrajectoryCompleted, t: float) -> None:
         g = self.groups.get(e.group_id)
-        _bounded_put(self.trajectories, e.trajectory_id, {
-            "t": round(t, 1), "trajectory_id": e.trajectory_id, "task_id": e.task_id, "group_id": e.group_id,
-            "outcome": e.outcome, "num_steps": e.num_steps,
-            "policy_versions": sorted(set(e.policy_versions)), "purpose": g["purpose"] if g else None,
-            "accuracy": None, "learner_version": None}, self.limit)
+        _bounded_put(
+            self.trajectories,
+            e.trajectory_id,
+            {
+                "t": round(t, 1),
+                "trajectory_id": e.trajectory_id,
+                "task_id": e.task_id,
+                "group_id": e.group_id,
+                "outcome": e.outcome,
+                "num_steps": e.num_steps,
+                "policy_versions": sorted(set(e.policy_versions)),
+                "purpose": g["purpose"] if g else None,
+                "accuracy": None,
+                "learner_version": None,
+            },
+            self.limit,
+        )
 
     def scheduled(self, e: TaskScheduled) -> None:
         _bounded_put(self.groups, e.group_id, {"purpose": e.purpose, "trajectories": []}, 2 * self.limit)

@@ -208,8 +208,7 @@ class Agent:
         control = await self.bus.serve_control(self.agent_id, self._on_control)
         lost = await self.bus.watch_lost_deliveries(self.source)
         drain = self.cfg.agent.drain_timeout_s
-        self._consumers = [Consumer(self.bus, s, self.source, drain_timeout_s=drain)
-                           for s in self.subscriptions()]
+        self._consumers = [Consumer(self.bus, s, self.source, drain_timeout_s=drain) for s in self.subscriptions()]
         failure: BaseException | None = None
         try:
             self.state = "running"
@@ -219,8 +218,10 @@ class Agent:
                 # retried, it never takes the agent down
                 beat = tg.create_task(self._supervise("heartbeat", self._heartbeat), name=f"{self.agent_id}:heartbeat")
                 for c in self._consumers:
-                    tg.create_task(self._supervise(c.sub.durable, functools.partial(c.run, self.stopping)),
-                                   name=f"{self.agent_id}:{c.sub.durable}")
+                    tg.create_task(
+                        self._supervise(c.sub.durable, functools.partial(c.run, self.stopping)),
+                        name=f"{self.agent_id}:{c.sub.durable}",
+                    )
                 main = tg.create_task(self._supervise("main", self._main_once), name=f"{self.agent_id}:main")
                 tg.create_task(self._end_when_stopped([beat, main]), name=f"{self.agent_id}:stop")
         except BaseException as exc:
@@ -261,8 +262,15 @@ class Agent:
             except Exception as exc:
                 recent = budget.crash()
                 self.counters[f"restarts.{name}"] += 1
-                self.log.error("agent.task_crashed", task=name, restarts=self.counters[f"restarts.{name}"],
-                               recent=recent, window_s=ac.restart_window_s, error=repr(exc), exc_info=exc)
+                self.log.error(
+                    "agent.task_crashed",
+                    task=name,
+                    restarts=self.counters[f"restarts.{name}"],
+                    recent=recent,
+                    window_s=ac.restart_window_s,
+                    error=repr(exc),
+                    exc_info=exc,
+                )
                 if budget.exhausted:
                     self.stop()
                     raise AgentFailed(self.agent_id, recent, exc) from exc
@@ -274,9 +282,17 @@ class Agent:
             await self._report()
 
     async def _report(self, detail: str | None = None) -> None:
-        await self.bus.publish(self.event(
-            AgentStatus, agent_id=self.agent_id, role=self.role, state=self.state,
-            uptime_s=self.uptime_s, counters=self.snapshot_counters(), detail=detail))
+        await self.bus.publish(
+            self.event(
+                AgentStatus,
+                agent_id=self.agent_id,
+                role=self.role,
+                state=self.state,
+                uptime_s=self.uptime_s,
+                counters=self.snapshot_counters(),
+                detail=detail,
+            )
+        )
 
     async def _on_control(self, request: ControlRequest) -> ControlReply:
         if request.command == "pause":
@@ -286,13 +302,18 @@ class Agent:
         elif request.command == "stop":
             self.stop()
             self.state = "draining"
-        return ControlReply(agent_id=self.agent_id, role=self.role, state=self.state,
-                            uptime_s=self.uptime_s, counters=self.snapshot_counters())
+        return ControlReply(
+            agent_id=self.agent_id,
+            role=self.role,
+            state=self.state,
+            uptime_s=self.uptime_s,
+            counters=self.snapshot_counters(),
+        )
 
 
-
-async def run_agents(agents: Iterable[Agent], *, handle_signals: bool = True,
-                     until: asyncio.Event | None = None) -> None:
+async def run_agents(
+    agents: Iterable[Agent], *, handle_signals: bool = True, until: asyncio.Event | None = None
+) -> None:
     """Run agents side by side in one event loop; SIGINT/SIGTERM or ``until`` stops them all."""
     agents = list(agents)
     loop = asyncio.get_running_loop()
@@ -313,6 +334,7 @@ async def run_agents(agents: Iterable[Agent], *, handle_signals: bool = True,
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(a.run(), name=a.agent_id) for a in agents]
             if until is not None:
+
                 async def watch() -> None:
                     await first_completed(until.wait(), asyncio.wait(tasks))
                     stop_all()

@@ -45,8 +45,13 @@ async def unless_set(event: asyncio.Event, aw: Awaitable[Any]) -> bool:
     return True
 
 
-async def drain(tasks: Iterable[asyncio.Task[Any]], timeout_s: float, connected: Callable[[], bool],
-                grace_s: float = 1.0, poll_s: float = 0.1) -> set[asyncio.Task[Any]]:
+async def drain(
+    tasks: Iterable[asyncio.Task[Any]],
+    timeout_s: float,
+    connected: Callable[[], bool],
+    grace_s: float = 1.0,
+    poll_s: float = 0.1,
+) -> set[asyncio.Task[Any]]:
     """Give ``tasks`` up to ``timeout_s`` to finish, but only ``grace_s`` while ``connected()`` says the
     bus is gone (nothing they wait for can arrive then: their work is redelivered instead); returns
     those still running (the caller cancels them). A stop is honoured within about ``grace_s`` when

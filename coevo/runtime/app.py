@@ -49,8 +49,15 @@ class NatsEndpoint:
 
 
 @asynccontextmanager
-async def nats_endpoint(url: str | None, store: Path, *, run_id: str | None = None, binary: str = "nats-server",
-                        max_payload: int = 8 * 1024 * 1024, existing: bool = False) -> AsyncIterator[NatsEndpoint]:
+async def nats_endpoint(
+    url: str | None,
+    store: Path,
+    *,
+    run_id: str | None = None,
+    binary: str = "nats-server",
+    max_payload: int = 8 * 1024 * 1024,
+    existing: bool = False,
+) -> AsyncIterator[NatsEndpoint]:
     """``url`` as given; without one, an embedded server over ``store``, stopped on exit. For a run
     (``run_id``) it requires credentials: a user per role with that run's permissions, and ``admin``
     (whose file the endpoint names); without a run (benches of the bare server) it takes anyone on loopback.
@@ -61,20 +68,33 @@ async def nats_endpoint(url: str | None, store: Path, *, run_id: str | None = No
         return
     if existing and not (store / "jetstream").exists():
         where = f"run {run_id!r} " if run_id else ""
-        raise ConfigError(f"no {where}event store at {store}: pass the --runs-dir that holds the run (now "
-                          f"{store.parent.parent}), or --nats URL for a run on a server", field="run.runs_dir")
+        raise ConfigError(
+            f"no {where}event store at {store}: pass the --runs-dir that holds the run (now "
+            f"{store.parent.parent}), or --nats URL for a run on a server",
+            field="run.runs_dir",
+        )
     users = role_users(credentials_dir(store), (run_id,)) if run_id is not None else None
     async with EmbeddedServer(store, binary=binary, max_payload=max_payload, auth=users) as server:
         assert server.url is not None
-        structlog.get_logger("coevo.runtime").info("nats.embedded_started", url=server.url, store=str(store),
-                                                   credentials=str(credentials_dir(store)) if users else None)
+        structlog.get_logger("coevo.runtime").info(
+            "nats.embedded_started",
+            url=server.url,
+            store=str(store),
+            credentials=str(credentials_dir(store)) if users else None,
+        )
         yield NatsEndpoint(server.url, users.credentials[ADMIN].path if users else None)
 
 
 @asynccontextmanager
-async def open_bus(run_id: str, *, url: str | None = None, store: Path | None = None,
-                   cfg: CoevoConfig | None = None, name: str = "coevo", existing: bool = False,
-                   ) -> AsyncIterator[NatsBus]:
+async def open_bus(
+    run_id: str,
+    *,
+    url: str | None = None,
+    store: Path | None = None,
+    cfg: CoevoConfig | None = None,
+    name: str = "coevo",
+    existing: bool = False,
+) -> AsyncIterator[NatsBus]:
     """The one way to reach a run's bus: on ``url``, or on an embedded server over ``store`` (as its
     admin: the run's stream, buckets and object store exist once this yields).
 
@@ -83,10 +103,17 @@ async def open_bus(run_id: str, *, url: str | None = None, store: Path | None = 
     cfg = cfg or CoevoConfig()
     if url is None and store is None:
         raise ValueError("open_bus needs a NATS url or a store directory for an embedded server")
-    async with nats_endpoint(url, store or Path(), run_id=run_id, binary=cfg.nats.server_binary, existing=existing,
-                             max_payload=max(cfg.stream.max_msg_size, 1024 * 1024)) as endpoint:
-        bus = await NatsBus.connect(endpoint.url, run_id, nats_cfg=endpoint.nats_config(cfg.nats), bus=cfg.bus,
-                                    stream=cfg.stream, name=name)
+    async with nats_endpoint(
+        url,
+        store or Path(),
+        run_id=run_id,
+        binary=cfg.nats.server_binary,
+        existing=existing,
+        max_payload=max(cfg.stream.max_msg_size, 1024 * 1024),
+    ) as endpoint:
+        bus = await NatsBus.connect(
+            endpoint.url, run_id, nats_cfg=endpoint.nats_config(cfg.nats), bus=cfg.bus, stream=cfg.stream, name=name
+        )
         try:
             if bus.manages and not existing:  # reading a run creates nothing
                 await bus.provision()

@@ -31,40 +31,32 @@ from coevo.config import BusConfig, NatsConfig, StreamConfig
 from coevo.errors import BusError, ClaimError, PayloadUnavailable
 from coevo.runtime import claims
 from coevo.runtime.aio import drain
-from coevo.runtime.credentials import (
-    ADMIN,
-    KV_BUCKETS,
-    inbox_prefix,
-    payload_buckets,
-    read_credential,
-)
+from coevo.runtime.credentials import ADMIN, KV_BUCKETS, inbox_prefix, payload_buckets, read_credential
 from coevo.runtime.history import History
 from coevo.runtime.kv import Bucket
 from coevo.runtime.publishing import MSG_ID, Publisher
 from coevo.runtime.pull import Puller
 from coevo.runtime.rpc import Rpc
-from coevo.schemas import (
-    Event,
-    decode,
-    events_prefix,
-    kind_from_subject,
-    kind_of,
-    new_id,
-    subject_for,
-)
+from coevo.schemas import Event, decode, events_prefix, kind_from_subject, kind_of, new_id, subject_for
 
 log = structlog.get_logger("coevo.bus")
-
 
 
 def stored_id(msg: Msg) -> str | None:
     """The event id a stored message was published under (its deduplication id), read without
     decoding the payload or following its claim."""
     return (msg.headers or {}).get(MSG_ID)
+
+
 CLAIM_READS = 4
 """tries at a claimed object within one decode (0.1, 0.2, 0.4 s apart) before PayloadUnavailable"""
-TRANSIENT = (BusError, nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
-             nats.js.errors.ServiceUnavailableError)
+TRANSIENT = (
+    BusError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.js.errors.ServiceUnavailableError,
+)
 """what the bus raises while a node is down, a partition lasts or a leader is elected: try again later"""
 UNANSWERED_S = 3.0
 """publishes unacknowledged this long, none acknowledged meanwhile: the server does not answer"""
@@ -117,9 +109,9 @@ async def connect_nats(cfg: NatsConfig, url: str, name: str = "coevo") -> NATS:
     # the first connection is bounded: nats-py would otherwise retry a refused one (wrong token) for ever
     first = max(30.0, 6 * cfg.connect_timeout_s)
     try:
-        return await asyncio.wait_for(nats.connect(
-            error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, **opts
-        ), first)
+        return await asyncio.wait_for(
+            nats.connect(error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, **opts), first
+        )
     except TimeoutError:
         last = f" (last error: {errors[-1]!r})" if errors else ""
         raise BusError(f"cannot connect to NATS at {url} within {first:.0f} s{last}") from None
@@ -153,9 +145,7 @@ class NatsBus(Publisher, History, Rpc):
     (``coevo.runtime.history``), request-reply (``coevo.runtime.rpc``), typed KV (``coevo.runtime.kv``);
     here: the connection and stream, decoding (claims), consumers and dead letters."""
 
-    def __init__(
-        self, nc: NATS, run_id: str, bus: BusConfig, stream: StreamConfig | None = None
-    ) -> None:
+    def __init__(self, nc: NATS, run_id: str, bus: BusConfig, stream: StreamConfig | None = None) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(timeout=bus.publish_ack_timeout_s)
         self.run_id = run_id
@@ -214,15 +204,24 @@ class NatsBus(Publisher, History, Rpc):
             info = await self.js.stream_info(self.stream)
         except nats.js.errors.NotFoundError:
             if not self.manages:
-                raise BusError(f"run {self.run_id} has no stream yet, and a role may not create one: start the run "
-                               f"first (coevo run, or coevo server --run-id {self.run_id})") from None
+                raise BusError(
+                    f"run {self.run_id} has no stream yet, and a role may not create one: start the run "
+                    f"first (coevo run, or coevo server --run-id {self.run_id})"
+                ) from None
             return await self.js.add_stream(config)
-        if info.config.subjects != config.subjects or info.config.max_age != config.max_age or \
-                info.config.max_bytes != config.max_bytes or info.config.duplicate_window != \
-                config.duplicate_window or info.config.max_msg_size != config.max_msg_size:
+        if (
+            info.config.subjects != config.subjects
+            or info.config.max_age != config.max_age
+            or info.config.max_bytes != config.max_bytes
+            or info.config.duplicate_window != config.duplicate_window
+            or info.config.max_msg_size != config.max_msg_size
+        ):
             if not self.manages:  # the admin's limits hold, the message size included (claims start below it)
-                log.warning("bus.stream_config_differs", stream=self.stream,
-                            detail="the run's admin set other stream limits; a role keeps them")
+                log.warning(
+                    "bus.stream_config_differs",
+                    stream=self.stream,
+                    detail="the run's admin set other stream limits; a role keeps them",
+                )
                 self.stream_cfg = self.stream_cfg.model_copy(update={"max_msg_size": info.config.max_msg_size})
                 return info
             return await self.js.update_stream(config)
@@ -308,8 +307,9 @@ class NatsBus(Publisher, History, Rpc):
 
     # ---- consume -----------------------------------------------------------------------------
 
-    def consumer_config(self, durable: str, kinds: Iterable[str], *, deliver: str = "all",
-                        ephemeral: bool = False) -> api.ConsumerConfig:
+    def consumer_config(
+        self, durable: str, kinds: Iterable[str], *, deliver: str = "all", ephemeral: bool = False
+    ) -> api.ConsumerConfig:
         subjects = sorted(subject_for(self.run_id, k) for k in kinds)
         return api.ConsumerConfig(
             durable_name=None if ephemeral else durable,
@@ -325,15 +325,17 @@ class NatsBus(Publisher, History, Rpc):
             filter_subject=subjects[0] if len(subjects) == 1 else None,
         )
 
-    async def pull_subscription(self, durable: str, kinds: Iterable[str], *, deliver: str = "all",
-                                ephemeral: bool = False) -> Any:
+    async def pull_subscription(
+        self, durable: str, kinds: Iterable[str], *, deliver: str = "all", ephemeral: bool = False
+    ) -> Any:
         """Create or update the durable consumer, then bind nats-py's pull subscription to it (tools
         and tests; agents consume through ``puller``)."""
         await self._ensure_consumer(durable, kinds, deliver=deliver, ephemeral=ephemeral)
         return await self.js.pull_subscribe_bind(durable=durable, stream=self.stream)
 
-    async def puller(self, durable: str, kinds: Iterable[str], *, deliver: str = "all",
-                     ephemeral: bool = False) -> Puller:
+    async def puller(
+        self, durable: str, kinds: Iterable[str], *, deliver: str = "all", ephemeral: bool = False
+    ) -> Puller:
         """Create or update the durable consumer, then a ``Puller`` that fetches its batches."""
         await self._ensure_consumer(durable, kinds, deliver=deliver, ephemeral=ephemeral)
         return await Puller(self.nc, self.stream, durable).start()
@@ -349,14 +351,29 @@ class NatsBus(Publisher, History, Rpc):
         delivered = msg.metadata.num_delivered if msg.reply else 0
         await self._store_dead_letter(source, msg.subject, msg.data, msg.headers, consumer, reason, delivered)
 
-    async def _store_dead_letter(self, source: Any, subject: str, data: bytes | None, headers: Any, consumer: str,
-                                 reason: str, delivered: int, event_id: str | None = None) -> None:
+    async def _store_dead_letter(
+        self,
+        source: Any,
+        subject: str,
+        data: bytes | None,
+        headers: Any,
+        consumer: str,
+        reason: str,
+        delivered: int,
+        event_id: str | None = None,
+    ) -> None:
         """A ``DeadLettered`` event holding the message's bytes and the reason, stored before returning."""
         from coevo.schemas import DeadLettered
 
         event = DeadLettered(
-            event_id=event_id or new_id(), run_id=self.run_id, source=source, original_subject=subject, consumer=consumer,
-            reason=reason[:4000], raw=bytes(data or b""), delivery_count=delivered,
+            event_id=event_id or new_id(),
+            run_id=self.run_id,
+            source=source,
+            original_subject=subject,
+            consumer=consumer,
+            reason=reason[:4000],
+            raw=bytes(data or b""),
+            delivery_count=delivered,
             headers={k: str(v) for k, v in (headers or {}).items()},
         )
         await self.publish_sync(event)
@@ -384,9 +401,15 @@ class NatsBus(Publisher, History, Rpc):
                 log.warning("bus.lost_delivery_unrecoverable", error=repr(exc)[:300])
                 return
             await self._store_dead_letter(
-                source, stored.subject or "", stored.data, stored.headers, consumer,
-                f"delivered {n} times without an outcome: its consumer died or stopped while handling it", n,
-                event_id=f"lost-{consumer}-{seq}")
+                source,
+                stored.subject or "",
+                stored.data,
+                stored.headers,
+                consumer,
+                f"delivered {n} times without an outcome: its consumer died or stopped while handling it",
+                n,
+                event_id=f"lost-{consumer}-{seq}",
+            )
 
         subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream}.*"
         return await self.nc.subscribe(subject, queue=f"coevo-lost-{self.run_id}", cb=on_advisory)
@@ -409,5 +432,9 @@ class NatsBus(Publisher, History, Rpc):
         try:
             return Bucket(await self.js.key_value(bucket), bucket)
         except nats.js.errors.BucketNotFoundError:
-            return Bucket(await self.js.create_key_value(bucket=bucket, storage=api.StorageType.FILE, history=1,
-                                                         replicas=self.stream_cfg.replicas), bucket)
+            return Bucket(
+                await self.js.create_key_value(
+                    bucket=bucket, storage=api.StorageType.FILE, history=1, replicas=self.stream_cfg.replicas
+                ),
+                bucket,
+            )

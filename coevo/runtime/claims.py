@@ -97,14 +97,22 @@ async def put(js: Any, bucket: str, event_id: str, payload: bytes) -> Claim:
     except nats.js.errors.NotFoundError:
         pass
     nuid = uuid.uuid4().hex
-    chunks = [payload[i:i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
+    chunks = [payload[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
     for chunk in chunks:
         await js.publish(f"$O.{bucket}.C.{nuid}", chunk)
-    info = api.ObjectInfo(name=claim.key, bucket=bucket, nuid=nuid, size=len(payload), chunks=len(chunks),
-                          digest=_object_digest(payload), mtime=datetime.now(UTC).isoformat(),
-                          options=api.ObjectMetaOptions(max_chunk_size=CHUNK_BYTES))
-    await js.publish(_meta_subject(bucket, claim.key), json.dumps(info.as_dict()).encode(),
-                     headers={api.Header.ROLLUP: "sub"})
+    info = api.ObjectInfo(
+        name=claim.key,
+        bucket=bucket,
+        nuid=nuid,
+        size=len(payload),
+        chunks=len(chunks),
+        digest=_object_digest(payload),
+        mtime=datetime.now(UTC).isoformat(),
+        options=api.ObjectMetaOptions(max_chunk_size=CHUNK_BYTES),
+    )
+    await js.publish(
+        _meta_subject(bucket, claim.key), json.dumps(info.as_dict()).encode(), headers={api.Header.ROLLUP: "sub"}
+    )
     return claim
 
 

@@ -109,7 +109,12 @@ def backoff(delays: list[float], attempt: int) -> float:
 
 class Consumer:
     def __init__(
-        self, bus: NatsBus, sub: Subscription, source: Source, *, cfg: BusConfig | None = None,
+        self,
+        bus: NatsBus,
+        sub: Subscription,
+        source: Source,
+        *,
+        cfg: BusConfig | None = None,
         drain_timeout_s: float = 3.0,
     ) -> None:
         self.bus = bus
@@ -136,8 +141,9 @@ class Consumer:
 
         async def open_pullers() -> None:
             for _ in range(self.concurrency):
-                subs.append(await self.bus.puller(name, self.sub.kinds, deliver=self.sub.deliver,
-                                                  ephemeral=not self.sub.shared))
+                subs.append(
+                    await self.bus.puller(name, self.sub.kinds, deliver=self.sub.deliver, ephemeral=not self.sub.shared)
+                )
 
         try:
             # a stop while the consumer is created ends it at once (the request can take its full
@@ -145,8 +151,10 @@ class Consumer:
             if not await unless_set(stop, open_pullers()):
                 return
             async with asyncio.TaskGroup() as tg:
-                workers = [tg.create_task(self._worker(ps, per_worker, stop), name=f"{self.sub.durable}:w{i}")
-                           for i, ps in enumerate(subs)]
+                workers = [
+                    tg.create_task(self._worker(ps, per_worker, stop), name=f"{self.sub.durable}:w{i}")
+                    for i, ps in enumerate(subs)
+                ]
                 keepalive = tg.create_task(self._keepalive(), name=f"{self.sub.durable}:keepalive")
                 await first_completed(stop.wait(), asyncio.wait(workers))
                 for task in await drain(workers, self.drain_timeout_s, self.bus.connected):
@@ -183,7 +191,7 @@ class Consumer:
                     try:
                         await self._handle(msg)
                     except asyncio.CancelledError:
-                        await self._release(msgs[i + 1:])
+                        await self._release(msgs[i + 1 :])
                         raise
                     finally:
                         self._held.pop(id(msg), None)
@@ -222,14 +230,18 @@ class Consumer:
                 return await self.bus.decode_msg(msg)
             except PayloadUnavailable as exc:
                 self.stats.retried += 1
-                log.warning("consumer.payload_unavailable", error=str(exc)[:300], consumer=self.sub.durable,
-                            delivered=delivered)
+                log.warning(
+                    "consumer.payload_unavailable", error=str(exc)[:300], consumer=self.sub.durable, delivered=delivered
+                )
                 if delivered < self.cfg.max_deliver:
                     await msg.nak(delay=backoff(self.cfg.nak_backoff_s, delivered))
                     return None
                 if time.monotonic() + pause > deadline:
-                    await self._dead_letter(msg, f"claimed payload unreadable on {delivered} deliveries and for "
-                                                 f"{self.cfg.payload_wait_s:.0f} s more: {exc}")
+                    await self._dead_letter(
+                        msg,
+                        f"claimed payload unreadable on {delivered} deliveries and for "
+                        f"{self.cfg.payload_wait_s:.0f} s more: {exc}",
+                    )
                     return None
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 10.0)
@@ -263,16 +275,17 @@ class Consumer:
         except Retry as r:
             self.stats.retried += 1
             delivered = msg.metadata.num_delivered
-            await msg.nak(delay=r.delay_s if r.delay_s is not None else
-                          backoff(self.cfg.nak_backoff_s, delivered))
-            log.info("handler.retry", reason=str(r), event_id=event.event_id, consumer=self.sub.durable,
-                     delivered=delivered)
+            await msg.nak(delay=r.delay_s if r.delay_s is not None else backoff(self.cfg.nak_backoff_s, delivered))
+            log.info(
+                "handler.retry", reason=str(r), event_id=event.event_id, consumer=self.sub.durable, delivered=delivered
+            )
         except Reject as r:
             await self._dead_letter(msg, f"rejected: {r}")
         except PublishError as exc:  # outputs not stored: redeliver (reruns dedupe by derived ids)
             self.stats.unconfirmed += 1
-            log.warning("handler.outputs_not_stored", error=str(exc), event_id=event.event_id,
-                        consumer=self.sub.durable)
+            log.warning(
+                "handler.outputs_not_stored", error=str(exc), event_id=event.event_id, consumer=self.sub.durable
+            )
             await msg.nak(delay=backoff(self.cfg.nak_backoff_s, msg.metadata.num_delivered))
         except Exception as exc:
             self.stats.crashed += 1
@@ -280,8 +293,13 @@ class Consumer:
             if delivered >= self.cfg.max_deliver:
                 await self._dead_letter(msg, f"handler crashed {delivered} times: {exc!r}")
             else:
-                log.warning("handler.crashed", error=repr(exc), event_id=event.event_id,
-                            consumer=self.sub.durable, delivered=delivered)
+                log.warning(
+                    "handler.crashed",
+                    error=repr(exc),
+                    event_id=event.event_id,
+                    consumer=self.sub.durable,
+                    delivered=delivered,
+                )
                 await msg.nak(delay=backoff(self.cfg.nak_backoff_s, delivered))
         else:
             await msg.ack()
@@ -293,7 +311,5 @@ class Consumer:
         self.stats.dead_lettered += 1
 
 
-
 def _short(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
-

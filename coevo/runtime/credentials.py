@@ -57,8 +57,10 @@ EVERY_ROLE_EMITS = ("agent.status", "dead.lettered")
 KV_BUCKETS = ("tasks", "judgetests", "llmcache_judge", "llmcache_tasks")
 """Every key-value bucket of a run (``NatsBus.kv``); ``admin`` creates them up front. Each LLM
 client caches in its own role's bucket: a shared cache would let one role plant another's answers."""
-KV_WRITERS: dict[str, tuple[str, ...]] = {"tasks": ("tasks", "llmcache_tasks"),
-                                          "judge": ("judgetests", "llmcache_judge")}
+KV_WRITERS: dict[str, tuple[str, ...]] = {
+    "tasks": ("tasks", "llmcache_tasks"),
+    "judge": ("judgetests", "llmcache_judge"),
+}
 REQUESTS: dict[str, tuple[str, ...]] = {"policy": ("weights", "env"), "judge": ("weights",)}
 SERVES: dict[str, tuple[str, ...]] = {"learner": ("weights",), "env": ("env",)}
 PURGES_STREAM = ("retention",)
@@ -84,8 +86,11 @@ def payload_buckets(run_id: str) -> tuple[str, ...]:
 
 def run_streams(run_id: str) -> tuple[str, ...]:
     """Every JetStream stream of a run: its events, its key-value buckets, its object stores."""
-    return (f"COEVO_{run_id}", *(kv_stream(run_id, b) for b in KV_BUCKETS),
-            *(f"OBJ_{b}" for b in payload_buckets(run_id)))
+    return (
+        f"COEVO_{run_id}",
+        *(kv_stream(run_id, b) for b in KV_BUCKETS),
+        *(f"OBJ_{b}" for b in payload_buckets(run_id)),
+    )
 
 
 @dataclass(frozen=True)
@@ -99,8 +104,10 @@ class Permissions:
             return ", ".join(json.dumps(x) for x in xs)
 
         responses = ", allow_responses: true" if self.allow_responses else ""
-        return (f"permissions: {{ publish: {{ allow: [{subjects(self.publish)}] }}, "
-                f"subscribe: {{ allow: [{subjects(self.subscribe)}] }}{responses} }}")
+        return (
+            f"permissions: {{ publish: {{ allow: [{subjects(self.publish)}] }}, "
+            f"subscribe: {{ allow: [{subjects(self.subscribe)}] }}{responses} }}"
+        )
 
 
 ADMIN_PERMISSIONS = Permissions(publish=(">",), subscribe=(">",), allow_responses=False)
@@ -121,11 +128,20 @@ def role_permissions(run_id: str, role: str) -> Permissions:
     publish = [subject_for(run_id, k) for k in kinds]
     publish += ["$JS.API.INFO", f"$JS.ACK.{stream}.>", f"$O.{own}.>"]
     for s in run_streams(run_id):  # read them, and run consumers on them (pull, ordered, ephemeral)
-        publish += [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}",
-                    f"$JS.API.DIRECT.GET.{s}.>", f"$JS.API.CONSUMER.CREATE.{s}", f"$JS.API.CONSUMER.CREATE.{s}.>",
-                    f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.*", f"$JS.API.CONSUMER.INFO.{s}.*",
-                    f"$JS.API.CONSUMER.MSG.NEXT.{s}.*", f"$JS.API.CONSUMER.DELETE.{s}.*",
-                    f"$JS.API.CONSUMER.LIST.{s}", f"$JS.API.CONSUMER.NAMES.{s}"]
+        publish += [
+            f"$JS.API.STREAM.INFO.{s}",
+            f"$JS.API.STREAM.MSG.GET.{s}",
+            f"$JS.API.DIRECT.GET.{s}",
+            f"$JS.API.DIRECT.GET.{s}.>",
+            f"$JS.API.CONSUMER.CREATE.{s}",
+            f"$JS.API.CONSUMER.CREATE.{s}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.*",
+            f"$JS.API.CONSUMER.INFO.{s}.*",
+            f"$JS.API.CONSUMER.MSG.NEXT.{s}.*",
+            f"$JS.API.CONSUMER.DELETE.{s}.*",
+            f"$JS.API.CONSUMER.LIST.{s}",
+            f"$JS.API.CONSUMER.NAMES.{s}",
+        ]
     publish += [f"$KV.coevo_{run_id}_{b}.>" for b in KV_WRITERS.get(role, ())]
     publish += [_service_subject(run_id, s) for s in REQUESTS.get(role, ())]
     if role in PURGES_STREAM:
@@ -186,14 +202,19 @@ def read_credential(path: Path) -> Credential:
         data = json.loads(path.read_text())
         user, password = str(data["user"]), str(data["password"])
     except OSError as exc:
-        raise ConfigError(f"nats.credentials_file {path}: cannot read it ({exc.strerror})",
-                          field="nats.credentials_file") from None
+        raise ConfigError(
+            f"nats.credentials_file {path}: cannot read it ({exc.strerror})", field="nats.credentials_file"
+        ) from None
     except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"nats.credentials_file {path}: not a coevo credentials file "
-                          '({"user": ..., "password": ...})', field="nats.credentials_file") from None
+        raise ConfigError(
+            f'nats.credentials_file {path}: not a coevo credentials file ({{"user": ..., "password": ...}})',
+            field="nats.credentials_file",
+        ) from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"nats.credentials_file {path}: readable by others (mode {stat.filemode(mode)}); "
-                          f"chmod 600 {path}", field="nats.credentials_file")
+        raise ConfigError(
+            f"nats.credentials_file {path}: readable by others (mode {stat.filemode(mode)}); chmod 600 {path}",
+            field="nats.credentials_file",
+        )
     return Credential(user, password, path)
 
 
@@ -228,9 +249,11 @@ class RoleUsers:
     credentials: dict[str, Credential] = field(repr=False)
 
     def conf(self) -> str:
-        users = [f"    {{ user: {json.dumps(c.user)}, password: {json.dumps(c.password)}, "
-                 f"{union([permissions_for(r, c.user) for r in self.run_ids]).conf()} }}"
-                 for c in self.credentials.values()]
+        users = [
+            f"    {{ user: {json.dumps(c.user)}, password: {json.dumps(c.password)}, "
+            f"{union([permissions_for(r, c.user) for r in self.run_ids]).conf()} }}"
+            for c in self.credentials.values()
+        ]
         return "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"
 
 

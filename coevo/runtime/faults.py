@@ -83,8 +83,9 @@ def parse(text: str) -> dict[str, Rule]:
     for point, spec in raw.items():
         unknown = set(spec) - known if isinstance(spec, dict) else {"(not an object)"}
         if unknown:
-            raise ConfigError(f"{ENV}: unknown field(s) {sorted(unknown)} for {point!r} (known: {sorted(known)})",
-                              f"{ENV}.{point}")
+            raise ConfigError(
+                f"{ENV}: unknown field(s) {sorted(unknown)} for {point!r} (known: {sorted(known)})", f"{ENV}.{point}"
+            )
         rules[point] = Rule(**spec)
     return rules
 

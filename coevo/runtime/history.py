@@ -60,7 +60,11 @@ class History:
         return info.state.last_seq
 
     async def history(
-        self, kinds: Iterable[str] | None = None, start_seq: int = 1, end_seq: int | None = None, *,
+        self,
+        kinds: Iterable[str] | None = None,
+        start_seq: int = 1,
+        end_seq: int | None = None,
+        *,
         undecoded: Iterable[str] = (),
     ) -> AsyncIterator[tuple[int, Event | None, Msg]]:
         """Every stored event (or those of ``kinds``) in order, up to ``end_seq`` (default: now).
@@ -72,18 +76,8 @@ class History:
         end = end_seq if end_seq is not None else await self.last_sequence()
         if end < start_seq:
             return
-        subjects = [subject_for(self.run_id, k) for k in kinds] if kinds else [f"{events_prefix(self.run_id)}.>"]
-        config = api.ConsumerConfig(
-            ack_policy=api.AckPolicy.NONE,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=start_seq,
-            filter_subjects=subjects if len(subjects) > 1 else None,
-            filter_subject=subjects[0] if len(subjects) == 1 else None,
-            inactive_threshold=30.0,
-            max_ack_pending=-1,
-        )
-        name = config.name = f"history_{new_id()[:16]}"
-        await self.js.add_consumer(self.stream, config)
+        name = f"history_{new_id()[:16]}"
+        await self.js.add_consumer(self.stream, self._reader_config(name, kinds, start_seq))
         sub = await Puller(self.nc, self.stream, name).start()
         try:
             if (await self.js.consumer_info(self.stream, name)).num_pending == 0:
@@ -119,8 +113,23 @@ class History:
             with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
                 await self.js.delete_consumer(self.stream, name)
 
-    async def _history_done(self, consumer: str, stalled_since: float, end: int, read: int,
-                            stall_s: float = 60.0) -> bool:
+    def _reader_config(self, name: str, kinds: Iterable[str] | None, start_seq: int) -> api.ConsumerConfig:
+        """An ephemeral consumer that acknowledges nothing, from ``start_seq``, of ``kinds`` (default: all)."""
+        subjects = [subject_for(self.run_id, k) for k in kinds] if kinds else [f"{events_prefix(self.run_id)}.>"]
+        return api.ConsumerConfig(
+            name=name,
+            ack_policy=api.AckPolicy.NONE,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start_seq,
+            filter_subjects=subjects if len(subjects) > 1 else None,
+            filter_subject=subjects[0] if len(subjects) == 1 else None,
+            inactive_threshold=30.0,
+            max_ack_pending=-1,
+        )
+
+    async def _history_done(
+        self, consumer: str, stalled_since: float, end: int, read: int, stall_s: float = 60.0
+    ) -> bool:
         """After a fetch timeout: True when nothing is left to read and everything the server
         delivered (up to ``delivered.stream_seq``) was read (``read``): a delivered message can
         still be on its way to the fetch. Raises if reading stalls for good."""
@@ -135,15 +144,26 @@ class History:
         """Convenience: the decoded events stored so far (undecodable ones skipped)."""
         return [e async for _, e, _ in self.history(kinds) if e is not None]
 
-    async def tail(self, stop: asyncio.Event, *, start_seq: int = 1, wait_s: float = 1.0,
-                   on_caught_up: Callable[[], None] | None = None) -> AsyncIterator[tuple[int, Event | None]]:
+    async def tail(
+        self,
+        stop: asyncio.Event,
+        *,
+        start_seq: int = 1,
+        wait_s: float = 1.0,
+        on_caught_up: Callable[[], None] | None = None,
+    ) -> AsyncIterator[tuple[int, Event | None]]:
         """``(sequence, event)`` from ``start_seq`` on (``event`` None: undecodable), live until ``stop``;
         ``on_caught_up`` is called whenever everything stored so far was yielded."""
         name = f"{TAIL_PREFIX}{new_id()[:16]}"
         config = api.ConsumerConfig(
-            name=name, ack_policy=api.AckPolicy.NONE,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq),
-            filter_subject=f"{events_prefix(self.run_id)}.>", inactive_threshold=60.0, max_ack_pending=-1)
+            name=name,
+            ack_policy=api.AckPolicy.NONE,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=max(1, start_seq),
+            filter_subject=f"{events_prefix(self.run_id)}.>",
+            inactive_threshold=60.0,
+            max_ack_pending=-1,
+        )
         await self.js.add_consumer(self.stream, config)
         sub = await Puller(self.nc, self.stream, name).start()
         try:

@@ -58,8 +58,10 @@ class Bucket:
         except nats.js.errors.NoKeysError:
             status = await self._kv.status()
             if status.values:
-                raise BusError(f"KV bucket {status.bucket} lists no keys but holds {status.values} entries (a "
-                               "replica catching up, or deleted keys' markers): not an empty bucket; delete the "
-                               "bucket to start afresh") from None
+                raise BusError(
+                    f"KV bucket {status.bucket} lists no keys but holds {status.values} entries (a "
+                    "replica catching up, or deleted keys' markers): not an empty bucket; delete the "
+                    "bucket to start afresh"
+                ) from None
             return []
         return keys

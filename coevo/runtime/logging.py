@@ -22,10 +22,7 @@ _SHARED: list[Any] = [
 
 
 def configure_logging(
-    run_dir: Path | None,
-    *,
-    level: str = "info",
-    console: Literal["pretty", "json", "off"] = "pretty",
+    run_dir: Path | None, *, level: str = "info", console: Literal["pretty", "json", "off"] = "pretty"
 ) -> Path | None:
     """Route structlog (and stdlib logging) to a JSON-lines file and the console."""
     structlog.configure(
@@ -44,21 +41,30 @@ def configure_logging(
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / "coevo.log.jsonl"
         fh = logging.FileHandler(path)
-        fh.setFormatter(structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=_SHARED,
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                        structlog.processors.format_exc_info,
-                        structlog.processors.JSONRenderer()],
-        ))
+        fh.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                foreign_pre_chain=_SHARED,
+                processors=[
+                    structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info,
+                    structlog.processors.JSONRenderer(),
+                ],
+            )
+        )
         root.addHandler(fh)
     if console != "off":
-        renderer: Any = (structlog.processors.JSONRenderer() if console == "json"
-                         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+        renderer: Any = (
+            structlog.processors.JSONRenderer()
+            if console == "json"
+            else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        )
         ch = logging.StreamHandler(sys.stderr)
-        ch.setFormatter(structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=_SHARED,
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
-        ))
+        ch.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                foreign_pre_chain=_SHARED,
+                processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            )
+        )
         root.addHandler(ch)
     for noisy in ("nats", "asyncio", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

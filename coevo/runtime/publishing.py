@@ -49,8 +49,6 @@ class _UnackedPublish:
     refused it or nobody answered. Set by ``publish_raw``, resolved by the ack subscription."""
 
 
-
-
 class Publisher:
     """JetStream's asynchronous publish run by the bus itself: one reply subscription, one table of
     unacknowledged publishes."""
@@ -83,8 +81,7 @@ class Publisher:
         """Publish without waiting for the ack (bounded in-flight). Returns the ack future."""
         if event.run_id != self.run_id:
             raise BusError(f"event {event.event_id} belongs to run {event.run_id}, not {self.run_id}")
-        return await self.publish_raw(subject_for(self.run_id, kind_of(event)), encode(event),
-                                      event.event_id)
+        return await self.publish_raw(subject_for(self.run_id, kind_of(event)), encode(event), event.event_id)
 
     async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> asyncio.Future[bool]:
         """Send ``payload`` with ``Nats-Msg-Id = msg_id`` and return at once; the returned future
@@ -136,7 +133,7 @@ class Publisher:
 
     async def _on_ack(self, msg: Msg) -> None:
         """JetStream's answer to one publish: a ``PubAck``, an error, or a no-responders status."""
-        pending = self._forget(msg.subject[self._acks_start:])
+        pending = self._forget(msg.subject[self._acks_start :])
         if pending is None or pending.future is None:
             return  # answered after it expired: it was published again under its id (stored once)
         data = msg.data
@@ -175,7 +172,8 @@ class Publisher:
     async def publish_sync(self, event: Event) -> api.PubAck:
         """Publish and wait for the ack (retried with the same message id)."""
         return await self.republish(
-            await self._unacked_publish(subject_for(self.run_id, kind_of(event)), encode(event), event.event_id))
+            await self._unacked_publish(subject_for(self.run_id, kind_of(event)), encode(event), event.event_id)
+        )
 
     async def _unacked_publish(self, subject: str, payload: bytes, msg_id: str) -> _UnackedPublish:
         """What goes on the wire: the payload, or a claim on it once it is in the object store."""
@@ -204,9 +202,14 @@ class Publisher:
             except nats.js.errors.BucketNotFoundError:
                 if not self.manages:
                     raise
-                self._stores[name] = await self.js.create_object_store(name, api.ObjectStoreConfig(
-                    ttl=self.stream_cfg.max_age_s, replicas=self.stream_cfg.replicas,
-                    storage=api.StorageType.FILE if self.stream_cfg.storage == "file" else api.StorageType.MEMORY))
+                self._stores[name] = await self.js.create_object_store(
+                    name,
+                    api.ObjectStoreConfig(
+                        ttl=self.stream_cfg.max_age_s,
+                        replicas=self.stream_cfg.replicas,
+                        storage=api.StorageType.FILE if self.stream_cfg.storage == "file" else api.StorageType.MEMORY,
+                    ),
+                )
         return self._stores[name]
 
     async def _expire(self, sent_before: float) -> None:
@@ -228,7 +231,7 @@ class Publisher:
             try:
                 await self.republish(pending)
             except BaseException:
-                self._failed[:0] = failed[i + 1:]
+                self._failed[:0] = failed[i + 1 :]
                 raise
 
     async def republish(self, p: _UnackedPublish) -> api.PubAck:
@@ -236,10 +239,18 @@ class Publisher:
         last: BaseException | None = None
         for attempt in range(self.cfg.publish_retries + 1):
             try:
-                ack = await self.js.publish(p.subject, p.payload, headers=p.headers or {MSG_ID: p.event_id},
-                                            timeout=self.cfg.publish_ack_timeout_s)
-            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError,
-                    nats.errors.ConnectionReconnectingError, nats.js.errors.APIError) as exc:
+                ack = await self.js.publish(
+                    p.subject,
+                    p.payload,
+                    headers=p.headers or {MSG_ID: p.event_id},
+                    timeout=self.cfg.publish_ack_timeout_s,
+                )
+            except (
+                nats.errors.TimeoutError,
+                nats.js.errors.NoStreamResponseError,
+                nats.errors.ConnectionReconnectingError,
+                nats.js.errors.APIError,
+            ) as exc:
                 last = exc  # APIError: refused by the stream (full, message too large): try again, then fail
                 await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
                 continue
@@ -260,7 +271,6 @@ class Publisher:
     @property
     def inflight(self) -> int:
         return len(self._unacked)
-
 
 
 def _ack_error(data: bytes) -> str | None:

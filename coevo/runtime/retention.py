@@ -64,8 +64,9 @@ def aged_sequence(marks: Iterable[tuple[float, int]], now: float, min_age_s: flo
     return max((seq for t, seq in marks if t <= now - min_age_s), default=0)
 
 
-def purge_below(size: StreamSize, floors: Iterable[ConsumerFloor], aged_seq: int, retain_bytes: int,
-                headroom: float) -> int:
+def purge_below(
+    size: StreamSize, floors: Iterable[ConsumerFloor], aged_seq: int, retain_bytes: int, headroom: float
+) -> int:
     """The sequence to purge below (JetStream purge ``seq``: messages < it go), or 0 for nothing."""
     if retain_bytes <= 0 or size.bytes <= retain_bytes or size.messages == 0:
         return 0
@@ -89,8 +90,14 @@ class RetentionAgent(Agent):
 
     role: ClassVar[str] = "retention"
 
-    def __init__(self, bus: NatsBus, cfg: CoevoConfig, *, agent_id: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        bus: NatsBus,
+        cfg: CoevoConfig,
+        *,
+        agent_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(bus, cfg, agent_id=agent_id)
         self.clock = clock
         self.marks: deque[tuple[float, int]] = deque()
@@ -113,8 +120,11 @@ class RetentionAgent(Agent):
         self.marks.append((now, size.last_seq))
         while len(self.marks) > 1 and self.marks[1][0] <= now - s.retain_min_age_s:
             self.marks.popleft()  # the newest mark old enough is all that is needed
-        floors = [f for info in await self.bus.js.consumers_info(self.bus.stream)
-                  if (f := consumer_floor(info, size.last_seq)) is not None]
+        floors = [
+            f
+            for info in await self.bus.js.consumers_info(self.bus.stream)
+            if (f := consumer_floor(info, size.last_seq)) is not None
+        ]
         aged = aged_sequence(self.marks, now, s.retain_min_age_s)
         below = purge_below(size, floors, aged, s.retain_bytes, s.retain_headroom)
         wanted = purge_below(size, [], size.last_seq, s.retain_bytes, s.retain_headroom)

@@ -77,9 +77,7 @@ class Rpc:
             raise BusError(f"{subject}: {json.loads(msg.data)['error']}")
         return reply_type.model_validate_json(msg.data)
 
-    async def serve_control(
-        self, agent_id: str, handler: Callable[[ControlRequest], Awaitable[ControlReply]]
-    ) -> Any:
+    async def serve_control(self, agent_id: str, handler: Callable[[ControlRequest], Awaitable[ControlReply]]) -> Any:
         return await self.serve(control_subject(self.run_id, agent_id), ControlRequest, handler)
 
     async def control(self, agent_id: str, command: str, timeout_s: float = 5.0) -> ControlReply:

@@ -143,8 +143,9 @@ class ClusterRoutes:
         return f"cluster {{ name: {_q(self.name)}, listen: {_q(self.listen)}, routes: [{routes}] }}\n"
 
 
-def _wait_for_log(path: Path, pattern: re.Pattern[str], proc: subprocess.Popen[bytes], deadline: float,
-                  ) -> re.Match[str] | None:
+def _wait_for_log(
+    path: Path, pattern: re.Pattern[str], proc: subprocess.Popen[bytes], deadline: float
+) -> re.Match[str] | None:
     """The first match of ``pattern`` in the server's log, once it is there (None past ``deadline``)."""
     while time.monotonic() < deadline:
         text = path.read_text(errors="replace")
@@ -259,8 +260,18 @@ class EmbeddedServer(_Lifecycle):
         self.pid_path.unlink(missing_ok=True)
         cmd = [
             *(["ip", "netns", "exec", self.netns] if self.netns else []),
-            find_server_binary(self.binary), "-a", self.host, "-p", str(self.port), "-js",
-            "-sd", str(self.store_dir / "jetstream"), "-c", str(self._write_conf()), "-P", str(self.pid_path),
+            find_server_binary(self.binary),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            str(self.store_dir / "jetstream"),
+            "-c",
+            str(self._write_conf()),
+            "-P",
+            str(self.pid_path),
         ]
         self._spawn(cmd)
         assert self._proc is not None
@@ -282,8 +293,12 @@ class EmbeddedServer(_Lifecycle):
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(read_end), *cmd],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                pass_fds=(read_end,), start_new_session=True)
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(read_end,),
+                start_new_session=True,
+            )
         except BaseException:
             self._close_lifeline()
             raise
@@ -321,7 +336,6 @@ class EmbeddedServer(_Lifecycle):
         self._close_lifeline()
 
 
-
 class EmbeddedCluster(_Lifecycle):
     """``nodes`` JetStream servers on one host joined by routes (for tests and single-host demos).
 
@@ -348,8 +362,7 @@ class EmbeddedCluster(_Lifecycle):
         """``hosts``: node ``i`` listens on address ``hosts[i][0]`` inside network namespace
         ``hosts[i][1]`` (``coevo.bench.hosts``) instead of ``host`` on loopback."""
         if nodes < 2:
-            raise ConfigError(f"a cluster needs at least 2 nodes (3 to survive losing one), got {nodes}",
-                              field=None)
+            raise ConfigError(f"a cluster needs at least 2 nodes (3 to survive losing one), got {nodes}", field=None)
         self.store_dir = Path(store_dir)
         self.ready_timeout_s = ready_timeout_s
         client_ports = free_ports(nodes) if port == -1 else [port + i for i in range(nodes)]
@@ -360,10 +373,19 @@ class EmbeddedCluster(_Lifecycle):
         route_host = [h if hosts is not None else "127.0.0.1" for h, _ in where]
         routes = tuple(f"nats-route://{route_host[i]}:{p}" for i, p in enumerate(route_ports))
         self.nodes = [
-            EmbeddedServer(self.store_dir / f"n{i}", port=client_ports[i], host=where[i][0], binary=binary,
-                           max_payload=max_payload, ready_timeout_s=ready_timeout_s, auth=auth, tls=tls,
-                           server_name=f"n{i}", netns=where[i][1] or None,
-                           cluster=ClusterRoutes(name, f"{route_host[i]}:{route_ports[i]}", routes))
+            EmbeddedServer(
+                self.store_dir / f"n{i}",
+                port=client_ports[i],
+                host=where[i][0],
+                binary=binary,
+                max_payload=max_payload,
+                ready_timeout_s=ready_timeout_s,
+                auth=auth,
+                tls=tls,
+                server_name=f"n{i}",
+                netns=where[i][1] or None,
+                cluster=ClusterRoutes(name, f"{route_host[i]}:{route_ports[i]}", routes),
+            )
             for i in range(nodes)
         ]
 
@@ -407,9 +429,7 @@ class EmbeddedCluster(_Lifecycle):
         for node in nodes:
             assert node._proc is not None
             if _wait_for_log(node.log_path, _META_LEADER, node._proc, deadline) is None:
-                raise ServerError(f"no JetStream metadata leader after {self.ready_timeout_s}s; "
-                                  f"log: {node.log_path}")
-
+                raise ServerError(f"no JetStream metadata leader after {self.ready_timeout_s}s; log: {node.log_path}")
 
 
 # ---- who may connect -------------------------------------------------------------------------------
@@ -471,10 +491,20 @@ def _env_secret(name: str, flag: str) -> str:
     return value
 
 
-def server_security(host: str, store: Path, *, token_env: str | None = None, generate_token: bool = False,
-                    user: str | None = None, password_env: str | None = None, tls_cert: Path | None = None,
-                    tls_key: Path | None = None, tls_ca: Path | None = None, run_ids: tuple[str, ...] = (),
-                    insecure_loopback: bool = False) -> ServerSecurity:
+def server_security(
+    host: str,
+    store: Path,
+    *,
+    token_env: str | None = None,
+    generate_token: bool = False,
+    user: str | None = None,
+    password_env: str | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    tls_ca: Path | None = None,
+    run_ids: tuple[str, ...] = (),
+    insecure_loopback: bool = False,
+) -> ServerSecurity:
     """Auth and TLS from ``coevo server``'s flags; ``ConfigError`` for a bind without authentication
     (role users of ``run_ids``, a token, a user and password, or client certificates) unless it is
     loopback and ``insecure_loopback`` says so explicitly, and for inconsistent flags."""
@@ -483,11 +513,13 @@ def server_security(host: str, store: Path, *, token_env: str | None = None, gen
     if (user is None) != (password_env is None):
         raise ConfigError("--user and --password-env go together", field=None)
     if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
-        raise ConfigError("TLS needs --tls-cert and --tls-key (and --tls-ca to require client certificates)",
-                          field=None)
+        raise ConfigError(
+            "TLS needs --tls-cert and --tls-key (and --tls-ca to require client certificates)", field=None
+        )
     if insecure_loopback and not is_loopback(host):
-        raise ConfigError(f"--insecure-loopback serves without authentication on loopback only, not on {host}",
-                          field=None)
+        raise ConfigError(
+            f"--insecure-loopback serves without authentication on loopback only, not on {host}", field=None
+        )
     tls = ServerTls(tls_cert, tls_key, tls_ca) if tls_cert is not None and tls_key is not None else None
     token_file = store / "nats-token"
     credentials = None
@@ -505,8 +537,12 @@ def server_security(host: str, store: Path, *, token_env: str | None = None, gen
         auth = None
     if auth is None and (tls is None or tls.ca is None) and not insecure_loopback:
         loopback = "; or, on loopback only, --insecure-loopback" if is_loopback(host) else ""
-        raise ConfigError(_REFUSAL.format(host=host, token_file=token_file, store=store, loopback=loopback),
-                          field=None)
-    return ServerSecurity(auth=auth, tls=tls, token_env=token_env,
-                          token_file=token_file if generate_token else None, password_env=password_env,
-                          credentials=credentials)
+        raise ConfigError(_REFUSAL.format(host=host, token_file=token_file, store=store, loopback=loopback), field=None)
+    return ServerSecurity(
+        auth=auth,
+        tls=tls,
+        token_env=token_env,
+        token_file=token_file if generate_token else None,
+        password_env=password_env,
+        credentials=credentials,
+    )

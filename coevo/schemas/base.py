@@ -33,8 +33,9 @@ def now() -> float:
 class Frozen(BaseModel):
     """Base of every payload model: immutable, strict, no unknown fields."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, ser_json_bytes="base64",
-                              val_json_bytes="base64")
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", strict=True, ser_json_bytes="base64", val_json_bytes="base64"
+    )
 
 
 class Source(Frozen):
@@ -57,4 +58,3 @@ class Event(Frozen):
     correlation_id: str | None = Field(
         default=None, description="id shared by every event of one unit of work (e.g. a task's group)"
     )
-

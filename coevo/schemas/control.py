@@ -48,8 +48,13 @@ class TransferEndpoint(Frozen):
 
     def init_info(self) -> dict[str, object]:
         """vLLM's ``/init_weight_transfer_engine`` body (one tensor per broadcast: not packed)."""
-        return {"master_address": self.master_address, "master_port": self.master_port, "rank_offset": 1,
-                "world_size": self.world_size, "packed": False}
+        return {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "rank_offset": 1,
+            "world_size": self.world_size,
+            "packed": False,
+        }
 
 
 class TransferRequest(Frozen):

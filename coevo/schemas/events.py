@@ -78,8 +78,10 @@ class TaskDecided(Event):
     parent_id: Identifier
     candidate_id: Identifier
     group_id: Identifier | None = Field(
-        default=None, description="the candidate's rolled-out group this verdict is about (none: rejected "
-        "before any rollout); a re-proposed candidate has a new group, so verdicts are per proposal")
+        default=None,
+        description="the candidate's rolled-out group this verdict is about (none: rejected "
+        "before any rollout); a re-proposed candidate has a new group, so verdicts are per proposal",
+    )
     direction: Direction
     accepted: bool
     reason: str
@@ -119,7 +121,8 @@ class StepTaken(Event):
         default=None, description="environment's own label of this step (e.g. from a walkthrough)"
     )
     env_reward: float | None = Field(
-        default=None, allow_inf_nan=False,
+        default=None,
+        allow_inf_nan=False,
         description="the environment's own reward for this step (an outside agent's, through the endpoint); "
         "the scorer adds scorer.env_reward_weight times it to the step's reward",
     )
@@ -221,7 +224,8 @@ class GroupScore(Frozen):
     failures: list[FailureDigest] = Field(default_factory=list)
     mean_reward: float = 0.0
     judge_consistency: float | None = Field(
-        default=None, description="mean consistency reward R·S of the judge's votes (its agreement with outcomes)")
+        default=None, description="mean consistency reward R·S of the judge's votes (its agreement with outcomes)"
+    )
 
 
 class GroupScored(GroupScore, Event):
@@ -253,12 +257,20 @@ class LearnerStepped(Event):
     staleness_histogram: dict[str, int] = Field(default_factory=dict)
     tokens_per_second: float
     group_ids: list[str] = Field(default_factory=list)
-    stale_dropped: int = Field(default=0, ge=0, description="samples dropped as older than learner.max_staleness "
-                               "since this lane's previous LearnerStepped")
-    kl_rejected: int = Field(default=0, ge=0, description="batches undone by learner.max_step_kl since this lane's "
-                             "previous LearnerStepped")
-    step_kl: float | None = Field(default=None, ge=0, description="KL per token from the weights before this step "
-                                  "to those after, on its batch (measured under learner.max_step_kl)")
+    stale_dropped: int = Field(
+        default=0,
+        ge=0,
+        description="samples dropped as older than learner.max_staleness since this lane's previous LearnerStepped",
+    )
+    kl_rejected: int = Field(
+        default=0, ge=0, description="batches undone by learner.max_step_kl since this lane's previous LearnerStepped"
+    )
+    step_kl: float | None = Field(
+        default=None,
+        ge=0,
+        description="KL per token from the weights before this step "
+        "to those after, on its batch (measured under learner.max_step_kl)",
+    )
 
 
 class WeightsPublished(Event):
@@ -270,9 +282,12 @@ class WeightsPublished(Event):
     path: str
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     bytes: int = Field(ge=0)
-    format: WeightsFormat = Field(default="full", description="full: a model directory (every tensor, what a "
-                                  "server reloads); lora: a LoRA adapter directory (PEFT's format) of the base "
-                                  "model the servers serve")
+    format: WeightsFormat = Field(
+        default="full",
+        description="full: a model directory (every tensor, what a "
+        "server reloads); lora: a LoRA adapter directory (PEFT's format) of the base "
+        "model the servers serve",
+    )
 
 
 class WeightsApplied(Event):
@@ -286,9 +301,11 @@ class WeightsApplied(Event):
     ok: bool = True
     error: str | None = None
     transport: Literal["disk", "gloo", "nccl", "adapter"] = Field(
-        default="disk", description="how the weights got there: loaded from the published path, pushed "
+        default="disk",
+        description="how the weights got there: loaded from the published path, pushed "
         "by the learner over a collective, or a LoRA adapter loaded beside the base (vLLM's "
-        "/v1/load_lora_adapter, merged into a local engine's base weights)")
+        "/v1/load_lora_adapter, merged into a local engine's base weights)",
+    )
 
 
 # ---- runtime -----------------------------------------------------------------------------------

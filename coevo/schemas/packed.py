@@ -69,8 +69,9 @@ class PackedSequence(Sequence[Any]):
         view = memoryview(raw).cast("B")
         width = struct.calcsize(cls.typecode)
         if len(view) % width:
-            raise ValueError(f"packed {cls.item} array: {len(view)} bytes is not a whole number of "
-                             f"{width}-byte elements")
+            raise ValueError(
+                f"packed {cls.item} array: {len(view)} bytes is not a whole number of {width}-byte elements"
+            )
         out = cls.__new__(cls)
         out._view = (memoryview(_swapped(cls.typecode, view)) if _BIG_ENDIAN else view.cast(cls.typecode)).toreadonly()
         return out
@@ -176,12 +177,14 @@ class Arrays:
             raise ValueError(f"array reference {ref!r} is not '@offset:bytes'")
         start, n = int(m[1]), int(m[2])
         if start % 8 or start + n > len(self.view):
-            raise ValueError(f"array reference {ref!r} not 8-aligned inside the frame's {len(self.view)} bytes "
-                             "of arrays (past the frame or misaligned)")
+            raise ValueError(
+                f"array reference {ref!r} not 8-aligned inside the frame's {len(self.view)} bytes "
+                "of arrays (past the frame or misaligned)"
+            )
         if n > self.left:
             raise ValueError(f"array reference {ref!r}: the frame's references name more bytes than it holds")
         self.left -= n
-        return self.view[start:start + n]
+        return self.view[start : start + n]
 
 
 def frame(head: bytes, blob: Blob) -> bytes:
@@ -200,7 +203,7 @@ def unframe(raw: bytes | memoryview) -> tuple[memoryview, memoryview] | None:
     (_magic, n) = _HEAD.unpack_from(view)
     if _HEAD.size + n > len(view):
         raise ValueError(f"truncated frame: a {n}-byte head in {len(view)} bytes")
-    return view[_HEAD.size:_HEAD.size + n], view[_HEAD.size + n:]
+    return view[_HEAD.size : _HEAD.size + n], view[_HEAD.size + n :]
 
 
 class PackedArray:
@@ -240,31 +243,45 @@ class PackedArray:
     def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
         number = core_schema.int_schema(strict=True) if self.cls is IntArray else core_schema.float_schema()
         from_list = core_schema.no_info_after_validator_function(
-            self.from_list, core_schema.list_schema(number, strict=True))
+            self.from_list, core_schema.list_schema(number, strict=True)
+        )
         from_ref = core_schema.with_info_after_validator_function(
-            self.from_ref, core_schema.str_schema(pattern=_REF.pattern, strict=True))
+            self.from_ref, core_schema.str_schema(pattern=_REF.pattern, strict=True)
+        )
         from_b64 = core_schema.no_info_after_validator_function(
-            self.cls.frombytes, core_schema.bytes_schema(strict=True))
+            self.cls.frombytes, core_schema.bytes_schema(strict=True)
+        )
         return core_schema.json_or_python_schema(
             json_schema=core_schema.union_schema(
                 [(from_ref, "frame reference"), (from_list, "list"), (from_b64, f"packed {self.cls.item}")],
-                mode="left_to_right"),
+                mode="left_to_right",
+            ),
             python_schema=core_schema.union_schema(
                 [(core_schema.is_instance_schema(self.cls), self.cls.__name__), (from_list, "list")],
-                mode="left_to_right"),
+                mode="left_to_right",
+            ),
             serialization=core_schema.plain_serializer_function_ser_schema(self.dump, info_arg=True),
         )
 
-    def __get_pydantic_json_schema__(self, _schema: core_schema.CoreSchema,
-                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+    def __get_pydantic_json_schema__(
+        self, _schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
         kind = "integer" if self.cls is IntArray else "number"
-        return {"anyOf": [
-            {"type": "string", "contentEncoding": "base64",
-             "description": f"packed: base64 (URL-safe alphabet accepted) of little-endian {self.cls.item} values"},
-            {"type": "string", "pattern": _REF.pattern,
-             "description": f"inside a coevo frame: offset and length of the little-endian {self.cls.item} bytes"},
-            {"type": "array", "items": {"type": kind}},
-        ]}
+        return {
+            "anyOf": [
+                {
+                    "type": "string",
+                    "contentEncoding": "base64",
+                    "description": f"packed: base64 (URL-safe alphabet accepted) of little-endian {self.cls.item} values",
+                },
+                {
+                    "type": "string",
+                    "pattern": _REF.pattern,
+                    "description": f"inside a coevo frame: offset and length of the little-endian {self.cls.item} bytes",
+                },
+                {"type": "array", "items": {"type": kind}},
+            ]
+        }
 
 
 TokenIds = Annotated[IntArray, PackedArray(IntArray)]

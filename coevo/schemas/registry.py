@@ -52,9 +52,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
 AnyEvent: Any = Annotated[Union[EVENT_TYPES], Field(discriminator="kind")]  # noqa: UP007  (built at run time)
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(AnyEvent)
 
-KIND_TO_MODEL: dict[str, type[Event]] = {
-    m.model_fields["kind"].default: m for m in EVENT_TYPES
-}
+KIND_TO_MODEL: dict[str, type[Event]] = {m.model_fields["kind"].default: m for m in EVENT_TYPES}
 MODEL_TO_KIND: dict[type[Event], str] = {m: k for k, m in KIND_TO_MODEL.items()}
 
 SUBJECT_ROOT = "coevo"

@@ -91,7 +91,7 @@ def is_loopback(host: str) -> bool:
 def observation_of(messages: list[dict[str, Any]]) -> str:
     """What the agent saw before this call: the messages after the last assistant turn (no system)."""
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-    new = [m for m in messages[last + 1:] if m["role"] != "system"]
+    new = [m for m in messages[last + 1 :] if m["role"] != "system"]
     parts = [(f"{m['role']}: " if m["role"] == "tool" else "") + m["content"] for m in new]
     return "\n".join(parts) if parts else messages[-1]["content"]
 
@@ -101,8 +101,18 @@ def action_of(answer: Answer) -> str:
 
 
 class Endpoint:
-    def __init__(self, cfg: CoevoConfig, client: Any, sink: Sink, *, family: Any, counters: Any, log: Any,
-                 key: str | None = None, key_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CoevoConfig,
+        client: Any,
+        sink: Sink,
+        *,
+        family: Any,
+        counters: Any,
+        log: Any,
+        key: str | None = None,
+        key_file: Path | None = None,
+    ) -> None:
         """``key``: what every request must carry (None only with ``policy.serve_insecure_loopback``);
         ``key_file``: where a generated key was written, to tell the user."""
         self.cfg, self.pc = cfg, cfg.policy
@@ -131,9 +141,12 @@ class Endpoint:
     async def serving(self) -> AsyncIterator[Endpoint]:
         host, port = self.pc.serve_host, self.cfg.endpoint_port
         if self.key is None and not (self.pc.serve_insecure_loopback and is_loopback(host)):
-            raise ConfigError(f"policy.serve_host = {host!r}: the endpoint needs an API key (in the environment "
-                              f"variable {self.pc.serve_api_key_env}); serving without one is allowed only on "
-                              "loopback with policy.serve_insecure_loopback = true", field="policy.serve_insecure_loopback")
+            raise ConfigError(
+                f"policy.serve_host = {host!r}: the endpoint needs an API key (in the environment "
+                f"variable {self.pc.serve_api_key_env}); serving without one is allowed only on "
+                "loopback with policy.serve_insecure_loopback = true",
+                field="policy.serve_insecure_loopback",
+            )
         runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
         try:
@@ -141,8 +154,13 @@ class Endpoint:
             await site.start()
             self.url = f"http://{host}:{runner.addresses[0][1]}/v1"
             self.log.info("policy.endpoint", url=self.url, key_required=self.key is not None)
-            where = "no key (policy.serve_insecure_loopback)" if self.key is None else \
-                f"key in {self.key_file} (OPENAI_API_KEY)" if self.key_file else f"key in ${self.pc.serve_api_key_env}"
+            where = (
+                "no key (policy.serve_insecure_loopback)"
+                if self.key is None
+                else f"key in {self.key_file} (OPENAI_API_KEY)"
+                if self.key_file
+                else f"key in ${self.pc.serve_api_key_env}"
+            )
             print(f"coevo policy endpoint at {self.url} (OPENAI_BASE_URL), {where}", flush=True)
             yield self
         finally:
@@ -191,8 +209,9 @@ class Endpoint:
         return app
 
     @web.middleware
-    async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                     ) -> web.StreamResponse:
+    async def _guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         try:
             request[BOUND], request[AGENT] = self._authorize(request)
             return await handler(request)
@@ -203,8 +222,9 @@ class Endpoint:
             param = ".".join(str(p) for p in err["loc"]) or None
             return self._error(request, ApiError(400, f"{param}: {err['msg']}", param=param))
         except web.HTTPException as exc:
-            return self._error(request, ApiError(exc.status, exc.reason or "error",
-                                                    code="not_found" if exc.status == 404 else None))
+            return self._error(
+                request, ApiError(exc.status, exc.reason or "error", code="not_found" if exc.status == 404 else None)
+            )
         except Exception as exc:
             self.log.error("policy.endpoint_failed", path=request.path, error=repr(exc), exc_info=exc)
             self.counters["endpoint.errors"] += 1
@@ -230,9 +250,13 @@ class Endpoint:
             self._bound_route(request, ep)
             return ep, None
         if self.key is not None and not hmac.compare_digest(given.encode(), self.key.encode()):
-            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY); an "
-                              "episode's key stops working when the episode ends", type="authentication_error",
-                              code="invalid_api_key")
+            raise ApiError(
+                401,
+                "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY); an "
+                "episode's key stops working when the episode ends",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
         return None, None
 
     @staticmethod
@@ -244,8 +268,7 @@ class Endpoint:
         if ep is not None and own == ep.episode_id:
             return
         who = "an agent key" if agent else f"the key of episode {ep.episode_id if ep else '?'}"
-        raise ApiError(403, f"{who} acts only on its own episode", type="permission_error",
-                          code="episode_key_scope")
+        raise ApiError(403, f"{who} acts only on its own episode", type="permission_error", code="episode_key_scope")
 
     @staticmethod
     async def _json(request: web.Request, *, empty_ok: bool = False) -> dict[str, Any]:
@@ -261,9 +284,22 @@ class Endpoint:
         return body
 
     async def models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "coevo", "type": "model",
-             "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "coevo",
+                        "type": "model",
+                        "display_name": self.model_name,
+                        "created_at": "1970-01-01T00:00:00Z",
+                    }
+                ],
+            }
+        )
 
     def _episode_of(self, request: web.Request, user: str | None) -> Episode | None:
         """The episode a call belongs to: its key's, else header ``X-Coevo-Episode``, else an ``ep-``
@@ -272,12 +308,19 @@ class Endpoint:
         named = header or (user if user and user.startswith("ep-") else None)
         bound: Episode | None = request.get(BOUND)
         if bound is None and request.get(AGENT) is not None:
-            raise ApiError(409, "this agent key has no open episode: POST /coevo/v1/episodes/rotate opens its next",
-                              code="no_open_episode")
+            raise ApiError(
+                409,
+                "this agent key has no open episode: POST /coevo/v1/episodes/rotate opens its next",
+                code="no_open_episode",
+            )
         if bound is not None:
             if named is not None and named != bound.episode_id:
-                raise ApiError(403, f"the key of episode {bound.episode_id} cannot call for episode {named}",
-                                  type="permission_error", code="episode_key_scope")
+                raise ApiError(
+                    403,
+                    f"the key of episode {bound.episode_id} cannot call for episode {named}",
+                    type="permission_error",
+                    code="episode_key_scope",
+                )
             return bound
         return self._lookup(named) if named else None
 
@@ -285,8 +328,9 @@ class Endpoint:
         ep = self.book.get(episode_id)
         if ep is None:
             if episode_id in self.book.ended:
-                raise ApiError(409, f"episode {episode_id} has ended ({self.book.ended[episode_id]})",
-                                  code="episode_ended")
+                raise ApiError(
+                    409, f"episode {episode_id} has ended ({self.book.ended[episode_id]})", code="episode_ended"
+                )
             raise ApiError(404, f"unknown episode {episode_id}", code="episode_not_found")
         return ep
 
@@ -300,8 +344,9 @@ class Endpoint:
         if ep is None:
             async with self._outside():
                 ids, how = await self.sampler.chat_prompt(call)
-                samples = await asyncio.gather(*(self.sampler.sample(ids, how, call.max_tokens, call.stops)
-                                                 for _ in range(n)))
+                samples = await asyncio.gather(
+                    *(self.sampler.sample(ids, how, call.max_tokens, call.stops) for _ in range(n))
+                )
             return [self.sampler.answer(s, call.parse_tools) for s in samples]
         self._check_call(ep, n)
         async with ep.lock:
@@ -321,9 +366,14 @@ class Endpoint:
         """A call outside episodes, while fewer than ``policy.serve_max_unrecorded`` run (else 429)."""
         if self._unrecorded.locked():
             self.counters["endpoint.calls.refused_unrecorded"] += 1
-            raise ApiError(429, f"{self.pc.serve_max_unrecorded} calls outside episodes are running "
-                              "(policy.serve_max_unrecorded): open an episode, or retry", type="rate_limit_error",
-                              code="too_many_unrecorded_calls", retry_after=1.0)
+            raise ApiError(
+                429,
+                f"{self.pc.serve_max_unrecorded} calls outside episodes are running "
+                "(policy.serve_max_unrecorded): open an episode, or retry",
+                type="rate_limit_error",
+                code="too_many_unrecorded_calls",
+                retry_after=1.0,
+            )
         async with self._unrecorded:
             yield
         self.counters["endpoint.calls.unrecorded"] += 1
@@ -334,12 +384,20 @@ class Endpoint:
         req = oa.ChatRequest.model_validate(await self._json(request))
         req.check()
         ep = self._episode_of(request, req.user)
-        call = ChatCall(normalize(req.messages), req.tools, bool(req.tools) and req.tool_choice != "none",
-                        self._max_tokens(req.max_completion_tokens or req.max_tokens), req.stops())
+        call = ChatCall(
+            normalize(req.messages),
+            req.tools,
+            bool(req.tools) and req.tool_choice != "none",
+            self._max_tokens(req.max_completion_tokens or req.max_tokens),
+            req.stops(),
+        )
         answers = await self.answer_chat(ep, call, req.n)
-        choices = [oa.chat_choice(i, a.text, a.calls, a.finish,
-                                  self.sampler.token_logprobs(a.sample) if req.logprobs else None)
-                   for i, a in enumerate(answers)]
+        choices = [
+            oa.chat_choice(
+                i, a.text, a.calls, a.finish, self.sampler.token_logprobs(a.sample) if req.logprobs else None
+            )
+            for i, a in enumerate(answers)
+        ]
         samples = [a.sample for a in answers]
         body = oa.envelope("chat.completion", self.model_name, choices, self._usage(samples), self._extra(ep, samples))
         return await self._respond(request, body, [a.pieces for a in answers], req)
@@ -353,24 +411,28 @@ class Endpoint:
         if ep is None:
             async with self._outside():
                 ids, how = await self.sampler.text_prompt(prompt, None)
-                samples = await asyncio.gather(*(self.sampler.sample(ids, how, max_tokens, req.stops())
-                                                 for _ in range(req.n)))
+                samples = await asyncio.gather(
+                    *(self.sampler.sample(ids, how, max_tokens, req.stops()) for _ in range(req.n))
+                )
         else:
             self._check_call(ep, req.n)
             async with ep.lock:
                 self._check_open(ep)
                 prev = ep.text_turn
                 ids, how = await self.sampler.text_prompt(prompt, prev)
-                seen = text[len(prev[0]) + len(prev[2]):] if prev and text.startswith(prev[0] + prev[2]) else text
+                seen = text[len(prev[0]) + len(prev[2]) :] if prev and text.startswith(prev[0] + prev[2]) else text
                 await self._flush(ep, seen)
                 s = await self.sampler.sample(ids, how, max_tokens, req.stops())
                 self._record(ep, s, seen, s.text)
                 ep.text_turn = (text, s.prompt_ids, s.text, s.ids)
             samples = [s]
         echo = text if req.echo else ""
-        choices = [oa.completion_choice(i, echo + s.text, s.finish,
-                                        self.sampler.token_logprobs(s) if req.logprobs is not None else None)
-                   for i, s in enumerate(samples)]
+        choices = [
+            oa.completion_choice(
+                i, echo + s.text, s.finish, self.sampler.token_logprobs(s) if req.logprobs is not None else None
+            )
+            for i, s in enumerate(samples)
+        ]
         body = oa.envelope("text_completion", self.model_name, choices, self._usage(samples), self._extra(ep, samples))
         return await self._respond(request, body, [list(s.pieces) for s in samples], req)
 
@@ -384,13 +446,25 @@ class Endpoint:
         history = self.history.before(req.previous_response_id, owner)
         conversation = normalize([*history, *ra.to_messages(req.input)])
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        call = ChatCall(normalize(system) + conversation, ra.chat_tools(req.tools), req.parse_tools,
-                        self._max_tokens(req.max_output_tokens), [])
+        call = ChatCall(
+            normalize(system) + conversation,
+            ra.chat_tools(req.tools),
+            req.parse_tools,
+            self._max_tokens(req.max_output_tokens),
+            [],
+        )
         (a,) = await self.answer_chat(ep, call)
         logprobs = ra.text_logprobs(self.sampler.token_logprobs(a.sample)) if req.logprobs else None
         items = ra.output_items(a.text, a.calls, logprobs)
-        body = ra.response_body(req, self.model_name, items, a.finish, len(a.sample.prompt_ids), len(a.sample.ids),
-                                self._extra(ep, [a.sample]))
+        body = ra.response_body(
+            req,
+            self.model_name,
+            items,
+            a.finish,
+            len(a.sample.prompt_ids),
+            len(a.sample.ids),
+            self._extra(ep, [a.sample]),
+        )
         if req.store is not False:
             self.history.keep(body["id"], [*conversation, *normalize([ra.assistant_message(a.text, a.calls)])], owner)
         if not req.stream:
@@ -401,11 +475,23 @@ class Endpoint:
         req = ma.MessagesRequest.model_validate(await self._json(request))
         req.check()
         ep = self._episode_of(request, req.user)
-        call = ChatCall(normalize(ma.to_messages(req)), ma.chat_tools(req.tools), req.parse_tools,
-                        self._max_tokens(req.max_tokens), req.stops())
+        call = ChatCall(
+            normalize(ma.to_messages(req)),
+            ma.chat_tools(req.tools),
+            req.parse_tools,
+            self._max_tokens(req.max_tokens),
+            req.stops(),
+        )
         (a,) = await self.answer_chat(ep, call)
-        body = ma.message_body(self.model_name, ma.content_blocks(a.text, a.calls), a.finish, a.sample.stop_hit,
-                               len(a.sample.prompt_ids), len(a.sample.ids), self._extra(ep, [a.sample]))
+        body = ma.message_body(
+            self.model_name,
+            ma.content_blocks(a.text, a.calls),
+            a.finish,
+            a.sample.stop_hit,
+            len(a.sample.prompt_ids),
+            len(a.sample.ids),
+            self._extra(ep, [a.sample]),
+        )
         if not req.stream:
             return web.json_response(body, headers=self._headers(body))
         return await self._events(request, body, ma.stream_events(body, a.pieces))
@@ -414,21 +500,32 @@ class Endpoint:
 
     def _check_call(self, ep: Episode, n: int) -> None:
         if n > 1:
-            raise ApiError(400, "n > 1 inside an episode: an episode is one sequence of calls (open n episodes "
-                              "instead)", param="n")
+            raise ApiError(
+                400, "n > 1 inside an episode: an episode is one sequence of calls (open n episodes instead)", param="n"
+            )
 
     def _check_open(self, ep: Episode) -> None:
         if ep.ended:
             raise ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
         if ep.calls >= self.cfg.env.max_steps:
-            raise ApiError(409, f"episode {ep.episode_id} made env.max_steps = {self.cfg.env.max_steps} calls: "
-                              "finish it", code="episode_step_cap")
+            raise ApiError(
+                409,
+                f"episode {ep.episode_id} made env.max_steps = {self.cfg.env.max_steps} calls: finish it",
+                code="episode_step_cap",
+            )
 
     def _record(self, ep: Episode, s: Sampled, observation: str, action: str) -> None:
         """This call's step, published once its next observation is known."""
-        ep.pending = {"step_index": ep.calls, "observation": observation, "prompt_token_ids": s.prompt_ids,
-                      "response_token_ids": s.ids, "logprobs": s.logprobs, "response_text": s.text,
-                      "action_text": action, "policy_version": s.version}
+        ep.pending = {
+            "step_index": ep.calls,
+            "observation": observation,
+            "prompt_token_ids": s.prompt_ids,
+            "response_token_ids": s.ids,
+            "logprobs": s.logprobs,
+            "response_text": s.text,
+            "action_text": action,
+            "policy_version": s.version,
+        }
         ep.pending_call = f"call-{new_id()[:24]}"
         ep.calls += 1
         ep.last_active = time.monotonic()
@@ -456,25 +553,31 @@ class Endpoint:
     @staticmethod
     def _headers(body: dict[str, Any]) -> dict[str, str]:
         info = body["coevo"]
-        return {"X-Coevo-Policy-Version": str(info["policy_version"]),
-                **({"X-Coevo-Call-Id": info["call_id"]} if info.get("call_id") else {})}
+        return {
+            "X-Coevo-Policy-Version": str(info["policy_version"]),
+            **({"X-Coevo-Call-Id": info["call_id"]} if info.get("call_id") else {}),
+        }
 
-    async def _respond(self, request: web.Request, body: dict[str, Any], pieces: list[list[str]],
-                       req: oa._Request) -> web.StreamResponse:
+    async def _respond(
+        self, request: web.Request, body: dict[str, Any], pieces: list[list[str]], req: oa._Request
+    ) -> web.StreamResponse:
         if not req.stream:
             return web.json_response(body, headers=self._headers(body))
         include = bool((req.stream_options or {}).get("include_usage"))
         chunks = [f"data: {json.dumps(c)}\n\n".encode() for c in oa.stream_chunks(body, pieces, include)]
         return await self._stream(request, body, [*chunks, b"data: [DONE]\n\n"])
 
-    async def _events(self, request: web.Request, body: dict[str, Any], events: list[tuple[str, dict[str, Any]]]
-                      ) -> web.StreamResponse:
-        return await self._stream(request, body, [f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
-                                                  for name, data in events])
+    async def _events(
+        self, request: web.Request, body: dict[str, Any], events: list[tuple[str, dict[str, Any]]]
+    ) -> web.StreamResponse:
+        return await self._stream(
+            request, body, [f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in events]
+        )
 
     async def _stream(self, request: web.Request, body: dict[str, Any], frames: list[bytes]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={**self._headers(body), "Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(
+            headers={**self._headers(body), "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         for frame in frames:
             await resp.write(frame)
@@ -489,31 +592,52 @@ class Endpoint:
 
     async def _open(self, body: dict[str, Any]) -> Episode:
         """A new episode (``{"task_id", "goal"}``: of the agent's own task; else the pool's next)."""
-        why = behind(self.client.version, self.backlog.oldest(time.monotonic()), len(self.backlog.groups),
-                     self.cfg.learner.max_staleness, self.cfg.tasks.max_groups_in_flight)
+        why = behind(
+            self.client.version,
+            self.backlog.oldest(time.monotonic()),
+            len(self.backlog.groups),
+            self.cfg.learner.max_staleness,
+            self.cfg.tasks.max_groups_in_flight,
+        )
         if why is not None:
             self.counters["endpoint.episodes.refused_behind"] += 1
-            raise ApiError(429, f"{why}: retry later", type="rate_limit_error", code="learner_behind",
-                              retry_after=self.pc.serve_retry_after_s)
+            raise ApiError(
+                429,
+                f"{why}: retry later",
+                type="rate_limit_error",
+                code="learner_behind",
+                retry_after=self.pc.serve_retry_after_s,
+            )
         with self.book.reserve() as reserved:
             if not reserved:
-                raise ApiError(429, f"{self.book.max_open} episodes are open (policy.max_concurrent_trajectories): "
-                                  "finish some first", type="rate_limit_error", code="too_many_episodes",
-                                  retry_after=self.pc.serve_retry_after_s)
+                raise ApiError(
+                    429,
+                    f"{self.book.max_open} episodes are open (policy.max_concurrent_trajectories): finish some first",
+                    type="rate_limit_error",
+                    code="too_many_episodes",
+                    retry_after=self.pc.serve_retry_after_s,
+                )
             ep = await (self._own_episode(body) if "task_id" in body else self._pooled_episode(body))
         self.counters["endpoint.episodes.opened"] += 1
         return ep
 
     def _opened(self, ep: Episode) -> web.Response:
-        return web.json_response({**ep.describe(), **self._texts.get(ep.episode_id, {}), "key": ep.key,
-                                  "policy_version": self.client.version})
+        return web.json_response(
+            {
+                **ep.describe(),
+                **self._texts.get(ep.episode_id, {}),
+                "key": ep.key,
+                "policy_version": self.client.version,
+            }
+        )
 
     async def agent_key(self, request: web.Request) -> web.Response:
         """A long-lived key for an agent whose key is fixed (a closed harness): its calls belong to
         the key's current episode; ``/coevo/v1/episodes/rotate`` ends that and opens the next."""
         if request.get(BOUND) is not None or request.get(AGENT) is not None:
-            raise ApiError(403, "agent keys are made with the run's key", type="permission_error",
-                              code="episode_key_scope")
+            raise ApiError(
+                403, "agent keys are made with the run's key", type="permission_error", code="episode_key_scope"
+            )
         key = self.book.new_agent()
         return web.json_response({"agent_key": key})
 
@@ -522,8 +646,12 @@ class Endpoint:
         ``reward``; the rest of the body opens the next, as ``POST /coevo/v1/episodes`` does."""
         agent = request.get(AGENT)
         if agent is None:
-            raise ApiError(403, "rotate needs an agent key (POST /coevo/v1/agent-keys)", type="permission_error",
-                              code="episode_key_scope")
+            raise ApiError(
+                403,
+                "rotate needs an agent key (POST /coevo/v1/agent-keys)",
+                type="permission_error",
+                code="episode_key_scope",
+            )
         body = await self._json(request, empty_ok=True)
         current: Episode | None = request.get(BOUND)
         if current is not None:
@@ -552,19 +680,32 @@ class Endpoint:
 
     async def _pooled_episode(self, body: dict[str, Any]) -> Episode:
         if self.cfg.env.family != "external":
-            raise ApiError(409, f"this run's pool ({self.cfg.env.family}) is played by coevo's policy agent: send "
-                              "your own {\"task_id\", \"goal\"}, or run with --family external", code="no_pool")
+            raise ApiError(
+                409,
+                f"this run's pool ({self.cfg.env.family}) is played by coevo's policy agent: send "
+                'your own {"task_id", "goal"}, or run with --family external',
+                code="no_pool",
+            )
         if self.cfg.env.tasks_from is None:
-            raise ApiError(409, "this run has no task pool (env.tasks_from is not set): send your own "
-                              "{\"task_id\", \"goal\"}", code="no_pool")
+            raise ApiError(
+                409,
+                'this run has no task pool (env.tasks_from is not set): send your own {"task_id", "goal"}',
+                code="no_pool",
+            )
         wait_s = min(max(float(body.get("wait_s", 30.0)), 0.0), 300.0)
         rollout = await self.pool.take(wait_s)
         if rollout is None:
-            raise ApiError(503, f"no task was scheduled within {wait_s:g} s: retry", type="server_error",
-                              code="no_task_available", retry_after=self.pc.serve_retry_after_s)
+            raise ApiError(
+                503,
+                f"no task was scheduled within {wait_s:g} s: retry",
+                type="server_error",
+                code="no_task_available",
+                retry_after=self.pc.serve_retry_after_s,
+            )
         info = await self.task_text(rollout.group.scheduled.task)
-        ep = self.book.add(rollout.group.scheduled, rollout.index, rollout.trajectory_id, info["goal"],
-                           on_end=rollout.group.ended_one)
+        ep = self.book.add(
+            rollout.group.scheduled, rollout.index, rollout.trajectory_id, info["goal"], on_end=rollout.group.ended_one
+        )
         self._texts[ep.episode_id] = info
         return ep
 
@@ -584,21 +725,34 @@ class Endpoint:
         body = await self._json(request)
         reward = body.get("reward")
         if not isinstance(reward, int | float) or isinstance(reward, bool) or reward != reward:
-            raise ApiError(400, "give a numeric \"reward\"", param="reward")
+            raise ApiError(400, 'give a numeric "reward"', param="reward")
         async with ep.lock:
             if ep.ended:
                 raise ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
             if ep.pending is None:
-                raise ApiError(409, "no call waits for a reward: reward a call before the episode's next call",
-                                  code="no_pending_call")
+                raise ApiError(
+                    409,
+                    "no call waits for a reward: reward a call before the episode's next call",
+                    code="no_pending_call",
+                )
             call_id = body.get("call_id")
             if call_id is not None and call_id != ep.pending_call:
-                raise ApiError(409, f"call_id {call_id!r} is not the episode's last call ({ep.pending_call}): a "
-                                  "call's reward comes before the next call", param="call_id", code="call_published")
+                raise ApiError(
+                    409,
+                    f"call_id {call_id!r} is not the episode's last call ({ep.pending_call}): a "
+                    "call's reward comes before the next call",
+                    param="call_id",
+                    code="call_published",
+                )
             ep.pending["env_reward"] = float(ep.pending.get("env_reward") or 0.0) + float(reward)
         self.counters["endpoint.step_rewards"] += 1
-        return web.json_response({"episode_id": ep.episode_id, "step_index": ep.pending["step_index"],
-                                  "env_reward": ep.pending["env_reward"]})
+        return web.json_response(
+            {
+                "episode_id": ep.episode_id,
+                "step_index": ep.pending["step_index"],
+                "env_reward": ep.pending["env_reward"],
+            }
+        )
 
     def _outcome(self, body: dict[str, Any]) -> tuple[Outcome, str | None, str]:
         """(outcome, error, final observation) of a finish: ``{"outcome"}`` or a numeric ``{"reward"}``."""
@@ -606,8 +760,7 @@ class Endpoint:
         if outcome is None and isinstance(body.get("reward"), int | float):
             outcome = "won" if float(body["reward"]) > self.cfg.env.win_threshold else "lost"
         if outcome not in OUTCOMES:
-            raise ApiError(400, f"give \"outcome\" (one of {', '.join(OUTCOMES)}) or a numeric \"reward\"",
-                              param="outcome")
+            raise ApiError(400, f'give "outcome" (one of {", ".join(OUTCOMES)}) or a numeric "reward"', param="outcome")
         return outcome, body.get("error") if outcome == "aborted" else None, str(body.get("observation", ""))
 
     async def finish_episode(self, request: web.Request) -> web.Response:
@@ -617,8 +770,14 @@ class Endpoint:
             if ep.ended:  # finished concurrently
                 raise ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
             await self.end(ep, outcome, error, observation)
-        return web.json_response({"episode_id": ep.episode_id, "trajectory_id": ep.trajectory_id, "outcome": outcome,
-                                  "steps": len(ep.step_ids)})
+        return web.json_response(
+            {
+                "episode_id": ep.episode_id,
+                "trajectory_id": ep.trajectory_id,
+                "outcome": outcome,
+                "steps": len(ep.step_ids),
+            }
+        )
 
     async def get_episode(self, request: web.Request) -> web.Response:
         return web.json_response(self._lookup(request.match_info["episode_id"]).describe())

@@ -58,9 +58,17 @@ class Episode:
         return self.scheduled.task
 
     def describe(self) -> dict[str, Any]:
-        return {"episode_id": self.episode_id, "task_id": self.task.task_id, "group_id": self.scheduled.group_id,
-                "rollout_index": self.rollout_index, "trajectory_id": self.trajectory_id, "goal": self.goal,
-                "task": self.task.model_dump(mode="json"), "calls": self.calls, "ended": self.ended}
+        return {
+            "episode_id": self.episode_id,
+            "task_id": self.task.task_id,
+            "group_id": self.scheduled.group_id,
+            "rollout_index": self.rollout_index,
+            "trajectory_id": self.trajectory_id,
+            "goal": self.goal,
+            "task": self.task.model_dump(mode="json"),
+            "calls": self.calls,
+            "ended": self.ended,
+        }
 
 
 @dataclass
@@ -172,8 +180,14 @@ class Book:
         self.agents[key] = None
         return key
 
-    def add(self, scheduled: TaskScheduled, index: int, trajectory_id: str, goal: str,
-            on_end: Callable[[], None] | None = None) -> Episode:
+    def add(
+        self,
+        scheduled: TaskScheduled,
+        index: int,
+        trajectory_id: str,
+        goal: str,
+        on_end: Callable[[], None] | None = None,
+    ) -> Episode:
         ep = Episode(f"ep-{new_id()[:20]}", scheduled, index, trajectory_id, goal, on_end)
         self.episodes[ep.episode_id] = ep
         self.keys[ep.key] = ep

@@ -26,9 +26,16 @@ from coevo.errors import ApiError
 from coevo.schemas import new_id
 from coevo.serve.openai_api import Finish
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class MessagesRequest(BaseModel):
@@ -48,11 +55,16 @@ class MessagesRequest(BaseModel):
     def check(self) -> None:
         """Refuse what would be accepted and ignored (a 400 naming the parameter)."""
         if (self.tool_choice or {}).get("type", "auto") not in ("auto", "none"):
-            raise ApiError(400, "tool_choice must be auto or none: forcing a tool needs constrained decoding, which "
-                           "this policy endpoint does not offer", param="tool_choice")
+            raise ApiError(
+                400,
+                "tool_choice must be auto or none: forcing a tool needs constrained decoding, which "
+                "this policy endpoint does not offer",
+                param="tool_choice",
+            )
         if (self.thinking or {}).get("type", "disabled") != "disabled":
-            raise ApiError(400, "extended thinking is not supported: the policy's output is what it samples",
-                           param="thinking")
+            raise ApiError(
+                400, "extended thinking is not supported: the policy's output is what it samples", param="thinking"
+            )
 
     @property
     def user(self) -> str | None:
@@ -74,10 +86,16 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     out = []
     for i, t in enumerate(tools):
         if t.get("type", "custom") != "custom" or not isinstance(t.get("name"), str):
-            raise ApiError(400, f"tools[{i}]: only custom tools (a name and an input_schema) are supported, not "
-                           f"{t.get('type')!r}", param=f"tools[{i}].type")
-        fn = {"name": t["name"], "description": t.get("description") or "",
-              "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
+            raise ApiError(
+                400,
+                f"tools[{i}]: only custom tools (a name and an input_schema) are supported, not {t.get('type')!r}",
+                param=f"tools[{i}].type",
+            )
+        fn = {
+            "name": t["name"],
+            "description": t.get("description") or "",
+            "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
+        }
         out.append({"type": "function", "function": fn})
     return out
 
@@ -109,13 +127,23 @@ def to_messages(req: MessagesRequest) -> list[dict[str, Any]]:
             if kind == "text":
                 texts.append(str(b.get("text", "")))
             elif kind == "tool_use" and role == "assistant":
-                calls.append({"id": b.get("id"), "type": "function",
-                              "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}})
+                calls.append(
+                    {
+                        "id": b.get("id"),
+                        "type": "function",
+                        "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {})},
+                    }
+                )
             elif kind == "tool_result" and role == "user":
                 result = b.get("content", "")
                 text = result if isinstance(result, str) else _text(list(result), f"{where}.content")
-                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
-                            "content": f"error: {text}" if b.get("is_error") else text})
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": b.get("tool_use_id"),
+                        "content": f"error: {text}" if b.get("is_error") else text,
+                    }
+                )
             else:
                 raise ApiError(400, f"{where}: {kind!r} blocks are not supported in {role} messages", param=where)
         if role == "assistant":
@@ -135,8 +163,14 @@ def content_blocks(text: str, calls: list[dict[str, Any]]) -> list[dict[str, Any
             value = json.loads(args)
         except ValueError:
             value = None
-        blocks.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                       "input": value if isinstance(value, dict) else {"arguments": args}})
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": c["id"],
+                "name": c["function"]["name"],
+                "input": value if isinstance(value, dict) else {"arguments": args},
+            }
+        )
     return blocks
 
 
@@ -148,13 +182,32 @@ def stop_reason(finish: Finish, stop_hit: str | None) -> tuple[str, str | None]:
     return ("stop_sequence", stop_hit) if stop_hit else ("end_turn", None)
 
 
-def message_body(model: str, blocks: list[dict[str, Any]], finish: Finish, stop_hit: str | None,
-                 prompt_tokens: int, completion_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+def message_body(
+    model: str,
+    blocks: list[dict[str, Any]],
+    finish: Finish,
+    stop_hit: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     reason, sequence = stop_reason(finish, stop_hit)
-    return {"id": f"msg_{new_id()[:24]}", "type": "message", "role": "assistant", "model": model, "content": blocks,
-            "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens,
-                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}, **extra}
+    return {
+        "id": f"msg_{new_id()[:24]}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": {
+            "input_tokens": prompt_tokens,
+            "output_tokens": completion_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        },
+        **extra,
+    }
 
 
 def stream_events(body: dict[str, Any], pieces: list[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -174,8 +227,16 @@ def stream_events(body: dict[str, Any], pieces: list[str]) -> list[tuple[str, di
         out.append(("content_block_start", {"type": "content_block_start", "index": k, "content_block": first}))
         out += [("content_block_delta", {"type": "content_block_delta", "index": k, "delta": d}) for d in deltas]
         out.append(("content_block_stop", {"type": "content_block_stop", "index": k}))
-    out.append(("message_delta", {"type": "message_delta", "usage": {"output_tokens": usage["output_tokens"]},
-                                  "delta": {"stop_reason": body["stop_reason"], "stop_sequence": body["stop_sequence"]}}))
+    out.append(
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "usage": {"output_tokens": usage["output_tokens"]},
+                "delta": {"stop_reason": body["stop_reason"], "stop_sequence": body["stop_sequence"]},
+            },
+        )
+    )
     out.append(("message_stop", {"type": "message_stop"}))
     return out
 

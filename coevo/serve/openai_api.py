@@ -55,14 +55,25 @@ class ChatRequest(_Request):
     def check(self) -> None:
         """Refuse what would be accepted and ignored (a 400 naming the parameter)."""
         if self.tool_choice not in (None, "auto", "none"):
-            raise ApiError(400, "tool_choice must be \"auto\" or \"none\": forcing a tool needs constrained decoding, "
-                           "which this policy endpoint does not offer", param="tool_choice")
+            raise ApiError(
+                400,
+                'tool_choice must be "auto" or "none": forcing a tool needs constrained decoding, '
+                "which this policy endpoint does not offer",
+                param="tool_choice",
+            )
         if (self.response_format or {}).get("type", "text") != "text":
-            raise ApiError(400, "response_format: structured output needs constrained decoding, which this policy "
-                           "endpoint does not offer", param="response_format")
+            raise ApiError(
+                400,
+                "response_format: structured output needs constrained decoding, which this policy "
+                "endpoint does not offer",
+                param="response_format",
+            )
         if self.top_logprobs:
-            raise ApiError(400, "top_logprobs > 0: alternatives are not returned (logprobs: true gives the sampled "
-                           "tokens' log-probs)", param="top_logprobs")
+            raise ApiError(
+                400,
+                "top_logprobs > 0: alternatives are not returned (logprobs: true gives the sampled tokens' log-probs)",
+                param="top_logprobs",
+            )
 
 
 class CompletionRequest(_Request):
@@ -73,8 +84,11 @@ class CompletionRequest(_Request):
 
     def check(self) -> None:
         if self.logprobs:
-            raise ApiError(400, "logprobs > 0: alternatives are not returned (logprobs: 0 gives the sampled tokens' "
-                           "log-probs)", param="logprobs")
+            raise ApiError(
+                400,
+                "logprobs > 0: alternatives are not returned (logprobs: 0 gives the sampled tokens' log-probs)",
+                param="logprobs",
+            )
 
     def single(self) -> str | list[int]:
         """The one prompt of this request (a batch of prompts is refused)."""
@@ -105,8 +119,13 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             return m.group(0)
         args = body.get("arguments", {})
-        calls.append({"id": f"call_{new_id()[:24]}", "type": "function",
-                      "function": {"name": body["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        calls.append(
+            {
+                "id": f"call_{new_id()[:24]}",
+                "type": "function",
+                "function": {"name": body["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+            }
+        )
         return ""
 
     rest = _TOOL_CALL.sub(take, text)
@@ -134,56 +153,94 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def chat_choice(index: int, text: str, calls: list[dict[str, Any]], finish: Finish,
-                logprobs: list[tuple[str, float]] | None) -> dict[str, Any]:
+def chat_choice(
+    index: int, text: str, calls: list[dict[str, Any]], finish: Finish, logprobs: list[tuple[str, float]] | None
+) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
     if calls:
         message["tool_calls"] = calls
-    lp = None if logprobs is None else {"content": [
-        {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []} for t, v in logprobs]}
+    lp = (
+        None
+        if logprobs is None
+        else {
+            "content": [{"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []} for t, v in logprobs]
+        }
+    )
     return {"index": index, "message": message, "finish_reason": finish, "logprobs": lp}
 
 
-def completion_choice(index: int, text: str, finish: Finish, logprobs: list[tuple[str, float]] | None) -> dict[str, Any]:
+def completion_choice(
+    index: int, text: str, finish: Finish, logprobs: list[tuple[str, float]] | None
+) -> dict[str, Any]:
     lp = None
     if logprobs is not None:
         offsets, at = [], 0
         for t, _ in logprobs:
             offsets.append(at)
             at += len(t)
-        lp = {"tokens": [t for t, _ in logprobs], "token_logprobs": [v for _, v in logprobs],
-              "top_logprobs": None, "text_offset": offsets}
+        lp = {
+            "tokens": [t for t, _ in logprobs],
+            "token_logprobs": [v for _, v in logprobs],
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": lp}
 
 
-def envelope(kind: Literal["chat.completion", "text_completion"], model: str, choices: list[dict[str, Any]],
-             use: dict[str, int], extra: dict[str, Any]) -> dict[str, Any]:
+def envelope(
+    kind: Literal["chat.completion", "text_completion"],
+    model: str,
+    choices: list[dict[str, Any]],
+    use: dict[str, int],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-    return {"id": f"{prefix}-{new_id()[:24]}", "object": kind, "created": int(time.time()), "model": model,
-            "choices": choices, "usage": use, **extra}
+    return {
+        "id": f"{prefix}-{new_id()[:24]}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": use,
+        **extra,
+    }
 
 
 def stream_chunks(body: dict[str, Any], pieces: list[list[str]], include_usage: bool) -> list[dict[str, Any]]:
     """A finished response as the chunks a streaming client expects: per choice, its text piece by
     piece (``pieces[i]``: the text each token added), then its finish reason; usage last if asked."""
     chat = body["object"] == "chat.completion"
-    base = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": body["created"], "model": body["model"]}
+    base = {
+        "id": body["id"],
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": body["created"],
+        "model": body["model"],
+    }
     out: list[dict[str, Any]] = []
     for choice, texts in zip(body["choices"], pieces, strict=True):
         i = choice["index"]
         if chat:
-            out.append({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "finish_reason": None}]})
+            out.append(
+                {
+                    **base,
+                    "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                }
+            )
             out += [{**base, "choices": [{"index": i, "delta": {"content": t}, "finish_reason": None}]} for t in texts]
             if choice["message"].get("tool_calls"):
                 calls = [{"index": k, **c} for k, c in enumerate(choice["message"]["tool_calls"])]
                 out.append({**base, "choices": [{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}]})
             out.append({**base, "choices": [{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}]})
         else:
-            out += [{**base, "choices": [{"index": i, "text": t, "finish_reason": None, "logprobs": None}]} for t in texts]
-            out.append({**base, "choices": [{"index": i, "text": "", "finish_reason": choice["finish_reason"],
-                                             "logprobs": None}]})
+            out += [
+                {**base, "choices": [{"index": i, "text": t, "finish_reason": None, "logprobs": None}]} for t in texts
+            ]
+            out.append(
+                {
+                    **base,
+                    "choices": [{"index": i, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None}],
+                }
+            )
     if include_usage:
         out.append({**base, "choices": [], "usage": body["usage"]})
     return out

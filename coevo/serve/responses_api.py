@@ -59,16 +59,25 @@ class ResponsesRequest(BaseModel):
             if extra.get(name) not in (None, False):
                 raise ApiError(400, f"{name} is not supported by the coevo policy endpoint", param=name)
         if self.tool_choice not in (None, "auto", "none"):
-            raise ApiError(400, "tool_choice must be \"auto\" or \"none\": forcing a tool needs constrained decoding, "
-                           "which this policy endpoint does not offer", param="tool_choice")
+            raise ApiError(
+                400,
+                'tool_choice must be "auto" or "none": forcing a tool needs constrained decoding, '
+                "which this policy endpoint does not offer",
+                param="tool_choice",
+            )
         fmt = (self.text or {}).get("format") or {"type": "text"}
         if fmt.get("type") != "text":
-            raise ApiError(400, f"text.format {fmt.get('type')!r}: structured output needs constrained decoding, "
-                           "which this policy endpoint does not offer", param="text.format")
+            raise ApiError(
+                400,
+                f"text.format {fmt.get('type')!r}: structured output needs constrained decoding, "
+                "which this policy endpoint does not offer",
+                param="text.format",
+            )
         for name in self.include or []:
             if name != "message.output_text.logprobs":
-                raise ApiError(400, f"include {name!r} is not supported (only message.output_text.logprobs)",
-                               param="include")
+                raise ApiError(
+                    400, f"include {name!r} is not supported (only message.output_text.logprobs)", param="include"
+                )
 
     @property
     def logprobs(self) -> bool:
@@ -86,10 +95,16 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     out = []
     for i, t in enumerate(tools):
         if t.get("type") != "function" or not isinstance(t.get("name"), str):
-            raise ApiError(400, f"tools[{i}]: only function tools (type \"function\" with a name) are supported, "
-                           f"not {t.get('type')!r}", param=f"tools[{i}].type")
-        fn = {"name": t["name"], "description": t.get("description") or "",
-              "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+            raise ApiError(
+                400,
+                f'tools[{i}]: only function tools (type "function" with a name) are supported, not {t.get("type")!r}',
+                param=f"tools[{i}].type",
+            )
+        fn = {
+            "name": t["name"],
+            "description": t.get("description") or "",
+            "parameters": t.get("parameters") or {"type": "object", "properties": {}},
+        }
         out.append({"type": "function", "function": fn})
     return out
 
@@ -99,8 +114,11 @@ def _text(content: Any, where: str) -> str:
         for k, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in ("input_text", "output_text", "text"):
-                raise ApiError(400, f"{where}.content[{k}]: {kind!r} parts are not supported (the policy reads text)",
-                               param=f"{where}.content")
+                raise ApiError(
+                    400,
+                    f"{where}.content[{k}]: {kind!r} parts are not supported (the policy reads text)",
+                    param=f"{where}.content",
+                )
         return "".join(str(p.get("text", "")) for p in content)
     return message_text(content)
 
@@ -118,56 +136,110 @@ def to_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role", "user")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(400, f"input[{i}].role {role!r} is not a message role", param=f"input[{i}].role")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content"), f"input[{i}]")})
+            out.append(
+                {
+                    "role": "system" if role == "developer" else role,
+                    "content": _text(item.get("content"), f"input[{i}]"),
+                }
+            )
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "")},
+            }
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output", "")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else _text(output, f"input[{i}].output")})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else _text(output, f"input[{i}].output"),
+                }
+            )
         else:
-            raise ApiError(400, f"input[{i}]: items of type {kind!r} are not supported (messages, function_call, "
-                           "function_call_output)", param=f"input[{i}].type")
+            raise ApiError(
+                400,
+                f"input[{i}]: items of type {kind!r} are not supported (messages, function_call, function_call_output)",
+                param=f"input[{i}].type",
+            )
     return out
 
 
-def output_items(text: str, calls: list[dict[str, Any]], logprobs: list[dict[str, Any]] | None
-                 ) -> list[dict[str, Any]]:
+def output_items(text: str, calls: list[dict[str, Any]], logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The assistant turn as output items: its text as one message (none when it only calls tools),
     then one ``function_call`` per tool call."""
     items: list[dict[str, Any]] = []
     if text or not calls:
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-        items.append({"type": "message", "id": f"msg_{new_id()[:24]}", "status": "completed", "role": "assistant",
-                      "content": [part]})
+        items.append(
+            {
+                "type": "message",
+                "id": f"msg_{new_id()[:24]}",
+                "status": "completed",
+                "role": "assistant",
+                "content": [part],
+            }
+        )
     for c in calls:
-        items.append({"type": "function_call", "id": f"fc_{new_id()[:24]}", "call_id": c["id"],
-                      "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"})
+        items.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{new_id()[:24]}",
+                "call_id": c["id"],
+                "name": c["function"]["name"],
+                "arguments": c["function"]["arguments"],
+                "status": "completed",
+            }
+        )
     return items
 
 
-def response_body(req: ResponsesRequest, model: str, items: list[dict[str, Any]], finish: Finish,
-                  prompt_tokens: int, completion_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+def response_body(
+    req: ResponsesRequest,
+    model: str,
+    items: list[dict[str, Any]],
+    finish: Finish,
+    prompt_tokens: int,
+    completion_tokens: int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     incomplete = finish == "length"
     return {
-        "id": f"resp_{new_id()[:24]}", "object": "response", "created_at": int(time.time()), "model": model,
-        "status": "incomplete" if incomplete else "completed", "error": None,
+        "id": f"resp_{new_id()[:24]}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        "status": "incomplete" if incomplete else "completed",
+        "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "instructions": req.instructions, "output": items, "parallel_tool_calls": True,
-        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
-        "previous_response_id": req.previous_response_id, "store": req.store is not False,
-        "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "text": {"format": {"type": "text"}},
-        "temperature": None, "top_p": None, "truncation": "disabled", "user": req.user,
-        "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                  "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                  "total_tokens": prompt_tokens + completion_tokens},
-        **extra}
+        "instructions": req.instructions,
+        "output": items,
+        "parallel_tool_calls": True,
+        "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [],
+        "previous_response_id": req.previous_response_id,
+        "store": req.store is not False,
+        "max_output_tokens": req.max_output_tokens,
+        "metadata": req.metadata or {},
+        "text": {"format": {"type": "text"}},
+        "temperature": None,
+        "top_p": None,
+        "truncation": "disabled",
+        "user": req.user,
+        "usage": {
+            "input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+        **extra,
+    }
 
 
 def stream_events(body: dict[str, Any], pieces: list[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -182,8 +254,9 @@ def stream_events(body: dict[str, Any], pieces: list[str]) -> list[tuple[str, di
             events += _message_events(at, item, pieces)
         else:
             events += _call_events(at, item)
-    events.append({"type": "response.incomplete" if body["status"] == "incomplete" else "response.completed",
-                   "response": body})
+    events.append(
+        {"type": "response.incomplete" if body["status"] == "incomplete" else "response.completed", "response": body}
+    )
     return [(e["type"], {**e, "sequence_number": k}) for k, e in enumerate(events)]
 
 
@@ -191,23 +264,37 @@ def _message_events(at: int, item: dict[str, Any], pieces: list[str]) -> list[di
     part = item["content"][0]
     where = {"item_id": item["id"], "output_index": at, "content_index": 0}
     empty = {**part, "text": "", "logprobs": []}
-    return [{"type": "response.output_item.added", "output_index": at,
-             "item": {**item, "status": "in_progress", "content": []}},
-            {"type": "response.content_part.added", **where, "part": empty},
-            *({"type": "response.output_text.delta", **where, "delta": p, "logprobs": []} for p in pieces),
-            {"type": "response.output_text.done", **where, "text": part["text"], "logprobs": part["logprobs"]},
-            {"type": "response.content_part.done", **where, "part": part},
-            {"type": "response.output_item.done", "output_index": at, "item": item}]
+    return [
+        {
+            "type": "response.output_item.added",
+            "output_index": at,
+            "item": {**item, "status": "in_progress", "content": []},
+        },
+        {"type": "response.content_part.added", **where, "part": empty},
+        *({"type": "response.output_text.delta", **where, "delta": p, "logprobs": []} for p in pieces),
+        {"type": "response.output_text.done", **where, "text": part["text"], "logprobs": part["logprobs"]},
+        {"type": "response.content_part.done", **where, "part": part},
+        {"type": "response.output_item.done", "output_index": at, "item": item},
+    ]
 
 
 def _call_events(at: int, item: dict[str, Any]) -> list[dict[str, Any]]:
     where = {"item_id": item["id"], "output_index": at}
-    return [{"type": "response.output_item.added", "output_index": at,
-             "item": {**item, "status": "in_progress", "arguments": ""}},
-            {"type": "response.function_call_arguments.delta", **where, "delta": item["arguments"]},
-            {"type": "response.function_call_arguments.done", **where, "name": item["name"],
-             "arguments": item["arguments"]},
-            {"type": "response.output_item.done", "output_index": at, "item": item}]
+    return [
+        {
+            "type": "response.output_item.added",
+            "output_index": at,
+            "item": {**item, "status": "in_progress", "arguments": ""},
+        },
+        {"type": "response.function_call_arguments.delta", **where, "delta": item["arguments"]},
+        {
+            "type": "response.function_call_arguments.done",
+            **where,
+            "name": item["name"],
+            "arguments": item["arguments"],
+        },
+        {"type": "response.output_item.done", "output_index": at, "item": item},
+    ]
 
 
 def text_logprobs(tokens: list[tuple[str, float]]) -> list[dict[str, Any]]:
@@ -243,8 +330,12 @@ class History:
             return []
         kept = self.kept.get(response_id)
         if kept is None or kept.episode_id != episode_id:
-            raise ApiError(400, f"previous_response_id {response_id!r} is unknown here (not stored, forgotten, or of "
-                           "another episode)", param="previous_response_id", code="previous_response_not_found")
+            raise ApiError(
+                400,
+                f"previous_response_id {response_id!r} is unknown here (not stored, forgotten, or of another episode)",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         return list(kept.messages)
 
 

@@ -94,8 +94,9 @@ class Sampler:
         ids, how = await self.off_loop(self.chat.prompt, call.messages, call.tools, previous)
         return ids, how
 
-    async def text_prompt(self, prompt: str | list[int], previous: tuple[str, list[int], str, list[int]] | None
-                          ) -> tuple[list[int], str]:
+    async def text_prompt(
+        self, prompt: str | list[int], previous: tuple[str, list[int], str, list[int]] | None
+    ) -> tuple[list[int], str]:
         if isinstance(prompt, list):
             return list(prompt), "tokens"
         ids, how = await self.off_loop(completion_prompt, self.client.tokenizer, prompt, previous)
@@ -107,10 +108,15 @@ class Sampler:
     async def sample(self, prompt_ids: list[int], how: str, max_tokens: int, stops: list[str]) -> Sampled:
         limit = self.client.context_length if isinstance(self.client, KnowsContext) else None
         if limit is not None and len(prompt_ids) + max_tokens > limit:
-            raise ApiError(400, f"{len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
-                              f"context of {limit}", param="messages", code="context_length_exceeded")
-        c = await self.client.complete("", prompt_ids=prompt_ids, max_tokens=max_tokens,
-                                       temperature=self.temperature, stop=stops or None)
+            raise ApiError(
+                400,
+                f"{len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the model's context of {limit}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        c = await self.client.complete(
+            "", prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=self.temperature, stop=stops or None
+        )
         self.counters[f"endpoint.tokens.{how}"] += 1
         s: Sampled = await self.off_loop(self._finish, c, how, stops)
         return s
@@ -123,8 +129,17 @@ class Sampler:
             if before is not None:
                 hit = next(s for s in stops if text.startswith(s, len(before)))
                 ids, lps, text, finish = ids[:k], lps[:k], before, "stop"
-        return Sampled(list(c.prompt_token_ids), ids, lps, text, "length" if finish == "length" else "stop",
-                       c.model_version, how, hit, tuple(self.pieces(ids, text)))
+        return Sampled(
+            list(c.prompt_token_ids),
+            ids,
+            lps,
+            text,
+            "length" if finish == "length" else "stop",
+            c.model_version,
+            how,
+            hit,
+            tuple(self.pieces(ids, text)),
+        )
 
     def pieces(self, ids: list[int], shown: str) -> list[str]:
         """The text each token added, decoding only the tokens since the last emitted piece (linear
@@ -135,7 +150,7 @@ class Sampler:
         for k in range(1, len(ids) + 1):
             before, now = self.decode(ids[prefix:read]), self.decode(ids[prefix:k])
             if len(now) > len(before) and now.startswith(before) and not now.endswith("\ufffd"):
-                out.append(now[len(before):])  # an incomplete character waits for the next token
+                out.append(now[len(before) :])  # an incomplete character waits for the next token
                 prefix, read = read, k
         if "".join(out) != shown:
             return [shown] if shown else []

@@ -22,15 +22,17 @@ from coevo.schemas import Event, decode, readable
 
 
 @asynccontextmanager
-async def open_run(run_id: str, runs_dir: Path, url: str | None = None,
-                   credentials: Path | None = None) -> AsyncIterator[NatsBus]:
+async def open_run(
+    run_id: str, runs_dir: Path, url: str | None = None, credentials: Path | None = None
+) -> AsyncIterator[NatsBus]:
     """The run's events: on ``url`` (with ``credentials``, or the run's own admin file), or on an
     embedded server over the run's own store."""
     from coevo.runtime.app import open_bus, run_reader_config
 
     store = runs_dir / run_id / "nats"
-    async with open_bus(run_id, url=url, store=store, existing=True,
-                        cfg=run_reader_config(store, url, credentials)) as bus:
+    async with open_bus(
+        run_id, url=url, store=store, existing=True, cfg=run_reader_config(store, url, credentials)
+    ) as bus:
         yield bus
 
 
@@ -82,9 +84,14 @@ async def export_events(bus: NatsBus, out: Path, fmt: str = "jsonl") -> int:
             import pyarrow.parquet as pq
         except ImportError as exc:
             raise SystemExit("parquet export needs pyarrow: pip install 'coevo[parquet]'") from exc
-        table = pa.table({"seq": [r["seq"] for r in rows], "subject": [r["subject"] for r in rows],
-                          "kind": [r["event"].get("kind", "") for r in rows],
-                          "event": [json.dumps(r["event"], sort_keys=True) for r in rows]})
+        table = pa.table(
+            {
+                "seq": [r["seq"] for r in rows],
+                "subject": [r["subject"] for r in rows],
+                "kind": [r["event"].get("kind", "") for r in rows],
+                "event": [json.dumps(r["event"], sort_keys=True) for r in rows],
+            }
+        )
         pq.write_table(table, out)
     else:
         raise SystemExit(f"unknown format {fmt!r} (jsonl or parquet)")

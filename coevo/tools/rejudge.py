@@ -38,8 +38,10 @@ async def rejudge(bus: NatsBus, cfg: CoevoConfig, use_recorded: bool) -> dict[st
         for step, j in tracked(pairs, "re-judging", unit="steps"):
             new = await judge_votes(client, cfg, step)
             old_votes = tuple(scoring.VoteRec(v.value, v.status) for v in j.votes)
-            new_votes = tuple(scoring.VoteRec(v["value"], v["status"] if v["status"] in ("ok", "unparseable")
-                                              else "error") for v in new)
+            new_votes = tuple(
+                scoring.VoteRec(v["value"], v["status"] if v["status"] in ("ok", "unparseable") else "error")
+                for v in new
+            )
             total += 1
             agree += scoring.majority(old_votes) == scoring.majority(new_votes)
             d = per_traj.setdefault(step.trajectory_id, {"old": [], "new": []})
@@ -54,6 +56,9 @@ async def rejudge(bus: NatsBus, cfg: CoevoConfig, use_recorded: bool) -> dict[st
         return scoring.judge_accuracies(trajs)
 
     (po, oo), (pn, on) = acc("old"), acc("new")
-    return {"steps": total, "agreement": agree / total if total else None,
-            "original": {"process_accuracy": po, "outcome_accuracy": oo},
-            "rejudge": {"process_accuracy": pn, "outcome_accuracy": on}}
+    return {
+        "steps": total,
+        "agreement": agree / total if total else None,
+        "original": {"process_accuracy": po, "outcome_accuracy": oo},
+        "rejudge": {"process_accuracy": pn, "outcome_accuracy": on},
+    }

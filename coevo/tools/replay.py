@@ -40,8 +40,13 @@ class Divergence:
     replayed: Any
 
     def as_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "kind": self.kind, "key": self.key, "recorded": self.recorded,
-                "replayed": self.replayed}
+        return {
+            "index": self.index,
+            "kind": self.kind,
+            "key": self.key,
+            "recorded": self.recorded,
+            "replayed": self.replayed,
+        }
 
 
 @dataclass
@@ -52,8 +57,13 @@ class ReplayReport:
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"into": self.into, "compared": self.compared, "identical": self.divergence is None,
-                "first_divergence": self.divergence.as_dict() if self.divergence else None, "notes": self.notes}
+        return {
+            "into": self.into,
+            "compared": self.compared,
+            "identical": self.divergence is None,
+            "first_divergence": self.divergence.as_dict() if self.divergence else None,
+            "notes": self.notes,
+        }
 
 
 def first_difference(recorded: dict[str, Any], replayed: dict[str, Any], path: str = "") -> tuple[str, Any, Any] | None:
@@ -93,7 +103,9 @@ def replay_scorer(events: list[tuple[int, Event]], cfg: CoevoConfig) -> ReplayRe
                 report.notes.append(f"seq {seq}: inputs of group {e.group_id} are outside the replayed range")
                 continue
             recorded = {k: v for k, v in readable(e).items() if k not in ENVELOPE}
-            replayed_event = GroupScored.of(score_group(g, cfg, train_judge=train_judge), run_id=e.run_id, source=e.source)
+            replayed_event = GroupScored.of(
+                score_group(g, cfg, train_judge=train_judge), run_id=e.run_id, source=e.source
+            )
             replayed = {k: v for k, v in readable(replayed_event).items() if k not in ENVELOPE}
             report.compared += 1
             diff = first_difference(recorded, replayed)
@@ -119,8 +131,15 @@ class RecordedResponses:
                 self.answers[(_h(prompt), v.index)].append(v)
         self.misses = 0
 
-    async def complete(self, prompt: str, *, choices: list[str] | None = None, max_tokens: int = 0,
-                       temperature: float = 1.0, index: int = 0) -> Any:
+    async def complete(
+        self,
+        prompt: str,
+        *,
+        choices: list[str] | None = None,
+        max_tokens: int = 0,
+        temperature: float = 1.0,
+        index: int = 0,
+    ) -> Any:
         from coevo.inference.engine import Completion
 
         queue = self.answers.get((_h(prompt), index))
@@ -134,9 +153,17 @@ class RecordedResponses:
         if choices:
             choice = 0 if vote.value == 1 else 1
         text = vote.rationale if not choices else (choices[choice] if choice is not None else "")
-        return Completion(text, vote.prompt_token_ids, vote.response_token_ids, vote.logprobs,
-                          vote.model_version or 0, choice=choice, allowed_token_ids=vote.allowed_token_ids,
-                          cost_usd=vote.cost_usd, cached=True)
+        return Completion(
+            text,
+            vote.prompt_token_ids,
+            vote.response_token_ids,
+            vote.logprobs,
+            vote.model_version or 0,
+            choice=choice,
+            allowed_token_ids=vote.allowed_token_ids,
+            cost_usd=vote.cost_usd,
+            cached=True,
+        )
 
 
 def _h(text: str) -> str:
@@ -214,19 +241,29 @@ async def replay_rewriter(events: list[tuple[int, Event]], cfg: CoevoConfig) -> 
             rw, parent_acc = pending.pop(e.candidate_id)
             if e.reason.startswith("candidate group flagged"):
                 continue
-            accepted, reason = scoring.accept_rewrite(rw.direction, parent_acc, candidate_acc[e.candidate_id],
-                                                      low, high)
+            accepted, reason = scoring.accept_rewrite(
+                rw.direction, parent_acc, candidate_acc[e.candidate_id], low, high
+            )
             report.compared += 1
             if (accepted, reason) != (e.accepted, e.reason):
-                report.divergence = Divergence(seq, "task.decided", e.candidate_id,
-                                               {"accepted": e.accepted, "reason": e.reason},
-                                               {"accepted": accepted, "reason": reason})
+                report.divergence = Divergence(
+                    seq,
+                    "task.decided",
+                    e.candidate_id,
+                    {"accepted": e.accepted, "reason": e.reason},
+                    {"accepted": accepted, "reason": reason},
+                )
                 return report
     return report
 
 
-def replay_learner(events: list[tuple[int, Event]], cfg: CoevoConfig, *, rel_tol: float = 1e-4,
-                   abs_tol: float = 1e-6) -> ReplayReport:
+STEP_FIELDS = ("version", "samples", "loss", "kl", "clip_fraction", "mismatch_kl")
+"""what a replayed learner step must reproduce of its ``LearnerStepped``"""
+
+
+def replay_learner(
+    events: list[tuple[int, Event]], cfg: CoevoConfig, *, rel_tol: float = 1e-4, abs_tol: float = 1e-6
+) -> ReplayReport:
     """Retrain both lanes from the base models on the recorded batches (the groups each recorded
     ``LearnerStepped`` used, in order) and compare version, sample count, loss, KL, clip fraction and
     sampler mismatch. Starts from the beginning of the run (the base weights)."""
@@ -251,29 +288,34 @@ def replay_learner(events: list[tuple[int, Event]], cfg: CoevoConfig, *, rel_tol
             if lane is None:
                 temp = cfg.policy.temperature if e.role == "policy" else cfg.judge.temperature
                 lr = cfg.learner.judge_lr if e.role == "judge" else None
-                lane = Lane(e.role, model_dir(cfg, e.role), _Path(tmp), cfg.learner, temperature=temp, lr=lr,
-                            device="cpu")
+                lane = Lane(
+                    e.role, model_dir(cfg, e.role), _Path(tmp), cfg.learner, temperature=temp, lr=lr, device="cpu"
+                )
                 lanes[e.role] = lane
             if lane.version != e.version - 1:
-                report.notes.append(f"seq {seq}: {e.role} v{e.version} follows v{lane.version}; replay starts "
-                                    "from the base weights, so it needs the run from its first learner step")
+                report.notes.append(
+                    f"seq {seq}: {e.role} v{e.version} follows v{lane.version}; replay starts "
+                    "from the base weights, so it needs the run from its first learner step"
+                )
                 return report
             missing = [g for g in e.group_ids if g not in groups]
             if missing:
                 report.notes.append(f"seq {seq}: groups {missing[:3]} are outside the replayed range")
                 return report
-            samples = [s for g in e.group_ids for s in
-                       (groups[g].policy_samples if e.role == "policy" else groups[g].judge_samples)]
+            samples = [
+                s
+                for g in e.group_ids
+                for s in (groups[g].policy_samples if e.role == "policy" else groups[g].judge_samples)
+            ]
             m = lane.step(samples, list(e.group_ids))
-            recorded = {"version": e.version, "samples": e.samples, "loss": e.loss, "kl": e.kl,
-                        "clip_fraction": e.clip_fraction, "mismatch_kl": e.mismatch_kl}
-            replayed = {"version": m.version, "samples": m.samples, "loss": m.loss, "kl": m.kl,
-                        "clip_fraction": m.clip_fraction, "mismatch_kl": m.mismatch_kl}
+            recorded = {k: getattr(e, k) for k in STEP_FIELDS}
+            replayed = {k: getattr(m, k) for k in STEP_FIELDS}
             report.compared += 1
             for key, a in recorded.items():
                 b = replayed[key]
                 if not math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=abs_tol):
-                    report.divergence = Divergence(seq, "learner.stepped", f"{e.role} v{e.version}: {key}",
-                                                   recorded, replayed)
+                    report.divergence = Divergence(
+                        seq, "learner.stepped", f"{e.role} v{e.version}: {key}", recorded, replayed
+                    )
                     return report
     return report

@@ -8,8 +8,7 @@ from typing import Any
 
 from coevo.config import CoevoConfig
 
-EXTRA_PRODUCERS = {"agent.status": {"every agent"}, "dead.lettered": {"every consumer"},
-                   "run.finished": {"coevo run"}}
+EXTRA_PRODUCERS = {"agent.status": {"every agent"}, "dead.lettered": {"every consumer"}, "run.finished": {"coevo run"}}
 
 
 def topology(cfg: CoevoConfig) -> dict[str, dict[str, set[str]]]:

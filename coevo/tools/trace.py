@@ -114,10 +114,16 @@ def step_trace(index: RunIndex, step: StepTaken) -> dict[str, Any]:
 
 
 def task_trace(index: RunIndex, task_id: str) -> dict[str, Any]:
-    return {"kind": "task", "task_id": task_id, "lineage": lineage(index, task_id),
-            "groups": [{"group_id": g.group_id, "accuracy": g.accuracy, "purpose": g.purpose}
-                       for g in index.groups_of_task.get(task_id, [])],
-            "trajectories": [t.trajectory_id for t in index.trajectories_of_task.get(task_id, [])]}
+    return {
+        "kind": "task",
+        "task_id": task_id,
+        "lineage": lineage(index, task_id),
+        "groups": [
+            {"group_id": g.group_id, "accuracy": g.accuracy, "purpose": g.purpose}
+            for g in index.groups_of_task.get(task_id, [])
+        ],
+        "trajectories": [t.trajectory_id for t in index.trajectories_of_task.get(task_id, [])],
+    }
 
 
 def weights_version(ident: str) -> Version | None:
@@ -129,10 +135,15 @@ def weights_version(ident: str) -> Version | None:
 
 def weights_trace(index: RunIndex, role: str, version: int) -> dict[str, Any]:
     step = index.learner_steps.get((role, version))
-    return {"kind": "weights", **weights(index, version, role),
-            "learner_step": step.model_dump(include={"loss", "kl", "clip_fraction", "mismatch_kl",
-                                                     "samples", "group_ids", "staleness_histogram"})
-            if step else None}
+    return {
+        "kind": "weights",
+        **weights(index, version, role),
+        "learner_step": step.model_dump(
+            include={"loss", "kl", "clip_fraction", "mismatch_kl", "samples", "group_ids", "staleness_histogram"}
+        )
+        if step
+        else None,
+    }
 
 
 # ---- the parts of an answer --------------------------------------------------------------------
@@ -142,14 +153,24 @@ def trajectory_view(index: RunIndex, t: TrajectoryCompleted) -> dict[str, Any]:
     group = index.group_of_trajectory.get(t.trajectory_id)
     used_by = index.trained_by.get(group.group_id) if group else None
     task = index.scheduled.get(t.group_id)
-    return {"trajectory_id": t.trajectory_id, "task_id": t.task_id, "outcome": t.outcome,
-            "task": task.task.model_dump() if task else None, "lineage": lineage(index, t.task_id),
-            "steps": steps_view(index, t, group),
-            "group": {"group_id": group.group_id, "accuracy": group.accuracy, "purpose": group.purpose,
-                      "flagged": group.flagged} if group else None,
-            "learner_step": {"version": used_by.version, "loss": used_by.loss, "ts": used_by.ts}
-            if used_by else None,
-            "weights": weights(index, used_by.version) if used_by else None}
+    return {
+        "trajectory_id": t.trajectory_id,
+        "task_id": t.task_id,
+        "outcome": t.outcome,
+        "task": task.task.model_dump() if task else None,
+        "lineage": lineage(index, t.task_id),
+        "steps": steps_view(index, t, group),
+        "group": {
+            "group_id": group.group_id,
+            "accuracy": group.accuracy,
+            "purpose": group.purpose,
+            "flagged": group.flagged,
+        }
+        if group
+        else None,
+        "learner_step": {"version": used_by.version, "loss": used_by.loss, "ts": used_by.ts} if used_by else None,
+        "weights": weights(index, used_by.version) if used_by else None,
+    }
 
 
 def steps_view(index: RunIndex, t: TrajectoryCompleted, group: GroupScored | None) -> list[dict[str, Any]]:
@@ -161,12 +182,21 @@ def steps_view(index: RunIndex, t: TrajectoryCompleted, group: GroupScored | Non
         if st is None:
             continue
         j = index.judged.get(sid)
-        out.append({"step": st.step_index, "event_id": sid, "action": st.action_text,
-                    "result": st.next_observation[:120], "policy_version": st.policy_version,
-                    "reference_label": st.reference_label,
-                    "votes": [{"value": v.value, "status": v.status, "rationale": v.rationale[-200:]}
-                              for v in (j.votes if j else [])],
-                    "advantage": advantage.get(sid)})
+        out.append(
+            {
+                "step": st.step_index,
+                "event_id": sid,
+                "action": st.action_text,
+                "result": st.next_observation[:120],
+                "policy_version": st.policy_version,
+                "reference_label": st.reference_label,
+                "votes": [
+                    {"value": v.value, "status": v.status, "rationale": v.rationale[-200:]}
+                    for v in (j.votes if j else [])
+                ],
+                "advantage": advantage.get(sid),
+            }
+        )
     return out
 
 
@@ -181,11 +211,20 @@ def lineage(index: RunIndex, task_id: str) -> list[dict[str, Any]]:
         # the same candidate (same parent, same knobs: same id) can be proposed again after a
         # rejection: its acceptance, if any, is what made it a task; else its latest decision
         d = index.accepted.get(current) or index.decided.get(current)
-        chain.append({"task_id": current, "parent_id": rw.parent.task_id, "direction": rw.direction,
-                      "knobs": rw.candidate.knobs, "rewriter": rw.rewriter, "summaries": rw.summaries,
-                      "accepted": d.accepted if d else None, "reason": d.reason if d else None,
-                      "parent_accuracy": d.parent_accuracy if d else None,
-                      "candidate_accuracy": d.candidate_accuracy if d else None})
+        chain.append(
+            {
+                "task_id": current,
+                "parent_id": rw.parent.task_id,
+                "direction": rw.direction,
+                "knobs": rw.candidate.knobs,
+                "rewriter": rw.rewriter,
+                "summaries": rw.summaries,
+                "accepted": d.accepted if d else None,
+                "reason": d.reason if d else None,
+                "parent_accuracy": d.parent_accuracy if d else None,
+                "candidate_accuracy": d.candidate_accuracy if d else None,
+            }
+        )
         current = rw.parent.task_id
     return chain
 
@@ -193,7 +232,13 @@ def lineage(index: RunIndex, task_id: str) -> list[dict[str, Any]]:
 def weights(index: RunIndex, version: int, role: str = "policy") -> dict[str, Any]:
     """A weights version: where it was published, and every server it was applied on."""
     pub = index.published.get((role, version))
-    return {"role": role, "version": version, "path": pub.path if pub else None,
-            "sha256": pub.sha256 if pub else None,
-            "applied": [{"server": a.server, "pause_ms": a.pause_ms, "ok": a.ok, "ts": a.ts}
-                        for a in index.applied.get((role, version), [])]}
+    return {
+        "role": role,
+        "version": version,
+        "path": pub.path if pub else None,
+        "sha256": pub.sha256 if pub else None,
+        "applied": [
+            {"server": a.server, "pause_ms": a.pause_ms, "ok": a.ok, "ts": a.ts}
+            for a in index.applied.get((role, version), [])
+        ],
+    }

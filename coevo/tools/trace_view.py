@@ -13,8 +13,10 @@ def tree(t: dict[str, Any]) -> Tree:
         root = Tree(f"[bold]weights {t['role']} v{t['version']}[/] {t.get('path') or ''}")
         if t.get("learner_step"):
             ls = t["learner_step"]
-            root.add(f"{t['role']} learner step {t['version']}: loss {ls['loss']:.4f} kl {ls['kl']:.4f} samples {ls['samples']} "
-                     f"groups {len(ls['group_ids'])}")
+            root.add(
+                f"{t['role']} learner step {t['version']}: loss {ls['loss']:.4f} kl {ls['kl']:.4f} samples {ls['samples']} "
+                f"groups {len(ls['group_ids'])}"
+            )
         for a in t["applied"]:
             root.add(f"applied on {a['server']} ({'ok' if a['ok'] else 'FAILED'}, pause {a['pause_ms']:.1f} ms)")
         return root
@@ -28,26 +30,39 @@ def tree(t: dict[str, Any]) -> Tree:
     root = Tree(f"[bold]trajectory {t['trajectory_id']}[/] on task {t['task_id']}: [bold]{t['outcome']}[/]")
     _lineage(root, t["lineage"])
     reasons = any(v["rationale"] for s in t["steps"] for v in s["votes"])
-    steps = root.add("steps" + ("" if reasons or not t["steps"] else " [dim](no vote rationales: a judge in "
-                                "'verdict' mode votes with one token; judge.mode = 'reasoned' writes them)[/]"))
+    steps = root.add(
+        "steps"
+        + (
+            ""
+            if reasons or not t["steps"]
+            else " [dim](no vote rationales: a judge in "
+            "'verdict' mode votes with one token; judge.mode = 'reasoned' writes them)[/]"
+        )
+    )
     for s in t["steps"]:
-        votes = " ".join({1: "+", -1: "-"}.get(v["value"], "?") if v["status"] == "ok" else v["status"][0]
-                         for v in s["votes"])
+        votes = " ".join(
+            {1: "+", -1: "-"}.get(v["value"], "?") if v["status"] == "ok" else v["status"][0] for v in s["votes"]
+        )
         adv = f" A={s['advantage']:+.3f}" if s.get("advantage") is not None else ""
-        node = steps.add(f"{s['step']}. {s['action']!r} -> {s['result'][:60]!r} votes [{votes}]"
-                         f" ref {s['reference_label']} v{s['policy_version']}{adv}")
+        node = steps.add(
+            f"{s['step']}. {s['action']!r} -> {s['result'][:60]!r} votes [{votes}]"
+            f" ref {s['reference_label']} v{s['policy_version']}{adv}"
+        )
         if reasons:
             _votes(node, s["votes"])
     if t.get("group"):
         g = t["group"]
-        root.add(f"scored in {g['group_id']}: accuracy {g['accuracy']:.3f}"
-                 + (f" (flagged: {g['flagged']})" if g["flagged"] else ""))
+        root.add(
+            f"scored in {g['group_id']}: accuracy {g['accuracy']:.3f}"
+            + (f" (flagged: {g['flagged']})" if g["flagged"] else "")
+        )
     if not t.get("learner_step"):
         root.add("[dim]not trained (yet): held-out, flagged, out of the policy band, or still queued[/]")
     else:
         ls = t["learner_step"]
-        w = root.add(f"trained by policy learner step {ls['version']} -> weights policy v{ls['version']} "
-                     f"(loss {ls['loss']:.4f})")
+        w = root.add(
+            f"trained by policy learner step {ls['version']} -> weights policy v{ls['version']} (loss {ls['loss']:.4f})"
+        )
         for a in (t.get("weights") or {}).get("applied", []):
             w.add(f"applied on {a['server']} ({'ok' if a['ok'] else 'FAILED'}, pause {a['pause_ms']:.1f} ms)")
     return root
@@ -66,5 +81,7 @@ def _lineage(root: Tree, lineage: list[dict[str, Any]]) -> None:
     node = root.add("rewrite lineage")
     for step in lineage:
         verdict = {True: "accepted", False: "rejected", None: "pending"}[step["accepted"]]
-        node.add(f"{step['parent_id']} -> {step['task_id']} ({step['direction']}, {step['rewriter']}, {verdict}: "
-                 f"{step.get('reason') or ''})")
+        node.add(
+            f"{step['parent_id']} -> {step['task_id']} ({step['direction']}, {step['rewriter']}, {verdict}: "
+            f"{step.get('reason') or ''})"
+        )

@@ -36,12 +36,12 @@ def pack_by_tokens(samples: Sequence[TrainingSample], max_tokens: int) -> list[l
 
 def padding_row(like: TrainingSample) -> TrainingSample:
     """A row that runs through the model but weighs nothing: no response tokens, advantage 0."""
-    return like.model_copy(update={"sample_id": f"pad-{like.sample_id}", "response_token_ids": [], "logprobs": [],
-                                   "advantage": 0.0})
+    return like.model_copy(
+        update={"sample_id": f"pad-{like.sample_id}", "response_token_ids": [], "logprobs": [], "advantage": 0.0}
+    )
 
 
-def rank_plan(samples: Sequence[TrainingSample], rank: int, world: int,
-              max_tokens: int) -> list[list[TrainingSample]]:
+def rank_plan(samples: Sequence[TrainingSample], rank: int, world: int, max_tokens: int) -> list[list[TrainingSample]]:
     """This rank's micro-batches of a batch that every rank plans identically.
 
     The batch is packed once (``pack_by_tokens``) and each micro-batch's rows are dealt round-robin
@@ -56,8 +56,9 @@ def staleness(s: TrainingSample, version: int) -> int:
     return version - s.model_version
 
 
-def split_stale(samples: Sequence[TrainingSample], version: int,
-                max_staleness: int) -> tuple[list[TrainingSample], list[TrainingSample]]:
+def split_stale(
+    samples: Sequence[TrainingSample], version: int, max_staleness: int
+) -> tuple[list[TrainingSample], list[TrainingSample]]:
     """(fresh, stale): stale samples lag more than ``max_staleness`` versions behind ``version``."""
     fresh = [s for s in samples if staleness(s, version) <= max_staleness]
     return fresh, [s for s in samples if staleness(s, version) > max_staleness]
@@ -115,9 +116,15 @@ class Tensors:
     versions: list[int]
 
     def to(self, device: str | torch.device) -> Tensors:
-        return Tensors(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device),
-                       self.behav_logp.to(device), self.advantages.to(device),
-                       None if self.allowed is None else self.allowed.to(device), self.versions)
+        return Tensors(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.response_mask.to(device),
+            self.behav_logp.to(device),
+            self.advantages.to(device),
+            None if self.allowed is None else self.allowed.to(device),
+            self.versions,
+        )
 
 
 def to_tensors(samples: Sequence[TrainingSample], vocab_size: int, pad_id: int = 0) -> Tensors:
@@ -137,8 +144,8 @@ def to_tensors(samples: Sequence[TrainingSample], vocab_size: int, pad_id: int =
             raise ValueError(f"sample {s.sample_id}: {len(s.logprobs)} log-probs for {r} response tokens")
         ids[i, : len(seq)] = torch.tensor(seq)
         attn[i, : len(seq)] = 1
-        resp[i, p: p + r] = 1
-        behav[i, p: p + r] = torch.tensor(list(s.logprobs))  # arrays or lists: plain numbers for torch
+        resp[i, p : p + r] = 1
+        behav[i, p : p + r] = torch.tensor(list(s.logprobs))  # arrays or lists: plain numbers for torch
         if allowed is not None and s.allowed_token_ids:
             allowed[i] = False
             allowed[i, list(s.allowed_token_ids)] = True

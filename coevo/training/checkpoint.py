@@ -169,8 +169,13 @@ class CheckpointWriter:
         return buf
 
 
-def write_checkpoint(root: Path, job: CheckpointJob, weights: dict[str, torch.Tensor], optimizer: Any,
-                     extra: dict[str, Path] | None = None) -> tuple[Path, str, int]:
+def write_checkpoint(
+    root: Path,
+    job: CheckpointJob,
+    weights: dict[str, torch.Tensor],
+    optimizer: Any,
+    extra: dict[str, Path] | None = None,
+) -> tuple[Path, str, int]:
     """Write, fsync, rename and mark one checkpoint from CPU tensors; (path, digest, bytes).
     ``extra``: files written elsewhere (optimizer shards of other ranks), moved in and hashed."""
     final = root / f"v{job.version:06d}"
@@ -198,7 +203,10 @@ def model_files(folder: Path, job: CheckpointJob) -> dict[str, tensorfiles.FileI
     """config, tokenizer files and counters beside the weights (what from_pretrained and vLLM read)."""
     files = {"config.json": tensorfiles.write_text(folder / "config.json", job.config_json)}
     files.update(tensorfiles.copy_files(job.base_model, folder, tensorfiles.TOKENIZER_FILES))
-    files["state.json"] = tensorfiles.write_text(folder / "state.json", json.dumps(
-        {"version": job.version, "role": job.role, "steps_total": job.steps_total,
-         "consumed_groups": job.consumed}))
+    files["state.json"] = tensorfiles.write_text(
+        folder / "state.json",
+        json.dumps(
+            {"version": job.version, "role": job.role, "steps_total": job.steps_total, "consumed_groups": job.consumed}
+        ),
+    )
     return files

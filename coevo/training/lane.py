@@ -55,15 +55,7 @@ from coevo.runtime import faults
 from coevo.schemas import TrainingSample
 from coevo.schemas.events import WeightsFormat
 from coevo.training import lora
-from coevo.training.batch import (
-    Tensors,
-    minibatches,
-    rank_plan,
-    sample_problem,
-    split_stale,
-    staleness,
-    to_tensors,
-)
+from coevo.training.batch import Tensors, minibatches, rank_plan, sample_problem, split_stale, staleness, to_tensors
 from coevo.training.checkpoint import MARKER, Checkpoint, CheckpointJob, CheckpointWriter, latest_checkpoint
 from coevo.training.loss import DECOUPLED_CAP, mismatch_kl, ppo_loss, token_logprobs
 from coevo.weights.manifest import HELD, manifest_of
@@ -101,15 +93,80 @@ class StepMetrics:
     kl_rejected: bool = False
     """the batch was undone: its step KL exceeded ``learner.max_step_kl`` (``samples`` 0, version unchanged)"""
 
+    @classmethod
+    def trained(
+        cls,
+        version: int,
+        samples: int,
+        tokens: int,
+        sums: dict[str, float],
+        steps: int,
+        hist: dict[str, int],
+        seconds: float,
+        *,
+        dropped: int,
+        step_kl: float | None,
+    ) -> StepMetrics:
+        """A batch trained in ``steps`` optimiser steps: ``sums`` of their metrics become means."""
+        loss, kl, clip, mismatch, grad_norm = (
+            sums[k] / steps for k in ("loss", "kl", "clip_fraction", "mismatch_kl", "grad_norm")
+        )
+        return cls(
+            version,
+            samples,
+            tokens,
+            loss,
+            kl,
+            clip,
+            mismatch,
+            grad_norm=grad_norm,
+            staleness_histogram=hist,
+            checkpoint_wait_s=sums["waited"],
+            tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+            stale_dropped=dropped,
+            optimizer_steps=steps,
+            step_kl=step_kl,
+        )
+
+    @classmethod
+    def untrained(cls, version: int, dropped: int, step_kl: float | None = None) -> StepMetrics:
+        """A batch that took no step: left empty by the staleness bound, or undone by the KL guard."""
+        return cls(
+            version,
+            0,
+            0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            {},
+            0.0,
+            0.0,
+            stale_dropped=dropped,
+            optimizer_steps=0,
+            step_kl=step_kl,
+            kl_rejected=step_kl is not None,
+        )
+
 
 Published = tuple[Path, str, int]
 """(directory, manifest digest, bytes written)"""
 
 
 class Lane:
-    def __init__(self, role: Literal["policy", "judge"], base_model: Path, ckpt_root: Path, cfg: LearnerConfig,
-                 *, temperature: float = 1.0, sampling: SamplingConfig | None = None, lr: float | None = None,
-                 device: str | None = None, shared: lora.SharedBase | None = None) -> None:
+    def __init__(
+        self,
+        role: Literal["policy", "judge"],
+        base_model: Path,
+        ckpt_root: Path,
+        cfg: LearnerConfig,
+        *,
+        temperature: float = 1.0,
+        sampling: SamplingConfig | None = None,
+        lr: float | None = None,
+        device: str | None = None,
+        shared: lora.SharedBase | None = None,
+    ) -> None:
         from coevo.inference.engine import quiet_transformers
 
         quiet_transformers()
@@ -165,16 +222,20 @@ class Lane:
         lc = self.cfg.lora
         saved_adapter = resume is not None and adapters.is_adapter(resume)
         if resume is not None and saved_adapter != (lc is not None):
-            raise ConfigError(f"{resume} holds {'an adapter' if saved_adapter else 'full weights'}: this run's "
-                              f"checkpoints were written {'with' if saved_adapter else 'without'} learner.lora",
-                              field="learner.lora")
+            raise ConfigError(
+                f"{resume} holds {'an adapter' if saved_adapter else 'full weights'}: this run's "
+                f"checkpoints were written {'with' if saved_adapter else 'without'} learner.lora",
+                field="learner.lora",
+            )
         if lc is None:
             # transformers' @wraps(Module.to) is not a bound method to mypy: it wants the model as first argument
             loaded = AutoModelForCausalLM.from_pretrained(resume or self.base_model)
             return loaded.to(self.device)  # type: ignore[arg-type]
         if self.fsdp:
-            raise ConfigError("learner.lora under torchrun needs learner.parallel = 'ddp' (adapters are not sharded)",
-                              field="learner.lora")
+            raise ConfigError(
+                "learner.lora under torchrun needs learner.parallel = 'ddp' (adapters are not sharded)",
+                field="learner.lora",
+            )
         if shared is not None:
             return shared.attach(self.role, resume, self.device)
         model = lora.wrap(AutoModelForCausalLM.from_pretrained(self.base_model), lc, self.role)
@@ -209,8 +270,9 @@ class Lane:
         self.steps_total = int(state.get("steps_total", 0))
         self.consumed.extend(state["consumed_groups"])
         shard = resume / f"optimizer.rank{self.rank}.pt"
-        self.optimizer.load_state_dict(torch.load(shard if shard.exists() else resume / "optimizer.pt",
-                                                  map_location=self.device))
+        self.optimizer.load_state_dict(
+            torch.load(shard if shard.exists() else resume / "optimizer.pt", map_location=self.device)
+        )
 
     def has_consumed(self, group_id: str) -> bool:
         """Trained into the weights in memory (durable or not)."""
@@ -246,13 +308,11 @@ class Lane:
         kept = fresh if dropping else list(samples)
         dropped = len(stale) if dropping else 0
         if not kept:
-            return StepMetrics(self.version, 0, 0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, 0.0, stale_dropped=dropped,
-                               optimizer_steps=0)
+            return StepMetrics.untrained(self.version, dropped)
         self._activate()
         self.model.train()
         parts = minibatches(kept, self.cfg.minibatches, self.version)
-        plans = [[to_tensors(mb, self.vocab, self.pad_id).to(self.device)
-                  for mb in rank_plan(part, self.rank, self.world, self.cfg.max_batch_tokens)] for part in parts]
+        plans = [self._rank_tensors(part) for part in parts]
         fixed = self._fixed_logprobs(plans)
         agg: defaultdict[str, float] = defaultdict(float)
         steps = 0
@@ -271,19 +331,31 @@ class Lane:
         step_kl = self._step_kl(plans, fixed) if guard is not None else None
         if guard is not None and step_kl is not None and step_kl > guard and undo is not None:
             undo.restore(self)  # rejected: as if the batch never came (its groups are acknowledged untrained)
-            return StepMetrics(self.version, 0, 0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, 0.0, stale_dropped=dropped,
-                               optimizer_steps=0, step_kl=step_kl, kl_rejected=True)
+            return StepMetrics.untrained(self.version, dropped, step_kl)
         tokens = sum(int(t.response_mask.sum()) + int(t.attention_mask.sum()) for micro in plans for t in micro)
         hist = Counter(str(staleness(s, self.version)) for s in kept)
         self.version += 1
         for g in groups:
             self.consumed.append(g)
             self._consumed_set.add(g)
-        dt = time.perf_counter() - t0
-        return StepMetrics(self.version, len(kept), tokens, agg["loss"] / steps, agg["kl"] / steps,
-                           agg["clip_fraction"] / steps, agg["mismatch_kl"] / steps, dict(hist),
-                           tokens / dt if dt > 0 else 0.0, agg["grad_norm"] / steps, agg["waited"],
-                           stale_dropped=dropped, optimizer_steps=steps, step_kl=step_kl)
+        return StepMetrics.trained(
+            self.version,
+            len(kept),
+            tokens,
+            agg,
+            steps,
+            dict(hist),
+            time.perf_counter() - t0,
+            dropped=dropped,
+            step_kl=step_kl,
+        )
+
+    def _rank_tensors(self, part: list[TrainingSample]) -> list[Any]:
+        """This rank's micro-batches of one minibatch, as tensors on the lane's device."""
+        return [
+            to_tensors(mb, self.vocab, self.pad_id).to(self.device)
+            for mb in rank_plan(part, self.rank, self.world, self.cfg.max_batch_tokens)
+        ]
 
     def _step_kl(self, plans: list[list[Tensors]], fixed: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> float:
         """KL per response token from the weights before the batch (its proximal log-probs) to the
@@ -292,8 +364,15 @@ class Lane:
         with torch.no_grad(), self._autocast():
             for micro, fx in zip(plans, fixed, strict=True):
                 for t, (px, _ref) in zip(micro, fx, strict=True):
-                    new = token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
-                                         self.temperature, sampling=self.sampling)
+                    new = token_logprobs(
+                        self.model,
+                        t.input_ids,
+                        t.attention_mask,
+                        t.response_mask,
+                        t.allowed,
+                        self.temperature,
+                        sampling=self.sampling,
+                    )
                     n = float(t.response_mask.sum())
                     num += mismatch_kl(new, px, t.response_mask.float()) * n
                     den += n
@@ -312,24 +391,45 @@ class Lane:
         with self._lock, torch.no_grad(), self._autocast():
             self._activate()
             t = to_tensors(samples, self.vocab, self.pad_id).to(self.device)
-            new = token_logprobs(self.model.eval(), t.input_ids, t.attention_mask, t.response_mask, t.allowed,
-                                 self.temperature, sampling=self.sampling)
+            new = token_logprobs(
+                self.model.eval(),
+                t.input_ids,
+                t.attention_mask,
+                t.response_mask,
+                t.allowed,
+                self.temperature,
+                sampling=self.sampling,
+            )
             return mismatch_kl(new, t.behav_logp, t.response_mask.float())
 
     def _autocast(self) -> Any:
-        return torch.autocast("cuda", dtype=torch.bfloat16,
-                              enabled=self.cfg.bf16 and str(self.device).startswith("cuda"))
+        return torch.autocast(
+            "cuda", dtype=torch.bfloat16, enabled=self.cfg.bf16 and str(self.device).startswith("cuda")
+        )
 
     def _fixed_logprobs(self, plans: list[list[Tensors]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Per minibatch, per micro-batch: (proximal log-probs, the KL's reference log-probs), taken
         once per batch before its first optimiser step."""
+
         def logp(model: torch.nn.Module, t: Tensors) -> torch.Tensor:
-            return token_logprobs(model, t.input_ids, t.attention_mask, t.response_mask, t.allowed, self.temperature,
-                                  sampling=self.sampling)
+            return token_logprobs(
+                model,
+                t.input_ids,
+                t.attention_mask,
+                t.response_mask,
+                t.allowed,
+                self.temperature,
+                sampling=self.sampling,
+            )
 
         with torch.no_grad(), self._autocast():
-            return [[(logp(self.model, t), t.behav_logp if self.reference is None else logp(self.reference, t))
-                     for t in micro] for micro in plans]
+            return [
+                [
+                    (logp(self.model, t), t.behav_logp if self.reference is None else logp(self.reference, t))
+                    for t in micro
+                ]
+                for micro in plans
+            ]
 
     def _row_cap(self, t: Tensors) -> torch.Tensor | None:
         """Under ``stale = "correct"``: the truncated-IS cap for rows beyond ``max_staleness`` (the
@@ -338,22 +438,42 @@ class Lane:
         if lc.stale != "correct" or all(self.version - v <= lc.max_staleness for v in t.versions):
             return None
         usual = lc.tis_cap if lc.correction == "tis" else DECOUPLED_CAP
-        return torch.tensor([lc.tis_cap if self.version - v > lc.max_staleness else usual for v in t.versions],
-                            device=t.advantages.device)
+        return torch.tensor(
+            [lc.tis_cap if self.version - v > lc.max_staleness else usual for v in t.versions],
+            device=t.advantages.device,
+        )
 
-    def _optimizer_step(self, micro: list[Tensors], fixed: list[tuple[torch.Tensor, torch.Tensor]],
-                        total: int) -> dict[str, float]:
+    def _optimizer_step(
+        self, micro: list[Tensors], fixed: list[tuple[torch.Tensor, torch.Tensor]], total: int
+    ) -> dict[str, float]:
         """One optimiser step on one minibatch of ``total`` samples (this rank's micro-batches)."""
         lc = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         agg: defaultdict[str, float] = defaultdict(float)
         for t, (px, ref) in zip(micro, fixed, strict=True):
             with self._autocast():
-                new = token_logprobs(self.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed,
-                                     self.temperature, sampling=self.sampling)
-            out = ppo_loss(new, px, t.behav_logp, t.advantages, t.response_mask, clip_eps=lc.clip_eps,
-                           kl_beta=lc.kl_beta, correction=lc.correction, tis_cap=lc.tis_cap, ref_logp=ref,
-                           row_cap=self._row_cap(t))
+                new = token_logprobs(
+                    self.model,
+                    t.input_ids,
+                    t.attention_mask,
+                    t.response_mask,
+                    t.allowed,
+                    self.temperature,
+                    sampling=self.sampling,
+                )
+            out = ppo_loss(
+                new,
+                px,
+                t.behav_logp,
+                t.advantages,
+                t.response_mask,
+                clip_eps=lc.clip_eps,
+                kl_beta=lc.kl_beta,
+                correction=lc.correction,
+                tis_cap=lc.tis_cap,
+                ref_logp=ref,
+                row_cap=self._row_cap(t),
+            )
             rows, real = t.input_ids.shape[0], int((t.response_mask.sum(-1) > 0).sum())
             # loss is the mean over rows (padding rows add 0): scaled to this rank's share of the global
             # mean, times world because gradients are averaged over ranks
@@ -406,11 +526,13 @@ class Lane:
             return None
         tensors = serving_tensors(full, self.publish_dtype)
         if self.format == "lora":
-            path, digest, size = write_published_adapter(self.published_root, self.version, tensors,
-                                                         self._adapter_config() or "")
+            path, digest, size = write_published_adapter(
+                self.published_root, self.version, tensors, self._adapter_config() or ""
+            )
         else:
-            path, digest, size = write_published(self.published_root, self.version, tensors,
-                                                 self.model.config.to_json_string(), self.base_model)
+            path, digest, size = write_published(
+                self.published_root, self.version, tensors, self.model.config.to_json_string(), self.base_model
+            )
         HELD.put(self.role, path, digest, tensors)
         return path, digest, size
 
@@ -445,13 +567,22 @@ class Lane:
             done: Future[Checkpoint] = Future()
             t0 = time.perf_counter()
             path, digest, size = self._checkpoint_distributed()
-            done.set_result(Checkpoint(path, digest, size, self.version, tuple(self.consumed),
-                                       time.perf_counter() - t0))
+            done.set_result(
+                Checkpoint(path, digest, size, self.version, tuple(self.consumed), time.perf_counter() - t0)
+            )
             self._durable_now(done)
             return done
-        job = CheckpointJob(self.version, self.role, list(self.consumed), self.steps_total, self._full_state(),
-                            self.optimizer.state_dict(), self.model.config.to_json_string(), self.base_model,
-                            adapter_config_json=self._adapter_config())
+        job = CheckpointJob(
+            self.version,
+            self.role,
+            list(self.consumed),
+            self.steps_total,
+            self._full_state(),
+            self.optimizer.state_dict(),
+            self.model.config.to_json_string(),
+            self.base_model,
+            adapter_config_json=self._adapter_config(),
+        )
         fut = self._writer.start(job)
         fut.add_done_callback(self._durable_now)
         return fut
@@ -482,12 +613,27 @@ class Lane:
         dist.barrier()
         out: list[Any] = [None]
         if self.rank == 0:
-            job = CheckpointJob(self.version, self.role, list(self.consumed), self.steps_total, full, {},
-                                self.model.config.to_json_string(), self.base_model,
-                                adapter_config_json=self._adapter_config())
-            out[0] = write_checkpoint(self.root, job, {k: v.detach().cpu() for k, v in full.items()}, None,
-                                      extra={f"optimizer.rank{r}.pt": self.root / f".opt-v{self.version:06d}.rank{r}.pt"
-                                             for r in range(self.world)})
+            job = CheckpointJob(
+                self.version,
+                self.role,
+                list(self.consumed),
+                self.steps_total,
+                full,
+                {},
+                self.model.config.to_json_string(),
+                self.base_model,
+                adapter_config_json=self._adapter_config(),
+            )
+            out[0] = write_checkpoint(
+                self.root,
+                job,
+                {k: v.detach().cpu() for k, v in full.items()},
+                None,
+                extra={
+                    f"optimizer.rank{r}.pt": self.root / f".opt-v{self.version:06d}.rank{r}.pt"
+                    for r in range(self.world)
+                },
+            )
         dist.broadcast_object_list(out, src=0)
         dist.barrier()  # every rank has it before any goes on (a broadcast alone does not wait for the receivers)
         return out[0]
@@ -516,8 +662,10 @@ class _UndoPoint:
     def of(cls, lane: Lane) -> _UndoPoint:
         with torch.no_grad():
             params = [p.detach().clone() for p in lane.trainable()]
-            state = {p: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                     for p, s in lane.optimizer.state.items()}
+            state = {
+                p: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                for p, s in lane.optimizer.state.items()
+            }
         return cls(params, state, lane.steps_total)
 
     def restore(self, lane: Lane) -> None:

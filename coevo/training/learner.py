@@ -71,8 +71,17 @@ def build_lane(cfg: CoevoConfig, role: Role, ckpt_root: Path, shared: SharedBase
     """A lane as every rank of the learner builds it (same model, lr, temperature, checkpoints)."""
     lr = cfg.learner.judge_lr if role == "judge" else None
     how = cfg.policy if role == "policy" else cfg.judge
-    return Lane(role, model_dir(cfg, role), ckpt_root, cfg.learner, temperature=how.temperature, sampling=how.sampling,
-                lr=lr, device=cfg.learner.device, shared=shared)
+    return Lane(
+        role,
+        model_dir(cfg, role),
+        ckpt_root,
+        cfg.learner,
+        temperature=how.temperature,
+        sampling=how.sampling,
+        lr=lr,
+        device=cfg.learner.device,
+        shared=shared,
+    )
 
 
 def build_lanes(cfg: CoevoConfig, roles: list[Role], ckpt_root: Path) -> Iterator[Lane]:
@@ -193,7 +202,8 @@ class LaneQueue:
     undurable: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     """groups trained into the weights, waiting for a durable checkpoint (their handlers wait on these)"""
     writes: asyncio.Queue[tuple[asyncio.Future[Checkpoint], dict[str, asyncio.Future[None]]] | None] = field(
-        default_factory=asyncio.Queue)
+        default_factory=asyncio.Queue
+    )
     checkpoint_at: float = field(default_factory=time.monotonic)
     stale_pending: int = 0
     """samples dropped as stale in batches that took no step, not yet reported by a ``LearnerStepped``"""
@@ -225,10 +235,11 @@ class LearnerAgent(Agent):
     def subscriptions(self) -> list[Subscription]:
         # a handler waits until its group is durable: as many handlers as the server lets us hold, one
         # group each (its durability can take the groups after it, which must not wait behind it)
-        return [Subscription("learner", (GroupScored,), self.on_scored, concurrency=self.cfg.bus.max_ack_pending,
-                             batch=1),
-                # per instance, from the stream's start: every verdict ever given is known after a restart
-                Subscription("learner-decisions", (TaskDecided,), self.on_decided, concurrency=1, shared=False)]
+        return [
+            Subscription("learner", (GroupScored,), self.on_scored, concurrency=self.cfg.bus.max_ack_pending, batch=1),
+            # per instance, from the stream's start: every verdict ever given is known after a restart
+            Subscription("learner-decisions", (TaskDecided,), self.on_decided, concurrency=1, shared=False),
+        ]
 
     async def run(self) -> None:
         from coevo.training import parity
@@ -236,8 +247,12 @@ class LearnerAgent(Agent):
 
         roles = trained_roles(self.cfg)
         if not self.train_judge:
-            self.log.info("learner.judge_lane_off", reason=f"loop={self.cfg.loop}" if self.cfg.loop == "policy-only"
-                          else f"{self.cfg.judge.backend} judge {self.cfg.judge.model!r} is not a local model dir")
+            self.log.info(
+                "learner.judge_lane_off",
+                reason=f"loop={self.cfg.loop}"
+                if self.cfg.loop == "policy-only"
+                else f"{self.cfg.judge.backend} judge {self.cfg.judge.model!r} is not a local model dir",
+            )
         weight_server = await self.serve_weights(roles)  # before the first WeightsPublished: followers ask at once
         try:
             building = build_lanes(self.cfg, roles, self.ckpt_root)
@@ -324,8 +339,9 @@ class LearnerAgent(Agent):
                 fine.append(s)
             else:
                 self.counters[f"samples.rejected.{role}"] += 1
-                self.log.warning("learner.sample_rejected", role=role, group_id=group_id, sample_id=s.sample_id,
-                                 reason=problem)
+                self.log.warning(
+                    "learner.sample_rejected", role=role, group_id=group_id, sample_id=s.sample_id, reason=problem
+                )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not fine:
             fut.set_result(None)
@@ -368,9 +384,11 @@ class LearnerAgent(Agent):
         lc = self.cfg.learner
         if not q.undurable or q.lane.checkpoint_busy:
             return False
-        return (q.lane.version - q.lane.checkpointed_version >= lc.checkpoint_every_steps
-                or time.monotonic() - q.checkpoint_at >= lc.checkpoint_every_s
-                or len(q.undurable) >= max(1, self.cfg.bus.max_ack_pending // 2))
+        return (
+            q.lane.version - q.lane.checkpointed_version >= lc.checkpoint_every_steps
+            or time.monotonic() - q.checkpoint_at >= lc.checkpoint_every_s
+            or len(q.undurable) >= max(1, self.cfg.bus.max_ack_pending // 2)
+        )
 
     async def start_checkpoint(self, q: LaneQueue) -> None:
         """Start a resume checkpoint of the lane as it is now: it covers every group trained so far."""
@@ -397,8 +415,14 @@ class LearnerAgent(Agent):
                 if not done.done():
                     done.set_result(None)
             self.counters[f"checkpoints.{role}"] += 1
-            self.log.info("learner.checkpoint", role=role, version=ckpt.version, seconds=round(ckpt.seconds, 3),
-                          bytes=ckpt.bytes, groups=len(covered))
+            self.log.info(
+                "learner.checkpoint",
+                role=role,
+                version=ckpt.version,
+                seconds=round(ckpt.seconds, 3),
+                bytes=ckpt.bytes,
+                groups=len(covered),
+            )
             q.arrived.set()
 
     def release(self, role: Role, q: LaneQueue) -> None:
@@ -430,16 +454,7 @@ class LearnerAgent(Agent):
             return
         finally:
             q.training = []
-        if metrics.stale_dropped:
-            self.counters[f"samples.stale_dropped.{role}"] += metrics.stale_dropped
-            self.log.info("learner.stale_dropped", role=role, samples=metrics.stale_dropped, version=q.lane.version,
-                          max_staleness=self.cfg.learner.max_staleness)
-        if metrics.kl_rejected:
-            q.kl_rejected_pending += 1
-            self.counters[f"steps.kl_rejected.{role}"] += 1
-            self.log.warning("learner.step_rejected", role=role, step_kl=round(metrics.step_kl or 0.0, 4),
-                             bound=self.cfg.learner.max_step_kl, version=q.lane.version,
-                             groups=[p.group_id for p in take])
+        self.count_untrained(role, q, take, metrics)
         if metrics.samples == 0:  # every sample stale, or the step undone: the groups are done, nothing trained
             q.stale_pending += metrics.stale_dropped  # reported by the lane's next LearnerStepped
             for p in take:
@@ -452,17 +467,54 @@ class LearnerAgent(Agent):
             q.undurable[p.group_id] = p.done
         if role == "policy":
             self.model_version = metrics.version
-        await self.emit(self.event(
-            LearnerStepped, role=role, version=metrics.version, samples=metrics.samples, tokens=metrics.tokens,
-            loss=metrics.loss, kl=metrics.kl, clip_fraction=metrics.clip_fraction, mismatch_kl=metrics.mismatch_kl,
-            staleness_histogram=metrics.staleness_histogram, tokens_per_second=metrics.tokens_per_second,
-            group_ids=[p.group_id for p in take], stale_dropped=stale_dropped, kl_rejected=kl_rejected,
-            step_kl=metrics.step_kl), confirm=True)
+        await self.emit(
+            self.event(
+                LearnerStepped,
+                role=role,
+                version=metrics.version,
+                samples=metrics.samples,
+                tokens=metrics.tokens,
+                loss=metrics.loss,
+                kl=metrics.kl,
+                clip_fraction=metrics.clip_fraction,
+                mismatch_kl=metrics.mismatch_kl,
+                staleness_histogram=metrics.staleness_histogram,
+                tokens_per_second=metrics.tokens_per_second,
+                group_ids=[p.group_id for p in take],
+                stale_dropped=stale_dropped,
+                kl_rejected=kl_rejected,
+                step_kl=metrics.step_kl,
+            ),
+            confirm=True,
+        )
         if metrics.version % self.cfg.learner.publish_every == 0:
             await self.publish_weights(q.lane)
         self.counters[f"steps.{role}"] += 1
         if self.on_step is not None:
             self.on_step(role, metrics)
+
+    def count_untrained(self, role: Role, q: LaneQueue, take: list[QueuedGroup], metrics: StepMetrics) -> None:
+        """Count and log what a step left untrained: samples dropped as stale, a batch the KL guard undid."""
+        if metrics.stale_dropped:
+            self.counters[f"samples.stale_dropped.{role}"] += metrics.stale_dropped
+            self.log.info(
+                "learner.stale_dropped",
+                role=role,
+                samples=metrics.stale_dropped,
+                version=q.lane.version,
+                max_staleness=self.cfg.learner.max_staleness,
+            )
+        if metrics.kl_rejected:
+            q.kl_rejected_pending += 1
+            self.counters[f"steps.kl_rejected.{role}"] += 1
+            self.log.warning(
+                "learner.step_rejected",
+                role=role,
+                step_kl=round(metrics.step_kl or 0.0, 4),
+                bound=self.cfg.learner.max_step_kl,
+                version=q.lane.version,
+                groups=[p.group_id for p in take],
+            )
 
     def step_failed(self, role: Role, q: LaneQueue, take: list[QueuedGroup], exc: Exception) -> None:
         """A batch of several groups goes back, each to be tried alone; a group failing alone is rejected."""
@@ -482,11 +534,15 @@ class LearnerAgent(Agent):
         path, digest, size = await asyncio.to_thread(lane.publish)
         await self.announce(lane.role, lane.version, path, digest, size, lane.format)
 
-    async def announce(self, role: Role, version: int, path: Path, sha: str, size: int,
-                       format: WeightsFormat = "full") -> None:
+    async def announce(
+        self, role: Role, version: int, path: Path, sha: str, size: int, format: WeightsFormat = "full"
+    ) -> None:
         self.published[role] = (version, path, sha)
-        await self.emit(self.event(WeightsPublished, role=role, version=version, path=str(path), sha256=sha,
-                                   bytes=size, format=format))
+        await self.emit(
+            self.event(
+                WeightsPublished, role=role, version=version, path=str(path), sha256=sha, bytes=size, format=format
+            )
+        )
 
     async def serve_weights(self, roles: list[Role]) -> WeightServer | None:
         """With ``learner.weight_sync`` gloo or nccl, answer the servers' followers' transfer requests."""
@@ -495,6 +551,7 @@ class LearnerAgent(Agent):
             return None
         server = WeightServer(self.bus, sync)
         for role in roles:
+
             def newest(role: Role = role) -> tuple[int, Path, str]:
                 return self.published[role]
 

@@ -32,8 +32,14 @@ def _peft_config(cfg: LoraConfig) -> Any:
     except ImportError as exc:
         raise ConfigError(f"learner.lora needs peft: pip install 'coevo[lora]' ({exc})", field="learner.lora") from exc
     # peft annotates lora_alpha int; it only divides by it (alpha / r), a float alpha is meant
-    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
-                          target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def wrap(model: torch.nn.Module, cfg: LoraConfig, adapter: str = "default") -> Any:
@@ -42,8 +48,9 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig, adapter: str = "default") -> A
     config = _peft_config(cfg)
     missing = [m for m in cfg.target_modules if not any(n.split(".")[-1] == m for n, _ in model.named_modules())]
     if missing:
-        raise ConfigError(f"learner.lora.target_modules: the model has no layer named {missing}",
-                          field="learner.lora.target_modules")
+        raise ConfigError(
+            f"learner.lora.target_modules: the model has no layer named {missing}", field="learner.lora.target_modules"
+        )
     from peft import get_peft_model
 
     with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated is_gradient_checkpointing

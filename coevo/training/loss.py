@@ -42,10 +42,20 @@ class LossOut:
     mean_is_weight: float
 
 
-def ppo_loss(new_logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor,
-             mask: torch.Tensor, *, clip_eps: float = 0.2, kl_beta: float = 0.01,
-             correction: Literal["tis", "decoupled", "none"] = "tis", tis_cap: float = 2.0,
-             ref_logp: torch.Tensor | None = None, row_cap: torch.Tensor | None = None) -> LossOut:
+def ppo_loss(
+    new_logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    kl_beta: float = 0.01,
+    correction: Literal["tis", "decoupled", "none"] = "tis",
+    tis_cap: float = 2.0,
+    ref_logp: torch.Tensor | None = None,
+    row_cap: torch.Tensor | None = None,
+) -> LossOut:
     """All tensors are [batch, tokens] except ``advantages`` and ``row_cap`` [batch]; ``mask`` marks
     response tokens. ``ref_logp``: the KL's reference (default ``prox_logp``); ``row_cap``: the
     importance weight's cap per row (default: by ``correction``)."""
@@ -96,9 +106,16 @@ LOGPROB_CHUNK_ELEMENTS = 1 << 25
 """positions per chunk × vocabulary: the largest fp32 logits block alive at once (128 MiB)"""
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   response_mask: torch.Tensor, allowed: torch.Tensor | None, temperature: float = 1.0,
-                   chunk_elements: int = LOGPROB_CHUNK_ELEMENTS, sampling: SamplingConfig | None = None) -> torch.Tensor:
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    allowed: torch.Tensor | None,
+    temperature: float = 1.0,
+    chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
+    sampling: SamplingConfig | None = None,
+) -> torch.Tensor:
     """log π(token_t | prefix) for every position (0 where ``response_mask`` is 0), [batch, tokens].
 
     Memory-bounded: the model runs without its output head, the head is applied only at the
@@ -119,10 +136,19 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     step = max(1, chunk_elements // max(int(head.weight.shape[0]), 1))
     parts = []
     for s in range(0, int(rows.numel()), step):
-        args = (h[s:s + step], head.weight, head.bias, targets[s:s + step],
-                None if allowed is None else allowed[rows[s:s + step]], temperature, softcap, sampling)
-        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if h.requires_grad
-                     else _chunk_logprobs(*args))
+        args = (
+            h[s : s + step],
+            head.weight,
+            head.bias,
+            targets[s : s + step],
+            None if allowed is None else allowed[rows[s : s + step]],
+            temperature,
+            softcap,
+            sampling,
+        )
+        parts.append(
+            checkpoint(_chunk_logprobs, *args, use_reentrant=False) if h.requires_grad else _chunk_logprobs(*args)
+        )
     values = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
     logp = torch.zeros(response_mask[:, 1:].shape, dtype=torch.float32, device=hidden.device)
     logp = logp.index_put((rows, cols), values)
@@ -131,9 +157,16 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return torch.nn.functional.pad(logp, (1, 0))
 
 
-def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                    allowed: torch.Tensor | None, temperature: float, softcap: float | None,
-                    sampling: SamplingConfig | None = None) -> torch.Tensor:
+def _chunk_logprobs(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    allowed: torch.Tensor | None,
+    temperature: float,
+    softcap: float | None,
+    sampling: SamplingConfig | None = None,
+) -> torch.Tensor:
     logits = torch.nn.functional.linear(h, weight, bias).float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap

@@ -27,19 +27,38 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("coevo.parity")
 
-PROMPTS = ("The quick brown fox", "goal: take the coin. room: hall. items: coin. exits: north attic.",
-           "def add(a, b):\n", "Once upon a time, in a", "1, 2, 3, 4,")
+PROMPTS = (
+    "The quick brown fox",
+    "goal: take the coin. room: hall. items: coin. exits: north attic.",
+    "def add(a, b):\n",
+    "Once upon a time, in a",
+    "1, 2, 3, 4,",
+)
 
 
 async def fresh_samples(client: Any, lane: Lane, *, rollouts: int = 20, max_tokens: int = 16) -> list[TrainingSample]:
     """``rollouts`` fresh completions of the probe prompts at the lane's temperature, as samples
     (advantage 0) with the server's behaviour log-probs."""
-    done = await asyncio.gather(*(client.complete(PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
-                                                  temperature=lane.temperature, index=i) for i in range(rollouts)))
-    return [TrainingSample(sample_id=f"probe-{i}", role=lane.role, prompt_token_ids=c.prompt_token_ids,
-                           response_token_ids=c.response_token_ids, logprobs=c.logprobs, advantage=0.0,
-                           model_version=c.model_version, step_event_id=f"probe-{i}")
-            for i, c in enumerate(done) if c.response_token_ids]
+    done = await asyncio.gather(
+        *(
+            client.complete(PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, temperature=lane.temperature, index=i)
+            for i in range(rollouts)
+        )
+    )
+    return [
+        TrainingSample(
+            sample_id=f"probe-{i}",
+            role=lane.role,
+            prompt_token_ids=c.prompt_token_ids,
+            response_token_ids=c.response_token_ids,
+            logprobs=c.logprobs,
+            advantage=0.0,
+            model_version=c.model_version,
+            step_event_id=f"probe-{i}",
+        )
+        for i, c in enumerate(done)
+        if c.response_token_ids
+    ]
 
 
 async def probe(client: Any, lane: Lane, *, rollouts: int = 20, max_tokens: int = 16) -> tuple[float, int]:
@@ -81,8 +100,12 @@ async def check(cfg: CoevoConfig, lane: Lane) -> float | None:
     async with cast("VLLMClient", make_client(cfg, lane.role)) as client:
         served = served_version(await client.weight_version())
         if served != lane.version:
-            log.info("parity.skipped", role=lane.role, reason=f"the server serves version {served} "
-                     f"(None: not one of this learner's), the learner holds {lane.version}")
+            log.info(
+                "parity.skipped",
+                role=lane.role,
+                reason=f"the server serves version {served} "
+                f"(None: not one of this learner's), the learner holds {lane.version}",
+            )
             return None
         try:
             kl, tokens = await probe(client, lane)
@@ -90,8 +113,9 @@ async def check(cfg: CoevoConfig, lane: Lane) -> float | None:
             if exc.status != 404 or exc.param != "model":  # vLLM: "The model `...` does not exist."
                 raise
             field = "policy.served_name" if lane.role == "policy" else "judge.model"
-            raise ConfigError(f"the {lane.role} server at {url} does not serve model {client.model!r} ({field}): "
-                              f"{exc}", field=field) from None
+            raise ConfigError(
+                f"the {lane.role} server at {url} does not serve model {client.model!r} ({field}): {exc}", field=field
+            ) from None
     log.info("parity.probed", role=lane.role, url=url, mismatch_kl=round(kl, 5), tokens=tokens, bound=bound)
     if kl > bound:
         raise ConfigError(
@@ -100,5 +124,7 @@ async def check(cfg: CoevoConfig, lane: Lane) -> float | None:
             f"trained would not be what was sampled. Is it applying sampling defaults coevo does not compute "
             f"(coevo states {lane.role}.sampling on every request; start vLLM with --generation-config vllm to "
             f"be sure), returning raw log-probs (start it with --logprobs-mode processed_logprobs), or serving "
-            f"another dtype or model than {lane.base_model}?", field="learner.parity_max_kl")
+            f"another dtype or model than {lane.base_model}?",
+            field="learner.parity_max_kl",
+        )
     return kl

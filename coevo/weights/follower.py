@@ -33,8 +33,7 @@ def weights_subscription(lane: str, handler: Callable[[WeightsPublished, Deliver
     """The follower's subscription: its own (every server follows), from the newest announcement on,
     several in flight, so announcements that arrive while a load runs are seen and only the newest of
     them is loaded next."""
-    return Subscription(f"{lane}-weights", (WeightsPublished,), handler, concurrency=8, shared=False,
-                        deliver="last")
+    return Subscription(f"{lane}-weights", (WeightsPublished,), handler, concurrency=8, shared=False, deliver="last")
 
 
 @dataclass(frozen=True)
@@ -60,14 +59,25 @@ async def report_applied(agent: Agent, applied: Applied) -> None:
         agent.model_version = applied.version
     else:
         agent.log.error("weights.apply_failed", version=applied.cause.version, error=applied.error)
-    await agent.emit(agent.event(WeightsApplied, cause=applied.cause, role=applied.cause.role,
-                                 server=agent.agent_id, version=applied.version, pause_ms=applied.pause_ms,
-                                 ok=applied.ok, error=applied.error, transport=applied.transport))
+    await agent.emit(
+        agent.event(
+            WeightsApplied,
+            cause=applied.cause,
+            role=applied.cause.role,
+            server=agent.agent_id,
+            version=applied.version,
+            pause_ms=applied.pause_ms,
+            ok=applied.ok,
+            error=applied.error,
+            transport=applied.transport,
+        )
+    )
 
 
 class WeightsFollower:
-    def __init__(self, lane: Role, transport: Transport | None, serving: Callable[[], int],
-                 counters: Counter[str]) -> None:
+    def __init__(
+        self, lane: Role, transport: Transport | None, serving: Callable[[], int], counters: Counter[str]
+    ) -> None:
         self.lane = lane
         self.transport = transport
         self.serving = serving
@@ -81,13 +91,20 @@ class WeightsFollower:
         self._lock = asyncio.Lock()
 
     @classmethod
-    def of(cls, cfg: CoevoConfig, bus: NatsBus, lane: Role, client: object, *, server: str,
-           counters: Counter[str]) -> WeightsFollower:
+    def of(
+        cls, cfg: CoevoConfig, bus: NatsBus, lane: Role, client: object, *, server: str, counters: Counter[str]
+    ) -> WeightsFollower:
         """The follower of ``client`` under ``cfg`` (one that follows nothing for a client with fixed weights)."""
         lc = cfg.learner
-        transport = transport_for(client, root=lc.publication_root or checkpoint_root(cfg, bus.run_id),
-                                  sync=lc.weight_sync, full_verify=lc.verify == "full", bus=bus, lane=lane,
-                                  server=server)
+        transport = transport_for(
+            client,
+            root=lc.publication_root or checkpoint_root(cfg, bus.run_id),
+            sync=lc.weight_sync,
+            full_verify=lc.verify == "full",
+            bus=bus,
+            lane=lane,
+            server=server,
+        )
 
         def serving() -> int:
             return client.version if isinstance(client, Reloads) else 0
@@ -126,8 +143,7 @@ class WeightsFollower:
         assert self.transport is not None
         if self._applied is not None:
             version, last_seq, last_path, last_digest = self._applied
-            if event.version <= version and (seq <= last_seq or event.path == last_path or
-                                             event.sha256 == last_digest):
+            if event.version <= version and (seq <= last_seq or event.path == last_path or event.sha256 == last_digest):
                 return None  # older or repeated: this run already serves something newer
         try:
             loaded: Loaded = await self.transport.load(event)

@@ -104,7 +104,7 @@ class HeldWeights:
         with self._lock:
             self._held[str(path)] = (role, digest, tensors)
             mine = [p for p, (r, _, _) in self._held.items() if r == role]
-            for old in mine[:-self.keep]:
+            for old in mine[: -self.keep]:
                 del self._held[old]
 
     def get(self, path: Path | str, digest: str | None = None) -> dict[str, Any] | None:

@@ -50,9 +50,11 @@ def serving_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
     return out
 
 
-def write_published(root: Path, version: int, tensors: dict[str, torch.Tensor], config_json: str,
-                    base_model: Path) -> tuple[Path, str, int]:
+def write_published(
+    root: Path, version: int, tensors: dict[str, torch.Tensor], config_json: str, base_model: Path
+) -> tuple[Path, str, int]:
     """One publication directory of a whole model; (path, manifest digest, bytes written)."""
+
     def write(tmp: Path) -> dict[str, tensorfiles.FileInfo]:
         files = tensorfiles.write_weights(tmp, tensors)
         files["config.json"] = tensorfiles.write_text(tmp / "config.json", config_json)
@@ -62,14 +64,16 @@ def write_published(root: Path, version: int, tensors: dict[str, torch.Tensor], 
     return _publish(root, version, write)
 
 
-def write_published_adapter(root: Path, version: int, tensors: dict[str, torch.Tensor],
-                            adapter_config_json: str) -> tuple[Path, str, int]:
+def write_published_adapter(
+    root: Path, version: int, tensors: dict[str, torch.Tensor], adapter_config_json: str
+) -> tuple[Path, str, int]:
     """One publication directory of a LoRA adapter (its tensors and config, no base); as ``write_published``."""
     return _publish(root, version, lambda tmp: tensorfiles.write_adapter(tmp, tensors, adapter_config_json))
 
 
-def _publish(root: Path, version: int,
-             write: Callable[[Path], dict[str, tensorfiles.FileInfo]]) -> tuple[Path, str, int]:
+def _publish(
+    root: Path, version: int, write: Callable[[Path], dict[str, tensorfiles.FileInfo]]
+) -> tuple[Path, str, int]:
     name = f"v{version:06d}-{secrets.token_hex(3)}"
     tmp = root / f".tmp-{name}"
     tmp.mkdir(parents=True)

@@ -28,23 +28,10 @@ import structlog
 
 from coevo.config import PushSync
 from coevo.runtime.bus import NatsBus
-from coevo.schemas import (
-    TransferConnect,
-    TransferEndpoint,
-    TransferOffer,
-    TransferRequest,
-    transfer_subject,
-)
+from coevo.schemas import TransferConnect, TransferEndpoint, TransferOffer, TransferRequest, transfer_subject
 from coevo.weights import lease
 from coevo.weights.manifest import HELD
-from coevo.weights.transfer import (
-    Collective,
-    GlooCollective,
-    NcclCollective,
-    Plan,
-    load_checkpoint_tensors,
-    send,
-)
+from coevo.weights.transfer import Collective, GlooCollective, NcclCollective, Plan, load_checkpoint_tensors, send
 
 log = structlog.get_logger("coevo.weights")
 
@@ -115,8 +102,9 @@ class WeightServer:
         link = _Link(asyncio.ensure_future(opening))
         link.ready.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # retrieved in push
         self.links[key] = link
-        log.info("weights.transfer_connect", role=role, server=req.server, backend=self.backend, port=port,
-                 world_size=world)
+        log.info(
+            "weights.transfer_connect", role=role, server=req.server, backend=self.backend, port=port, world_size=world
+        )
         return TransferEndpoint(backend=self.backend, master_address=self.host, master_port=port, world_size=world)
 
     async def push(self, role: str, req: TransferRequest, published: Published) -> TransferOffer:
@@ -137,8 +125,13 @@ class WeightServer:
             version, tensors, sha = await asyncio.to_thread(self._load, published)
             plan = Plan.of(tensors)
             link.sending = asyncio.ensure_future(self._send(role, req.server, link, group, tensors, plan, version))
-            return TransferOffer(version=version, sha256=sha, names=list(plan.names),
-                                 dtype_names=list(plan.dtype_names), shapes=[list(s) for s in plan.shapes])
+            return TransferOffer(
+                version=version,
+                sha256=sha,
+                names=list(plan.names),
+                dtype_names=list(plan.dtype_names),
+                shapes=[list(s) for s in plan.shapes],
+            )
 
     def _load(self, published: Published) -> tuple[int, dict[str, Any], str]:
         """The newest published weights: from memory, else read whole (retried if pruned meanwhile)."""
@@ -160,8 +153,9 @@ class WeightServer:
                     raise
         raise AssertionError("unreachable")
 
-    async def _send(self, role: str, server: str, link: _Link, group: Collective, tensors: dict[str, Any], plan: Plan,
-                    version: int) -> None:
+    async def _send(
+        self, role: str, server: str, link: _Link, group: Collective, tensors: dict[str, Any], plan: Plan, version: int
+    ) -> None:
         try:
             await asyncio.to_thread(send, group, tensors, plan)
         except Exception as exc:  # the receiver vanished or timed out: this group is unusable now

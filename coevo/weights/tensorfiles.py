@@ -33,12 +33,27 @@ from coevo.inference.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from coevo.weights.manifest import write_manifest
 
 SHARD_BYTES = 512 << 20
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
 """the model directory's files besides weights and config that every weights directory carries"""
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
+_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 FileInfo = dict[str, Any]
 
 
@@ -123,7 +138,9 @@ def shards(items: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list[list
     return out
 
 
-def write_weights(folder: Path, tensors: dict[str, torch.Tensor], shard_bytes: int = SHARD_BYTES) -> dict[str, FileInfo]:
+def write_weights(
+    folder: Path, tensors: dict[str, torch.Tensor], shard_bytes: int = SHARD_BYTES
+) -> dict[str, FileInfo]:
     """The weights as ``model.safetensors`` or as shards written in parallel plus their index."""
     groups = shards(list(tensors.items()), shard_bytes)
     if len(groups) == 1:
@@ -132,16 +149,20 @@ def write_weights(folder: Path, tensors: dict[str, torch.Tensor], shard_bytes: i
     with ThreadPoolExecutor(min(4, len(groups)), thread_name_prefix="coevo-shard") as pool:
         infos = list(pool.map(lambda nm, g: write_safetensors(folder / nm, g), names, groups))
     files = dict(zip(names, infos, strict=True))
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": {name: nm for nm, g in zip(names, groups, strict=True) for name, _ in g}}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "weight_map": {name: nm for nm, g in zip(names, groups, strict=True) for name, _ in g},
+    }
     files["model.safetensors.index.json"] = write_text(folder / "model.safetensors.index.json", json.dumps(index))
     return files
 
 
 def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config_json: str) -> dict[str, FileInfo]:
     """A LoRA adapter as PEFT saves it (``adapters``): its tensors and ``adapter_config.json``."""
-    return {ADAPTER_WEIGHTS: write_safetensors(folder / ADAPTER_WEIGHTS, list(tensors.items())),
-            ADAPTER_CONFIG: write_text(folder / ADAPTER_CONFIG, config_json)}
+    return {
+        ADAPTER_WEIGHTS: write_safetensors(folder / ADAPTER_WEIGHTS, list(tensors.items())),
+        ADAPTER_CONFIG: write_text(folder / ADAPTER_CONFIG, config_json),
+    }
 
 
 def write_text(path: Path, text: str) -> FileInfo:

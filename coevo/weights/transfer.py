@@ -42,20 +42,28 @@ class Plan:
     @classmethod
     def of(cls, tensors: dict[str, torch.Tensor]) -> Plan:
         names = tuple(tensors)
-        return cls(names, tuple(str(tensors[n].dtype).removeprefix("torch.") for n in names),
-                   tuple(tuple(tensors[n].shape) for n in names))
+        return cls(
+            names,
+            tuple(str(tensors[n].dtype).removeprefix("torch.") for n in names),
+            tuple(tuple(tensors[n].shape) for n in names),
+        )
 
     def update_info(self) -> dict[str, Any]:
-        return {"names": list(self.names), "dtype_names": list(self.dtype_names),
-                "shapes": [list(s) for s in self.shapes]}
+        return {
+            "names": list(self.names),
+            "dtype_names": list(self.dtype_names),
+            "shapes": [list(s) for s in self.shapes],
+        }
 
     def empty(self, index: int, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.empty(self.shapes[index], dtype=getattr(torch, self.dtype_names[index]), device=device)
 
     @property
     def bytes(self) -> int:
-        return sum(torch.empty((), dtype=getattr(torch, d)).element_size() * _numel(s)
-                   for d, s in zip(self.dtype_names, self.shapes, strict=True))
+        return sum(
+            torch.empty((), dtype=getattr(torch, d)).element_size() * _numel(s)
+            for d, s in zip(self.dtype_names, self.shapes, strict=True)
+        )
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -93,16 +101,18 @@ class GlooCollective:
 
         self.rank = rank
         self.store = store
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, world_size,
-                                        timedelta(seconds=timeout_s))
+        self.pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(STORE_PREFIX, store), rank, world_size, timedelta(seconds=timeout_s)
+        )
 
     @staticmethod
     def host_store(host: str, world_size: int, timeout_s: float) -> Any:
         """Rank 0's store on a free port (``store.port``); returns at once, peers join later."""
         import torch.distributed as dist
 
-        return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
+        return dist.TCPStore(
+            host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> GlooCollective:
@@ -132,8 +142,9 @@ class NcclCollective:
         self.comm = trainer_init({"master_address": host, "master_port": port, "world_size": world_size})
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        self.comm.broadcast(tensor if tensor.is_contiguous() else tensor.contiguous(), src=0,
-                            stream=torch.cuda.current_stream())
+        self.comm.broadcast(
+            tensor if tensor.is_contiguous() else tensor.contiguous(), src=0, stream=torch.cuda.current_stream()
+        )
 
     def close(self) -> None:
         torch.cuda.current_stream().synchronize()

@@ -106,8 +106,9 @@ class DiskReload:
     async def load(self, event: WeightsPublished) -> Loaded:
         path = resolved_within(Path(event.path), self.root)
         if path is None:
-            raise LoadFailed(f"refused: {event.path} is not under the publication root {self.root} "
-                             "(learner.publication_root)")
+            raise LoadFailed(
+                f"refused: {event.path} is not under the publication root {self.root} (learner.publication_root)"
+            )
         if event.format == "lora" and not isinstance(self.client, LoadsAdapters):
             raise LoadFailed(f"{type(self.client).__name__} cannot load LoRA adapters")
         try:
@@ -136,8 +137,9 @@ class PushedTransfer:
     """Have the learner push its newest published weights into the server's workers; reload from
     disk when that fails."""
 
-    def __init__(self, client: ReceivesPushes, bus: NatsBus, lane: str, server: str, sync: PushSync,
-                 fallback: DiskReload) -> None:
+    def __init__(
+        self, client: ReceivesPushes, bus: NatsBus, lane: str, server: str, sync: PushSync, fallback: DiskReload
+    ) -> None:
         self.client = client
         self.bus = bus
         self.lane = lane
@@ -166,19 +168,26 @@ class PushedTransfer:
         timeout_s = self.sync.timeout_s
         if self._endpoint is None:
             workers = await self.client.workers()
-            endpoint = await self.bus.request(transfer_subject(self.bus.run_id, self.lane, "connect"),
-                                              TransferConnect(server=self.server, workers=workers), TransferEndpoint,
-                                              timeout_s=30.0)
+            endpoint = await self.bus.request(
+                transfer_subject(self.bus.run_id, self.lane, "connect"),
+                TransferConnect(server=self.server, workers=workers),
+                TransferEndpoint,
+                timeout_s=30.0,
+            )
             await self.client.init_transfer(endpoint.init_info(), timeout_s)
             self._endpoint = endpoint
-        offer = await self.bus.request(transfer_subject(self.bus.run_id, self.lane, "push"),
-                                       TransferRequest(server=self.server, version=event.version), TransferOffer,
-                                       timeout_s=timeout_s)
+        offer = await self.bus.request(
+            transfer_subject(self.bus.run_id, self.lane, "push"),
+            TransferRequest(server=self.server, version=event.version),
+            TransferOffer,
+            timeout_s=timeout_s,
+        )
         return Loaded(offer.version, await self.client.receive_weights(offer, timeout_s), self.name)
 
 
-def transport_for(client: object, *, root: Path, sync: DiskSync | PushSync, full_verify: bool, bus: NatsBus, lane: str,
-                  server: str) -> Transport | None:
+def transport_for(
+    client: object, *, root: Path, sync: DiskSync | PushSync, full_verify: bool, bus: NatsBus, lane: str, server: str
+) -> Transport | None:
     """The transport of ``client`` (None: it serves fixed weights, an external API). Pushed only when
     ``learner.weight_sync`` asks for it and the client receives pushes; from disk otherwise."""
     if not isinstance(client, Reloads):

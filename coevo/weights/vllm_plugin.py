@@ -54,14 +54,16 @@ def _engine_class() -> type:
             rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
             self.shutdown()
             timeout_s = float(os.environ.get("COEVO_TRANSFER_TIMEOUT_S", "120"))  # vLLM's init info has no field
-            self.model_update_group: GlooCollective | None = GlooCollective.join(init_info.master_address, init_info.master_port, rank,
-                                                     init_info.world_size, timeout_s=timeout_s)
+            self.model_update_group: GlooCollective | None = GlooCollective.join(
+                init_info.master_address, init_info.master_port, rank, init_info.world_size, timeout_s=timeout_s
+            )
 
         def receive_weights(self, update_info: Any) -> None:
             if self.model_update_group is None:
                 raise RuntimeError("coevo_gloo: init_weight_transfer_engine first")
-            plan = Plan(tuple(update_info.names), tuple(update_info.dtype_names),
-                        tuple(tuple(s) for s in update_info.shapes))
+            plan = Plan(
+                tuple(update_info.names), tuple(update_info.dtype_names), tuple(tuple(s) for s in update_info.shapes)
+            )
             for name, tensor in receive(self.model_update_group, plan, self.device):
                 self.model.load_weights([(name, tensor)])
 

@@ -61,10 +61,15 @@ class CounterFamily(Family):
 
     def initial_tasks(self, n_train: int, n_heldout: int, seed: int) -> list[TaskSpec]:
         rng = random.Random(seed)
-        return [TaskSpec(task_id=f"counter-{'t' if i < n_train else 'h'}{i}", family=self.name,
-                         knobs={"target": rng.randint(3, 4), "hints": 0},
-                         split="train" if i < n_train else "heldout")
-                for i in range(n_train + n_heldout)]
+        return [
+            TaskSpec(
+                task_id=f"counter-{'t' if i < n_train else 'h'}{i}",
+                family=self.name,
+                knobs={"target": rng.randint(3, 4), "hints": 0},
+                split="train" if i < n_train else "heldout",
+            )
+            for i in range(n_train + n_heldout)
+        ]
 
     async def precheck(self, task: TaskSpec) -> PrecheckResult:
         try:
