@@ -31,11 +31,20 @@ from coevo.errors import ConfigError
 from coevo.observe.progress import progress_bar, tracked
 from coevo.schemas import TaskSpec
 
+Result = dict[str, Any]
+"""a JSON result (what the bench writes)"""
+Overrides = dict[str, Any]
+"""dotted config field -> value (``load_config``'s overrides)"""
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from coevo.agents.tasks import Slot
     from coevo.envs.base import Environment, Family, Observation
+    from coevo.inference.chat import Conversation
+    from coevo.inference.engine import LocalEngine
+    from coevo.observe.progress import Bar
+    from coevo.training.lane import StepMetrics
 
 HELDOUT_SEED = 7919
 """Seed of the held-out task set every run is evaluated on (``initial_tasks(0, n_heldout, HELDOUT_SEED)``)."""
@@ -77,9 +86,11 @@ class Budget:
             raise ValueError(f"budget {text!r}: expected steps:N, minutes:M or seconds:S") from None
         if kind == "minutes":
             return cls("seconds", amount * 60, cap_s)
-        if kind not in ("steps", "seconds"):
-            raise ValueError(f"budget {text!r}: unknown unit {kind!r} (steps, minutes or seconds)")
-        return cls(kind, amount, cap_s)  # type: ignore[arg-type]  # checked just above
+        if kind == "steps":
+            return cls("steps", amount, cap_s)
+        if kind == "seconds":
+            return cls("seconds", amount, cap_s)
+        raise ValueError(f"budget {text!r}: unknown unit {kind!r} (steps, minutes or seconds)")
 
     @property
     def steps(self) -> int | None:
@@ -147,7 +158,7 @@ def t975(df: int) -> float:
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
-def seed_stats(values: list[float | None]) -> dict[str, Any]:
+def seed_stats(values: list[float | None]) -> Result:
     """Mean and 95 % Student-t interval of one metric over seeds; ``None`` values (a metric a run does not
     have, e.g. judge accuracy without a judge) are left out and ``n`` counts the rest. The half-width
     is ``t_{0.975, n-1} · sd / √n`` with the sample sd (n - 1); one value gives no interval (None)."""
@@ -170,7 +181,7 @@ def seed_stats(values: list[float | None]) -> dict[str, Any]:
     }
 
 
-def paired_stats(a: list[float | None], b: list[float | None]) -> dict[str, Any]:
+def paired_stats(a: list[float | None], b: list[float | None]) -> Result:
     """``seed_stats`` of the per-seed differences a - b (seeds where either is None are left out)."""
     return seed_stats([x - y for x, y in zip(a, b, strict=True) if x is not None and y is not None])
 
@@ -178,7 +189,7 @@ def paired_stats(a: list[float | None], b: list[float | None]) -> dict[str, Any]
 # ---- the evaluator -----------------------------------------------------------------------------
 
 
-async def _act(engine: Any, policy: PolicyConfig, obs: Observation, conversation: Any) -> str:
+async def _act(engine: LocalEngine, policy: PolicyConfig, obs: Observation, conversation: Conversation | None) -> str:
     """The action the policy agent would take on ``obs``: a candidate, the generated text when there
     are no candidates, "" when no candidate index parsed."""
     from coevo.agents.policy import choose
@@ -191,7 +202,7 @@ async def _act(engine: Any, policy: PolicyConfig, obs: Observation, conversation
     return cands[index] if index is not None else ""
 
 
-async def _play(engine: Any, family: Family, env: Environment, task: TaskSpec, policy: PolicyConfig) -> bool:
+async def _play(engine: LocalEngine, family: Family, env: Environment, task: TaskSpec, policy: PolicyConfig) -> bool:
     """One episode of ``task``, acting as the policy agent does; True iff it is won."""
     from coevo.inference.chat import ChatTokens, Conversation
 
@@ -279,7 +290,7 @@ async def eval_set(cfg: CoevoConfig, episodes: int) -> EvalSet:
 # ---- one run -------------------------------------------------------------------------------------
 
 
-def pool_snapshot(slots: Iterable[Slot]) -> dict[str, Any]:
+def pool_snapshot(slots: Iterable[Slot]) -> Result:
     """What the loop trains on at this moment, beside what the evaluator measures (pure).
 
     The evaluator plays the run's *initial* train tasks; the rewriter replaces a slot's active task
@@ -302,7 +313,7 @@ async def _curve(
     seconds: float,
     eval_every_s: float,
     stop: asyncio.Event,
-    bar: Any,
+    bar: Bar,
     pool: Callable[[], dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """Train success of the newest checkpoint every ``eval_every_s`` until ``seconds`` (with the
@@ -340,7 +351,7 @@ class StepWatch:
         self.ready: asyncio.Queue[tuple[int, Path, float]] = asyncio.Queue()
         self.t0 = time.monotonic()
 
-    def on_step(self, role: str, metrics: Any) -> None:
+    def on_step(self, role: str, metrics: StepMetrics) -> None:
         if role != "policy" or not self.pending or metrics.version < self.pending[0]:
             return
         while self.pending and self.pending[0] <= metrics.version:
@@ -388,12 +399,12 @@ async def _step_curve(
     watch: StepWatch,
     budget: Budget,
     eval_every: float,
-    bar: Any,
+    bar: Bar,
     pool: Callable[[], dict[str, Any]],
 ) -> tuple[list[dict[str, Any]], Path]:
     """Train success at step 0 (the base) and at each milestone of a step budget; the last model evaluated."""
 
-    async def point(model: Path, version: int, t: float) -> dict[str, Any]:
+    async def point(model: Path, version: int, t: float) -> Result:
         training_on = pool()
         success = await ev.success(model, "train", seed=len(curve))
         bar.update(completed=version)
@@ -414,7 +425,7 @@ async def _step_curve(
     return curve, last
 
 
-async def run_budget(cfg: CoevoConfig, budget: Budget, *, eval_every: float, episodes: int) -> dict[str, Any]:
+async def run_budget(cfg: CoevoConfig, budget: Budget, *, eval_every: float, episodes: int) -> Result:
     """Run the loop for ``budget``; evaluate on the run's initial train tasks during the run (every
     ``eval_every`` seconds, or steps under a step budget), and on the fixed held-out tasks before (base
     model) and after (the newest checkpoint; under a step budget the budget's own version)."""
@@ -444,7 +455,7 @@ async def run_budget(cfg: CoevoConfig, budget: Budget, *, eval_every: float, epi
         agents = build_agents(rt.bus, cfg, on_step=watch.on_step if watch else None)
         tasks = next((a for a in agents if isinstance(a, TasksAgent)), None)
 
-        def pool() -> dict[str, Any]:
+        def pool() -> Result:
             return pool_snapshot(tasks.slots.values()) if tasks is not None else {}
 
         t0 = time.monotonic()
@@ -477,7 +488,7 @@ def run_result(
     held0: float | None,
     held: float | None,
     elapsed: float,
-) -> dict[str, Any]:
+) -> Result:
     """One run's numbers from its curve and summary (pure)."""
     hit = next((p for p in curve if p["success"] >= TARGET), None)
     reached = hit["seconds"] if hit else None
@@ -517,7 +528,7 @@ def run_result(
     }
 
 
-def bench_config(tmp: Path, overrides: dict[str, Any]) -> CoevoConfig:
+def bench_config(tmp: Path, overrides: Overrides) -> CoevoConfig:
     base = {"run.runs_dir": str(tmp / "runs"), "log.console": "off", "agent.heartbeat_s": 10.0, "run.minutes": 0}
     return load_config(overrides={**base, **overrides})
 
@@ -563,7 +574,7 @@ PAIRED = (
 )
 
 
-def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_runs(runs: list[dict[str, Any]]) -> Result:
     """Per-metric ``seed_stats`` of one configuration's runs (one per seed)."""
     reached = sum(r["seconds_to_0.8"] is not None for r in runs)
     return {
@@ -583,7 +594,7 @@ def family_of(family: str, preset: str) -> str:
     return f"{family}-{preset}"
 
 
-def plan_runs(configs: dict[str, dict[str, Any]], seeds: int) -> list[tuple[int, str, dict[str, Any]]]:
+def plan_runs(configs: dict[str, Overrides], seeds: int) -> list[tuple[int, str, dict[str, Any]]]:
     """The runs of ``configs`` × ``seeds`` in the order they run, as (seed, configuration, overrides):
     seed-major (every configuration of seed ``s`` before seed ``s + 1``, in the order of ``configs``),
     each run's overrides its configuration's with ``run.seed = env.seed = s``."""
@@ -594,7 +605,7 @@ def plan_runs(configs: dict[str, dict[str, Any]], seeds: int) -> list[tuple[int,
 
 def aggregate_seeds(
     runs: dict[str, list[dict[str, Any]]], *, seeds: int, family: str, preset: str, budget: Budget, episodes: int
-) -> dict[str, Any]:
+) -> Result:
     """``run_seeds``' result from its runs, with no I/O: ``runs[c][s]`` is configuration ``c``'s run with
     seed ``s``, so every configuration has exactly the seeds ``0..seeds-1`` in order (what ``paired``
     pairs by position; a ValueError otherwise). Per configuration: ``summarize_runs`` and the runs as given."""
@@ -622,7 +633,7 @@ def aggregate_seeds(
 
 
 async def run_seeds(
-    configs: dict[str, dict[str, Any]],
+    configs: dict[str, Overrides],
     *,
     seeds: int,
     budget: Budget,
@@ -631,8 +642,8 @@ async def run_seeds(
     family: str,
     preset: str,
     cache_dir: Path | None,
-    overrides: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    overrides: Overrides | None = None,
+) -> Result:
     """Every configuration once per seed (``plan_runs``' seed-major order) and the statistics over seeds
     (``aggregate_seeds``); ``overrides`` (config fields) apply to every run."""
     plan = plan_runs(configs, seeds)
@@ -646,7 +657,7 @@ async def run_seeds(
     return aggregate_seeds(runs, seeds=seeds, family=name, preset=preset, budget=budget, episodes=episodes)
 
 
-def paired(out: dict[str, Any], a: str, b: str) -> dict[str, Any]:
+def paired(out: dict[str, Any], a: str, b: str) -> Result:
     """Per-seed differences ``a - b`` of the headline metrics (the runs of a seed share weights and pool)."""
     ra, rb = out["configs"][a]["runs"], out["configs"][b]["runs"]
     return {m: paired_stats([r.get(m) for r in ra], [r.get(m) for r in rb]) for m in PAIRED}
@@ -656,9 +667,9 @@ def _mean(out: dict[str, Any], config: str, metric: str) -> Any:
     return out["configs"][config]["summary"][metric]["mean"]
 
 
-LEARN: dict[str, dict[str, Any]] = {"integrated": {}, "outcome_only": {"scorer.reward": "outcome-only"}}
+LEARN: dict[str, Overrides] = {"integrated": {}, "outcome_only": {"scorer.reward": "outcome-only"}}
 """``bench learn``'s configurations: integrated reward, then outcome-only reward."""
-RUNGS: dict[str, dict[str, Any]] = {
+RUNGS: dict[str, Overrides] = {
     "policy-only": {"loop": "policy-only"},
     "policy+judge": {"loop": "policy+judge"},
     "full": {"loop": "full"},
@@ -666,11 +677,11 @@ RUNGS: dict[str, dict[str, Any]] = {
 }
 """The rungs ``bench ladder --rungs`` chooses from: ``full-unsaturated`` is the full loop without the saturated-slot
 rules (``coevo.algorithm.saturation``), the ablation of that rule."""
-LADDER: dict[str, dict[str, Any]] = {k: RUNGS[k] for k in ("policy-only", "policy+judge", "full")}
+LADDER: dict[str, Overrides] = {k: RUNGS[k] for k in ("policy-only", "policy+judge", "full")}
 """``bench ladder``'s rungs, bottom first: policy-only, + judge training, + environment adaptation."""
 
 
-def rungs_named(names: str) -> dict[str, dict[str, Any]]:
+def rungs_named(names: str) -> dict[str, Overrides]:
     """The rungs of a comma-separated list, in its order (the first is the one the others pair against)."""
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in RUNGS]
@@ -694,7 +705,7 @@ RUNG_KEYS = (
 """The metrics whose means over seeds ``ladder_result`` gives per rung (``coevo report`` plots these)."""
 
 
-def learn_result(out: dict[str, Any], configs: dict[str, dict[str, Any]] = LEARN) -> dict[str, Any]:
+def learn_result(out: dict[str, Any], configs: dict[str, Overrides] = LEARN) -> Result:
     """``bench learn``'s result from ``run_seeds``' ``out`` over ``configs`` (a new dict; ``out`` is left as
     it is): adds the paired differences first - second configuration, the headline means over seeds,
     every run's curve (``"<config> s<seed>"``) and the target."""
@@ -712,7 +723,7 @@ def learn_result(out: dict[str, Any], configs: dict[str, dict[str, Any]] = LEARN
     }
 
 
-def ladder_result(out: dict[str, Any]) -> dict[str, Any]:
+def ladder_result(out: dict[str, Any]) -> Result:
     """``bench ladder``'s result from ``run_seeds``' ``out``, its configurations the rungs bottom first (a new
     dict; ``out`` is left as it is): adds each higher rung's paired differences against the bottom one, and per
     rung, in ladder order, the means over seeds of ``RUNG_KEYS`` and the first seed's curve."""
@@ -741,8 +752,8 @@ async def bench_learn(
     seeds: int = 1,
     preset: str = "default",
     family: str = "quickgame",
-    overrides: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    overrides: Overrides | None = None,
+) -> Result:
     """Integrated reward vs outcome-only, ``seeds`` runs each, ``budget`` each (minutes when a number)."""
     return learn_result(
         await run_seeds(
@@ -759,7 +770,7 @@ async def bench_learn(
     )
 
 
-def lora_configs(rank: int, lr: float) -> dict[str, dict[str, Any]]:
+def lora_configs(rank: int, lr: float) -> dict[str, Overrides]:
     """``bench learn --lora``'s configurations: a LoRA lane of ``rank`` at ``lr``, then full fine-tuning
     (both with the integrated reward)."""
     return {"lora": {"learner.lora": {"rank": rank, "alpha": 2.0 * rank}, "learner.lr": lr}, "full": {}}
@@ -776,8 +787,8 @@ async def bench_learn_lora(
     seeds: int = 1,
     preset: str = "default",
     family: str = "quickgame",
-    overrides: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    overrides: Overrides | None = None,
+) -> Result:
     """LoRA lanes against full fine-tuning at an equal budget, ``seeds`` runs each (paired by seed)."""
     configs = lora_configs(rank, lr)
     out = await run_seeds(
@@ -803,9 +814,9 @@ async def bench_ladder(
     seeds: int = 1,
     preset: str = "default",
     family: str = "quickgame",
-    overrides: dict[str, Any] | None = None,
-    rungs: dict[str, dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+    overrides: Overrides | None = None,
+    rungs: dict[str, Overrides] | None = None,
+) -> Result:
     """The paper's ladder (policy-only, + judge training, + environment adaptation), ``seeds`` runs each."""
     return ladder_result(
         await run_seeds(
