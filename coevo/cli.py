@@ -608,6 +608,17 @@ def cmd_bench_weights(args: argparse.Namespace) -> int:
     return _emit(run_stoppable(bench_weights(args.vllm_python, sizes)), args.json)
 
 
+def cmd_bench_table(args: argparse.Namespace) -> int:
+    from coevo.bench.tables import tables
+
+    try:
+        result = json.loads(args.result.read_text())
+        print(tables(result), end="")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"coevo bench table: {args.result}: not a bench learn/ladder result ({exc!r})") from None
+    return 0
+
+
 def cmd_bench_parity(args: argparse.Namespace) -> int:
     from coevo.bench.parity import bench_parity
 
@@ -984,6 +995,13 @@ COMMANDS: tuple[Command, ...] = (
             ),
             *_seeds_args(),
         ),
+    ),
+    Command(
+        "bench table",
+        "markdown tables (mean ± 95 %% interval over seeds, paired differences, per step) of a bench learn or "
+        "ladder result",
+        cmd_bench_table,
+        args=(arg("result", type=Path, help="the JSON bench learn or bench ladder wrote"),),
     ),
     Command(
         "bench weights",

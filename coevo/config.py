@@ -42,7 +42,7 @@ class NatsConfig(Section):
         description="NATS URL, or a cluster's URLs comma-separated "
         "(nats://h1:4222,nats://h2:4222); none = start an embedded server",
     )
-    user: str | None = None
+    user: str | None = Field(default=None, description="NATS user name (its password from password_env)")
     password_env: str | None = Field(default=None, description="name of the environment variable holding the password")
     token_env: str | None = Field(default=None, description="environment variable holding a token")
     creds_file: Path | None = Field(default=None, description="NATS .creds file")
@@ -51,10 +51,10 @@ class NatsConfig(Section):
         description="a coevo credentials file ({user, password}, mode 0600): a run's embedded server "
         "writes one per role under runs/<run>/nats/credentials/ (docs/security.md)",
     )
-    tls_ca: Path | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    connect_timeout_s: float = Field(default=5.0, gt=0)
+    tls_ca: Path | None = Field(default=None, description="CA bundle that signed the server's certificate")
+    tls_cert: Path | None = Field(default=None, description="client certificate (mutual TLS)")
+    tls_key: Path | None = Field(default=None, description="the client certificate's key")
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="per connection attempt")
     server_binary: str = Field(default="nats-server", description="binary for the embedded server")
 
 
@@ -63,7 +63,11 @@ class StreamConfig(Section):
     max_bytes: int = Field(
         default=-1, ge=-1, description="stream size limit in bytes (-1: none; JetStream reserves it up front)"
     )
-    max_msg_size: int = Field(default=8 * 1024**2, ge=1024)
+    max_msg_size: int = Field(
+        default=8 * 1024**2,
+        ge=1024,
+        description="largest stored message (larger events travel as claims on the object store, bus.inline_max_bytes)",
+    )
     retain_bytes: int = Field(
         default=16 * 1024**3,
         ge=0,
@@ -79,21 +83,27 @@ class StreamConfig(Section):
     retain_check_s: float = Field(default=60.0, gt=0, description="how often the retention keeper looks")
     retain_headroom: float = Field(default=0.8, gt=0, le=1, description="a purge leaves this share of retain_bytes")
     duplicate_window_s: float = Field(default=120.0, gt=0, description="Nats-Msg-Id dedupe window")
-    storage: Literal["file", "memory"] = "file"
-    replicas: int = Field(default=1, ge=1, le=5)
+    storage: Literal["file", "memory"] = Field(default="file", description="where the server keeps the stream")
+    replicas: int = Field(default=1, ge=1, le=5, description="copies of the stream across a cluster's nodes")
 
 
 class BusConfig(Section):
     max_inflight_publishes: int = Field(default=512, ge=1, description="bound on unacked publishes")
-    publish_ack_timeout_s: float = Field(default=10.0, gt=0)
-    publish_retries: int = Field(default=5, ge=0)
-    fetch_batch: int = Field(default=64, ge=1)
-    fetch_timeout_s: float = Field(default=1.0, gt=0)
+    publish_ack_timeout_s: float = Field(
+        default=10.0, gt=0, description="a publish unacknowledged this long is sent again under its id"
+    )
+    publish_retries: int = Field(default=5, ge=0, description="tries of a confirmed publish before PublishError")
+    fetch_batch: int = Field(default=64, ge=1, description="messages one pull asks for")
+    fetch_timeout_s: float = Field(default=1.0, gt=0, description="how long one pull waits for messages")
     max_ack_pending: int = Field(default=256, ge=1, description="server-side backpressure per consumer")
     ack_wait_s: float = Field(default=30.0, gt=0, description="redelivery after this without ack")
     max_deliver: int = Field(default=5, ge=1, description="then the message is dead-lettered")
-    nak_backoff_s: list[float] = Field(default_factory=lambda: [0.2, 1.0, 5.0], min_length=1)
-    handler_concurrency: int = Field(default=8, ge=1)
+    nak_backoff_s: list[float] = Field(
+        default_factory=lambda: [0.2, 1.0, 5.0],
+        min_length=1,
+        description="redelivery delays after a crash, by attempt (the last repeats)",
+    )
+    handler_concurrency: int = Field(default=8, ge=1, description="handlers of one subscription at once")
     in_progress_every_s: float = Field(default=10.0, gt=0, description="heartbeat for long handlers")
     payload_wait_s: float = Field(
         default=300.0,
@@ -117,7 +127,7 @@ class BusConfig(Section):
 
 
 class AgentConfig(Section):
-    heartbeat_s: float = Field(default=5.0, gt=0)
+    heartbeat_s: float = Field(default=5.0, gt=0, description="between an agent's agent.status events")
     drain_timeout_s: float = Field(
         default=3.0,
         gt=0,
@@ -125,7 +135,11 @@ class AgentConfig(Section):
         "flight may go on before it is cancelled and handed back (redelivered): a "
         "stop ends the process within about this plus a second",
     )
-    restart_backoff_s: list[float] = Field(default_factory=lambda: [0.1, 0.5, 2.0, 5.0], min_length=1)
+    restart_backoff_s: list[float] = Field(
+        default_factory=lambda: [0.1, 0.5, 2.0, 5.0],
+        min_length=1,
+        description="delays before restarting a crashed agent, by attempt",
+    )
     max_restarts: int = Field(
         default=20,
         ge=0,
@@ -293,10 +307,14 @@ class PolicyConfig(Section):
         description="constrained index, free text, or a multi-turn conversation rendered with "
         "the model's chat template (token-in/token-out across turns)",
     )
-    temperature: float = Field(default=1.0, gt=0)
+    temperature: float = Field(
+        default=1.0,
+        gt=0,
+        description="sampling temperature (the learner computes log-probs at it: what is trained is what was sampled)",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    max_tokens: int = Field(default=64, ge=1)
-    max_concurrent_trajectories: int = Field(default=64, ge=1)
+    max_tokens: int = Field(default=64, ge=1, description="most tokens of one action")
+    max_concurrent_trajectories: int = Field(default=64, ge=1, description="rollouts played at once")
     serve_port: int | None = Field(
         default=None,
         ge=0,
@@ -370,7 +388,7 @@ class ApiConfig(Section):
 class LocalEndpoint(Section):
     """A model directory loaded in this process (transformers), trained by the learner where it is a lane."""
 
-    backend: Literal["local"] = "local"
+    backend: Literal["local"] = Field(default="local", description="the tag: a local model")
 
 
 class VllmEndpoint(Section):
@@ -412,10 +430,12 @@ class JudgeBase(Section):
     mode: Literal["auto", "verdict", "reasoned"] = Field(
         default="auto", description="auto: one constrained token for local models, reasoning + \\boxed otherwise"
     )
-    temperature: float = Field(default=0.8, gt=0)
+    temperature: float = Field(
+        default=0.8, gt=0, description="sampling temperature of a vote (a trained judge's log-probs are computed at it)"
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    max_tokens: int = Field(default=256, ge=1)
-    max_concurrent_steps: int = Field(default=32, ge=1)
+    max_tokens: int = Field(default=256, ge=1, description="most tokens of a reasoned vote")
+    max_concurrent_steps: int = Field(default=32, ge=1, description="steps judged at once")
 
     @property
     def effective_mode(self) -> Literal["verdict", "reasoned"]:
@@ -461,7 +481,10 @@ AnyJudge = LocalJudge | VllmJudge | LitellmJudge
 
 
 class ScorerConfig(Section):
-    reward: Literal["integrated", "outcome-only", "steps-only"] = "integrated"
+    reward: Literal["integrated", "outcome-only", "steps-only"] = Field(
+        default="integrated",
+        description="R = outcome + λ·mean(step votes) (docs/algorithm.md §1), the outcome alone, or the votes alone",
+    )
     lam: float = Field(default=1.0, ge=0, description="weight of the step votes (λ)")
     env_reward_weight: float = Field(
         default=1.0,
@@ -485,7 +508,7 @@ class BuiltinRewriterConfig(Section):
     """``tasks.rewriter = "builtin"`` (the default): the family's knob operators, ordered by the critic's
     summaries; no model."""
 
-    backend: Literal["builtin"] = "builtin"
+    backend: Literal["builtin"] = Field(default="builtin", description="the tag: the built-in rewriter")
 
 
 class NoRewriter(Section):
@@ -570,7 +593,7 @@ class DiskSync(Section):
     """Servers reload each version from the published weights' directory: every server must see the
     learner's files (one host, or ``learner.publication_root`` on shared storage)."""
 
-    transport: Literal["disk"] = "disk"
+    transport: Literal["disk"] = Field(default="disk", description="the tag: servers reload from disk")
 
 
 class PushSync(Section):
@@ -578,7 +601,7 @@ class PushSync(Section):
     with ``--weight-transfer-config '{"backend": "coevo_gloo"}'``), nccl on GPU (``'{"backend": "nccl"}'``).
     A server whose transfer fails reloads from disk, and connects again on the next version."""
 
-    transport: Literal["gloo", "nccl"]
+    transport: Literal["gloo", "nccl"] = Field(description="the tag: the collective weights are pushed over")
     host: str = Field(default="127.0.0.1", description="address the vLLM servers reach the learner at")
     timeout_s: float = Field(
         default=120.0,
@@ -626,10 +649,10 @@ class LearnerConfig(Section):
         "groups were scored since its last step (those that gave it no sample count too, as in trainers that batch "
         "rollouts), on at most this many; unset: batch_samples. Lock-step (max_staleness = 0) steps per wave",
     )
-    max_batch_tokens: int = Field(default=32768, ge=64)
-    clip_eps: float = Field(default=0.2, gt=0)
+    max_batch_tokens: int = Field(default=32768, ge=64, description="tokens of one micro-batch (padded)")
+    clip_eps: float = Field(default=0.2, gt=0, description="PPO clip range ε of the ratio")
     kl_beta: float = Field(default=0.01, ge=0, description="weight of the k3 KL penalty against kl_reference")
-    grad_clip: float = Field(default=1.0, gt=0)
+    grad_clip: float = Field(default=1.0, gt=0, description="gradient norm clip")
     max_staleness: int = Field(
         default=2,
         ge=0,
@@ -692,7 +715,9 @@ class LearnerConfig(Section):
         default="fsdp", description="under torchrun: FSDP2 sharding or replicated data parallel"
     )
     bf16: bool = Field(default=True, description="bf16 autocast on CUDA (ignored on CPU)")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        default=False, description="recompute activations in the backward pass (less memory, more time)"
+    )
     weight_sync: WeightSync = Field(
         default_factory=lambda: DiskSync(),
         description="how vLLM servers get new weights, tagged by "
@@ -735,8 +760,8 @@ class LearnerConfig(Section):
 
 
 class LogConfig(Section):
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    console: Literal["pretty", "json", "off"] = "pretty"
+    level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="lowest level logged")
+    console: Literal["pretty", "json", "off"] = Field(default="pretty", description="how the console shows logs")
     tensorboard: bool = Field(default=True, description="write metrics as TensorBoard event files in runs/<id>/tb")
     wandb: bool = Field(
         default=False,

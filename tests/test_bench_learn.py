@@ -409,3 +409,40 @@ async def test_a_step_budget_ends_each_run_at_that_policy_version_and_evaluates_
         assert [(p["step"], p["policy_version"]) for p in run["curve"]] == [(0, 0), (2, 2), (3, 3)]
         assert run["learner_steps"] >= 3 and run["heldout_success"] is not None
         assert out["configs"][c]["summary"]["seconds"]["n"] == 1
+
+
+def test_the_tables_quote_means_intervals_paired_differences_and_each_step() -> None:
+    from coevo.bench.learn import aggregate_seeds, learn_result
+    from coevo.bench.tables import tables
+
+    def run(seed: int, success: list[float], seconds: list[float]) -> dict[str, object]:
+        curve = [
+            {"step": 10 * i, "seconds": t, "success": s} for i, (s, t) in enumerate(zip(success, seconds, strict=True))
+        ]
+        return {
+            "seed": seed,
+            "train_success_initial": success[0],
+            "train_success": success[-1],
+            "seconds_to_0.8": None,
+            "best_train_success": max(success),
+            "seconds": seconds[-1],
+            "policy_steps": 20,
+            "curve": curve,
+        }
+
+    runs = {
+        "integrated": [run(0, [0.0, 0.25, 0.5], [0, 10, 20]), run(1, [0.0, 0.5, 0.75], [0, 12, 24])],
+        "outcome_only": [run(0, [0.0, 0.25, 0.25], [0, 4, 8]), run(1, [0.0, 0.25, 0.5], [0, 6, 12])],
+    }
+    out = learn_result(
+        aggregate_seeds(
+            runs, seeds=2, family="quickgame", preset="default", budget=Budget.parse("steps:20"), episodes=8
+        )
+    )
+    text = tables(out)
+    # mean 0.625, sd 0.177, half-width t(0.975, 1) = 12.706 · 0.177 / √2 = 1.59
+    assert "| integrated | 0.00 ± 0.00 → 0.62 ± 1.59 | 0.62 ± 1.59 |" in text
+    assert "paired integrated - outcome_only: train_success +0.25 ± 0.00" in text  # +0.25 on both seeds
+    # seconds 8 and 12: mean 10, half-width 12.706 · 2.83 / √2 = 25
+    assert "| outcome_only | 0.00 ± 0.00 | 0.25 ± 0.00 (5 ± 13 s) | 0.38 ± 1.59 (10 ± 25 s) |" in text
+    assert "step 20" in text and "20 policy steps per run" in text

@@ -185,3 +185,10 @@ def test_the_rewriter_is_tagged_by_its_backend() -> None:
         with pytest.raises(ConfigError) as err:
             load_config(overrides=bad)
         assert err.value.field == field, (bad, str(err.value))
+
+
+def test_every_field_of_the_tree_says_what_it_means() -> None:
+    """#26: every leaf (of every tagged variant) has a description: `coevo run --help` shows them all."""
+    from coevo.config import leaf_fields
+
+    assert [name for name, info in leaf_fields().items() if not info.description] == []
