@@ -290,19 +290,22 @@ def test_aggregate_seeds_wants_every_seed_once_in_order(seeds: list[int]) -> Non
         aggregate_seeds(runs, seeds=3, family="quickgame", preset="default", budget=Budget("seconds", 60.0), episodes=4)
 
 
-def test_ladder_result_pairs_each_rung_with_the_bottom_one() -> None:
+def test_ladder_result_pairs_each_rung_with_the_bottom_one_and_the_one_below() -> None:
     out = _ladder_out()
     before = copy.deepcopy(out)
     result = ladder_result(out)
     assert out == before  # pure: a new dict
     assert {k: v for k, v in result.items() if k not in ("paired", "rungs")} == out
-    assert list(result["paired"]) == ["policy+judge - policy-only", "full - policy-only"]
+    assert list(result["paired"]) == ["policy+judge - policy-only", "full - policy-only", "full - policy+judge"]
     up = result["paired"]["full - policy-only"]
     assert set(up) == set(PAIRED)
     assert up["train_success"] == _interval(0.3, 0.0, 4.303, 3)  # 0.8-0.5, 0.9-0.6, 1.0-0.7
     assert up["heldout_success"] == _interval(0.2, 0.1, 4.303, 3)  # 0.2, 0.3, 0.1
     assert up["seconds_to_0.8_or_budget"] == _interval(-30.0, 10.0, 4.303, 3)  # -20, -30, -40
     assert result["paired"]["policy+judge - policy-only"]["judge_process_accuracy"]["n"] == 0
+    added = result["paired"]["full - policy+judge"]  # what environment adaptation adds to judge training
+    assert added["train_success"] == _interval(0.2, 0.0, 4.303, 3)  # 0.8-0.6, 0.9-0.7, 1.0-0.8
+    assert added["heldout_success"]["mean"] == pytest.approx((0.1 + 0.3 - 0.1) / 3, abs=1e-6)
     assert list(result["rungs"]) == ["policy-only", "policy+judge", "full"]  # bottom first
     for c, rung in result["rungs"].items():
         assert set(rung) == {*RUNG_KEYS, "curve"}

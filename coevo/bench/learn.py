@@ -18,6 +18,7 @@ share initial weights and pools), and every run's raw numbers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import statistics
 import tempfile
@@ -725,12 +726,14 @@ def learn_result(out: dict[str, Any], configs: dict[str, Overrides] = LEARN) -> 
 
 def ladder_result(out: dict[str, Any]) -> Result:
     """``bench ladder``'s result from ``run_seeds``' ``out``, its configurations the rungs bottom first (a new
-    dict; ``out`` is left as it is): adds each higher rung's paired differences against the bottom one, and per
-    rung, in ladder order, the means over seeds of ``RUNG_KEYS`` and the first seed's curve."""
+    dict; ``out`` is left as it is): adds each higher rung's paired differences against the bottom one, then
+    against the rung just below it (what that rung adds), and per rung, in ladder order, the means over seeds
+    of ``RUNG_KEYS`` and the first seed's curve."""
     bottom, *higher = out["configs"]
+    pairs = [(c, bottom) for c in higher] + [(c, below) for below, c in itertools.pairwise(higher)]
     return {
         **out,
-        "paired": {f"{c} - {bottom}": paired(out, c, bottom) for c in higher},
+        "paired": {f"{a} - {b}": paired(out, a, b) for a, b in pairs},
         "rungs": {
             c: {**{k: _mean(out, c, k) for k in RUNG_KEYS}, "curve": rung["runs"][0]["curve"]}
             for c, rung in out["configs"].items()
