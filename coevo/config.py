@@ -477,7 +477,6 @@ JudgeConfig = Annotated[
 ]
 """``judge``: tagged by ``backend``; only the chosen backend's fields exist (``judge.url`` with the local
 backend is an error naming ``judge.local.url``)."""
-AnyJudge = LocalJudge | VllmJudge | LitellmJudge
 
 
 class ScorerConfig(Section):

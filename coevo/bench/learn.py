@@ -513,12 +513,14 @@ def run_result(
         **{
             k: summary[k]
             for k in (
+                "judge_process_accuracy_start",
                 "judge_process_accuracy",
                 "judge_outcome_accuracy",
                 "judge_process_accuracy_heldout",
                 "judge_outcome_accuracy_heldout",
                 "rewrites_accepted",
                 "learner_steps",
+                "judge_learner_steps",
                 "policy_kl_rejected",
                 "policy_mismatch_kl_max",
                 "policy_step_kl_max",
@@ -549,6 +551,8 @@ METRICS = (
     "judge_process_accuracy_heldout",
     "judge_outcome_accuracy_heldout",
     "learner_steps",
+    "judge_learner_steps",
+    "judge_process_accuracy_start",
     "rewrites_accepted",
     "trajectories_per_second",
     "pool_accuracy",

@@ -364,15 +364,7 @@ class Lane:
         with torch.no_grad(), self._autocast():
             for micro, fx in zip(plans, fixed, strict=True):
                 for t, (px, _ref) in zip(micro, fx, strict=True):
-                    new = token_logprobs(
-                        self.model,
-                        t.input_ids,
-                        t.attention_mask,
-                        t.response_mask,
-                        t.allowed,
-                        self.temperature,
-                        sampling=self.sampling,
-                    )
+                    new = self._logprobs(t)
                     n = float(t.response_mask.sum())
                     num += mismatch_kl(new, px, t.response_mask.float()) * n
                     den += n
@@ -391,16 +383,21 @@ class Lane:
         with self._lock, torch.no_grad(), self._autocast():
             self._activate()
             t = to_tensors(samples, self.vocab, self.pad_id).to(self.device)
-            new = token_logprobs(
-                self.model.eval(),
-                t.input_ids,
-                t.attention_mask,
-                t.response_mask,
-                t.allowed,
-                self.temperature,
-                sampling=self.sampling,
-            )
+            new = self._logprobs(t, self.model.eval())
             return mismatch_kl(new, t.behav_logp, t.response_mask.float())
+
+    def _logprobs(self, t: Tensors, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Log-probs of ``t``'s tokens under ``model`` (default: the lane's), as the sampler drew them
+        (temperature, truncation, allowed tokens)."""
+        return token_logprobs(
+            model if model is not None else self.model,
+            t.input_ids,
+            t.attention_mask,
+            t.response_mask,
+            t.allowed,
+            self.temperature,
+            sampling=self.sampling,
+        )
 
     def _autocast(self) -> Any:
         return torch.autocast(
@@ -410,22 +407,10 @@ class Lane:
     def _fixed_logprobs(self, plans: list[list[Tensors]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Per minibatch, per micro-batch: (proximal log-probs, the KL's reference log-probs), taken
         once per batch before its first optimiser step."""
-
-        def logp(model: torch.nn.Module, t: Tensors) -> torch.Tensor:
-            return token_logprobs(
-                model,
-                t.input_ids,
-                t.attention_mask,
-                t.response_mask,
-                t.allowed,
-                self.temperature,
-                sampling=self.sampling,
-            )
-
         with torch.no_grad(), self._autocast():
             return [
                 [
-                    (logp(self.model, t), t.behav_logp if self.reference is None else logp(self.reference, t))
+                    (self._logprobs(t), t.behav_logp if self.reference is None else self._logprobs(t, self.reference))
                     for t in micro
                 ]
                 for micro in plans
@@ -452,15 +437,7 @@ class Lane:
         agg: defaultdict[str, float] = defaultdict(float)
         for t, (px, ref) in zip(micro, fixed, strict=True):
             with self._autocast():
-                new = token_logprobs(
-                    self.model,
-                    t.input_ids,
-                    t.attention_mask,
-                    t.response_mask,
-                    t.allowed,
-                    self.temperature,
-                    sampling=self.sampling,
-                )
+                new = self._logprobs(t)
             out = ppo_loss(
                 new,
                 px,
