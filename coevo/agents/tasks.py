@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from coevo.algorithm import saturation, scoring
 from coevo.algorithm.admission import Backlog
 from coevo.algorithm.rewriter import BuiltinRewriter, Rewriter
-from coevo.config import BuiltinRewriterConfig, LLMRewriterBase
+from coevo.config import LLMRewriterConfig
 from coevo.envs import make_family
 from coevo.inference.engine import CachesCalls
 from coevo.runtime.agent import Agent
@@ -161,13 +161,13 @@ class TasksAgent(Agent):
 
     def _make_rewriter(self) -> Rewriter:
         config = self.cfg.tasks.rewriter
-        if isinstance(config, BuiltinRewriterConfig):
+        if not isinstance(config, LLMRewriterConfig):  # builtin ("off" builds no rewriter)
             return BuiltinRewriter()
         from coevo.algorithm.rewriter import LLMRewriter
         from coevo.inference.clients import make_client
 
         self.llm_client = make_client(self.cfg, "rewriter")
-        return LLMRewriter(self.llm_client, retries=config.retries if isinstance(config, LLMRewriterBase) else 0)
+        return LLMRewriter(self.llm_client, retries=config.retries)
 
     async def run(self) -> None:
         if self.llm_client is None:

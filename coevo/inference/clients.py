@@ -8,12 +8,11 @@ from typing import Literal
 from coevo.config import (
     CoevoConfig,
     LitellmEndpoint,
-    LitellmRewriter,
+    LLMRewriterConfig,
     LocalJudge,
     LocalRewriter,
     SamplingConfig,
     VllmEndpoint,
-    VllmRewriter,
 )
 from coevo.inference.engine import InferenceClient, LocalEngine
 
@@ -38,7 +37,7 @@ def make_client(cfg: CoevoConfig, role: Literal["policy", "judge", "rewriter"], 
     """The client ``role`` uses, from config; the one place a client is chosen (on the section's tag)."""
     if role == "rewriter":
         rewriter = cfg.tasks.rewriter
-        if not isinstance(rewriter, LitellmRewriter | VllmRewriter | LocalRewriter):
+        if not isinstance(rewriter, LLMRewriterConfig):
             raise ValueError(f"tasks.rewriter.backend = {rewriter.backend!r} uses no model")
         return endpoint_client(rewriter, "rewriter")
     if role == "policy" and cfg.policy.url:
