@@ -1,0 +1,102 @@
+"""``coevo agent ROLE``: one agent against a server (a role, or ``module:Class``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from typing import Any
+
+from coevo.cli._config import dry_run, resolve_config
+from coevo.cli._table import Command, arg
+
+
+def _exit_on_stop(signum: int, _frame: object) -> None:
+    raise SystemExit(0)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    import signal
+
+    # a stop while the config, the modules and the models load exits cleanly; go() replaces these
+    # handlers with the event loop's (graceful drain) as soon as the loop runs
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_on_stop)
+    cfg = resolve_config(args)
+    if dry_run(args, cfg):
+        return 0
+    from coevo.agents import resolve_role
+
+    cls = resolve_role(args.role)
+    if args.role == "learner":
+        from coevo.training.distributed import init_distributed
+
+        rank, _world = init_distributed()
+        if rank > 0:  # torchrun: ranks > 0 follow rank 0, which alone talks to NATS
+            return _learner_follower(cfg)
+
+    async def go() -> int:
+        from coevo.runtime.agent import run_agents
+        from coevo.runtime.app import open_runtime
+        from coevo.runtime.proc import StopSignals, exit_now
+
+        stop = asyncio.Event()
+        signals = StopSignals(stop)
+        try:
+            async with open_runtime(cfg, name=f"coevo-agent-{cls.role}") as rt:
+                signals.started()
+                agent = cls(rt.bus, cfg, agent_id=args.agent_id)
+                async with _agent_metrics(agent, args) as url:
+                    if url:
+                        print(f"{agent.agent_id}: Prometheus metrics at {url}", flush=True)
+                    await run_agents([agent], handle_signals=False, until=stop)
+        except asyncio.CancelledError:
+            if not signals.cancelled:
+                raise
+            import structlog  # nothing was consumed yet: nothing to drain
+
+            structlog.get_logger("coevo.cli").info("agent.stopped_before_start", role=cls.role)
+        if stop.is_set():  # stopped by a signal: within seconds, whatever a worker thread still computes
+            exit_now(0)
+        return 0
+
+    return asyncio.run(go())
+
+
+def _agent_metrics(agent: Any, args: argparse.Namespace) -> Any:
+    """The agent's ``/metrics`` endpoint when ``--metrics-port`` is given. Without one the observe
+    package (aiohttp's web server, the dashboard) is not imported: every restart pays for it."""
+    if args.metrics_port is None:
+        return contextlib.nullcontext(None)
+    from coevo.observe.live import agent_metrics
+
+    return agent_metrics([agent], args.metrics_port, args.metrics_host)
+
+
+def _learner_follower(cfg: Any) -> int:
+    from coevo.config import checkpoint_root
+    from coevo.training.distributed import follow
+    from coevo.training.learner import build_lanes, trained_roles
+
+    if not cfg.run.run_id:
+        raise SystemExit("under torchrun, pass --run-id so that every rank writes the same checkpoints")
+    follow({lane.role: lane for lane in build_lanes(cfg, trained_roles(cfg), checkpoint_root(cfg, cfg.run.run_id))})
+    return 0
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "agent",
+        "run one agent (a role, or module:Class) against a server",
+        cmd_agent,
+        config=True,
+        args=(
+            arg("role", help="agent role or module:Class"),
+            arg("--agent-id", help="agent id (default: role + random suffix)"),
+            arg("--family", help="environment family (same as --env.family)"),
+            arg("--metrics-port", type=int, help="serve Prometheus /metrics and /healthz on this port"),
+            arg("--metrics-host", default="127.0.0.1", help="address of --metrics-port (0.0.0.0: every interface)"),
+        ),
+        overrides={"family": "env.family"},
+    ),
+)

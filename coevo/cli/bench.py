@@ -1,0 +1,408 @@
+"""``coevo bench NAME``: the benchmarks, each writing JSON.
+
+A bench is registered by one row of ``BENCHES`` below (its words, help, function and flags); the
+function imports its ``coevo.bench`` module inside, so that ``coevo --help`` stays light."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from coevo.cli._config import parse_value
+from coevo.cli._table import JSON_ARG, Arg, Command, arg
+from coevo.runtime.proc import run_stoppable
+
+
+def cmd_bench_bus(args: argparse.Namespace) -> int:
+    from coevo.bench.bus import bench_bus
+
+    result = run_stoppable(bench_bus(count=args.count, repeats=args.repeats, url=args.nats_url))
+    return _emit(result, args.json)
+
+
+def cmd_bench_envs(args: argparse.Namespace) -> int:
+    from coevo.bench.envs import bench_envs
+
+    families = tuple(f.strip() for f in args.families.split(",") if f.strip())
+    return _emit(run_stoppable(bench_envs(args.seconds, families)), args.json)
+
+
+def cmd_bench_learn(args: argparse.Namespace) -> int:
+    from coevo.bench.learn import bench_learn, bench_learn_lora
+
+    if args.lora:
+        return _emit(
+            run_stoppable(
+                bench_learn_lora(
+                    _bench_budget(args),
+                    args.eval_every,
+                    args.episodes,
+                    rank=args.lora,
+                    lr=args.lora_lr,
+                    **_over_seeds(args),
+                )
+            ),
+            args.json,
+        )
+    return _emit(
+        run_stoppable(bench_learn(_bench_budget(args), args.eval_every, args.episodes, **_over_seeds(args))), args.json
+    )
+
+
+def cmd_bench_ladder(args: argparse.Namespace) -> int:
+    from coevo.bench.learn import bench_ladder, rungs_named
+
+    try:
+        rungs = rungs_named(args.rungs)
+    except ValueError as exc:
+        raise SystemExit(f"coevo bench: {exc}") from None
+    return _emit(
+        run_stoppable(
+            bench_ladder(_bench_budget(args), args.eval_every, args.episodes, rungs=rungs, **_over_seeds(args))
+        ),
+        args.json,
+    )
+
+
+def _bench_budget(args: argparse.Namespace) -> Any:
+    """``--budget steps:N|minutes:M|seconds:S`` (default: ``--minutes``)."""
+    from coevo.bench.learn import Budget
+
+    if args.budget is None:
+        return Budget("seconds", args.minutes * 60)
+    try:
+        return Budget.parse(args.budget, cap_s=args.max_minutes * 60)
+    except ValueError as exc:
+        raise SystemExit(f"coevo bench: --budget: {exc}") from None
+
+
+def _over_seeds(args: argparse.Namespace) -> dict[str, Any]:
+    """bench learn / ladder: seeds, preset, family, cache and the judge to start from, checked before
+    anything runs."""
+    from coevo.bench.learn import family_of
+
+    try:
+        family_of(args.family, args.preset)
+    except ValueError as exc:
+        raise SystemExit(f"coevo bench: {exc}") from None
+    if args.seeds < 1:
+        raise SystemExit("coevo bench: --seeds must be >= 1")
+    overrides: dict[str, Any] = {}
+    if args.judge_from is not None:
+        if not (args.judge_from / "config.json").is_file():
+            raise SystemExit(f"coevo bench: --judge-from {args.judge_from}: not a model directory (no config.json)")
+        overrides["judge.model"] = str(args.judge_from.resolve())
+    return {
+        "seeds": args.seeds,
+        "preset": args.preset,
+        "family": args.family,
+        "cache_dir": args.cache_dir,
+        "overrides": overrides,
+    }
+
+
+def _seeds_args() -> tuple[Arg, ...]:
+    return (
+        arg(
+            "--seeds",
+            type=int,
+            default=1,
+            help="runs per configuration (run.seed = env.seed = 0..K-1); means and 95%% t intervals over them",
+        ),
+        arg(
+            "--preset",
+            default="default",
+            choices=("default", "hard"),
+            help="initial task pool; hard: the quick game's sparse-reward pool (family quickgame-hard)",
+        ),
+        arg("--family", default="quickgame", help="quickgame or textworld"),
+        arg("--cache-dir", type=Path, help="models and compiled games (default: a temporary directory)"),
+        arg(
+            "--budget",
+            help="per run: steps:N (equal policy learner steps; --eval-every counts steps), "
+            "minutes:M or seconds:S (default: --minutes)",
+        ),
+        arg("--max-minutes", type=float, default=30.0, help="wall-clock cap of a steps:N run"),
+        arg(
+            "--judge-from",
+            type=Path,
+            metavar="DIR",
+            help="the judge starts from this model directory (a "
+            "judge trained beforehand, e.g. runs/<id>/checkpoints/judge/published/v…): frozen in the "
+            "policy-only rung and with outcome-only reward, trained on elsewhere",
+        ),
+    )
+
+
+def cmd_bench_weights(args: argparse.Namespace) -> int:
+    from coevo.bench.weights import bench_weights
+
+    sizes = tuple(s.strip() for s in args.sizes.split(",") if s.strip())
+    return _emit(run_stoppable(bench_weights(args.vllm_python, sizes)), args.json)
+
+
+def cmd_bench_table(args: argparse.Namespace) -> int:
+    from coevo.bench.tables import tables
+
+    try:
+        result = json.loads(args.result.read_text())
+        print(tables(result), end="")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"coevo bench table: {args.result}: not a bench learn/ladder result ({exc!r})") from None
+    return 0
+
+
+def cmd_bench_parity(args: argparse.Namespace) -> int:
+    from coevo.bench.parity import bench_parity
+
+    return _emit(run_stoppable(bench_parity(args.vllm_python, rollouts=args.rollouts)), args.json)
+
+
+def cmd_bench_learner(args: argparse.Namespace) -> int:
+    from coevo.bench.learner import bench_learner
+
+    return _emit(
+        bench_learner(
+            args.size,
+            args.device,
+            steps=args.steps,
+            samples=args.samples,
+            tokens=args.tokens,
+            checkpoint_every=args.checkpoint_every,
+            lora_rank=args.lora,
+        ),
+        args.json,
+    )
+
+
+def cmd_bench_chaos(args: argparse.Namespace) -> int:
+    from coevo.bench.chaos import KINDS, ChaosPlan, bench_chaos
+
+    kinds = (
+        tuple(k.strip() for k in args.faults.split(",") if k.strip())
+        if args.faults
+        else tuple(k for k in KINDS if args.hosts or k not in ("link_cut", "sigterm_cut"))
+    )
+    try:
+        plan = ChaosPlan(
+            minutes=args.minutes,
+            kill_every_s=args.kill_every,
+            node_every_s=args.node_every,
+            seed=args.seed,
+            faults=kinds,
+            hosts=args.hosts,
+            cut_every_s=args.cut_every,
+            cut_s=args.cut_s,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"coevo bench chaos: {exc}") from None
+    result = run_stoppable(bench_chaos(plan, baseline=not args.no_baseline, workdir=args.workdir))
+    _emit(result, args.json)
+    return 0 if result["ok"] else 1
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from coevo.bench.soak import bench_soak
+
+    extra = [a for kv in args.set for a in ("--set", kv)]
+    return _emit(run_stoppable(bench_soak(args.minutes, args.every, extra)), args.json)
+
+
+def cmd_bench_codec(args: argparse.Namespace) -> int:
+    from coevo.bench.bus import bench_codec
+
+    return _emit(bench_codec(), args.json)
+
+
+def cmd_bench_async(args: argparse.Namespace) -> int:
+    from coevo.bench.asynchrony import AsyncPlan, bench_async
+
+    overrides = {k.strip(): parse_value(v) for k, _, v in (kv.partition("=") for kv in args.set)}
+    plan = AsyncPlan(minutes=args.minutes, seeds=args.seeds, loop=args.loop, overrides=overrides)
+    return _emit(run_stoppable(bench_async(plan, workdir=args.workdir)), args.json)
+
+
+def _emit(result: dict[str, Any], path: Path | None) -> int:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    return 0
+
+
+BENCHES: tuple[Command, ...] = (
+    Command(
+        "bench bus",
+        "typed bus vs plain nats-py: throughput and publish-to-ack latency",
+        cmd_bench_bus,
+        args=(
+            JSON_ARG,
+            arg("--count", type=int, default=20000, help="events per size and mode"),
+            arg("--repeats", type=int, default=5, help="pairs (plain, typed) per size: the ratio is their median"),
+            arg("--nats", dest="nats_url", help="use this server instead of an embedded one"),
+        ),
+    ),
+    Command(
+        "bench envs",
+        "environment steps/s in process vs as services; sandbox runs/s",
+        cmd_bench_envs,
+        args=(
+            JSON_ARG,
+            arg("--seconds", type=float, default=5.0, help="per measurement"),
+            arg("--families", default="quickgame,textworld,coding"),
+        ),
+    ),
+    Command(
+        "bench learn",
+        "policy success over time, integrated vs outcome-only, over seeds",
+        cmd_bench_learn,
+        args=(
+            JSON_ARG,
+            arg("--minutes", type=float, default=10.0, help="budget per configuration"),
+            arg(
+                "--eval-every",
+                type=float,
+                default=30.0,
+                help="seconds (steps under --budget steps:N) between evaluations",
+            ),
+            arg("--episodes", type=int, default=64, help="episodes per evaluation"),
+            arg(
+                "--lora",
+                type=int,
+                metavar="RANK",
+                help="LoRA lanes of this rank against full fine-tuning "
+                "(both integrated) instead of integrated against outcome-only",
+            ),
+            arg("--lora-lr", type=float, default=5e-3, help="the LoRA runs' learner.lr (full: the default)"),
+            *_seeds_args(),
+        ),
+    ),
+    Command(
+        "bench ladder",
+        "the paper's ablation ladder at equal wall-clock budget",
+        cmd_bench_ladder,
+        args=(
+            JSON_ARG,
+            arg("--minutes", type=float, default=5.0, help="budget per rung"),
+            arg("--eval-every", type=float, default=30.0),
+            arg("--episodes", type=int, default=64),
+            arg(
+                "--rungs",
+                default="policy-only,policy+judge,full",
+                help="comma-separated, bottom first, of "
+                "policy-only, policy+judge, full, full-unsaturated (the full loop without the saturated-slot rules)",
+            ),
+            *_seeds_args(),
+        ),
+    ),
+    Command(
+        "bench table",
+        "markdown tables (mean ± 95 %% interval over seeds, paired differences, per step) of a bench learn or "
+        "ladder result",
+        cmd_bench_table,
+        args=(arg("result", type=Path, help="the JSON bench learn or bench ladder wrote"),),
+    ),
+    Command(
+        "bench weights",
+        "pause of a weight swap (local engine; vLLM with --vllm-python)",
+        cmd_bench_weights,
+        args=(
+            JSON_ARG,
+            arg("--vllm-python", help="python of a venv with vllm (starts a server per size)"),
+            arg("--sizes", default="tiny,small,medium"),
+        ),
+    ),
+    Command(
+        "bench parity",
+        "sampling parity with vLLM on a model with instruct-style sampling defaults: KL from "
+        "the server's sampling to the learner's log-probs",
+        cmd_bench_parity,
+        args=(
+            JSON_ARG,
+            arg("--vllm-python", required=True, help="python of a venv with vllm"),
+            arg("--rollouts", type=int, default=40, help="fresh completions per setting"),
+        ),
+    ),
+    Command(
+        "bench learner",
+        "one learner step by model size: step, publish and checkpoint costs, memory, MFU",
+        cmd_bench_learner,
+        args=(
+            JSON_ARG,
+            arg("--size", default="large", choices=("tiny", "small", "medium", "large", "0.5B", "1.5B")),
+            arg("--device", default="cpu", help="cpu or cuda"),
+            arg("--steps", type=int, help="measured steps (default 3 on CPU, 5 on GPU)"),
+            arg("--samples", type=int, help="samples per step (default 16 on CPU, 64 on GPU)"),
+            arg("--tokens", type=int, help="tokens per sample, a quarter response (default 128 / 512)"),
+            arg("--checkpoint-every", type=int, default=1, help="a resume checkpoint every N steps"),
+            arg("--lora", type=int, metavar="RANK", help="a LoRA lane of this rank, compared with full weights"),
+        ),
+    ),
+    Command(
+        "bench chaos",
+        "the loop as processes on a 3-node cluster under kill -9, node loss, garbage, failing "
+        "stores, slow handlers, lagging followers, failing ranks, a full disk and (--hosts) link cuts",
+        cmd_bench_chaos,
+        args=(
+            JSON_ARG,
+            arg("--minutes", type=float, default=10.0, help="with faults (and again without)"),
+            arg("--faults", help="comma-separated fault kinds (default: every kind; see coevo.bench.chaos.KINDS)"),
+            arg(
+                "--hosts",
+                type=int,
+                default=0,
+                help="N >= 3: each NATS node and a share of the agents on a "
+                "host of its own (a network namespace; needs root and iproute2); link cuts become faults",
+            ),
+            arg("--cut-every", type=float, default=90.0, help="seconds between link cuts (--hosts)"),
+            arg("--cut-s", type=float, default=30.0, help="how long a host stays cut off"),
+            arg("--kill-every", type=float, default=5.0, help="seconds between kill -9 of a random agent"),
+            arg("--node-every", type=float, default=60.0, help="seconds between NATS node kills"),
+            arg("--seed", type=int, default=0),
+            arg("--no-baseline", action="store_true", help="skip the fault-free run"),
+            arg("--workdir", type=Path, help="keep stores, runs and agent logs here (default: removed)"),
+        ),
+    ),
+    Command(
+        "bench soak",
+        "a long coevo run: RSS slope of every process and growth on disk, per hour",
+        cmd_bench_soak,
+        args=(
+            JSON_ARG,
+            arg("--minutes", type=float, default=30.0),
+            arg("--every", type=float, default=10.0, help="seconds between samples"),
+            arg(
+                "--set",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="config override for the run (repeatable), e.g. stream.retain_bytes=200000000",
+            ),
+        ),
+    ),
+    Command("bench codec", "wire encodings of the event models: speed and size", cmd_bench_codec, args=(JSON_ARG,)),
+    Command(
+        "bench async",
+        "sync (max_staleness 0) vs async loop, rollouts and learner pinned to separate cores",
+        cmd_bench_async,
+        args=(
+            JSON_ARG,
+            arg("--minutes", type=float, default=3.0, help="measured per run"),
+            arg("--seeds", type=int, default=2, help="a sync and an async run per seed"),
+            arg("--loop", default="policy+judge", choices=("policy-only", "policy+judge", "full")),
+            arg(
+                "--set",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="config override for both modes (repeatable), e.g. learner.batch_samples=32",
+            ),
+            arg("--workdir", type=Path, help="keep the store, runs and agent logs here (default: removed)"),
+        ),
+    ),
+)
+
+COMMANDS: tuple[Command, ...] = (Command("bench", "benchmarks (write JSON)", metavar="BENCH"), *BENCHES)
