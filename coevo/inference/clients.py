@@ -24,12 +24,14 @@ def cache_dir(cfg: CoevoConfig) -> Path:
 
 
 def model_dir(cfg: CoevoConfig, role: Literal["policy", "judge"]) -> Path:
-    """The configured local model directory of ``role``, or the tiny default (built on first use)."""
+    """The configured local model directory of ``role`` (a GGUF file or a shipped model's short name
+    converted once, ``coevo.inference.gguf``), or the tiny default (built on first use)."""
+    from coevo.inference.gguf import resolve_model
     from coevo.inference.models import ensure_default_model
 
     configured = cfg.policy.model if role == "policy" else cfg.judge.model
     if configured:
-        return Path(configured)
+        return resolve_model(configured, cache_dir(cfg), flag=f"{role}.model")
     return ensure_default_model(role, cache_dir(cfg), seed=cfg.run.seed)
 
 

