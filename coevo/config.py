@@ -104,6 +104,13 @@ class BusConfig(Section):
         description="redelivery delays after a crash, by attempt (the last repeats)",
     )
     handler_concurrency: int = Field(default=8, ge=1, description="handlers of one subscription at once")
+    unshared_inactive_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="the server deletes an unshared consumer (one agent instance's own: weight followers, "
+        "learner-decisions) after this long without a pull: a partition longer than this deletes it, and the "
+        "agent creates it again where it left off when it reconnects",
+    )
     in_progress_every_s: float = Field(default=10.0, gt=0, description="heartbeat for long handlers")
     payload_wait_s: float = Field(
         default=300.0,

@@ -7,6 +7,7 @@
     │   ├── NoResponders            a request found nobody serving its subject
     │   ├── PayloadUnavailable      a claimed object cannot be read now (read again on a later delivery)
     │   ├── ClaimError              (also a ValueError) a claim that does not lead to its bytes
+    │   ├── ConsumerGone            .consumer: the server deleted the consumer a fetch pulled from
     │   └── PublishError            .subject, .event_id
     ├── ServerError                 the embedded nats-server could not start or stopped
     ├── InjectedFault               a failure injected at a fault point (COEVO_FAULTS)
@@ -78,6 +79,15 @@ class PayloadUnavailable(BusError):
 
 class ClaimError(BusError, ValueError):
     """A claim that does not lead to its bytes (missing object, digest mismatch, malformed claim)."""
+
+
+class ConsumerGone(BusError):
+    """The consumer a fetch pulled from was deleted (by a role, or as inactive past its threshold):
+    nothing more comes from it until it is created again (``coevo.runtime.revival``)."""
+
+    def __init__(self, consumer: str) -> None:
+        super().__init__(f"consumer {consumer} was deleted")
+        self.consumer = consumer
 
 
 class PublishError(BusError):

@@ -191,7 +191,8 @@ async def test_a_publish_whose_ack_was_lost_is_sent_again_without_waiting_for_a_
 
 
 async def test_a_republish_that_fails_leaves_the_rest_queued(nats_url: str, run_id: str, cfg: CoevoConfig) -> None:
-    """#24: a failed republish dropped every failed publish queued after it."""
+    """#24: a failed republish dropped every failed publish queued after it. #36: and itself: it is
+    kept too (behind the rest), sent again under its id at every flush, and reported at close."""
     from coevo.errors import PublishError
     from coevo.runtime.publishing import MSG_ID, _UnackedPublish
     from coevo.schemas import encode, subject_for
@@ -216,10 +217,14 @@ async def test_a_republish_that_fails_leaves_the_rest_queued(nats_url: str, run_
         ]
         with pytest.raises(PublishError):
             await bus.flush()
-        await bus.flush()  # the two behind it were kept and go now
+        assert [p.event_id for p in bus._failed] == [events[0].event_id, events[1].event_id, "x"]  # none dropped
+        with pytest.raises(PublishError):
+            await bus.flush()  # the two behind it go now; the one no stream takes is still kept, same id
         assert sorted(e.group_id for e in await bus.events(["task.scheduled"])) == ["g0", "g1"]
+        assert [(p.event_id, p.headers[MSG_ID]) for p in bus._failed] == [("x", "x")]
     finally:
-        await bus.close()
+        await bus.close()  # reports it, does not raise
+    assert bus.stats.unstored == 1
 
 
 def test_a_benchs_agents_die_with_it(tmp_path) -> None:

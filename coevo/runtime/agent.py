@@ -26,12 +26,12 @@ import nats.errors
 import structlog
 
 from coevo.config import CoevoConfig
-from coevo.errors import AgentFailed
+from coevo.errors import AgentFailed, PublishError
 from coevo.runtime import outbox
 from coevo.runtime.aio import drain, first_completed, unless_set, wait_event
 from coevo.runtime.bus import TRANSIENT, NatsBus
 from coevo.runtime.consumer import Consumer, Subscription, backoff
-from coevo.schemas import AgentStatus, ControlReply, ControlRequest, Event, Source, new_id
+from coevo.schemas import AgentStatus, ControlReply, ControlRequest, Event, Source, kind_of, new_id
 from coevo.schemas.events import AgentState
 
 E = TypeVar("E", bound=Event)
@@ -143,6 +143,25 @@ class Agent:
             raise TypeError(f"{self.role} does not declare {type(event).__name__} in its `emits`")
         await self.bus.publish_sync(event)
         self.counters[f"emitted.{event.kind}"] += 1  # type: ignore[attr-defined]
+
+    async def emit_durable(self, event: Event) -> None:
+        """Publish ``event`` and wait until it is stored, sent again under its id (``bus.publish_retries``
+        tries a round, ``agent.restart_backoff_s`` between rounds) until it is: for a fact no input
+        guards, which a lost publish would lose for good (the learner's ``WeightsPublished``).
+        ``PublishError`` only when the agent stops first (its bus then reports it unstored)."""
+        attempt = 0
+        while True:
+            try:
+                await self.emit_stored(event)
+                return
+            except PublishError as exc:
+                attempt += 1
+                self.counters[f"republished.{kind_of(event)}"] += 1
+                self.log.warning(
+                    "agent.publish_retried", event_id=event.event_id, attempt=attempt, error=str(exc)[:300]
+                )
+                if not await self.sleep(backoff(self.cfg.agent.restart_backoff_s, attempt)):
+                    raise
 
     async def wait_resumed(self) -> bool:
         """Block while paused; False when the agent is stopping."""

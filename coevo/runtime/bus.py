@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from coevo.config import BusConfig, NatsConfig, StreamConfig
-from coevo.errors import BusError, ClaimError, PayloadUnavailable
+from coevo.errors import BusError, ClaimError, PayloadUnavailable, PublishError
 from coevo.runtime import claims
 from coevo.runtime.aio import drain
 from coevo.runtime.credentials import ADMIN, KV_BUCKETS, inbox_prefix, payload_buckets, read_credential
@@ -58,6 +58,8 @@ TRANSIENT = (
     nats.js.errors.ServiceUnavailableError,
 )
 """what the bus raises while a node is down, a partition lasts or a leader is elected: try again later"""
+_CANNOT_UPDATE = 10012
+"""JetStream's error code for a consumer created again with a config it cannot take (its start)"""
 UNANSWERED_S = 3.0
 """publishes unacknowledged this long, none acknowledged meanwhile: the server does not answer"""
 
@@ -131,6 +133,8 @@ class BusStats:
     published: int = 0
     duplicates: int = 0
     publish_retries: int = 0
+    unstored: int = 0
+    """publishes never acknowledged when the bus closed (each logged by id: ``bus.closed_unflushed``)"""
     dead_lettered: int = 0
     forged_requests: int = 0
     """messages on a served subject that were not requests (``is_request``): dropped"""
@@ -247,8 +251,10 @@ class NatsBus(Publisher, History, Rpc):
         self._closed = True
         try:
             await asyncio.wait_for(self.flush_while_connected(timeout_s), timeout_s)
-        except TimeoutError:
-            log.warning("bus.closed_unflushed", unacked=len(self._unacked), failed=len(self._failed))
+        except (TimeoutError, PublishError):
+            left = [p.event_id for p in [*self._unacked.values(), *self._failed]]
+            self.stats.unstored = len(left)
+            log.warning("bus.closed_unflushed", unacked=len(self._unacked), failed=len(self._failed), ids=left[:100])
         finally:
             drained = False
             if self.nc.is_connected and self.connected():  # drained only into a server that answers
@@ -314,7 +320,7 @@ class NatsBus(Publisher, History, Rpc):
         return api.ConsumerConfig(
             durable_name=None if ephemeral else durable,
             name=durable,
-            inactive_threshold=60.0 if ephemeral else None,
+            inactive_threshold=self.cfg.unshared_inactive_s if ephemeral else None,
             ack_policy=api.AckPolicy.EXPLICIT,
             deliver_policy=api.DeliverPolicy.LAST if deliver == "last" else api.DeliverPolicy.ALL,
             ack_wait=self.cfg.ack_wait_s,
@@ -346,6 +352,15 @@ class NatsBus(Publisher, History, Rpc):
             await self.js.add_consumer(self.stream, config)
         except nats.js.errors.BadRequestError as exc:
             raise BusError(f"consumer {durable} exists with an incompatible config: {exc}") from exc
+        except nats.js.errors.APIError as exc:
+            # 10012: it exists from another start (a replica recreated it where its ledger resumed,
+            # coevo.runtime.revival): the same filter is the same consumer
+            if exc.err_code != _CANNOT_UPDATE:
+                raise
+            info = await self.js.consumer_info(self.stream, durable)
+            have = info.config.filter_subjects or [info.config.filter_subject or ""]
+            if sorted(have) != sorted(config.filter_subjects or [config.filter_subject or ""]):
+                raise BusError(f"consumer {durable} exists with an incompatible config: {exc}") from exc
 
     async def dead_letter(self, msg: Msg, consumer: str, reason: str, source: Any) -> None:
         delivered = msg.metadata.num_delivered if msg.reply else 0

@@ -10,7 +10,9 @@ Invariants:
   shutdown), or term after a stored
   ``DeadLettered`` event (invalid payload, ``Reject``, or the last allowed crash);
 - a fetched message is kept with ``in_progress`` every ``in_progress_every_s`` from its fetch until its
-  outcome, whether its handler runs or it waits behind its batch-mates (none passes ``ack_wait``).
+  outcome, whether its handler runs or it waits behind its batch-mates (none passes ``ack_wait``);
+- a consumer deleted under it (by a role, or as inactive) is created again where it left off, and
+  what it redelivers that was settled here is acked without its handler (``coevo.runtime.revival``).
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from coevo.config import BusConfig
-from coevo.errors import PayloadUnavailable, PublishError, Reject, Retry
+from coevo.errors import ConsumerGone, PayloadUnavailable, PublishError, Reject, Retry
 from coevo.runtime import faults
 from coevo.runtime.aio import drain, first_completed, unless_set
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.outbox import Outbox, staging
-from coevo.runtime.pull import Puller
+from coevo.runtime.pull import Puller, stream_seq
+from coevo.runtime.revival import Revival
 from coevo.schemas import Event, Source, kind_of
 
 
@@ -64,6 +67,7 @@ class Delivery:
 
 
 log = structlog.get_logger("coevo.consumer")
+ACK_FLOOR_EVERY_S = 5.0
 
 Handler = Callable[[Any, Delivery], Awaitable[None]]
 
@@ -77,6 +81,10 @@ class ConsumerStats:
     nak_on_shutdown: int = 0
     unconfirmed: int = 0
     max_inflight: int = 0
+    recreated: int = 0
+    """times its consumer was found deleted and created again"""
+    settled_before: int = 0
+    """deliveries of a message settled here already (a recreated consumer's, a lost ack's): acked unhandled"""
 
 
 @dataclass
@@ -127,6 +135,11 @@ class Consumer:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self._held: dict[int, tuple[Msg, float]] = {}
+        self._holding: dict[int, int] = {}  # stream sequence -> id() of the message a handler here holds
+        self._parked: dict[int, list[Msg]] = {}  # second deliveries of held sequences (``_take``)
+        self.name = sub.durable if sub.shared else f"{sub.durable}-{source.agent_id}"
+        self.revival = Revival(bus, self.name, sub.kinds, sub.deliver, not sub.shared)
+        """where the consumer resumes if it is deleted, kept across runs (a supervised restart)"""
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set; then let each worker finish the message it handles within
@@ -136,7 +149,7 @@ class Consumer:
         their own subscription to the shared durable, so a message is never handed between tasks.
         """
         per_worker = self.sub.batch or max(1, -(-self.cfg.fetch_batch // self.concurrency))
-        name = self.sub.durable if self.sub.shared else f"{self.sub.durable}-{self.source.agent_id}"
+        name = self.name
         subs: list[Puller] = []
 
         async def open_pullers() -> None:
@@ -144,6 +157,7 @@ class Consumer:
                 subs.append(
                     await self.bus.puller(name, self.sub.kinds, deliver=self.sub.deliver, ephemeral=not self.sub.shared)
                 )
+            await self.revival.read_ack_floor()
 
         try:
             # a stop while the consumer is created ends it at once (the request can take its full
@@ -175,29 +189,75 @@ class Consumer:
                 msgs = await psub.fetch(batch, self.cfg.fetch_timeout_s)
             except (nats.errors.TimeoutError, TimeoutError):
                 continue
-            except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
+            except (ConsumerGone, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
+                if await self.revival.revive(exc):  # deleted: created again where this process left off
+                    self.stats.recreated = self.revival.recreated
+                    continue
                 await asyncio.sleep(self.cfg.fetch_timeout_s)  # a node failing over: the stream comes back
                 continue
-            fetched = time.monotonic()
-            for msg in msgs:  # the whole batch is held from now: batch-mates waiting are kept alive too
-                self._held[id(msg)] = (msg, fetched)
-            if len(self._held) > self.stats.max_inflight:
-                self.stats.max_inflight = len(self._held)
-            try:
-                for i, msg in enumerate(msgs):
-                    if stop.is_set() or not self.resumed.is_set():
-                        await self._release(msgs[i:])
-                        break
-                    try:
-                        await self._handle(msg)
-                    except asyncio.CancelledError:
-                        await self._release(msgs[i + 1 :])
-                        raise
-                    finally:
-                        self._held.pop(id(msg), None)
-            finally:
-                for msg in msgs:
-                    self._held.pop(id(msg), None)
+            await self._handle_batch(await self._take(msgs), stop)
+
+    async def _take(self, msgs: list[Msg]) -> list[tuple[Msg, int]]:
+        """Hold a fetched batch (kept in progress from now, batch-mates waiting included), with each
+        message's stream sequence. A message settled here already is acked unhandled; a second
+        delivery of one a handler here holds (a recreated consumer's) is parked beside it until
+        that handler's outcome (``_unhold``)."""
+        ledger = self.revival.ledger
+        fetched = time.monotonic()
+        batch = []
+        for msg in msgs:
+            seq = stream_seq(msg)
+            if await self._settled_here(msg, seq):  # a recreated consumer's (or a lost ack's) redelivery
+                continue
+            self._held[id(msg)] = (msg, fetched)
+            if seq in self._holding:
+                self._parked.setdefault(seq, []).append(msg)
+                continue
+            ledger.fetched(seq)
+            self._holding[seq] = id(msg)
+            batch.append((msg, seq))
+        if len(self._held) > self.stats.max_inflight:
+            self.stats.max_inflight = len(self._held)
+        return batch
+
+    async def _handle_batch(self, batch: list[tuple[Msg, int]], stop: asyncio.Event) -> None:
+        try:
+            for i, (msg, seq) in enumerate(batch):
+                if stop.is_set() or not self.resumed.is_set():
+                    await self._release([m for m, _ in batch[i:]])
+                    break
+                try:
+                    await self._handle(msg)
+                except asyncio.CancelledError:
+                    await self._release([m for m, _ in batch[i + 1 :]])
+                    raise
+                finally:
+                    await self._unhold(msg, seq)
+        finally:
+            for msg, seq in batch:
+                await self._unhold(msg, seq)
+
+    async def _settled_here(self, msg: Msg, seq: int) -> bool:
+        """Whether ``seq`` was settled here already: then ``msg`` is acked, unhandled."""
+        if not self.revival.ledger.seen(seq):
+            return False
+        self.stats.settled_before += 1
+        with contextlib.suppress(Exception):
+            await msg.ack()
+        return True
+
+    async def _unhold(self, msg: Msg, seq: int) -> None:
+        """``msg`` has its outcome: deliveries of it parked meanwhile are acked (settled) or nak'd
+        (to be handled: the outcome went to a consumer since deleted)."""
+        self._held.pop(id(msg), None)
+        if self._holding.get(seq) != id(msg):
+            return
+        del self._holding[seq]
+        for twin in self._parked.pop(seq, ()) if self._parked else ():
+            self._held.pop(id(twin), None)
+            if not await self._settled_here(twin, seq):
+                with contextlib.suppress(Exception):
+                    await twin.nak()
 
     async def _release(self, msgs: list[Msg]) -> None:
         """Give fetched-but-unstarted messages back at once (nak without delay)."""
@@ -207,10 +267,15 @@ class Consumer:
                 await msg.nak()
 
     async def _keepalive(self) -> None:
-        """Send ``in_progress`` for messages held longer than ``in_progress_every_s``."""
+        """Send ``in_progress`` for messages held longer than ``in_progress_every_s``; read a shared
+        durable's ack floor every ``ACK_FLOOR_EVERY_S`` (where a recreation would start at the latest)."""
         every = self.cfg.in_progress_every_s
+        floor_read = time.monotonic()
         while True:
             await asyncio.sleep(every / 2)
+            if time.monotonic() - floor_read > ACK_FLOOR_EVERY_S:
+                floor_read = time.monotonic()
+                await self.revival.read_ack_floor()
             limit = time.monotonic() - every / 2
             for msg, since in list(self._held.values()):
                 if since < limit:
@@ -304,11 +369,13 @@ class Consumer:
         else:
             await msg.ack()
             self.stats.handled += 1
+            self.revival.ledger.settle(stream_seq(msg))
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         await self.bus.dead_letter(msg, self.sub.durable, reason, self.source)
         await msg.term()
         self.stats.dead_lettered += 1
+        self.revival.ledger.settle(stream_seq(msg))
 
 
 def _short(exc: ValidationError) -> str:

@@ -18,7 +18,8 @@ are seeded by ``seed`` and the process id). A firing sleeps ``delay_s`` (0) and 
 Points: ``claims.fetch`` (reading a claimed payload: a transient object-store failure),
 ``handler`` (before a consumer's handler: a slow or failing handler), ``lane.optimizer_step``
 (inside a learner step, between its collectives), ``follower.load`` (a follower loading weights:
-lag).
+lag), ``publish`` (a publish, or a retry of one, refused as if no stream answered: retried under
+its id, never dropped).
 """
 
 from __future__ import annotations

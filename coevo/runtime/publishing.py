@@ -5,8 +5,9 @@ Invariants:
   retried or repeated publish of the same event is stored once (within the duplicate window);
 - at most ``bus.max_inflight_publishes`` publishes await their acknowledgement; one unanswered for
   ``bus.publish_ack_timeout_s`` is sent again (same id) by the next publish, and ``flush()``
-  returns only when every publish was acknowledged (failed ones are retried with the same id, a
-  failure leaving the rest queued);
+  returns only when every publish was acknowledged (failed ones are retried with the same id);
+- a failed publish is never dropped: it stays queued (``_failed``) and is sent again under its id
+  until it is acknowledged or the bus closes, which reports what is left (``BusStats.unstored``);
 - a payload above ``inline_limit`` goes to the run's object store first; the stream holds its claim;
 - a publish made while a handler runs is staged in that delivery's outbox (``coevo.runtime.outbox``).
 """
@@ -26,8 +27,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from coevo.config import BusConfig, StreamConfig
-from coevo.errors import BusError, PublishError
-from coevo.runtime import claims, outbox
+from coevo.errors import BusError, InjectedFault, PublishError
+from coevo.runtime import claims, faults, outbox
 from coevo.runtime.credentials import payload_bucket
 from coevo.schemas import Event, encode, kind_of, subject_for
 
@@ -113,11 +114,18 @@ class Publisher:
         self._unacked[token] = pending  # before sending: the ack may be read while we wait to write
         self._idle.clear()
         try:
-            await self.nc.publish(subject, pending.payload, reply=self._acks_prefix + token, headers=pending.headers)
-        except BaseException:
-            self._forget(token)
-            fut.cancel()
-            raise
+            faults.hit("publish")  # chaos: a publish lost on its way (answered as no stream would)
+        except InjectedFault as exc:
+            self._refused(token, str(exc))
+        else:
+            try:
+                await self.nc.publish(
+                    subject, pending.payload, reply=self._acks_prefix + token, headers=pending.headers
+                )
+            except BaseException:
+                self._forget(token)
+                fut.cancel()
+                raise
         box = outbox.current()
         if box is not None:
             box.staged.append((fut, pending))
@@ -139,9 +147,7 @@ class Publisher:
         data = msg.data
         error = "no stream answered (status reply)" if not data else _ack_error(data)
         if error is not None:
-            self._failed.append(pending)
-            pending.future.set_exception(PublishError(pending.subject, pending.event_id, error))
-            pending.future.exception()  # retrieved: nobody need await a publish that is retried anyway
+            self._fail(pending, error)
             return
         # an acknowledgement: the server answers (a refusal does not count: it is retried)
         self._unanswered_since = None if not self._unacked and not self._failed else time.perf_counter()
@@ -151,6 +157,19 @@ class Publisher:
         if self.stats.track_latency:
             self.stats.latencies_ms.append((time.perf_counter() - pending.t0) * 1e3)
         pending.future.set_result(True)
+
+    def _fail(self, pending: _UnackedPublish, error: str) -> None:
+        """Queue a refused publish to be sent again and fail its future (retrieved: nobody need await
+        a publish that is retried anyway)."""
+        self._failed.append(pending)
+        if pending.future is not None and not pending.future.done():
+            pending.future.set_exception(PublishError(pending.subject, pending.event_id, error))
+            pending.future.exception()
+
+    def _refused(self, token: str, error: str) -> None:
+        pending = self._forget(token)
+        if pending is not None:
+            self._fail(pending, error)
 
     def _forget(self, token: str) -> _UnackedPublish | None:
         pending = self._unacked.pop(token, None)
@@ -224,14 +243,15 @@ class Publisher:
 
     async def _retry_failed(self) -> None:
         """Publish the failed ones again, in order; when one cannot be stored (``PublishError``, to the
-        caller) those after it stay queued for the next try, never dropped."""
+        caller) it stays queued, behind those not tried yet (one no stream ever takes holds up no
+        other for ever): none is dropped."""
         failed, self._failed = self._failed, []
         for i, pending in enumerate(failed):
             self.stats.publish_retries += 1
             try:
                 await self.republish(pending)
             except BaseException:
-                self._failed[:0] = failed[i + 1 :]
+                self._failed[:0] = [*failed[i + 1 :], pending]
                 raise
 
     async def republish(self, p: _UnackedPublish) -> api.PubAck:
@@ -239,6 +259,7 @@ class Publisher:
         last: BaseException | None = None
         for attempt in range(self.cfg.publish_retries + 1):
             try:
+                faults.hit("publish")
                 ack = await self.js.publish(
                     p.subject,
                     p.payload,
@@ -250,6 +271,7 @@ class Publisher:
                 nats.js.errors.NoStreamResponseError,
                 nats.errors.ConnectionReconnectingError,
                 nats.js.errors.APIError,
+                InjectedFault,
             ) as exc:
                 last = exc  # APIError: refused by the stream (full, message too large): try again, then fail
                 await asyncio.sleep(min(0.1 * 2**attempt, 2.0))

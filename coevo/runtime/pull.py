@@ -14,9 +14,10 @@ Invariants:
   timeout (a request lost in a reconnect); messages that arrive after that, or that a cancelled
   fetch held, are handed out by the next fetch first or by ``take_late``: none is dropped;
 - status replies (404, 408, 409) end a request and are never handed out (a 409 that ends one
-  empty-handed pauses 0.1 s before the timeout is raised: no busy loop on a leader change); any
-  other status (503: JetStream not answering) ends it with nats-py's error for that status, as its
-  fetch does.
+  empty-handed pauses 0.1 s before the timeout is raised: no busy loop on a leader change); a 409
+  "Consumer Deleted" ends it with ``ConsumerGone`` (the consumer was deleted under the fetch); any
+  other status (503: JetStream not answering, or no consumer by that name) ends it with nats-py's
+  error for that status, as its fetch does.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerInfo
 
+from coevo.errors import ConsumerGone
+
 STATUS = "Status"
+DESCRIPTION = "Description"
+DELETED = "Consumer Deleted"
 _ENDS_REQUEST = frozenset({"404", "408", "409"})  # no messages, request expired, conflict (leader change, limits)
 _GRACE_S = 0.5  # past the request's expiry, for the server's 408 to arrive
 _CONFLICT_PAUSE_S = 0.1
@@ -50,6 +55,15 @@ def read_all(info: ConsumerInfo, read: int, end: int | None = None) -> bool:
     delivered = delivered_seq(info)
     nothing_left = info.num_pending == 0 or (end is not None and delivered >= end)
     return nothing_left and read >= (delivered if end is None else min(delivered, end))
+
+
+def stream_seq(msg: Msg) -> int:
+    """The stream sequence of a JetStream message, read from its reply subject without building
+    nats-py's ``Metadata`` (a dataclass, two sequence pairs and a datetime per message):
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...`` (9 tokens) or, with a domain and an
+    account hash, ``$JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>...`` (12)."""
+    tokens = msg.reply.split(".")
+    return int(tokens[5] if len(tokens) == 9 else tokens[7])
 
 
 class Puller:
@@ -97,7 +111,7 @@ class Puller:
             await asyncio.wait_for(done, expires_s + _GRACE_S)
         except TimeoutError:
             pass  # the request was lost (a reconnect) or its 408 is late: return what came
-        except (nats.js.errors.Error, nats.errors.Error) as exc:
+        except (nats.js.errors.Error, nats.errors.Error, ConsumerGone) as exc:
             error = exc
         except BaseException:
             self._late.extend(self._got)  # cancelled: kept for ``take_late`` (the consumer gives them back)
@@ -127,6 +141,9 @@ class Puller:
             if len(self._got) >= self._want:
                 self._end()
         elif status in _ENDS_REQUEST:
+            if status == "409" and (msg.headers or {}).get(DESCRIPTION) == DELETED:
+                self._end(ConsumerGone(self.durable))
+                return
             self._conflict = status == "409"
             self._end()
         elif status != "100":  # 100: idle heartbeat (none asked for) or flow control (push only)

@@ -538,7 +538,7 @@ class LearnerAgent(Agent):
         self, role: Role, version: int, path: Path, sha: str, size: int, format: WeightsFormat = "full"
     ) -> None:
         self.published[role] = (version, path, sha)
-        await self.emit(
+        await self.emit_durable(  # stored before training goes on: no input guards it, a lost one is lost for good
             self.event(
                 WeightsPublished, role=role, version=version, path=str(path), sha256=sha, bytes=size, format=format
             )
