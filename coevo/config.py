@@ -500,6 +500,14 @@ class ScorerConfig(Section):
     )
     policy_band: Band = Field(default=(0.125, 0.875), description="accuracy band of tasks the policy trains on")
     judge_band: Band = Field(default=(0.2, 0.8), description="accuracy band of tasks the judge trains on")
+    max_abs_env_reward: float = Field(
+        default=100.0,
+        gt=0,
+        le=1e6,
+        description="the bound of an environment's reward: the policy endpoint refuses (400, param reward) a step "
+        "reward or a finish reward that is not a finite number within ±this, or that would take a step's total "
+        "beyond it; the scorer clips StepTaken.env_reward to ±this (a NaN counts 0) whatever path it came by",
+    )
     vote_timeout_s: float = Field(default=60.0, gt=0, description="score without missing votes after this")
     group_timeout_s: float = Field(default=600.0, gt=0, description="score a group with missing trajectories")
 
@@ -710,9 +718,11 @@ class LearnerConfig(Section):
         default=None,
         gt=0,
         description="step rejection: after a batch's optimiser steps, the KL per response token "
-        "from the weights before it to those after (k3 on the batch's sampled tokens); above this the batch is undone "
-        "(weights and optimiser state restored, version unchanged, its groups acknowledged untrained) and counted "
-        "in the next LearnerStepped.kl_rejected. None: no guard (one more forward pass per batch when set)",
+        "from the weights before it to those after (k3 on the batch's sampled tokens); above this, or not a number, "
+        "the batch is undone (weights and optimiser state restored, version unchanged, its groups acknowledged "
+        "untrained, named in LearnerStepped.kl_rejected_group_ids and counted in LearnerStepped.kl_rejected). "
+        "None: no guard. When set, every batch costs one more forward pass and a full copy of the trainable weights "
+        "and of the optimiser state (Adam: two more tensors per weight) on the learner's device while it trains",
     )
     correction: Literal["tis", "decoupled"] = Field(default="tis", description="off-policy correction")
     tis_cap: float = Field(default=2.0, ge=1.0, description="truncated importance sampling cap c")

@@ -22,8 +22,10 @@
     │   └── BadFrame                (also a ValueError) the sandboxed process sent a malformed frame
     ├── InferenceError              a model server or API did not answer as asked
     │   ├── VLLMError               .status, .param: the HTTP answer (None: no answer at all)
-    │   └── ExternalCallFailed      .model: a LiteLLM call failed after its retries and fallbacks
-    │       └── OverBudget          api.max_usd is spent: no further call is made
+    │   ├── ExternalCallFailed      .model: a LiteLLM call failed after its retries and fallbacks
+    │   │   └── OverBudget          api.max_usd is spent: no further call is made
+    │   └── InvalidTokens           (also a ValueError) .token_id, .vocab_size: prompt ids outside the vocabulary
+    ├── NonFiniteStep               .loss, .grad_norm: a learner step that would put inf/NaN into the weights
     ├── LoadFailed                  a weights version was not loaded (the server serves the one before)
     ├── ApiError                    .status, .type, .code, .param, .retry_after: the policy endpoint's answer
     └── HostsUnavailable            network namespaces cannot be made here (bench hosts)
@@ -173,6 +175,25 @@ class ExternalCallFailed(InferenceError):
 
 class OverBudget(ExternalCallFailed):
     """``api.max_usd`` has been spent: no further call is made (the judge publishes ``BudgetExceeded``)."""
+
+
+class InvalidTokens(InferenceError, ValueError):
+    """Prompt token ids outside the model's vocabulary (``0 .. vocab_size - 1``): refused before they
+    reach the model (an embedding lookup out of range: IndexError on CPU, a device assert on CUDA)."""
+
+    def __init__(self, token_id: int, vocab_size: int) -> None:
+        super().__init__(f"token id {token_id} is outside the vocabulary (0..{vocab_size - 1})")
+        self.token_id, self.vocab_size = token_id, vocab_size
+
+
+class NonFiniteStep(CoevoError):
+    """A learner step whose loss or gradient norm is not finite: refused before ``optimizer.step``,
+    so the weights and the optimiser state stay as they were (the learner retries its groups alone,
+    then dead-letters the one that fails by itself)."""
+
+    def __init__(self, loss: float, grad_norm: float) -> None:
+        super().__init__(f"the step's loss ({loss}) or gradient norm ({grad_norm}) is not finite")
+        self.loss, self.grad_norm = loss, grad_norm
 
 
 class LoadFailed(CoevoError):

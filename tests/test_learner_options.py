@@ -198,7 +198,8 @@ def test_epochs_and_minibatches_make_the_clip_act(tiny: Path, tmp_path: Path) ->
 
 async def test_the_learner_counts_and_reports_stale_drops(bus: NatsBus, tiny: Path, tmp_path: Path) -> None:  # noqa: F811
     """A real lane behind the learner agent, on the real server: a group sampled too long ago is
-    released untrained, and the count rides on the next LearnerStepped."""
+    released untrained and named at once (a LearnerStepped that trained nothing, with its count); a
+    later step counts the stale samples of its own batch."""
     cfg = CoevoConfig(run={"runs_dir": tmp_path}, learner={"max_staleness": 1, "stale": "drop"})
     learner = LearnerAgent(bus, cfg)
     q = LaneQueue(_lane(tiny, tmp_path / "ckpt", max_staleness=1, stale="drop"))
@@ -220,7 +221,8 @@ async def test_the_learner_counts_and_reports_stale_drops(bus: NatsBus, tiny: Pa
     assert old.done() and old.exception() is None  # all stale: released untrained
     assert not new.done()  # trained: waits for a durable checkpoint
     stepped = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped)]
-    assert [(e.version, e.samples, e.stale_dropped) for e in stepped] == [(1, 2, 0), (2, 2, 0), (3, 2, 4)]
+    assert [(e.version, e.samples, e.stale_dropped) for e in stepped] == [(1, 2, 0), (2, 2, 0), (2, 0, 3), (3, 2, 1)]
+    assert stepped[2].stale_group_ids == ["old"] and stepped[3].group_ids == ["new"]
     assert learner.counters["samples.stale_dropped.policy"] == 4
     assert not q.lane.has_consumed("old") and q.lane.has_consumed("new")
 
@@ -231,7 +233,8 @@ async def test_the_learner_reports_a_rejected_step_on_the_next_learner_stepped(
     tmp_path: Path,
 ) -> None:
     """On the real server: a batch the KL guard undoes is released untrained (no version, no
-    publication), and the count rides on the lane's next LearnerStepped with that step's own KL."""
+    publication) and named at once, with its count, by a LearnerStepped that trained nothing; the
+    lane's next step carries its own KL."""
     cfg = CoevoConfig(run={"runs_dir": tmp_path}, learner={"max_step_kl": 1.0})
     learner = LearnerAgent(bus, cfg)
     q = LaneQueue(_lane(tiny, tmp_path / "ckpt", lr=1e-3, max_step_kl=1.0))
@@ -241,15 +244,17 @@ async def test_the_learner_reports_a_rejected_step_on_the_next_learner_stepped(
     far = learner.enqueue("policy", q, "far", base)
     await learner.train("policy", q)
     assert far.done() and far.exception() is None and q.lane.version == 0
-    assert learner.counters["steps.kl_rejected.policy"] == 1 and not await bus.events(["learner.stepped"])
+    assert learner.counters["steps.kl_rejected.policy"] == 1
+    (report,) = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped)]
+    assert (report.version, report.samples, report.kl_rejected, report.kl_rejected_group_ids) == (0, 0, 1, ["far"])
     q.lane.cfg = q.lane.cfg.model_copy(update={"max_step_kl": 1e9})
     near = learner.enqueue(
         "policy", q, "near", [s.model_copy(update={"sample_id": f"n{i}"}) for i, s in enumerate(base)]
     )
     await learner.train("policy", q)
     assert not near.done()  # trained: waits for a durable checkpoint
-    (stepped,) = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped)]
-    assert (stepped.version, stepped.kl_rejected) == (1, 1) and stepped.step_kl is not None and stepped.step_kl > 0
+    _, stepped = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped)]
+    assert (stepped.version, stepped.kl_rejected) == (1, 0) and stepped.step_kl is not None and stepped.step_kl > 0
 
 
 def test_learner_stepped_decodes_without_the_count() -> None:

@@ -141,8 +141,8 @@ class PolicyAgent(Agent):
         return subs
 
     async def on_stepped(self, event: LearnerStepped, _d: Delivery) -> None:
-        if event.role == "policy":
-            self.endpoint.trained(list(event.group_ids))
+        if event.role == "policy":  # trained or not: every group it names is done with the learner
+            self.endpoint.trained(event.disposed_group_ids)
 
     async def run(self) -> None:
         async with self.client:  # type: ignore[attr-defined]

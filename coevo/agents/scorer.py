@@ -173,7 +173,7 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
     )
     if acc is None:
         return common
-    rewards = scoring.integrated_rewards(trajs, sc.lam, sc.reward, sc.env_reward_weight)
+    rewards = scoring.integrated_rewards(trajs, sc.lam, sc.reward, sc.env_reward_weight, sc.max_abs_env_reward)
     policy_ok, judge_ok = scoring.in_band(acc, *sc.policy_band), scoring.in_band(acc, *sc.judge_band)
     errors = sum(v.status == "error" for t in trajs for s in t.steps for v in s.votes)
     total_votes = sum(len(s.votes) for t in trajs for s in t.steps)
@@ -198,7 +198,7 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
             "accuracy": acc,
             "policy_band_ok": policy_ok,
             "judge_band_ok": judge_ok,
-            "policy_samples": policy_samples(trajs, g, scoring.step_advantages(trajs, rewards))
+            "policy_samples": policy_samples(trajs, g, scoring.step_advantages(trajs, rewards, lam=sc.lam))
             if trainable and policy_ok
             else [],
             "judge_samples": judge_samples,

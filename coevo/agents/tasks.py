@@ -343,8 +343,8 @@ class TasksAgent(Agent):
             self.changed.set()
 
     async def on_stepped(self, event: LearnerStepped, _d: Delivery) -> None:
-        if event.role == "policy":
-            self.backlog.trained(event.group_ids)
+        if event.role == "policy":  # trained or not: every group it names is done with the learner
+            self.backlog.trained(event.disposed_group_ids)
             self.changed.set()
 
     async def on_scored(self, event: GroupScored, _d: Delivery) -> None:

@@ -1,8 +1,9 @@
 """Admission of new rollouts while the learner is behind (pure; times are arguments).
 
 Invariant: a train group scored with policy samples counts as waiting for the learner until a
-policy ``LearnerStepped`` names it, or until ``timeout_s`` after it was scored (its samples were
-rejected or dropped, so no step will name it). The tasks agent pauses scheduling on it and the
+policy ``LearnerStepped`` names it (``disposed_group_ids``: the learner names every group it is done
+with, trained, undone by the KL guard, stale, without signal or dead-lettered), or until
+``timeout_s`` after it was scored (a safety net: a group whose naming was lost). The tasks agent pauses scheduling on it and the
 policy endpoint answers 429 to new episodes on it: rollouts are paced to the learner instead of
 being played and then dropped or corrected as stale.
 """
@@ -18,9 +19,9 @@ from dataclasses import dataclass, field
 class Backlog:
     """Train groups scored with policy samples that no policy ``LearnerStepped`` named yet: the
     learner's queue, by the policy version each group was scheduled at (pure; times are arguments).
-    Bounded: an entry stops counting after ``timeout_s`` (its samples were rejected or dropped, so no
-    step will name it), and at most ``remember`` trained ids are kept to ignore a score that arrives
-    after the step that trained it."""
+    Bounded: an entry stops counting after ``timeout_s`` (a safety net: the learner names every group
+    it disposes of, trained or not), and at most ``remember`` named ids are kept to ignore a score that
+    arrives after the ``LearnerStepped`` that named it."""
 
     timeout_s: float
     remember: int = 4096

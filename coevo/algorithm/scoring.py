@@ -2,7 +2,9 @@
 
 - integrated reward  R_{τ_i} = O_τ + λ · mean_j S_{τ_i,j}   (unparseable votes count 0)
 - policy advantage   z-score of R across the group's trajectories at the same step index
-                     (a step index reached once keeps its raw R; std ≤ 1e-8 gives 0)
+                     (a step index reached once keeps its raw R clipped to ±(1 + λ), the range of
+                     R without environment rewards; std ≤ 1e-8 gives 0)
+- environment reward clipped to ±``scorer.max_abs_env_reward`` (a NaN counts 0) before it is added
 - consistency reward R_{S} = R_{τ_i} · S, or −2 for an unparseable vote; z-scored over the votes
                      of the same step (a step whose votes all have the same reward is skipped)
 - acceptance gate    harder: 0 < acc(q′) < acc(q) and acc(q′) ≥ α_low;
@@ -58,12 +60,21 @@ def mean_vote(votes: Sequence[VoteRec]) -> float:
     return sum((v.value or 0) if v.status == "ok" else 0 for v in counted) / len(counted)
 
 
+def bounded(value: float, bound: float) -> float:
+    """``value`` clipped to ±``bound`` (NaN: 0): a number a client sent cannot leave the range."""
+    return 0.0 if math.isnan(value) else max(-bound, min(bound, value))
+
+
 def integrated_rewards(
-    trajs: Sequence[TrajRec], lam: float = 1.0, mode: RewardMode = "integrated", env_weight: float = 1.0
+    trajs: Sequence[TrajRec],
+    lam: float = 1.0,
+    mode: RewardMode = "integrated",
+    env_weight: float = 1.0,
+    env_bound: float = math.inf,
 ) -> dict[str, float]:
     """R_i = O + lam * mean vote of step i (docs/algorithm.md §1), plus ``env_weight`` times the
-    environment's own reward for the step, in every mode (it is the environment's signal, not the
-    judge's: ``outcome-only`` drops only the votes)."""
+    environment's own reward for the step (clipped to ±``env_bound``), in every mode (it is the
+    environment's signal, not the judge's: ``outcome-only`` drops only the votes)."""
     out: dict[str, float] = {}
     for t in trajs:
         if t.outcome == "aborted":
@@ -71,7 +82,7 @@ def integrated_rewards(
         for s in t.steps:
             outcome = 0.0 if mode == "steps-only" else float(t.o)
             step = 0.0 if mode == "outcome-only" else lam * mean_vote(s.votes)
-            out[s.step_id] = outcome + step + env_weight * s.env_reward
+            out[s.step_id] = outcome + step + env_weight * bounded(s.env_reward, env_bound)
     return out
 
 
@@ -84,8 +95,13 @@ def zscore(values: Sequence[float], eps: float = 1e-8) -> list[float]:
     return [(v - mu) / std for v in values]
 
 
-def step_advantages(trajs: Sequence[TrajRec], rewards: dict[str, float], eps: float = 1e-8) -> dict[str, float]:
-    """Standardise rewards across trajectories at the same step index."""
+def step_advantages(
+    trajs: Sequence[TrajRec], rewards: dict[str, float], eps: float = 1e-8, lam: float = 1.0
+) -> dict[str, float]:
+    """Standardise rewards across trajectories at the same step index; a step alone at its index
+    keeps its raw R clipped to ±(1 + ``lam``): what the reference gives wherever R is within the
+    range of outcome and votes, and never more than that (an environment reward, however large,
+    cannot make one step outweigh its group)."""
     by_index: dict[int, list[str]] = defaultdict(list)
     for t in trajs:
         if t.outcome == "aborted":
@@ -95,7 +111,7 @@ def step_advantages(trajs: Sequence[TrajRec], rewards: dict[str, float], eps: fl
     out: dict[str, float] = {}
     for ids in by_index.values():
         if len(ids) == 1:
-            out[ids[0]] = rewards[ids[0]]
+            out[ids[0]] = bounded(rewards[ids[0]], 1.0 + lam)
             continue
         for sid, a in zip(ids, zscore([rewards[i] for i in ids], eps), strict=True):
             out[sid] = a

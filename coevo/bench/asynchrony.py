@@ -192,7 +192,7 @@ def step_seconds(steps: list[LearnerStepped]) -> float:
 def measure(events: list[Event], t0: float, seconds: float, *, target: float, window: int) -> dict[str, Any]:
     """One run's numbers over ``[t0, t0 + seconds]`` (unix time)."""
     inside = [e for e in events if t0 <= e.ts <= t0 + seconds]
-    steps = [e for e in inside if isinstance(e, LearnerStepped)]
+    steps = [e for e in inside if isinstance(e, LearnerStepped) and e.is_step]
     policy = [s for s in steps if s.role == "policy"]
     judge = [s for s in steps if s.role == "judge"]
     curve = rolling_success([e for e in inside if isinstance(e, GroupScored)], t0, window)

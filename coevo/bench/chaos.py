@@ -173,7 +173,7 @@ def judge_stream(events: list[Event], seconds: float) -> dict[str, Any]:
     scored = {e.group_id for e in events if isinstance(e, GroupScored)}
     letters = [e for e in events if isinstance(e, DeadLettered)]
     dead = {g for g in map(_dead_group, letters) if g}
-    steps = [e for e in events if isinstance(e, LearnerStepped)]
+    steps = [e for e in events if isinstance(e, LearnerStepped) and e.is_step]
     reasons = Counter(e.reason.split(":")[0][:60] for e in letters)
     lost = sorted(scheduled - scored - dead)
     return {

@@ -19,6 +19,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import structlog
 
 from coevo.config import SamplingConfig
+from coevo.errors import InvalidTokens
 from coevo.inference import adapters
 from coevo.inference.sampling import truncate
 
@@ -226,6 +227,8 @@ class LocalEngine:
         stop: list[str] | None = None,
     ) -> Completion:
         self._ensure_started()
+        if prompt_ids is not None:
+            self.check_ids(prompt_ids)
         req = _Request(
             prompt,
             choices,
@@ -237,6 +240,14 @@ class LocalEngine:
         )
         self._queue.put_nowait(req)
         return await req.future
+
+    def check_ids(self, ids: list[int]) -> None:
+        """``InvalidTokens`` for an id the model has no embedding for (on CPU an IndexError, on CUDA
+        a device assert that poisons the process): refused before it is queued."""
+        vocab = int(self.model.get_input_embeddings().num_embeddings)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidTokens(bad, vocab)
 
     async def swap_weights(self, path: Path, version: int) -> float:
         """Load safetensors weights from ``path`` between batches; returns the pause in ms."""

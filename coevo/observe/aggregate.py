@@ -254,6 +254,8 @@ class Aggregator:
 
     def _learner(self, e: LearnerStepped, t: float) -> list[Point]:
         self.trajectories.trained(e)
+        if not e.is_step:  # a report of groups disposed of untrained: no step to plot
+            return []
         labels = (("role", e.role),)
         hist = self.staleness.setdefault(e.role, {})
         n = sum(e.staleness_histogram.values())

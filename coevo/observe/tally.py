@@ -64,6 +64,11 @@ class RunSummary(BaseModel):
     policy_kl_rejected: int = Field(
         description=("policy batches undone by learner.max_step_kl (their step moved the policy too far)")
     )
+    policy_not_finite: int = Field(
+        default=0,
+        description="policy batches refused because a loss or gradient norm was not finite (weights untouched; "
+        "their groups retried alone, then dead-lettered)",
+    )
     policy_step_kl_max: float | None = Field(
         description=("largest KL per token a policy step moved its weights (measured under learner.max_step_kl)")
     )
@@ -131,6 +136,7 @@ class RunTally:
     learner_steps: int = 0
     judge_steps: int = 0
     kl_rejected: int = 0
+    not_finite: int = 0
     step_kl_max: float | None = None
     mismatch_kl_max: float | None = None
     accepted: int = 0
@@ -146,10 +152,12 @@ class RunTally:
         if isinstance(event, GroupScored):
             self._scored(event)
         elif isinstance(event, LearnerStepped):
-            self.learner_steps += event.role == "policy"
-            self.judge_steps += event.role == "judge"
+            self.learner_steps += event.role == "policy" and event.is_step
+            self.judge_steps += event.role == "judge" and event.is_step
             if event.role == "policy":
                 self.kl_rejected += event.kl_rejected
+                self.not_finite += event.not_finite
+            if event.role == "policy" and event.is_step:
                 self.mismatch_kl_max = max(self.mismatch_kl_max or 0.0, event.mismatch_kl)
                 if event.step_kl is not None:
                     self.step_kl_max = max(self.step_kl_max or 0.0, event.step_kl)
@@ -210,6 +218,7 @@ class RunTally:
             learner_steps=self.learner_steps,
             judge_learner_steps=self.judge_steps,
             policy_kl_rejected=self.kl_rejected,
+            policy_not_finite=self.not_finite,
             policy_step_kl_max=None if self.step_kl_max is None else round(self.step_kl_max, 4),
             policy_mismatch_kl_max=None if self.mismatch_kl_max is None else round(self.mismatch_kl_max, 4),
             policy_samples=self.policy_samples,

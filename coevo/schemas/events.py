@@ -243,7 +243,11 @@ class GroupScored(GroupScore, Event):
 
 
 class LearnerStepped(Event):
-    """One optimiser step of a lane (policy or judge)."""
+    """One step of a lane (policy or judge): a batch trained (``samples`` > 0, ``version`` new), or
+    (``samples`` 0, ``version`` unchanged) a report of groups the lane disposed of without training
+    them. Every group the learner is done with is named once, in one of the ``*group_ids`` fields
+    (``disposed_group_ids``: all of them), so what waits for the learner (``coevo.algorithm.admission``)
+    is released by it, trained or not."""
 
     kind: Literal["learner.stepped"] = "learner.stepped"
     role: Role
@@ -256,7 +260,30 @@ class LearnerStepped(Event):
     mismatch_kl: float
     staleness_histogram: dict[str, int] = Field(default_factory=dict)
     tokens_per_second: float
-    group_ids: list[str] = Field(default_factory=list)
+    group_ids: list[str] = Field(default_factory=list, description="groups this step trained")
+    kl_rejected_group_ids: list[str] = Field(
+        default_factory=list, description="groups of batches undone by learner.max_step_kl, acknowledged untrained"
+    )
+    stale_group_ids: list[str] = Field(
+        default_factory=list,
+        description="groups whose samples were all older than learner.max_staleness, acknowledged untrained",
+    )
+    no_signal_group_ids: list[str] = Field(
+        default_factory=list,
+        description="train groups that gave this lane no sample to train (no learning signal: all won or all lost, "
+        "all advantages zero, outside the band, or every sample refused), acknowledged untrained",
+    )
+    dead_lettered_group_ids: list[str] = Field(
+        default_factory=list,
+        description="groups this lane could not train even alone (e.g. a loss or gradient that is not finite): "
+        "rejected and dead-lettered with the reason",
+    )
+    not_finite: int = Field(
+        default=0,
+        ge=0,
+        description="batches refused since this lane's previous LearnerStepped because a loss or gradient norm "
+        "was not finite (weights and optimiser state left untouched; their groups retried alone)",
+    )
     stale_dropped: int = Field(
         default=0,
         ge=0,
@@ -271,6 +298,22 @@ class LearnerStepped(Event):
         description="KL per token from the weights before this step "
         "to those after, on its batch (measured under learner.max_step_kl)",
     )
+
+    @property
+    def is_step(self) -> bool:
+        """A trained batch (a new version), not a report of groups disposed of untrained."""
+        return self.samples > 0
+
+    @property
+    def disposed_group_ids(self) -> list[str]:
+        """Every group this event names: trained, undone by the KL guard, stale, without signal, dead-lettered."""
+        return [
+            *self.group_ids,
+            *self.kl_rejected_group_ids,
+            *self.stale_group_ids,
+            *self.no_signal_group_ids,
+            *self.dead_lettered_group_ids,
+        ]
 
 
 class WeightsPublished(Event):

@@ -26,7 +26,14 @@ Invariants:
   needs the run's API key;
 - while the learner is behind (``coevo.algorithm.admission``), opening an episode answers 429 with
   ``Retry-After``: rollouts are paced instead of played and dropped as stale;
-- every error is in its API's shape (Anthropic's on ``/v1/messages``, OpenAI's elsewhere).
+- every error is in its API's shape (Anthropic's on ``/v1/messages``, OpenAI's elsewhere);
+- numbers are bounded where they enter: a body with ``Infinity`` or ``NaN`` is not JSON (400), a
+  reward is a finite number within ±``scorer.max_abs_env_reward`` (a step's rewards add up within
+  it too; else 400 naming ``reward``), and prompt token ids lie inside the vocabulary (400 naming
+  ``prompt``);
+- a recorded step is kept until it is durably published: a publish that fails leaves it pending
+  (the call fails, and the next call or the finish publishes it, with the same event id), so an
+  episode's step indices have no gap.
 
 The publishing is the policy agent's (``Sink``): this package knows no bus.
 """
@@ -50,8 +57,9 @@ from pydantic import ValidationError
 
 from coevo.algorithm.admission import Backlog, behind
 from coevo.config import CoevoConfig
-from coevo.errors import ApiError, ConfigError
+from coevo.errors import ApiError, ConfigError, InvalidTokens
 from coevo.inference.chat import Turn, normalize
+from coevo.runtime import faults
 from coevo.schemas import TaskScheduled, TaskSpec, new_id
 from coevo.schemas.events import Outcome
 from coevo.serve import messages_api as ma
@@ -67,6 +75,11 @@ BOUND: web.RequestKey[Any] = web.RequestKey("coevo_episode", object)
 AGENT: web.RequestKey[Any] = web.RequestKey("coevo_agent_key", object)
 """the agent key a request carries (None: another key)"""
 MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models")
+
+
+def _not_json(constant: str) -> Any:
+    """``json.loads`` takes ``Infinity``, ``-Infinity`` and ``NaN``; JSON has no such numbers."""
+    raise ValueError(f"{constant} is not a JSON number")
 
 
 class Sink(Protocol):
@@ -184,11 +197,16 @@ class Endpoint:
                     await stopping.wait()
             for ep in self.book.idle(time.monotonic(), timeout):
                 async with ep.lock:
-                    await self.end(ep, "aborted", f"idle for more than {timeout:g} s")
+                    try:
+                        await self.end(ep, "aborted", f"idle for more than {timeout:g} s")
+                    except Exception as exc:  # its step or end was not published: kept, tried again next round
+                        self.log.warning("policy.expire_failed", episode_id=ep.episode_id, error=repr(exc)[:300])
+                        continue
                     self.counters["episodes.expired"] += 1
 
     def trained(self, group_ids: list[str]) -> None:
-        """A policy learner step trained these groups (``LearnerStepped``): they no longer wait."""
+        """The policy learner is done with these groups (``LearnerStepped.disposed_group_ids``: trained,
+        or disposed of untrained): they no longer wait."""
         self.backlog.trained(group_ids)
 
     # ---- the HTTP surface --------------------------------------------------------------------
@@ -217,6 +235,8 @@ class Endpoint:
             return await handler(request)
         except ApiError as exc:
             return self._error(request, exc)
+        except InvalidTokens as exc:  # the engine's own guard (ids the endpoint's check let through)
+            return self._error(request, ApiError(400, str(exc), param="prompt", code="invalid_token_id"))
         except ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
@@ -276,9 +296,9 @@ class Endpoint:
         if not raw.strip() and empty_ok:
             return {}
         try:
-            body = json.loads(raw)
-        except ValueError:
-            raise ApiError(400, "the body is not JSON") from None
+            body = json.loads(raw, parse_constant=_not_json)
+        except ValueError as exc:
+            raise ApiError(400, f"the body is not JSON ({exc})"[:300]) from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         return body
@@ -333,6 +353,34 @@ class Endpoint:
                 )
             raise ApiError(404, f"unknown episode {episode_id}", code="episode_not_found")
         return ep
+
+    def _check_ids(self, prompt: str | list[int]) -> None:
+        """Token-in prompts: every id inside the vocabulary (else 400, before any model sees it)."""
+        if isinstance(prompt, str):
+            return
+        vocab = len(self.client.tokenizer)
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(
+                400,
+                f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                param="prompt",
+                code="invalid_token_id",
+            )
+
+    def _reward(self, value: Any, before: float = 0.0) -> float:
+        """A reward as it may enter: a finite number within ±``scorer.max_abs_env_reward``, and so is
+        ``before`` plus it (else 400 naming ``reward``)."""
+        bound = self.cfg.scorer.max_abs_env_reward
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if not numeric or not abs(value) <= bound or not abs(before + float(value)) <= bound:
+            raise ApiError(
+                400,
+                f'"reward" must be a finite number within ±{bound:g} (scorer.max_abs_env_reward), '
+                f"and so must the call's rewards added up (so far {before:g}); got {str(value)[:40]}",
+                param="reward",
+            )
+        return float(value)
 
     def _max_tokens(self, asked: int | None) -> int:
         return min(asked or self.pc.max_tokens, self.pc.serve_max_tokens)
@@ -407,6 +455,7 @@ class Endpoint:
         req.check()
         ep = self._episode_of(request, req.user)
         prompt, max_tokens = req.single(), self._max_tokens(req.max_tokens)
+        self._check_ids(prompt)
         text = prompt if isinstance(prompt, str) else self.client.tokenizer.decode(prompt, skip_special_tokens=False)
         if ep is None:
             async with self._outside():
@@ -515,8 +564,10 @@ class Endpoint:
             )
 
     def _record(self, ep: Episode, s: Sampled, observation: str, action: str) -> None:
-        """This call's step, published once its next observation is known."""
+        """This call's step, published once its next observation is known (its event id fixed now: a
+        publish tried again is the same event, deduplicated)."""
         ep.pending = {
+            "event_id": new_id(),
             "step_index": ep.calls,
             "observation": observation,
             "prompt_token_ids": s.prompt_ids,
@@ -534,10 +585,14 @@ class Endpoint:
             self.counters["endpoint.prefix_breaks"] += 1
 
     async def _flush(self, ep: Episode, next_observation: str, done: bool = False) -> None:
+        """Publish the pending step; it stays pending until the publish is confirmed (a failure
+        raises, and the next call or the finish publishes it)."""
         if ep.pending is None:
             return
-        fields, ep.pending = ep.pending, None
+        fields = ep.pending
+        await faults.ahit("endpoint.publish_step")
         step_id = await self.sink.publish_step(ep, {**fields, "next_observation": next_observation, "done": done})
+        ep.pending = None
         ep.step_ids.append(step_id)
         ep.versions.append(int(fields["policy_version"]))
 
@@ -724,8 +779,7 @@ class Endpoint:
         ep = self._lookup(request.match_info["episode_id"])
         body = await self._json(request)
         reward = body.get("reward")
-        if not isinstance(reward, int | float) or isinstance(reward, bool) or reward != reward:
-            raise ApiError(400, 'give a numeric "reward"', param="reward")
+        self._reward(reward)
         async with ep.lock:
             if ep.ended:
                 raise ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
@@ -744,7 +798,8 @@ class Endpoint:
                     param="call_id",
                     code="call_published",
                 )
-            ep.pending["env_reward"] = float(ep.pending.get("env_reward") or 0.0) + float(reward)
+            before = float(ep.pending.get("env_reward") or 0.0)
+            ep.pending["env_reward"] = before + self._reward(reward, before)
         self.counters["endpoint.step_rewards"] += 1
         return web.json_response(
             {
@@ -757,8 +812,10 @@ class Endpoint:
     def _outcome(self, body: dict[str, Any]) -> tuple[Outcome, str | None, str]:
         """(outcome, error, final observation) of a finish: ``{"outcome"}`` or a numeric ``{"reward"}``."""
         outcome = body.get("outcome")
-        if outcome is None and isinstance(body.get("reward"), int | float):
-            outcome = "won" if float(body["reward"]) > self.cfg.env.win_threshold else "lost"
+        if "reward" in body:  # bounded as a step's reward is, whether or not it decides the outcome
+            reward = self._reward(body["reward"])
+            if outcome is None:
+                outcome = "won" if reward > self.cfg.env.win_threshold else "lost"
         if outcome not in OUTCOMES:
             raise ApiError(400, f'give "outcome" (one of {", ".join(OUTCOMES)}) or a numeric "reward"', param="outcome")
         return outcome, body.get("error") if outcome == "aborted" else None, str(body.get("observation", ""))

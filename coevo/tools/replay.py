@@ -282,7 +282,7 @@ def replay_learner(
             if isinstance(e, GroupScored):
                 groups[e.group_id] = e
                 continue
-            if not isinstance(e, LearnerStepped):
+            if not isinstance(e, LearnerStepped) or not e.is_step:  # a report of untrained groups: nothing to replay
                 continue
             lane = lanes.get(e.role)
             if lane is None:

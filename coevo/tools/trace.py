@@ -72,7 +72,7 @@ class RunIndex:
             self.groups_of_task.setdefault(e.task_id, []).append(e)
         elif isinstance(e, TaskScheduled):
             self.scheduled[e.group_id] = e
-        elif isinstance(e, LearnerStepped):
+        elif isinstance(e, LearnerStepped) and e.is_step:
             self.learner_steps.setdefault((e.role, e.version), e)
             for group_id in e.group_ids if e.role == "policy" else ():
                 self.trained_by.setdefault(group_id, e)

@@ -88,8 +88,6 @@ def minibatches(samples: Sequence[TrainingSample], count: int, seed: int) -> lis
 def sample_problem(s: TrainingSample, vocab_size: int, max_positions: int) -> str | None:
     """Why ``s`` cannot be trained on (None: it can). Checked per sample, so one bad sample is
     rejected alone instead of failing the batch it would be packed into."""
-    import math
-
     if not s.response_token_ids:
         return "no response tokens"
     if len(s.logprobs) != len(s.response_token_ids):
@@ -100,9 +98,17 @@ def sample_problem(s: TrainingSample, vocab_size: int, max_positions: int) -> st
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         return f"token id {bad} outside the vocabulary (0..{vocab_size - 1})"
-    if not math.isfinite(s.advantage) or not all(math.isfinite(x) for x in s.logprobs):
-        return "non-finite advantage or log-prob"
+    if not finite32([s.advantage]):
+        return f"advantage {s.advantage!r} is not finite in float32"
+    if not finite32(s.logprobs):
+        return "a log-prob is not finite in float32"
     return None
+
+
+def finite32(values: Sequence[float]) -> bool:
+    """Whether every value stays finite as the float32 the loss computes with (1e39 is finite as a
+    Python float and ``inf`` in float32)."""
+    return bool(torch.isfinite(torch.tensor(list(values), dtype=torch.float32)).all()) if len(values) else True
 
 
 @dataclass

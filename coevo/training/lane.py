@@ -21,8 +21,12 @@ Invariants:
   optimiser steps it took (``steps_total`` counts those), so published weights, ``LearnerStepped.version``
   and what followers load agree;
 - a batch is trained whole or not at all: a step that fails leaves the weights and optimiser state
-  of before it (``_UndoPoint`` when it takes several optimiser steps), so a retried group is never
-  trained once and a part;
+  of before it (``_UndoPoint`` when it takes several optimiser steps or the KL guard measures it:
+  the guard's forward pass is inside the undo scope), so a retried group is never trained once and
+  a part, nor twice;
+- no inf or NaN reaches the weights: an optimiser step whose loss or gradient norm is not finite
+  raises ``NonFiniteStep`` before ``optimizer.step`` (the batch fails whole, as above), and the KL
+  guard undoes a batch whose step KL is not a number (``kl_rejects``);
 - every rank plans the same minibatches and, per minibatch, the same number of micro-batches
   (``rank_plan``): the same number of optimiser steps and collectives on every rank;
 - only complete checkpoints are ever loaded; a checkpoint records the groups whose samples it has
@@ -38,6 +42,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import Counter, defaultdict, deque
@@ -49,7 +54,7 @@ from typing import Any, Literal, cast
 import torch
 
 from coevo.config import LearnerConfig, SamplingConfig
-from coevo.errors import ConfigError
+from coevo.errors import ConfigError, NonFiniteStep
 from coevo.inference import adapters
 from coevo.runtime import faults
 from coevo.schemas import TrainingSample
@@ -67,7 +72,7 @@ from coevo.weights.publish import (
     write_published_adapter,
 )
 
-__all__ = ["MARKER", "Lane", "StepMetrics", "latest_checkpoint"]
+__all__ = ["MARKER", "Lane", "StepMetrics", "kl_rejects", "latest_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -324,12 +329,13 @@ class Lane:
                     for k, v in self._optimizer_step(micro, fx, len(part)).items():
                         agg[k] += v
                     steps += 1
+            # inside the undo scope: a failure of the KL's forward pass undoes the steps taken
+            step_kl = self._step_kl(plans, fixed) if guard is not None else None
         except BaseException:
             if undo is not None and steps:  # a batch is trained whole or not at all
                 undo.restore(self)
             raise
-        step_kl = self._step_kl(plans, fixed) if guard is not None else None
-        if guard is not None and step_kl is not None and step_kl > guard and undo is not None:
+        if guard is not None and step_kl is not None and kl_rejects(step_kl, guard) and undo is not None:
             undo.restore(self)  # rejected: as if the batch never came (its groups are acknowledged untrained)
             return StepMetrics.untrained(self.version, dropped, step_kl)
         tokens = sum(int(t.response_mask.sum()) + int(t.attention_mask.sum()) for micro in plans for t in micro)
@@ -360,6 +366,7 @@ class Lane:
     def _step_kl(self, plans: list[list[Tensors]], fixed: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> float:
         """KL per response token from the weights before the batch (its proximal log-probs) to the
         weights now, on the batch's sampled tokens (k3); averaged over ranks, so every rank decides alike."""
+        faults.hit("lane.step_kl")  # after the batch's optimiser steps: a failure here must undo them
         num = den = 0.0
         with torch.no_grad(), self._autocast():
             for micro, fx in zip(plans, fixed, strict=True):
@@ -463,11 +470,26 @@ class Lane:
         faults.hit("lane.optimizer_step")  # between this step's backward and its collectives
         self.all_reduce_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.trainable(), lc.grad_clip)
-        agg["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not self._all_finite(agg["loss"], grad_norm):  # before optimizer.step: weights and moments untouched
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStep(agg["loss"], grad_norm)
+        agg["grad_norm"] += grad_norm
         agg["waited"] += self._writer.wait_copied()  # a checkpoint's snapshot must hold the weights before a step
         self.optimizer.step()
         self.steps_total += 1
         return agg
+
+    def _all_finite(self, loss: float, grad_norm: float) -> bool:
+        """Whether this step's loss and gradient norm are finite on every rank (so every rank decides alike)."""
+        bad = 0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0
+        if self.world > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([bad], dtype=torch.float32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+            bad = float(flag[0])
+        return bad == 0.0
 
     def all_reduce_grads(self) -> None:
         """Data parallel (torchrun, gloo or nccl): average gradients over ranks."""
@@ -653,6 +675,12 @@ class _UndoPoint:
         lane.optimizer.state.update(self.optimizer)
         lane.optimizer.zero_grad(set_to_none=True)
         lane.steps_total = self.steps_total
+
+
+def kl_rejects(step_kl: float, bound: float) -> bool:
+    """Whether the KL guard undoes a batch that moved the weights by ``step_kl``: beyond ``bound``,
+    or not a number (``nan > bound`` is False; ``not nan <= bound`` is True)."""
+    return not step_kl <= bound
 
 
 def _rank_world() -> tuple[int, int]:

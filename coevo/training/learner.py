@@ -23,8 +23,11 @@ Invariants:
 - staleness is bounded at the learner too, per lane (``Lane.step``): samples more than
   ``learner.max_staleness`` versions behind are dropped (``learner.stale = "drop"``: counted, and
   reported in ``LearnerStepped.stale_dropped``) or kept with truncated IS (``"correct"``); a batch
-  left with no sample takes no step, its groups are done untrained and its count rides on the lane's
-  next ``LearnerStepped``;
+  left with no sample takes no step and its groups are done untrained;
+- every group a lane is done with is named by a ``LearnerStepped`` at once: trained (``group_ids``),
+  or, by a report that trained nothing (``samples`` 0, version unchanged), undone by the KL guard,
+  all stale, without signal (a train group that gave the policy lane no sample) or dead-lettered.
+  So the backlog gate (``coevo.algorithm.admission``) never waits for a group no step will train;
 - candidate groups wait for the ``TaskDecided`` of *their* group (verdicts are per proposal: a
   candidate rejected once and re-proposed is trained if its new group is accepted); rejected ones
   are never trained, and one left without a verdict is retried, then dropped (counted), never held
@@ -36,7 +39,9 @@ Invariants:
   ended in its thread and its batch went where its outcome puts it (trained: waiting for a
   checkpoint; not: queued), so no group is left in neither; a sample the lane cannot train is
   dropped alone with its reason; a step that fails on a batch of several groups is retried group
-  by group, and only a group that fails alone is rejected (dead-lettered with the error).
+  by group, and only a group that fails alone is rejected (dead-lettered with the error); a step whose
+  loss or gradient norm is not finite (``NonFiniteStep``) is such a failure, counted in
+  ``LearnerStepped.not_finite``, and leaves the weights and optimiser state untouched.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from coevo.config import CoevoConfig, PushSync, checkpoint_root
-from coevo.errors import Reject, Retry
+from coevo.errors import NonFiniteStep, Reject, Retry
 from coevo.inference.clients import model_dir
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import outlast, wait_event
@@ -209,6 +214,8 @@ class LaneQueue:
     """samples dropped as stale in batches that took no step, not yet reported by a ``LearnerStepped``"""
     kl_rejected_pending: int = 0
     """batches undone by ``learner.max_step_kl``, not yet reported by a ``LearnerStepped``"""
+    not_finite_pending: int = 0
+    """batches refused for a loss or gradient norm that was not finite, not yet reported by a ``LearnerStepped``"""
     scored: int = 0
     """groups scored since the lane's last step (lock-step: a wave is complete at tasks.max_groups_in_flight)"""
 
@@ -301,24 +308,67 @@ class LearnerAgent(Agent):
     async def on_scored(self, event: GroupScored, delivery: Delivery) -> None:
         if event.purpose == "eval" or event.flagged:
             self.count_scored()
+            if event.purpose == "train":
+                await self.no_signal(event.group_id)
             return
         if event.purpose == "candidate" and not await self.verdict(event, delivery):
             self.counters["groups.rejected_candidate"] += 1
             self.count_scored()
             return
         waits = []
+        signal = False
         for role, q in self.lanes.items():
             samples = event.policy_samples if role == "policy" else event.judge_samples
-            if not samples or q.lane.is_durable(event.group_id):
+            if not samples:
+                continue
+            if q.lane.is_durable(event.group_id):
+                signal |= role == "policy"
                 continue
             if q.lane.has_consumed(event.group_id):  # trained, not durable yet (a redelivery): wait for it
                 waits.append(q.undurable.setdefault(event.group_id, asyncio.get_running_loop().create_future()))
+                signal |= role == "policy"
                 continue
-            waits.append(self.enqueue(role, q, event.group_id, samples))
+            queued = self.enqueue(role, q, event.group_id, samples)
+            waits.append(queued)
+            signal |= role == "policy" and not queued.done()  # done at once: every sample refused
         self.count_scored()  # after its samples are queued: the wave they complete includes them
+        if event.purpose == "train" and not signal:
+            await self.no_signal(event.group_id)
         if waits:  # shielded: the futures are shared with redeliveries of the same group
             await asyncio.gather(*(asyncio.shield(w) for w in waits))
         self.counters["groups.trained"] += 1
+
+    async def no_signal(self, group_id: str) -> None:
+        """A train group gave the policy lane nothing to train: name it now (no step will)."""
+        q = self.lanes.get("policy")
+        if q is not None:
+            self.counters["groups.no_signal"] += 1
+            await self.report("policy", q, no_signal_group_ids=[group_id])
+
+    async def report(self, role: Role, q: LaneQueue, **named: list[str]) -> None:
+        """A ``LearnerStepped`` that trained nothing (``samples`` 0, the lane's version): it names the
+        groups the lane disposed of without a step and carries the counts not reported yet."""
+        stale_dropped, kl_rejected, not_finite = q.stale_pending, q.kl_rejected_pending, q.not_finite_pending
+        q.stale_pending = q.kl_rejected_pending = q.not_finite_pending = 0
+        await self.emit(
+            self.event(
+                LearnerStepped,
+                role=role,
+                version=q.lane.version,
+                samples=0,
+                tokens=0,
+                loss=0.0,
+                kl=0.0,
+                clip_fraction=0.0,
+                mismatch_kl=0.0,
+                tokens_per_second=0.0,
+                stale_dropped=stale_dropped,
+                kl_rejected=kl_rejected,
+                not_finite=not_finite,
+                **named,
+            ),
+            confirm=True,
+        )
 
     def count_scored(self) -> None:
         """One more group of the wave is scored, trained or not (lock-step counts them)."""
@@ -450,19 +500,27 @@ class LearnerAgent(Agent):
                 q.queued[:0] = take
             raise
         except Exception as exc:
-            self.step_failed(role, q, take, exc)
+            q.training = []
+            rejected = self.step_failed(role, q, take, exc)
+            if rejected:
+                await self.report(role, q, dead_lettered_group_ids=rejected)
             return
         finally:
             q.training = []
         self.count_untrained(role, q, take, metrics)
         if metrics.samples == 0:  # every sample stale, or the step undone: the groups are done, nothing trained
-            q.stale_pending += metrics.stale_dropped  # reported by the lane's next LearnerStepped
+            q.stale_pending += metrics.stale_dropped
             for p in take:
                 if not p.done.done():
                     p.done.set_result(None)
+            ids = [p.group_id for p in take]
+            await self.report(
+                role, q, **({"kl_rejected_group_ids": ids} if metrics.kl_rejected else {"stale_group_ids": ids})
+            )
             return
         stale_dropped, q.stale_pending = q.stale_pending + metrics.stale_dropped, 0
         kl_rejected, q.kl_rejected_pending = q.kl_rejected_pending, 0
+        not_finite, q.not_finite_pending = q.not_finite_pending, 0
         for p in take:  # acknowledged once a checkpoint including them is durable
             q.undurable[p.group_id] = p.done
         if role == "policy":
@@ -483,6 +541,7 @@ class LearnerAgent(Agent):
                 group_ids=[p.group_id for p in take],
                 stale_dropped=stale_dropped,
                 kl_rejected=kl_rejected,
+                not_finite=not_finite,
                 step_kl=metrics.step_kl,
             ),
             confirm=True,
@@ -516,17 +575,22 @@ class LearnerAgent(Agent):
                 groups=[p.group_id for p in take],
             )
 
-    def step_failed(self, role: Role, q: LaneQueue, take: list[QueuedGroup], exc: Exception) -> None:
-        """A batch of several groups goes back, each to be tried alone; a group failing alone is rejected."""
+    def step_failed(self, role: Role, q: LaneQueue, take: list[QueuedGroup], exc: Exception) -> list[str]:
+        """A batch of several groups goes back, each to be tried alone; a group failing alone is rejected
+        (its id returned, to be named). A loss or gradient norm that was not finite is counted."""
         self.log.warning("learner.step_failed", role=role, groups=[p.group_id for p in take], error=repr(exc)[:500])
+        if isinstance(exc, NonFiniteStep):
+            q.not_finite_pending += 1
+            self.counters[f"steps.not_finite.{role}"] += 1
         if all(p.alone for p in take):  # failed again by itself: this group is the problem
             for p in take:
                 if not p.done.done():
                     p.done.set_exception(Reject(f"{role} lane cannot train group {p.group_id}: {exc!r}"[:1000]))
-            return
+            return [p.group_id for p in take]
         for p in reversed(take):
             p.alone = True
             q.queued.insert(0, p)
+        return []
 
     async def publish_weights(self, lane: Any) -> None:
         """The lane's current weights in the serving dtype, then ``WeightsPublished`` (the digest
