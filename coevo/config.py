@@ -863,12 +863,23 @@ class CoevoConfig(BaseSettings):
 def read_config_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist", field=None)
-    text = path.read_text()
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory: give a .toml, .yaml or .yml file", field=None)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}", field=None) from None
     try:
         if path.suffix in {".yaml", ".yml"}:
             import yaml
 
-            data = yaml.safe_load(text) or {}
+            try:
+                data = yaml.safe_load(text) or {}
+            except yaml.YAMLError as exc:  # its message spans lines, with a drawing of the spot
+                mark = getattr(exc, "problem_mark", None)
+                at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+                problem = getattr(exc, "problem", None) or type(exc).__name__
+                raise ConfigError(f"config file {path} does not parse: {problem}{at}", field=None) from None
         elif path.suffix == ".toml":
             data = tomllib.loads(text)
         else:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from coevo.cli import agent, bench, events, replay, run, server, trace, view
+from coevo.cli._checks import check_nats
 from coevo.cli._config import config_flags, resolve_config, run_source
+from coevo.cli._failure import exit_status, one_line
 from coevo.cli._table import Command
 from coevo.cli.agent import _agent_metrics
 
@@ -35,10 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="coevo", description="Online RL of LLM agents: policy, judge and environment rewriter co-evolve over NATS."
     )
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     groups = {"": parser.add_subparsers(dest="command", required=True, metavar="COMMAND")}
     for command in COMMANDS:
         parent, _, name = command.path.rpartition(" ")
-        p = groups[parent].add_parser(name, help=command.help)
+        p = groups[parent].add_parser(name, help=command.help, description=command.help)
         if command.run is None:
             groups[command.path] = p.add_subparsers(
                 dest=command.path.replace(" ", "_") + "_command", required=True, metavar=command.metavar
@@ -52,39 +54,62 @@ def build_parser() -> argparse.ArgumentParser:
             config_flags(p)
         if command.source:
             run_source(p)
-        p.set_defaults(func=command.run)
+            p.set_defaults(_source=True)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+        p.set_defaults(func=command.run, _path=command.path)
     return parser
+
+
+DEBUG_HELP = "show the traceback of a failure (default: one line, coevo: <what>)"
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that an unknown flag is refused by its command's own parser
+    (``coevo run``'s usage, not the top-level one)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = parser
+        for word in args._path.split():
+            (sub,) = (a for a in command._actions if isinstance(a, argparse._SubParsersAction))
+            command = sub.choices[word]
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{_suggestion(command, unknown)}")
+    return args
+
+
+def _suggestion(command: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """`` (did you mean --policy-model?)`` for a misspelt flag."""
+    import difflib
+
+    flags = [o for a in command._actions for o in a.option_strings]
+    for word in unknown:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.partition("=")[0], flags, n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
     from coevo.runtime.memory import bound_malloc_arenas
 
     bound_malloc_arenas()  # before any thread starts
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    from coevo.errors import ConfigError
-
+    args = parse(build_parser(), argv)
     if args.command not in ("run", "agent", "server"):  # tools: quiet logs, results on stdout
         from coevo.runtime.logging import configure_logging
 
         configure_logging(None, level="warning", console="pretty")
     try:
+        if getattr(args, "_source", False):  # a dead --nats fails in a second, before anything is opened
+            check_nats(args.nats_url)
         return int(args.func(args) or 0)
-    except ConfigError as exc:
-        print(f"coevo: {exc}", file=sys.stderr)
-        return 2
-    except BaseExceptionGroup as group:  # an agent of a task group refused its config (a learner's probe)
-        refused = group.subgroup(ConfigError)
-        if refused is None:
-            raise
-        print(f"coevo: {_leaves(refused)[0]}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
-
-
-def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
-    return [leaf for e in group.exceptions for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
+    except Exception as exc:  # the one error path: an expected failure in one line (--debug: the traceback)
+        line = None if args.debug else one_line(exc)
+        if line is None:
+            raise
+        print(f"coevo: {line}", file=sys.stderr)
+        return exit_status(exc)
 
 
 if __name__ == "__main__":

@@ -43,3 +43,5 @@ class Command:
 
 
 JSON_ARG = arg("--json", type=Path, help="write results here")
+RUN_HELP = "id of the run (its directory under --runs-dir, or its events on --nats)"
+RUN_ARG = arg("--run", required=True, metavar="RUN", help=RUN_HELP)

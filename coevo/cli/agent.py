@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from coevo.cli._checks import check_credentials_run, check_models, check_nats
 from coevo.cli._config import dry_run, resolve_config
 from coevo.cli._table import Command, arg
 
@@ -23,11 +24,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_on_stop)
     cfg = resolve_config(args)
+    check_credentials_run(cfg)
+    check_models(cfg, args)
     if dry_run(args, cfg):
         return 0
     from coevo.agents import resolve_role
 
     cls = resolve_role(args.role)
+    check_nats(cfg.nats.url)
     if args.role == "learner":
         from coevo.training.distributed import init_distributed
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from coevo.cli._table import Command, arg
+from coevo.cli._table import RUN_ARG, Command, arg
 
 
 def cmd_schemas_export(args: argparse.Namespace) -> int:
@@ -64,11 +64,7 @@ COMMANDS: tuple[Command, ...] = (
         "write every event of a run, in order, with sequence numbers",
         cmd_events_export,
         source=True,
-        args=(
-            arg("out", type=Path),
-            arg("--run", required=True, help="run id"),
-            arg("--format", choices=["jsonl", "parquet"], default="jsonl"),
-        ),
+        args=(arg("out", type=Path), RUN_ARG, arg("--format", choices=["jsonl", "parquet"], default="jsonl")),
     ),
     Command(
         "events import",

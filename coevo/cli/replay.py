@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from coevo.cli._config import parse_value
-from coevo.cli._table import Command, arg
+from coevo.cli._table import RUN_ARG, Command, arg
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -43,7 +44,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_rejudge(args: argparse.Namespace) -> int:
     from coevo.config import load_config
     from coevo.tools.events import open_run, run_config
-    from coevo.tools.rejudge import rejudge
+    from coevo.tools.rejudge import rejudge, unparsed
 
     recorded_cfg = run_config(args.runs_dir, args.run, {})
     use_recorded = args.judge == "recorded"
@@ -53,8 +54,15 @@ def cmd_rejudge(args: argparse.Namespace) -> int:
         async with open_run(args.run, args.runs_dir, args.nats_url, args.nats_credentials) as bus:
             return await rejudge(bus, cfg, use_recorded)
 
-    print(json.dumps(asyncio.run(go()), indent=2))
-    return 0
+    result = asyncio.run(go())
+    print(json.dumps(result, indent=2))
+    if not result["steps"]:
+        print(f"coevo: rejudge: run {args.run} has no judged steps to judge again", file=sys.stderr)
+        return 1
+    problem = unparsed(result["rejudge_votes"])
+    if problem is not None:
+        print(f"coevo: {problem[0]}", file=sys.stderr)
+    return 1 if problem is not None and problem[1] else 0
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -64,7 +72,7 @@ COMMANDS: tuple[Command, ...] = (
         cmd_replay,
         source=True,
         args=(
-            arg("--run", required=True),
+            RUN_ARG,
             arg("--into", required=True, choices=["scorer", "judge", "rewriter", "learner"]),
             arg("--from", dest="start", type=int, help="first stream sequence"),
             arg("--to", dest="end", type=int, help="last stream sequence"),
@@ -76,9 +84,6 @@ COMMANDS: tuple[Command, ...] = (
         "run another judge over a run's steps; agreement and accuracies",
         cmd_rejudge,
         source=True,
-        args=(
-            arg("--run", required=True),
-            arg("--judge", default="recorded", help="'recorded' (the original responses) or a config file"),
-        ),
+        args=(RUN_ARG, arg("--judge", default="recorded", help="'recorded' (the original responses) or a config file")),
     ),
 )

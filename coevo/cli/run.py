@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from coevo.cli._checks import check_models, check_nats, check_resume
 from coevo.cli._config import dry_run, resolve_config
 from coevo.cli._table import Command, arg
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
+    check_resume(cfg.run.runs_dir, args.resume)  # before anything is created: never a new run by that name
+    check_models(cfg, args)
     if dry_run(args, cfg):
         return 0
+    check_nats(cfg.nats.url)
     from coevo.loop import run_main
     from coevo.observe.live import ObserveOptions
     from coevo.tools.trace import trace

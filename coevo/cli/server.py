@@ -61,9 +61,19 @@ def cmd_server(args: argparse.Namespace) -> int:
                 flush=True,
             )
         public = url.replace("0.0.0.0", socket.gethostname())
-        print(f"agents connect with: {security.agent_command(public)}", flush=True)
+        print(f"agents connect with: {agent_command(security.agent_command(public), args.run_id)}", flush=True)
         done.wait()
     return 0
+
+
+def agent_command(command: str, run_ids: list[str] | None) -> str:
+    """The agent command line a server prints, runnable as printed (ROLE aside): the server's users
+    are allowed only its runs, so the command names the run (``--run-id``)."""
+    if not run_ids:
+        return command
+    if len(run_ids) == 1:
+        return f"{command} --run-id {run_ids[0]}"
+    return f"{command} --run-id RUN (RUN: one of {', '.join(run_ids)})"
 
 
 COMMANDS: tuple[Command, ...] = (

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from coevo.cli._table import Command, arg
+from coevo.cli._table import RUN_ARG, Command, arg
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -43,7 +43,7 @@ COMMANDS: tuple[Command, ...] = (
         source=True,
         args=(
             arg("ident", help="trajectory id, task id, step event id, or a weights version (policy:12)"),
-            arg("--run", required=True),
+            RUN_ARG,
             arg("--json", action="store_true", help="JSON instead of a tree"),
         ),
     ),

@@ -7,7 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from coevo.cli._table import Command, arg
+from coevo.cli._table import RUN_ARG, RUN_HELP, Command, arg
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -58,7 +58,7 @@ COMMANDS: tuple[Command, ...] = (
         cmd_dashboard,
         source=True,
         args=(
-            arg("--run", required=True, help="run id"),
+            RUN_ARG,
             arg("--port", type=int, default=8765, help="port (0: any free port)"),
             arg("--host", default="127.0.0.1", help="address to listen on"),
         ),
@@ -69,7 +69,7 @@ COMMANDS: tuple[Command, ...] = (
         cmd_report,
         source=True,
         args=(
-            arg("--run", help="run id"),
+            arg("--run", metavar="RUN", help=RUN_HELP),
             arg("--bench", type=Path, help="a `coevo bench ... --json` file"),
             arg("--out", type=Path, help="output directory (default: runs/<run>/report, or next to FILE)"),
         ),

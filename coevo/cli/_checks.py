@@ -1,0 +1,97 @@
+"""Checks of a command line made before a command builds, loads or creates anything, so that a wrong
+path, a wrong run id or a dead server fails in a second with one line and leaves nothing on disk.
+
+Invariant: every check here only reads (the file system, a TCP connect); a failure is a
+``ConfigError`` (exit 2) naming the flag, or a ``BusError`` for a server that does not answer.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from coevo.errors import BusError, ConfigError
+
+NATS_PROBE_S = 2.0
+"""how long a TCP connect to a --nats server may take before the command gives up on it"""
+
+
+def nats_addresses(url: str) -> list[tuple[str, int]]:
+    """The (host, port) of each server of a NATS URL (``nats://h1:4222,nats://h2:4222``, ``h:4222``)."""
+    out = []
+    for part in url.split(","):
+        text = part.strip()
+        if not text:
+            continue
+        split = urlsplit(text if "://" in text else f"nats://{text}")
+        try:
+            port = split.port or 4222
+        except ValueError:
+            raise ConfigError(f"--nats {url}: {text} has no valid port", field="nats.url") from None
+        if not split.hostname:
+            raise ConfigError(f"--nats {url}: {text} names no host", field="nats.url")
+        out.append((split.hostname, port))
+    if not out:
+        raise ConfigError(f"--nats {url!r}: no server in it", field="nats.url")
+    return out
+
+
+def check_nats(url: str | None, timeout_s: float = NATS_PROBE_S) -> None:
+    """A --nats server answers a TCP connect (one of a cluster's is enough): a dead one fails in
+    ``timeout_s`` rather than after the client's retries."""
+    if url is None:
+        return
+    reasons = []
+    for host, port in nats_addresses(url):
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                return
+        except OSError as exc:
+            reasons.append(f"{host}:{port} {exc.strerror or type(exc).__name__.replace('Error', '').lower()}")
+    raise BusError(
+        f"cannot reach NATS at {url} ({'; '.join(reasons)}): is the server running (coevo server) and the URL right?"
+    )
+
+
+def check_resume(runs_dir: Path, run: str | None) -> None:
+    """``--resume RUN`` continues a run that exists: its directory under ``run.runs_dir``."""
+    if run is None or (runs_dir / run).is_dir():
+        return
+    known = (
+        sorted(p.name for p in runs_dir.iterdir() if p.is_dir() and (p / "config.json").exists())
+        if runs_dir.is_dir()
+        else []
+    )
+    there = f"runs there: {', '.join(known[-5:])}" if known else "no runs there"
+    raise ConfigError(
+        f"--resume {run}: no run {run} in {runs_dir}/ ({there}; --run.runs_dir DIR for another place)",
+        field="run.run_id",
+    )
+
+
+def check_models(cfg: Any, args: Any) -> None:
+    """The model directories the config names exist and are models (``resolve_model_path``), named
+    by the flag that set them."""
+    from coevo.inference.models import resolve_model_path
+
+    base = getattr(args, "base", None)
+    if cfg.policy.model is not None:
+        flag = "--base" if base else "--policy-model" if getattr(args, "policy_model", None) else "policy.model"
+        resolve_model_path(cfg.policy.model, flag, "policy.model")
+    judge = cfg.judge
+    if judge.backend == "local" and judge.model is not None:
+        flag = "--base" if base else "--judge local:DIR" if getattr(args, "judge", None) else "judge.model"
+        resolve_model_path(judge.model, flag, "judge.model")
+
+
+def check_credentials_run(cfg: Any) -> None:
+    """A role's credentials (``--nats.credentials_file``) allow only the runs the server was started
+    for (``coevo server --run-id RUN``): a generated run id could never be served."""
+    if cfg.nats.credentials_file is not None and not cfg.run.run_id:
+        raise ConfigError(
+            f"--nats.credentials_file {cfg.nats.credentials_file}: pass --run-id RUN, the run the server "
+            "was started for (coevo server --run-id RUN); its credentials allow no other",
+            field="run.run_id",
+        )
