@@ -214,6 +214,71 @@ def test_loops_that_run_until_a_condition_break_no_while(program: str, reason: s
     assert any(reason in r for r in found), found
 
 
+# each loops until a condition over a list its body grows, through something other than the list's
+# own name (found by a second read): the class is "a mutation the iterated object may see"
+GROWN_ELSEWHERE = {
+    "a generator over the list": "def f(x):\n    q = [x]\n    for t in (y for y in q):\n"
+    "        if t > 0:\n            q.append(t - 1)\n    return q",
+    "a generator function over it": "def g(q):\n    for y in q:\n        yield y\ndef f(x):\n    q = [x]\n"
+    "    for t in g(q):\n        if t > 0:\n            q.append(t - 1)\n    return q",
+    "a generator closing over it": "def f(x):\n    q = [x]\n    def g():\n        yield from q\n"
+    "    for t in g():\n        if t > 0:\n            q.append(t - 1)\n    return q",
+    "itertools.chain(q)": "import itertools\ndef f(x):\n    q = [x]\n    for t in itertools.chain(q):\n"
+    "        if t > 0:\n            q.append(t - 1)\n    return q",
+    "list.append(q, x)": "def f(x):\n    q = [x]\n    for t in q:\n        if t > 0:\n"
+    "            list.append(q, t - 1)\n    return q",
+    "a bound q.append": "def f(x):\n    q = [x]\n    push = q.append\n    for t in q:\n        if t > 0:\n"
+    "            push(t - 1)\n    return q",
+    "an alias r = q": "def f(x):\n    q = [x]\n    r = q\n    for t in r:\n        if t > 0:\n"
+    "            q.append(t - 1)\n    return q",
+    "a helper that grows it": "def grow(q, t):\n    q.append(t)\ndef f(x):\n    q = [x]\n    for t in q:\n"
+    "        if t > 0:\n            grow(q, t - 1)\n    return q",
+    "heapq.heappush(q, x)": "import heapq\ndef f(x):\n    q = [x]\n    for t in q:\n        if t > 0:\n"
+    "            heapq.heappush(q, t - 1)\n    return q",
+    "a list inside another": "def f(x):\n    q = [x]\n    box = [q]\n    for t in q:\n        for r in box:\n"
+    "            if t > 0:\n                r.append(t - 1)\n    return q",
+    "a method growing self's list": "class Q:\n    def __init__(self, x):\n        self.items = [x]\n"
+    "    def push(self, t):\n        self.items.append(t)\ndef f(x):\n    q = Q(x)\n    for t in q.items:\n"
+    "        if t > 0:\n            q.push(t - 1)\n    return q.items",
+    "an iterator over it": "def f(x):\n    q = [x]\n    it = iter(q)\n    for t in it:\n        if t > 0:\n"
+    "            q.extend([t - 1])\n    return q",
+    "a list a call hands back": "def f(x):\n    q = [x]\n    d = {}\n    for t in q:\n        if t > 0:\n"
+    "            d.setdefault('k', q).append(t - 1)\n    return q",
+    "a callable passed to map": "def f(x):\n    q = [x]\n    for t in q:\n        if t > 0:\n"
+    "            list(map(list.append, [q], [t - 1]))\n    return q",
+    "a comprehension's bound method": "def f(x):\n    q = [x]\n    push = q.append\n"
+    "    [push(t - 1) for t in q if t > 0]\n    return q",
+}
+
+
+@pytest.mark.parametrize("program", list(GROWN_ELSEWHERE.values()), ids=list(GROWN_ELSEWHERE))
+def test_a_loop_over_a_list_grown_through_another_name_breaks_no_while(program: str) -> None:
+    found = check(program + "\n", "no_while")["no_while"]
+    assert any("which it grows: a while loop" in r for r in found), found
+    # it really loops until a condition: run it, it visits every value down to 0
+    scope: dict[str, object] = {}
+    exec(program, scope)  # the test's own program
+    result = scope["f"](3)  # type: ignore[operator]
+    items = result if isinstance(result, list) else list(result)  # type: ignore[call-overload]
+    assert set(items) == {0, 1, 2, 3}, items
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        "def f(grid):\n    for row in grid:\n        row.append(0)\n    return grid",
+        "def f(xs):\n    total = xs[0]\n    for x in xs:\n        total += x\n    return total",
+        "def f(xs):\n    out = list(xs)\n    for x in xs:\n        out.append(x * 2)\n    return out",
+        "def f(xs):\n    seen = set()\n    for x in sorted(xs):\n        seen.add(x)\n        xs.append(x)\n    return seen",
+        "def f(xs):\n    n = len(xs)\n    for i in range(len(xs)):\n        xs.append(i)\n    return n",
+        "def f(s):\n    out = []\n    for w in s.split():\n        out.append(w.upper())\n    return ' '.join(out)",
+        "def f(xs):\n    counts = {}\n    for x in xs:\n        counts[x] = counts.get(x, 0) + 1\n    return counts",
+    ],
+)
+def test_loops_over_what_the_body_does_not_grow_pass_no_while(program: str) -> None:
+    assert check(program + "\n", "no_while") == {"no_while": []}
+
+
 # ---- no_recursion ------------------------------------------------------------------------------
 
 

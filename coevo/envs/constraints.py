@@ -20,6 +20,8 @@ import ast
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from coevo.envs.loopflow import grown_loops
+
 MAX_PROGRAM_CHARS = 200_000
 CONSTRAINT_NAMES: tuple[str, ...] = ("no_imports", "no_while", "no_recursion")
 
@@ -134,8 +136,6 @@ SAFE_MODULES = frozenset(
 )
 # itertools' unbounded iterators: ``for`` over one is a ``while True`` loop
 UNBOUNDED = frozenset({"count", "cycle"})  # always unbounded; ``repeat`` is with one argument
-GROWING = frozenset({"append", "extend", "insert"})
-WRAPPERS = frozenset({"enumerate", "iter", "zip", "map", "filter", "reversed"})  # iterate their argument lazily
 ITERATOR_METHODS = frozenset({"__next__", "__getitem__"})  # a class of its own that iteration calls until it stops
 DEFERRED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.GeneratorExp)
 
@@ -377,7 +377,8 @@ def _imports(facts: _Tree, allowed: frozenset[str]) -> list[str]:
 
 def _while_loops(facts: _Tree, allowed: frozenset[str]) -> list[str]:
     """``while``, and what loops like one: ``iter(f, sentinel)``, itertools' unbounded iterators, and
-    a ``for`` over a list its own body grows (each runs until a condition, not over a given range)."""
+    a ``for`` over a list its own body may grow, under any name (``loopflow``: each runs until a
+    condition, not over a given range)."""
     out: list[str] = []
     itertools_modules = {k for k, v in _modules(facts).items() if v == "itertools"}
     imported: dict[str, str] = {}  # local name → itertools function
@@ -407,15 +408,10 @@ def _while_loops(facts: _Tree, allowed: frozenset[str]) -> list[str]:
                 out.append(f"{_at(node)}: iter(f, sentinel) calls until a sentinel: a while loop")
         elif isinstance(node, ast.Name) and node.id in imported and isinstance(node.ctx, ast.Load):
             out += _unbounded(facts, node, imported[node.id])
-        elif isinstance(node, (ast.For, ast.AsyncFor)):
-            out += _grows(node.iter, node.body)
-        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
-            for gen in node.generators:
-                out += _grows(gen.iter, [node])
     for node, base, name in _attribute_uses(facts):
         if isinstance(base, ast.Name) and base.id in itertools_modules and name in (*UNBOUNDED, "repeat"):
             out += _unbounded(facts, node, name)
-    return out
+    return out + grown_loops(facts.nodes[0][0])
 
 
 def _unbounded(facts: _Tree, node: ast.AST, name: str) -> list[str]:
@@ -429,40 +425,6 @@ def _unbounded(facts: _Tree, node: ast.AST, name: str) -> list[str]:
         and len(call.args) + sum(k.arg == "times" for k in call.keywords) >= 2
     )
     return [] if bounded else [f"{_at(node)}: itertools.{name} never ends: a while loop"]
-
-
-def _grows(iterable: ast.expr, body: Sequence[ast.AST]) -> list[str]:
-    while isinstance(iterable, ast.Call) and isinstance(iterable.func, ast.Name) and iterable.func.id in WRAPPERS:
-        names = [a for a in iterable.args if isinstance(a, ast.Name)]  # enumerate(q), zip(q, r), map(f, q), ...
-        out = [r for a in names for r in _grows(a, body)]
-        if out or not iterable.args:
-            return out
-        iterable = iterable.args[0]
-    if not isinstance(iterable, ast.Name):
-        return []
-    name = iterable.id
-    for stmt in body:
-        for n in ast.walk(stmt):
-            grows = (
-                (
-                    isinstance(n, ast.Call)
-                    and isinstance(n.func, ast.Attribute)
-                    and n.func.attr in GROWING
-                    and isinstance(n.func.value, ast.Name)
-                    and n.func.value.id == name
-                )
-                or (isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and n.target.id == name)
-                or (
-                    isinstance(n, ast.Subscript)
-                    and isinstance(n.ctx, ast.Store)
-                    and isinstance(n.value, ast.Name)
-                    and n.value.id == name
-                    and isinstance(n.slice, ast.Slice)
-                )
-            )
-            if grows:
-                return [f"{_at(n)}: a for loop over `{name}`, which it grows: a while loop"]
-    return []
 
 
 def _recursion(facts: _Tree, entry: str) -> list[str]:
