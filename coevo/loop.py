@@ -116,11 +116,31 @@ class Progress:
 # ---- what a person reads at the end --------------------------------------------------------------
 
 
-def _change(label: str, start: float | None, end: float | None, how: str, missing: str) -> str:
+def _change(label: str, start: float | None, end: float | None, how: str, missing: str, interval: Any = None) -> str:
+    """One line of the closing summary: a change is called improved (or fell) only when its 95 %
+    interval says so (``coevo.observe.claims``); else no clear change, or too few groups to say."""
     if start is None or end is None:
         return f"  {label}: not measured ({missing})"
-    verb = "improved" if end > start else ("fell" if end < start else "unchanged")
-    return f"  {label}: {start:.2f} -> {end:.2f} ({verb}, {end - start:+.2f}; {how})"
+    if interval is None:
+        return f"  {label}: {start:.2f} -> {end:.2f} ({end - start:+.2f}, one window: nothing to compare; {how})"
+    from coevo.observe.claims import Change
+
+    bounds = None if interval["low"] is None else (interval["low"], interval["high"])
+    change = Change(start, end, interval["groups"][0], interval["groups"][1], bounds)
+    return f"  {label}: {start:.2f} -> {end:.2f} ({change.words()}; {how})"
+
+
+def _rounds(rounds: list[float]) -> str:
+    """``; rounds 0.12 0.87 0.48``: the held-out curve between its first and last round."""
+    if len(rounds) < 3:
+        return ""
+    shown = rounds if len(rounds) <= 8 else [*rounds[:4], *rounds[-4:]]
+    text = " ".join(f"{r:.2f}" for r in shown)
+    return (
+        f"; rounds {text}"
+        if len(rounds) <= 8
+        else f"; rounds {text} (of {len(rounds)}: min {min(rounds):.2f}, max {max(rounds):.2f})"
+    )
 
 
 def no_learning_reason(summary: dict[str, Any], cfg: CoevoConfig) -> str | None:
@@ -165,13 +185,15 @@ def describe(summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str]) -
             s["policy_success_end"],
             "first vs last fifth of the groups",
             "no train group was scored",
+            s.get("policy_success_change"),
         ),
         _change(
             "held-out success",
             s["heldout_success_start"],
             s["heldout_success_end"],
-            "first vs last evaluation round, fixed tasks",
+            "first vs last evaluation round, fixed tasks" + _rounds(s.get("heldout_success_rounds") or []),
             f"no evaluation round was scored: one runs after every {cfg.tasks.eval_every} train groups",
+            s.get("heldout_success_change"),
         ),
         _change(
             "judge process accuracy",
@@ -180,6 +202,7 @@ def describe(summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str]) -
             "first vs last quarter of the groups",
             "no group had both judge votes and the environment's "
             "step labels: outcome-only reward, or a family without reference labels",
+            s.get("judge_process_accuracy_change"),
         ),
     ]
     lines.append(

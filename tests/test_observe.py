@@ -327,8 +327,9 @@ def test_the_human_summary_says_what_improved_and_warns_without_a_learner_step()
         **RunTally().summary("r1", 90.0).model_dump(),
         "policy_success_start": 0.25,
         "policy_success_end": 0.75,
+        "policy_success_change": {"groups": (6, 6), "low": 0.4, "high": 0.6},  # improved: above 0 (#39)
         "learner_steps": 3,
-        "groups_scored": 6,
+        "groups_scored": 30,
     }
     text = describe(summary, cfg, {"report": "runs/r1/report/index.html"})
     assert "policy success on train groups: 0.25 -> 0.75 (improved, +0.50" in text

@@ -16,6 +16,34 @@ from pydantic import BaseModel, ConfigDict, Field
 from coevo.schemas import Event, GroupScored, LearnerStepped, StepJudged, TaskDecided, TaskRewritten, TaskScheduled
 
 
+class Interval(BaseModel):
+    """A change between two windows of groups: how many groups each held and the 95 % bootstrap
+    interval of ``end - start`` (``coevo.observe.claims``; no interval below ``MIN_GROUPS`` a window)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    groups: tuple[int, int] = Field(description="groups in the first and in the last window")
+    low: float | None = Field(description="lower end of the 95 % interval (None: too few groups to say)")
+    high: float | None = Field(description="upper end of the 95 % interval (None: too few groups to say)")
+
+    @classmethod
+    def of(cls, first: list[float], last: list[float]) -> Interval | None:
+        from coevo.observe.claims import change
+
+        c = change(first, last)
+        if c is None:
+            return None
+        low, high = c.interval or (None, None)
+        return cls(groups=(c.n_start, c.n_end), low=low, high=high)
+
+
+_CHANGE = (
+    "{what}: groups in the first and last window and the 95 % bootstrap interval of end - start "
+    "(low, high: None with fewer than 5 groups in a window, too few to say); 'improved' is said only "
+    "when the interval lies above 0"
+)
+
+
 class RunSummary(BaseModel):
     """``summary.json``: what a run did, from its stored events. Each field's description is its row in
     docs/observability.md (``summary_table`` writes that table; a test keeps the doc equal to it)."""
@@ -42,6 +70,19 @@ class RunSummary(BaseModel):
         )
     )
     judge_process_accuracy: float | None = Field(description="the same over the last quarter of the scored groups")
+    policy_success_change: Interval | None = Field(
+        default=None, description=_CHANGE.format(what="policy_success_end - policy_success_start")
+    )
+    heldout_success_change: Interval | None = Field(
+        default=None, description=_CHANGE.format(what="heldout_success_end - heldout_success_start")
+    )
+    heldout_success_rounds: list[float] = Field(
+        default_factory=list,
+        description="mean success of every held-out evaluation round, in order (the curve between start and end)",
+    )
+    judge_process_accuracy_change: Interval | None = Field(
+        default=None, description=_CHANGE.format(what="judge_process_accuracy - judge_process_accuracy_start")
+    )
     judge_outcome_accuracy_start: float | None = Field(
         description=("judge's votes agreeing with the trajectory's outcome: first quarter of groups")
     )
@@ -208,6 +249,10 @@ class RunTally:
             heldout_success_end=_mean(rounds[-1]) if rounds else None,
             judge_process_accuracy_start=_mean(self.proc[:tail]),
             judge_process_accuracy=_mean(self.proc[-tail:]),
+            policy_success_change=Interval.of(self.train[:k], self.train[-k:]),
+            heldout_success_change=Interval.of(rounds[0], rounds[-1]) if len(rounds) > 1 else None,
+            heldout_success_rounds=[m for r in rounds if (m := _mean(r)) is not None],
+            judge_process_accuracy_change=Interval.of(self.proc[:tail], self.proc[-tail:]),
             judge_outcome_accuracy_start=_mean(self.outc[:otail]),
             judge_outcome_accuracy=_mean(self.outc[-otail:]),
             judge_process_accuracy_heldout=_mean(self.proc_heldout[-max(1, len(self.proc_heldout) // 2) :]),

@@ -13,22 +13,7 @@ GROUPS_SHOWN = 8
 def tree(t: dict[str, Any]) -> Tree:
     kind = t["kind"]
     if kind == "weights":
-        pruned = " [dim](pruned: no longer on disk)[/]" if t.get("on_disk") is False else ""
-        root = Tree(f"[bold]weights {t['role']} v{t['version']}[/] {t.get('path') or ''}{pruned}")
-        if t.get("learner_step"):
-            ls = t["learner_step"]
-            step = root.add(
-                f"{t['role']} learner step {t['version']}: loss {ls['loss']:.4f} kl {ls['kl']:.4f} "
-                f"clip fraction {ls['clip_fraction']:.3f} samples {ls['samples']} groups {len(ls['group_ids'])}"
-            )
-            shown = ls["group_ids"][:GROUPS_SHOWN]
-            for group_id in shown:
-                step.add(f"group {group_id}")
-            if len(ls["group_ids"]) > len(shown):
-                step.add(f"[dim]... {len(ls['group_ids']) - len(shown)} more (--json lists them all)[/]")
-        for a in t["applied"]:
-            root.add(f"applied on {a['server']} ({'ok' if a['ok'] else 'FAILED'}, pause {a['pause_ms']:.1f} ms)")
-        return root
+        return _weights(t)
     if kind == "task":
         root = Tree(f"[bold]task {t['task_id']}[/]")
         _lineage(root, t["lineage"])
@@ -94,3 +79,23 @@ def _lineage(root: Tree, lineage: list[dict[str, Any]]) -> None:
             f"{step['parent_id']} -> {step['task_id']} ({step['direction']}, {step['rewriter']}, {verdict}: "
             f"{step.get('reason') or ''})"
         )
+
+
+def _weights(t: dict[str, Any]) -> Tree:
+    """A weights version: its path (or that it was pruned), its learner step and groups, where it was applied."""
+    pruned = " [dim](pruned: no longer on disk)[/]" if t.get("on_disk") is False else ""
+    root = Tree(f"[bold]weights {t['role']} v{t['version']}[/] {t.get('path') or ''}{pruned}")
+    if t.get("learner_step"):
+        ls = t["learner_step"]
+        step = root.add(
+            f"{t['role']} learner step {t['version']}: loss {ls['loss']:.4f} kl {ls['kl']:.4f} "
+            f"clip fraction {ls['clip_fraction']:.3f} samples {ls['samples']} groups {len(ls['group_ids'])}"
+        )
+        shown = ls["group_ids"][:GROUPS_SHOWN]
+        for group_id in shown:
+            step.add(f"group {group_id}")
+        if len(ls["group_ids"]) > len(shown):
+            step.add(f"[dim]... {len(ls['group_ids']) - len(shown)} more (--json lists them all)[/]")
+    for a in t["applied"]:
+        root.add(f"applied on {a['server']} ({'ok' if a['ok'] else 'FAILED'}, pause {a['pause_ms']:.1f} ms)")
+    return root

@@ -1,0 +1,82 @@
+"""What a run may claim changed between two windows of groups, with its uncertainty (pure).
+
+Invariant: "improved" (or "fell") is said only when the 95 % bootstrap interval of the difference of
+the two windows' mean group success lies wholly above (below) zero; with fewer than ``MIN_GROUPS``
+groups in a window no interval is computed and the verdict is that the sample is too small to say.
+The same inputs always give the same interval (the resampling is seeded).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+MIN_GROUPS = 5
+"""fewest groups per window for an interval: below it, "too few groups to say" """
+RESAMPLES = 2000
+"""bootstrap resamples of each window"""
+
+Verdict = Literal["improved", "fell", "no clear change", "too few groups to say"]
+
+
+@dataclass(frozen=True)
+class Change:
+    """``end - start`` of two windows' mean group success, and its 95 % interval (None: too few groups)."""
+
+    start: float
+    end: float
+    n_start: int
+    n_end: int
+    interval: tuple[float, float] | None
+
+    @property
+    def diff(self) -> float:
+        return self.end - self.start
+
+    @property
+    def verdict(self) -> Verdict:
+        if self.interval is None:
+            return "too few groups to say"
+        low, high = self.interval
+        return "improved" if low > 0 else "fell" if high < 0 else "no clear change"
+
+    def words(self) -> str:
+        """``improved, +0.20, 95 % interval +0.08 to +0.31`` / ``too few groups to say: 1 and 1, 5 needed``."""
+        if self.interval is None:
+            return (
+                f"{self.diff:+.2f}, too few groups to say: {self.n_start} and {self.n_end} in the two "
+                f"windows, {MIN_GROUPS} needed in each"
+            )
+        low, high = self.interval
+        return f"{self.verdict}, {self.diff:+.2f}, 95 % interval {low:+.2f} to {high:+.2f}"
+
+
+def change(first: Sequence[float], last: Sequence[float], *, seed: int = 0) -> Change | None:
+    """The change from the groups of ``first`` to those of ``last`` (each a group's success); None
+    when either window is empty."""
+    if not first or not last:
+        return None
+    start, end = statistics.fmean(first), statistics.fmean(last)
+    interval = None
+    if len(first) >= MIN_GROUPS and len(last) >= MIN_GROUPS:
+        interval = bootstrap_interval(first, last, seed=seed)
+    return Change(start, end, len(first), len(last), interval)
+
+
+def bootstrap_interval(
+    first: Sequence[float], last: Sequence[float], *, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``mean(last) - mean(first)``, each window resampled with
+    replacement on its own (the groups are independent; the windows need not be the same size)."""
+    rng = random.Random(seed)
+    diffs = sorted(
+        statistics.fmean(rng.choices(last, k=len(last))) - statistics.fmean(rng.choices(first, k=len(first)))
+        for _ in range(RESAMPLES)
+    )
+    tail = (1 - level) / 2
+    low = diffs[int(tail * (RESAMPLES - 1))]
+    high = diffs[round((1 - tail) * (RESAMPLES - 1))]
+    return round(low, 4), round(high, 4)
