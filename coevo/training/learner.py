@@ -348,7 +348,12 @@ class LearnerAgent(Agent):
     async def report(self, role: Role, q: LaneQueue, **named: list[str]) -> None:
         """A ``LearnerStepped`` that trained nothing (``samples`` 0, the lane's version): it names the
         groups the lane disposed of without a step and carries the counts not reported yet."""
-        stale_dropped, kl_rejected, not_finite = q.stale_pending, q.kl_rejected_pending, q.not_finite_pending
+        counts: dict[str, Any] = {
+            "stale_dropped": q.stale_pending,
+            "kl_rejected": q.kl_rejected_pending,
+            "not_finite": q.not_finite_pending,
+            **named,
+        }
         q.stale_pending = q.kl_rejected_pending = q.not_finite_pending = 0
         await self.emit(
             self.event(
@@ -362,10 +367,7 @@ class LearnerAgent(Agent):
                 clip_fraction=0.0,
                 mismatch_kl=0.0,
                 tokens_per_second=0.0,
-                stale_dropped=stale_dropped,
-                kl_rejected=kl_rejected,
-                not_finite=not_finite,
-                **named,
+                **counts,
             ),
             confirm=True,
         )
