@@ -2,10 +2,14 @@
 
 It knows nothing of coevo's code: it plays its own small text game (``corridor.py``, next to it, a
 copy of the quick game's idea: walk a corridor of rooms to the coin, pits lose) and asks the model
-for each move with the official ``openai`` SDK. Pointing ``OPENAI_BASE_URL`` at coevo is all it takes to train that model:
+for each move with the official ``openai`` SDK. Pointing ``OPENAI_BASE_URL`` at coevo, with the key of the run as
+``OPENAI_API_KEY``, is all it takes to train that model:
 
-    coevo run --family external                       # serves http://127.0.0.1:8000/v1
-    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 python examples/openai_agent.py
+    coevo run --family external --run-id ext          # serves http://127.0.0.1:8000/v1, key in a file
+    OPENAI_API_KEY="$(cat runs/ext/policy-endpoint.key)" OPENAI_BASE_URL=http://127.0.0.1:8000/v1 \
+        python examples/openai_agent.py
+
+(the key is the one ``coevo run`` prints the file of: without it every call is refused, 401)
 
 Two extra calls tell coevo where episodes start and end (plain HTTP, next to the OpenAI routes):
 ``POST /coevo/v1/episodes {"task_id", "goal"}`` returns an ``episode_id``, which every completion

