@@ -107,7 +107,7 @@ def test_the_example_agent_is_trained_through_the_endpoint(tmp_path: Path, model
     assert theirs and all(
         e.source.role == "policy" and e.task.family == "external" for e in events if isinstance(e, TaskScheduled)
     )
-    steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy"]
+    steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy" and e.is_step]
     assert len(steps) >= 2 and all(set(s.group_ids) <= theirs and s.group_ids for s in steps)
     trained = {g for s in steps for g in s.group_ids}
     trajectories = {e.trajectory_id for e in events if isinstance(e, TrajectoryCompleted) and e.group_id in trained}

@@ -104,7 +104,7 @@ async def test_short_run_produces_every_event_kind_with_consistent_ids(bus: Nats
     ):
         assert seen[kind] > 0, f"no {kind} event"
     check_consistency(events)
-    steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy"]
+    steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy" and e.is_step]
     assert [s.version for s in steps] == list(range(1, len(steps) + 1))
     versions = {e.policy_version for e in events if isinstance(e, StepTaken)}
     assert len(versions) >= 2, "rollouts must come from more than one policy version"
@@ -260,7 +260,7 @@ async def test_learner_resumes_after_kill_9_without_training_a_group_twice(
     stop = asyncio.Event()
 
     def policy_steps(ev) -> list[LearnerStepped]:
-        return [e for e in ev if isinstance(e, LearnerStepped) and e.role == "policy"]
+        return [e for e in ev if isinstance(e, LearnerStepped) and e.role == "policy" and e.is_step]
 
     async def scenario() -> None:
         learner = spawn("learner", nats_url, run_id, loop_cfg)
@@ -297,7 +297,7 @@ def check_learner_lineage(events, ckpt_root) -> list[LearnerStepped]:
     final checkpoint (written when the learner stopped) holds exactly the surviving lineage."""
     from coevo.training.lane import latest_checkpoint
 
-    steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy"]
+    steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy" and e.is_step]
     lineage = surviving_lineage(steps)
     assert [s.version for s in lineage] == list(range(1, len(lineage) + 1)), [s.version for s in steps]
     trained = [g for s in lineage for g in s.group_ids]
@@ -398,7 +398,7 @@ async def test_learner_killed_between_checkpoints_trains_the_lost_groups_again(
     events = await bus.events()
     assert killed["checkpoint"] < killed["version"], killed  # the kill fell between two checkpoints
     lineage = check_learner_lineage(events, root)
-    steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy"]
+    steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy" and e.is_step]
     lost = [s for s in steps if s not in lineage]
     assert lost and {s.version for s in lost} == set(range(killed["checkpoint"] + 1, killed["version"] + 1))
     again = {g for s in lineage for g in s.group_ids}
@@ -452,7 +452,7 @@ def test_coevo_run_stops_cleanly_and_resume_continues(tmp_path, model_cache) -> 
     versions = [
         json.loads(line)["event"]["version"]
         for line in export.read_text().splitlines()
-        if '"learner.stepped"' in line and '"role": "policy"' in line
+        if '"learner.stepped"' in line and '"role": "policy"' in line and json.loads(line)["event"]["samples"]
     ]
     assert versions == list(range(1, len(versions) + 1))
 
@@ -500,7 +500,9 @@ async def test_learner_under_torchrun_with_two_gloo_ranks(
     async def scenario() -> None:
         try:
             await wait_for(
-                bus, lambda ev: sum(isinstance(e, LearnerStepped) and e.role == "policy" for e in ev) >= 2, timeout=300
+                bus,
+                lambda ev: sum(isinstance(e, LearnerStepped) and e.role == "policy" and e.is_step for e in ev) >= 2,
+                timeout=300,
             )
         finally:
             stop.set()
@@ -566,7 +568,7 @@ async def test_a_rank_that_fails_its_step_ends_the_group_which_resumes_from_its_
         )
 
     def steps_of(ev: list) -> list[LearnerStepped]:
-        return [e for e in ev if isinstance(e, LearnerStepped)]
+        return [e for e in ev if isinstance(e, LearnerStepped) and e.is_step]
 
     async def scenario() -> None:
         first = torchrun(tmp_path / "first.log", {ENV: json.dumps(fault)})

@@ -272,7 +272,7 @@ async def test_the_loop_trains_lora_adapters_of_both_lanes_and_the_engines_follo
     weights = [e for e in events if isinstance(e, WeightsApplied)]
     assert weights and all(e.ok and e.transport == "adapter" for e in weights)
     for role in ("policy", "judge"):
-        stepped = [e.version for e in events if isinstance(e, LearnerStepped) and e.role == role]
+        stepped = [e.version for e in events if isinstance(e, LearnerStepped) and e.role == role and e.is_step]
         assert stepped == list(range(1, len(stepped) + 1)) and stepped
 
 

@@ -305,7 +305,11 @@ async def test_run_trains_against_vllm_and_its_weight_version_advances(
         stop.set()
 
     await asyncio.gather(run_agents(build_agents(bus, cfg), handle_signals=False, until=stop), until())
-    steps = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped) and e.role == "policy"]
+    steps = [
+        e
+        for e in await bus.events(["learner.stepped"])
+        if isinstance(e, LearnerStepped) and e.role == "policy" and e.is_step
+    ]
     async with VLLMClient(url, str(model), tokenizer_dir=model) as probe:
         now = _version(await probe.weight_version())
     applied = [
@@ -372,7 +376,11 @@ async def test_a_judge_served_by_vllm_is_trained_and_follows_the_judge_lane(vllm
 
     await asyncio.gather(run_agents(build_agents(bus, cfg), handle_signals=False, until=stop), until())
     applied = judge_applied(await bus.events(["weights.applied"]))
-    steps = [e for e in await bus.events(["learner.stepped"]) if isinstance(e, LearnerStepped) and e.role == "judge"]
+    steps = [
+        e
+        for e in await bus.events(["learner.stepped"])
+        if isinstance(e, LearnerStepped) and e.role == "judge" and e.is_step
+    ]
     assert steps and max(e.version for e in applied) >= 1 and {e.transport for e in applied} == {"gloo"}
     async with VLLMClient(url, str(model), tokenizer_dir=model) as probe:
         assert _version(await probe.weight_version()) == max(e.version for e in applied)
