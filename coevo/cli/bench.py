@@ -224,6 +224,24 @@ def cmd_bench_async(args: argparse.Namespace) -> int:
     return _emit(run_stoppable(bench_async(plan, workdir=args.workdir)), args.json)
 
 
+def cmd_bench_hostile(args: argparse.Namespace) -> int:
+    from coevo.bench.hostile import HostilePlan, bench_hostile
+
+    overrides = {k.strip(): parse_value(v) for k, _, v in (kv.partition("=") for kv in args.set)}
+    plan = HostilePlan(
+        seconds=args.seconds,
+        honest=args.honest,
+        repeat=args.repeat,
+        flood=args.flood,
+        finishes=args.finishes,
+        attack_limit_s=args.attack_limit,
+        overrides=overrides,
+    )
+    result = run_stoppable(bench_hostile(plan, workdir=args.workdir))
+    _emit(result, args.json)
+    return 0 if result["ok"] else 1
+
+
 def _emit(result: dict[str, Any], path: Path | None) -> int:
     text = json.dumps(result, indent=2)
     print(text)
@@ -381,6 +399,30 @@ BENCHES: tuple[Command, ...] = (
                 metavar="KEY=VALUE",
                 help="config override for the run (repeatable), e.g. stream.retain_bytes=200000000",
             ),
+        ),
+    ),
+    Command(
+        "bench hostile",
+        "an episode-key and an agent-key holder attack the policy endpoint of a real run while honest agents "
+        "play: status codes per attack, whether the run stayed up, non-finite weights, steps lost, groups "
+        "trained twice",
+        cmd_bench_hostile,
+        args=(
+            JSON_ARG,
+            arg("--seconds", type=float, default=45.0, help="honest play from the first attack on"),
+            arg("--honest", type=int, default=2, help="honest agents playing at once"),
+            arg("--repeat", type=int, default=1, help="each attack, per key holder"),
+            arg("--flood", type=int, default=40, help="concurrent opens in a flood"),
+            arg("--finishes", type=int, default=8, help="concurrent finishes of one episode"),
+            arg("--attack-limit", type=float, default=150.0, help="seconds after which the attacks stop"),
+            arg(
+                "--set",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="config override for the run (repeatable), e.g. policy.max_concurrent_trajectories=64",
+            ),
+            arg("--workdir", type=Path, help="keep the run and its NATS store here (default: removed)"),
         ),
     ),
     Command("bench codec", "wire encodings of the event models: speed and size", cmd_bench_codec, args=(JSON_ARG,)),
