@@ -22,14 +22,18 @@ ROLES: dict[str, str] = {
 
 
 def resolve_role(role: str) -> type[Agent]:
+    from coevo.errors import ConfigError
     from coevo.runtime.agent import Agent
 
     target = ROLES.get(role, role)
     if ":" not in target:
         known = ", ".join(sorted(ROLES)) or "none yet"
-        raise SystemExit(f"unknown agent role {role!r} (known: {known}; or give module:Class)")
+        raise ConfigError(f"unknown agent role {role!r} (known: {known}; or give module:Class)", field=None)
     module, _, name = target.partition(":")
-    cls = getattr(importlib.import_module(module), name)
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"agent {target}: cannot import it ({exc})", field=None) from None
     if not (isinstance(cls, type) and issubclass(cls, Agent)):
-        raise SystemExit(f"{target} is not an Agent subclass")
+        raise ConfigError(f"{target} is not an Agent subclass", field=None)
     return cls

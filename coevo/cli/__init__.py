@@ -54,7 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
             config_flags(p)
         if command.source:
             run_source(p)
-            p.set_defaults(_source=True)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
         p.set_defaults(func=command.run, _path=command.path)
     return parser
@@ -99,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_logging(None, level="warning", console="pretty")
     try:
-        if getattr(args, "_source", False):  # a dead --nats fails in a second, before anything is opened
-            check_nats(args.nats_url)
+        check_nats(getattr(args, "nats_url", None))  # a dead --nats fails in a second, before anything is opened
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130

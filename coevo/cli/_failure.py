@@ -8,7 +8,7 @@ status 2 for a refused config and 1 otherwise; anything else is a bug and keeps 
 
 from __future__ import annotations
 
-from coevo.errors import CoevoError, ConfigError
+from coevo.errors import CoevoError, ConfigError, ServerError
 
 
 def one_line(exc: BaseException) -> str | None:
@@ -19,7 +19,9 @@ def one_line(exc: BaseException) -> str | None:
             if line is not None:
                 return line
         return None
-    if isinstance(exc, CoevoError):
+    if isinstance(exc, ServerError):
+        text = _server_log(str(exc))
+    elif isinstance(exc, CoevoError):
         text = str(exc)
     elif isinstance(exc, OSError):
         text = _os_error(exc)
@@ -45,3 +47,12 @@ def _os_error(exc: OSError) -> str:
     if exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror}"
     return exc.strerror or str(exc) or type(exc).__name__
+
+
+def _server_log(text: str) -> str:
+    """A nats-server that stopped carries its whole log: its first line and the fatal or error lines."""
+    lines = text.splitlines()
+    if len(lines) <= 1:
+        return text
+    said = [line.split("] ", 2)[-1] for line in lines[1:] if "[FTL]" in line or "[ERR]" in line]
+    return lines[0].split(":", 1)[0] + ": " + "; ".join(said or lines[-1:])
