@@ -623,6 +623,21 @@ class PushSync(Section):
         description="limit of one pushed transfer, from the offer to "
         "the last tensor, including the pause's wait for requests in flight",
     )
+    servers: tuple[str, ...] = Field(
+        default=(),
+        description="the servers (their followers' agent ids) allowed to connect for pushed weights; "
+        "empty: any name not already connected",
+    )
+    max_links: int = Field(
+        default=8,
+        ge=1,
+        le=256,
+        description="transfer groups the learner holds at once (each takes a thread of its own transfer pool "
+        "while it forms or sends); a new server's connect past it is refused unless it replaces a broken link",
+    )
+    max_workers: int = Field(
+        default=8, ge=1, le=1024, description="the most workers (ranks) one server's connect may ask the group for"
+    )
 
 
 WeightSync = Annotated[DiskSync | PushSync, _tagged("transport", "disk"), Field(discriminator="transport")]

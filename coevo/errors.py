@@ -27,6 +27,7 @@
     │   └── InvalidTokens           (also a ValueError) .token_id, .vocab_size: prompt ids outside the vocabulary
     ├── NonFiniteStep               .loss, .grad_norm: a learner step that would put inf/NaN into the weights
     ├── LoadFailed                  a weights version was not loaded (the server serves the one before)
+    ├── TransferRefused             the learner refused a server's weight-transfer connect or push
     ├── ApiError                    .status, .type, .code, .param, .retry_after: the policy endpoint's answer
     └── HostsUnavailable            network namespaces cannot be made here (bench hosts)
 
@@ -198,6 +199,11 @@ class NonFiniteStep(CoevoError):
 
 class LoadFailed(CoevoError):
     """The version was not loaded; the server serves what it served before."""
+
+
+class TransferRefused(CoevoError):
+    """The learner's weight server refused a connect or push: a name not allowed or held by another
+    server's link, a token that is not the link's, more workers or links than configured."""
 
 
 class ApiError(CoevoError):

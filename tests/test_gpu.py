@@ -112,7 +112,7 @@ async def test_weights_pushed_over_vllm_nccl_equal_the_checkpoint(bus, model_cac
             await client.init_transfer(ep.init_info(), 120.0)
             offer = await bus.request(
                 transfer_subject(bus.run_id, "policy", "push"),
-                TransferRequest(server="gpu-vllm", version=1),
+                TransferRequest(server="gpu-vllm", version=1, token=ep.token),
                 TransferOffer,
                 timeout_s=120,
             )

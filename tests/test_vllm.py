@@ -174,7 +174,7 @@ async def test_learner_pushes_weights_into_vllm_over_gloo(vllm_server, bus, tmp_
             await asyncio.sleep(0.1)
             offer = await bus.request(
                 transfer_subject(bus.run_id, "policy", "push"),
-                TransferRequest(server="vllm-test", version=version),
+                TransferRequest(server="vllm-test", version=version, token=ep.token),
                 TransferOffer,
                 timeout_s=60.0,
             )
@@ -193,7 +193,7 @@ async def test_learner_pushes_weights_into_vllm_over_gloo(vllm_server, bus, tmp_
             published["policy"] = (version + 1, base_path, base_sha)
             offer = await bus.request(
                 transfer_subject(bus.run_id, "policy", "push"),
-                TransferRequest(server="vllm-test", version=version + 1),
+                TransferRequest(server="vllm-test", version=version + 1, token=ep.token),
                 TransferOffer,
                 timeout_s=60.0,
             )

@@ -36,6 +36,9 @@ class TransferConnect(Frozen):
 
     server: Identifier
     workers: int = Field(default=1, ge=1, description="the server's worker count (vLLM /get_world_size)")
+    token: str | None = Field(
+        default=None, max_length=128, description="the token of the link it replaces (its own, from its last connect)"
+    )
 
 
 class TransferEndpoint(Frozen):
@@ -45,6 +48,7 @@ class TransferEndpoint(Frozen):
     master_address: str
     master_port: int = Field(gt=0, lt=65536)
     world_size: int = Field(ge=2)
+    token: str = Field(default="", description="this link's secret: its pushes and a reconnect replacing it name it")
 
     def init_info(self) -> dict[str, object]:
         """vLLM's ``/init_weight_transfer_engine`` body (one tensor per broadcast: not packed)."""
@@ -62,6 +66,7 @@ class TransferRequest(Frozen):
 
     server: Identifier
     version: int = Field(ge=0)
+    token: str = Field(default="", max_length=128, description="the token the server's connect was answered with")
 
 
 class TransferOffer(Frozen):

@@ -12,14 +12,24 @@ Invariants: one transfer at a time per server (a push waits for the previous sen
 failed or timed-out send closes that server's group, and its next push is refused until the
 follower connects again; only published weights are sent (the newest, whatever version was
 asked), and the reply names the version actually sent.
+
+Who may ask (any process with a follower role's credentials can): a connect names a server allowed
+by ``servers`` (any, when empty) that holds no link, or replaces a link with that link's token (its
+own follower's, answered by its last connect) or a broken one; a push names its link's token; at
+most ``max_links`` links and ``max_workers`` workers each. Every blocking step (forming a group,
+reading weights, sending) runs on the server's own pool of ``2 * max_links`` threads, never on the
+default executor the learner's step runs on: servers that never join hold none of the learner's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import secrets
 import socket
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +37,7 @@ from typing import Any
 import structlog
 
 from coevo.config import PushSync
+from coevo.errors import TransferRefused
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import TransferConnect, TransferEndpoint, TransferOffer, TransferRequest, transfer_subject
 from coevo.weights import lease
@@ -43,9 +54,16 @@ class _Link:
     """One server's transfer group, as rank 0 holds it."""
 
     ready: asyncio.Future[Collective]
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sending: asyncio.Future[None] | None = None
     broken: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Unusable: its send failed, or its group did not form (any server may take its name)."""
+        formed = not self.ready.done() or (not self.ready.cancelled() and self.ready.exception() is None)
+        return self.broken is not None or not formed
 
     def close(self) -> None:
         if self.ready.done() and not self.ready.cancelled() and self.ready.exception() is None:
@@ -59,9 +77,14 @@ class WeightServer:
         self.backend = sync.transport
         self.host = sync.host
         self.timeout_s = sync.timeout_s
+        self.allowed = frozenset(sync.servers)
+        self.max_links = sync.max_links
+        self.max_workers = sync.max_workers
         self.links: dict[tuple[str, str], _Link] = {}
         self.sent: dict[str, int] = {}
         self._subs: list[Any] = []
+        # forming groups, reading weights and sending: never on the default executor (the learner's step)
+        self._pool = ThreadPoolExecutor(max_workers=2 * sync.max_links, thread_name_prefix="coevo-weights")
 
     async def serve(self, role: str, published: Published) -> None:
         run = self.bus.run_id
@@ -85,44 +108,74 @@ class WeightServer:
                     await asyncio.wait_for(asyncio.shield(link.sending), self.timeout_s)
             link.close()
         self.links.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def admit(self, role: str, req: TransferConnect) -> tuple[str, str] | None:
+        """The link a connect replaces (None: a new one), or ``TransferRefused`` with the reason."""
+        key = (role, req.server)
+        if self.allowed and req.server not in self.allowed:
+            raise TransferRefused(f"{req.server} is not one of learner.weight_sync.servers")
+        if req.workers > self.max_workers:
+            raise TransferRefused(f"{req.workers} workers: over learner.weight_sync.max_workers {self.max_workers}")
+        old = self.links.get(key)
+        if old is not None:
+            if old.failed or hmac.compare_digest((req.token or "").encode(), old.token.encode()):
+                return key
+            raise TransferRefused(f"{req.server} is connected: a reconnect names its link's token")
+        if len(self.links) < self.max_links:
+            return None
+        stale = next((k for k, link in self.links.items() if link.failed), None)
+        if stale is None:
+            raise TransferRefused(
+                f"{len(self.links)} servers are connected: learner.weight_sync.max_links is {self.max_links}"
+            )
+        return stale
 
     async def connect(self, role: str, req: TransferConnect) -> TransferEndpoint:
-        key = (role, req.server)
-        if (old := self.links.pop(key, None)) is not None:
+        replaced = self.admit(role, req)
+        if replaced is not None and (old := self.links.pop(replaced, None)) is not None:
             old.close()
+        key = (role, req.server)
         world = 1 + req.workers
         opening: Awaitable[Collective]
         if self.backend == "gloo":
             store = GlooCollective.host_store(self.host, world, self.timeout_s)
             port = int(store.port)
-            opening = asyncio.to_thread(GlooCollective, store, 0, world, self.timeout_s)
+            opening = self._run(GlooCollective, store, 0, world, self.timeout_s)
         else:
             port = _free_port(self.host)
-            opening = asyncio.to_thread(NcclCollective, self.host, port, world)
+            opening = self._run(NcclCollective, self.host, port, world)
         link = _Link(asyncio.ensure_future(opening))
         link.ready.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # retrieved in push
         self.links[key] = link
         log.info(
             "weights.transfer_connect", role=role, server=req.server, backend=self.backend, port=port, world_size=world
         )
-        return TransferEndpoint(backend=self.backend, master_address=self.host, master_port=port, world_size=world)
+        return TransferEndpoint(
+            backend=self.backend, master_address=self.host, master_port=port, world_size=world, token=link.token
+        )
 
     async def push(self, role: str, req: TransferRequest, published: Published) -> TransferOffer:
         link = self.links.get((role, req.server))
         if link is None:
-            raise RuntimeError(f"{req.server} has no transfer group for {role}: connect first")
+            raise TransferRefused(f"{req.server} has no transfer group for {role}: connect first")
+        if not hmac.compare_digest(req.token.encode(), link.token.encode()):
+            raise TransferRefused(f"not {req.server}'s token: a push names the token of its server's link")
         async with link.lock:
             if link.sending is not None:
                 with contextlib.suppress(BaseException):
                     await link.sending
             if link.broken:
-                raise RuntimeError(f"transfer group of {req.server} is closed ({link.broken}): connect again")
+                raise TransferRefused(f"transfer group of {req.server} is closed ({link.broken}): connect again")
             try:
                 group = await asyncio.wait_for(asyncio.shield(link.ready), self.timeout_s)
             except BaseException as exc:
                 link.broken = f"group did not form: {exc!r}"
-                raise RuntimeError(link.broken) from exc
-            version, tensors, sha = await asyncio.to_thread(self._load, published)
+                raise TransferRefused(link.broken) from exc
+            version, tensors, sha = await self._run(self._load, published)
             plan = Plan.of(tensors)
             link.sending = asyncio.ensure_future(self._send(role, req.server, link, group, tensors, plan, version))
             return TransferOffer(
@@ -157,7 +210,7 @@ class WeightServer:
         self, role: str, server: str, link: _Link, group: Collective, tensors: dict[str, Any], plan: Plan, version: int
     ) -> None:
         try:
-            await asyncio.to_thread(send, group, tensors, plan)
+            await self._run(send, group, tensors, plan)
         except Exception as exc:  # the receiver vanished or timed out: this group is unusable now
             link.broken = repr(exc)[:300]
             link.close()

@@ -148,6 +148,7 @@ class PushedTransfer:
         self.name: TransportName = sync.transport
         self.fallback = fallback
         self._endpoint: TransferEndpoint | None = None
+        self._token: str | None = None  # our link's, kept across a failure: a reconnect replaces only it
         self.log = structlog.get_logger("coevo.weights").bind(server=server)
 
     async def load(self, event: WeightsPublished) -> Loaded:
@@ -170,15 +171,16 @@ class PushedTransfer:
             workers = await self.client.workers()
             endpoint = await self.bus.request(
                 transfer_subject(self.bus.run_id, self.lane, "connect"),
-                TransferConnect(server=self.server, workers=workers),
+                TransferConnect(server=self.server, workers=workers, token=self._token),
                 TransferEndpoint,
                 timeout_s=30.0,
             )
+            self._token = endpoint.token
             await self.client.init_transfer(endpoint.init_info(), timeout_s)
             self._endpoint = endpoint
         offer = await self.bus.request(
             transfer_subject(self.bus.run_id, self.lane, "push"),
-            TransferRequest(server=self.server, version=event.version),
+            TransferRequest(server=self.server, version=event.version, token=self._endpoint.token),
             TransferOffer,
             timeout_s=timeout_s,
         )
