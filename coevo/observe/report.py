@@ -75,6 +75,15 @@ def _label(s: Series, many_names: bool) -> str:
 
 def chart_png(chart: str, series: list[Series]) -> bytes:
     """One chart of ``CHARTS`` as a PNG (x: minutes of the run; the staleness histogram: bars)."""
+    return _png(chart_figure(chart, series))
+
+
+LEGEND_ROWS = 10
+"""legend entries per column: past it the legend (beside the plot, never over it) gets another column"""
+
+
+def chart_figure(chart: str, series: list[Series]) -> Any:
+    """The figure of ``chart_png``: the legend beside the axes, inside the figure, clear of the title."""
     title, unit = CHARTS[chart]
     fig, ax = _figure()
     ax.set_title(title, fontsize=10)
@@ -99,8 +108,10 @@ def chart_png(chart: str, series: list[Series]) -> bytes:
             else:
                 ax.plot(xs, ys, marker="o" if len(ys) < 60 else None, markersize=3, label=_label(s, many))
         ax.set_xlabel("run time (minutes)", fontsize=9)
-        ax.legend(fontsize=7, loc="best")
-    return _png(fig)
+        columns = -(-len(data) // LEGEND_ROWS)
+        fig.set_figwidth(fig.get_figwidth() + 1.6 * columns)  # room beside the plot, which keeps its width
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, ncols=columns)
+    return fig
 
 
 def _table(rows: Iterable[Iterable[Any]], headers: Iterable[str]) -> str:
