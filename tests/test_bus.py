@@ -367,7 +367,7 @@ async def test_message_whose_consumer_dies_on_every_delivery_is_dead_lettered(
         await dying.close()
     lost = [e for e in await bus.events(["dead.lettered"]) if isinstance(e, DeadLettered)]
     assert len(lost) == 1 and lost[0].consumer == "fragile" and lost[0].delivery_count == 2
-    assert lost[0].raw == encode(poison) and lost[0].original_subject.endswith(".task.scheduled")
+    assert lost[0].raw == encode(poison) and lost[0].original_subject.endswith(".task.scheduled.tasks")
     assert "died or stopped" in lost[0].reason
 
 

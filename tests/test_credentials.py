@@ -30,9 +30,30 @@ from coevo.runtime.credentials import (
     role_permissions,
     run_streams,
 )
-from coevo.schemas import KIND_TO_MODEL, control_subject, kind_of, subject_for
+from coevo.schemas import (
+    KIND_TO_MODEL,
+    SCOPES,
+    control_subject,
+    kind_from_subject,
+    kind_of,
+    producer_of,
+    selector_keys,
+    subject_for,
+)
 
 # ---- the table -----------------------------------------------------------------------------------
+
+
+def _subjects(run_id: str) -> list[str]:
+    """Every event subject of a run: each kind's, each scope's, and a scoped kind's bare one."""
+    return sorted(
+        {subject_for(run_id, k) for k in KIND_TO_MODEL}
+        | {f"coevo.{run_id}.ev.{key}" for k in KIND_TO_MODEL for key in selector_keys(k)}
+    )
+
+
+def _owners(subject: str) -> list[str]:
+    return sorted(r for r in ROLES if subject in role_permissions("r1", r).publish)
 
 
 def test_each_role_may_publish_exactly_what_its_agent_declares() -> None:
@@ -40,11 +61,21 @@ def test_each_role_may_publish_exactly_what_its_agent_declares() -> None:
     for role in ROLES:
         assert set(EMITS[role]) == {kind_of(e) for e in resolve_role(role).emits}, role
         allowed = {s for s in role_permissions("r1", role).publish if s.startswith("coevo.r1.ev.")}
-        assert allowed == {subject_for("r1", k) for k in (*EMITS[role], *EVERY_ROLE_EMITS)}, role
-    weights = subject_for("r1", "weights.published")
-    assert [r for r in ROLES if weights in role_permissions("r1", r).publish] == ["learner"]
-    scheduled = subject_for("r1", "task.scheduled")  # the tasks agent, and the policy for its endpoint's episodes
-    assert sorted(r for r in ROLES if scheduled in role_permissions("r1", r).publish) == ["policy", "tasks"]
+        kinds = {kind_from_subject(s) for s in allowed}
+        assert kinds == {*EMITS[role], *EVERY_ROLE_EMITS}, role
+    # a role is its subjects: each has one producer, the one its registry scope names
+    for subject in _subjects("r1"):
+        kind = kind_from_subject(subject)
+        if kind in EVERY_ROLE_EMITS:
+            assert _owners(subject) == sorted(ROLES)
+        else:
+            assert _owners(subject) == ([p] if (p := producer_of(subject, EMITS)) else []), subject
+    assert _owners(subject_for("r1", "task.scheduled", "tasks")) == ["tasks"]  # train, candidate, eval groups
+    assert _owners(subject_for("r1", "task.scheduled", "endpoint")) == ["policy"]  # its endpoint's
+    assert _owners(subject_for("r1", "task.scheduled")) == []  # old streams' and the admin's
+    for lane in ("policy", "judge"):
+        assert _owners(subject_for("r1", "weights.published", lane)) == ["learner"]
+        assert _owners(subject_for("r1", "weights.applied", lane)) == [lane]
 
 
 def test_no_role_changes_the_stream_or_reads_another_roles_inbox() -> None:
@@ -141,30 +172,32 @@ async def test_each_role_publishes_only_its_own_kinds(run_bus: NatsBus, tmp_path
     server reported every other one as a permissions violation."""
     directory = credentials_dir(tmp_path / "nats")
     refused: dict[str, list[str]] = {}
+    subjects = _subjects(run_bus.run_id)
     for role in ROLES:
         errors: list[Exception] = []
         nc = await _connect(_url(run_bus), directory / f"{role}.json", errors)
-        for kind in KIND_TO_MODEL:
+        allowed = set(role_permissions(run_bus.run_id, role).publish)
+        for subject in subjects:
             await nc.publish(
-                subject_for(run_bus.run_id, kind),
-                json.dumps({"by": role, "kind": kind}).encode(),
-                headers={"Nats-Msg-Id": f"{role}-{kind}"},
+                subject,
+                json.dumps({"by": role, "subject": subject}).encode(),
+                headers={"Nats-Msg-Id": f"{role}-{subject}"},
             )
         await nc.flush()
         async with asyncio.timeout(10):  # the server's -ERR for each refusal arrives after the flush
-            while len(errors) < len(KIND_TO_MODEL) - len({*EMITS[role], *EVERY_ROLE_EMITS}):
+            while len(errors) < len(set(subjects) - allowed):
                 await asyncio.sleep(0.05)
         refused[role] = sorted(str(e).split('"')[1] for e in errors if "permissions violation" in str(e))
         await nc.close()
     stored = {
-        (d["by"], d["kind"]) for _, _, msg in [x async for x in run_bus.history()] for d in [json.loads(msg.data)]
+        (d["by"], d["subject"]) for _, _, msg in [x async for x in run_bus.history()] for d in [json.loads(msg.data)]
     }
-    expected = {(r, k) for r in ROLES for k in (*EMITS[r], *EVERY_ROLE_EMITS)}
+    expected = {(r, s) for r in ROLES for s in role_permissions(run_bus.run_id, r).publish if s in subjects}
     assert stored == expected
+    assert not {s for _, s in stored} & {subject_for(run_bus.run_id, k) for k in SCOPES}  # bare: no role's
     for role in ROLES:
-        assert refused[role] == sorted(
-            subject_for(run_bus.run_id, k).lower() for k in KIND_TO_MODEL if k not in {*EMITS[role], *EVERY_ROLE_EMITS}
-        ), role
+        allowed = set(role_permissions(run_bus.run_id, role).publish)
+        assert refused[role] == sorted(s.lower() for s in subjects if s not in allowed), role
 
 
 async def test_a_role_cannot_touch_the_stream_the_buckets_or_anothers_subjects(
@@ -359,7 +392,7 @@ async def test_a_coevo_runs_nats_refuses_strangers_and_roles_outside_their_subje
         errors: list[Exception] = []
         nc = await _connect(url, runs / "sec-run" / "nats" / "credentials" / "policy.json", errors)
         with pytest.raises((TimeoutError, nats.errors.TimeoutError)):
-            await nc.jetstream(timeout=2.0).publish(subject_for("sec-run", "weights.published"), b"{}")
+            await nc.jetstream(timeout=2.0).publish(subject_for("sec-run", "weights.published", "policy"), b"{}")
         await nc.close()
         assert any("permissions violation" in str(e) for e in errors), errors
     finally:

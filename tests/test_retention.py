@@ -7,7 +7,7 @@ from nats.js import api
 
 from coevo.config import CoevoConfig, load_config
 from coevo.errors import ConfigError
-from coevo.runtime.bus import NatsBus, subject_for
+from coevo.runtime.bus import NatsBus
 from coevo.runtime.retention import (
     ConsumerFloor,
     RetentionAgent,
@@ -17,7 +17,7 @@ from coevo.runtime.retention import (
     pinning,
     purge_below,
 )
-from coevo.schemas import AgentStatus, Source
+from coevo.schemas import AgentStatus, Source, subject_for
 
 SRC = Source(agent_id="test", role="test")
 

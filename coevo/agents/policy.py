@@ -36,6 +36,7 @@ from coevo.runtime.aio import wait_event
 from coevo.runtime.consumer import Delivery, Subscription
 from coevo.runtime.credentials import generated_token
 from coevo.schemas import (
+    ENDPOINT_GROUPS,
     LearnerStepped,
     StepTaken,
     TaskScheduled,
@@ -129,13 +130,20 @@ class PolicyAgent(Agent):
 
     def subscriptions(self) -> list[Subscription]:
         subs = [
-            Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16, batch=1),  # rollouts are slow
+            # the tasks agent's groups (the endpoint's own are played through it); rollouts are slow
+            Subscription("policy", (TaskScheduled,), self.on_task, concurrency=16, batch=1, scope="tasks"),
             weights_subscription(self.lane, self.on_weights),
         ]
         if self.cfg.endpoint_port is not None:  # new episodes wait while the learner is behind on the endpoint's groups
             subs.append(
                 Subscription(
-                    "policy-steps", (LearnerStepped,), self.on_stepped, concurrency=1, shared=False, deliver="last"
+                    "policy-steps",
+                    (LearnerStepped,),
+                    self.on_stepped,
+                    concurrency=1,
+                    shared=False,
+                    deliver="last",
+                    scope=self.lane,
                 )
             )
         return subs
@@ -311,7 +319,7 @@ class PolicyAgent(Agent):
 
     async def publish_group(self, task: TaskSpec) -> TaskScheduled:
         """A group of an outside agent's own task (its next ``n`` episodes fill it)."""
-        group_id = f"ext-{new_id()[:16]}"
+        group_id = f"{ENDPOINT_GROUPS}{new_id()[:16]}"  # the endpoint's subject (coevo.schemas.registry)
         event = self.event(
             TaskScheduled,
             task=task,

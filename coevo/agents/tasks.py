@@ -184,8 +184,14 @@ class TasksAgent(Agent):
             Subscription(
                 "tasks-weights", (WeightsPublished,), self.on_weights, concurrency=1, shared=False, deliver="last"
             ),
-            Subscription(
-                "tasks-steps", (LearnerStepped,), self.on_stepped, concurrency=1, shared=False, deliver="last"
+            Subscription(  # the backlog gate counts the policy's steps
+                "tasks-steps",
+                (LearnerStepped,),
+                self.on_stepped,
+                concurrency=1,
+                shared=False,
+                deliver="last",
+                scope="policy",
             ),
         ]
 

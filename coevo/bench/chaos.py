@@ -336,12 +336,12 @@ def chaos_overrides(runs_dir: Path, cache: Path | None, replicas: int, plan: Cha
 
 
 async def _garbage(nc: Any, run_id: str, rng: random.Random) -> int:
-    """Random bytes and schema-violating events on every event subject of the run."""
-    from coevo.schemas import KIND_TO_MODEL, events_prefix
+    """Random bytes and schema-violating events on every event subject of the run (each scope's too)."""
+    from coevo.schemas import KIND_TO_MODEL, events_prefix, selector_keys
 
     n = 0
-    for kind in KIND_TO_MODEL:
-        subject = f"{events_prefix(run_id)}.{kind}"
+    for kind, key in ((k, key) for k in KIND_TO_MODEL for key in selector_keys(k)):
+        subject = f"{events_prefix(run_id)}.{key}"
         for payload in (
             rng.randbytes(rng.randint(0, 64)),
             json.dumps({"kind": kind, "run_id": run_id, "event_id": f"x{rng.random()}"}).encode(),

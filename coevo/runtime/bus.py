@@ -37,7 +37,7 @@ from coevo.runtime.kv import Bucket
 from coevo.runtime.publishing import MSG_ID, Publisher
 from coevo.runtime.pull import Puller
 from coevo.runtime.rpc import Rpc
-from coevo.schemas import Event, decode, events_prefix, kind_from_subject, kind_of, new_id, subject_for
+from coevo.schemas import Event, decode, events_prefix, kind_of, new_id, parse_subject, refusal, subject_filters
 
 log = structlog.get_logger("coevo.bus")
 
@@ -306,9 +306,13 @@ class NatsBus(Publisher, History, Rpc):
                     await asyncio.sleep(0.1 * 2**attempt)
         else:
             event = decode(msg.data)
-        kind = kind_from_subject(msg.subject or "")
-        if kind is not None and kind != kind_of(event):
-            raise ValueError(f"a {kind_of(event)} event on the subject of {kind}")
+        parsed = parse_subject(msg.subject or "")
+        if parsed is not None:
+            kind, scope = parsed
+            if kind != kind_of(event):
+                raise ValueError(f"a {kind_of(event)} event on the subject of {kind}")
+            if (why := refusal(scope, event)) is not None:  # a role is its subjects (coevo.schemas.registry)
+                raise ValueError(why)
         return event
 
     # ---- consume -----------------------------------------------------------------------------
@@ -316,13 +320,14 @@ class NatsBus(Publisher, History, Rpc):
     def consumer_config(
         self, durable: str, kinds: Iterable[str], *, deliver: str = "all", ephemeral: bool = False
     ) -> api.ConsumerConfig:
-        subjects = sorted(subject_for(self.run_id, k) for k in kinds)
+        subjects = sorted(s for k in kinds for s in subject_filters(self.run_id, k))
         return api.ConsumerConfig(
             durable_name=None if ephemeral else durable,
             name=durable,
             inactive_threshold=self.cfg.unshared_inactive_s if ephemeral else None,
             ack_policy=api.AckPolicy.EXPLICIT,
-            deliver_policy=api.DeliverPolicy.LAST if deliver == "last" else api.DeliverPolicy.ALL,
+            # last: the newest of each subject read (each lane's, coevo.schemas.registry)
+            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT if deliver == "last" else api.DeliverPolicy.ALL,
             ack_wait=self.cfg.ack_wait_s,
             # one more than ours: our last attempt dead-letters before the server gives up
             max_deliver=self.cfg.max_deliver + 1,

@@ -98,7 +98,9 @@ class Subscription:
     shared: bool = True
     """True: replicas share the durable (load balancing). False: each agent instance has its own."""
     deliver: Literal["all", "last"] = "all"
-    """``last``: start from the newest matching event (e.g. only the latest weights matter)."""
+    """``last``: start from the newest event of each subject it reads (each lane's latest weights)."""
+    scope: str | None = None
+    """read only this scope's subject of the (scoped) kinds: one lane (``coevo.schemas.registry``)"""
     batch: int | None = None
     """messages a worker fetches at once (default: ``bus.fetch_batch / concurrency``). 1 for handlers
     that wait on other messages of the same subscription (the learner's wait for a checkpoint that
@@ -107,7 +109,7 @@ class Subscription:
     kinds: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.kinds = tuple(kind_of(e) for e in self.events)
+        self.kinds = tuple(kind_of(e) + (f".{self.scope}" if self.scope else "") for e in self.events)
 
 
 def backoff(delays: list[float], attempt: int) -> float:

@@ -8,8 +8,12 @@ file (``--nats.credentials_file``).
 
 Each role's permissions (``role_permissions``, a pure function of the run and the role):
 - it publishes events only of the kinds its agent class declares in ``emits`` (``EMITS``; plus its own
-  ``agent.status`` and ``dead.lettered``): only the learner publishes ``weights.published``, only
-  the tasks agent (and the policy, for the episodes its endpoint opens) ``task.scheduled``;
+  ``agent.status`` and ``dead.lettered``), and of a scoped kind only on its own scopes' subjects
+  (``role_subjects``; ``coevo.schemas.registry.SCOPES``): only the learner publishes
+  ``weights.published.<lane>``, only the tasks agent ``task.scheduled.tasks`` (every group it
+  schedules: train, candidate, eval), only the policy ``task.scheduled.endpoint`` (the groups its
+  endpoint opens), and each lane's server its own ``weights.applied.<lane>``; no role publishes a
+  scoped kind's bare subject;
 - the JetStream API only to read the run's streams (``run_streams``: events, buckets, object
   stores) and to run consumers on them (create, read, pull, ack): no stream or bucket is created,
   changed, deleted or purged by a role (the retention keeper purges old events); a role writes
@@ -37,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coevo.errors import ConfigError
-from coevo.schemas import control_subject, subject_for, transfer_subject
+from coevo.schemas import SCOPES, control_subject, subject_for, transfer_subject
 from coevo.schemas.envproto import env_subject
 
 ADMIN = "admin"
@@ -119,13 +123,24 @@ def _service_subject(run_id: str, service: str) -> str:
     return example.rsplit(".", 2)[0] + ".>"
 
 
+def role_subjects(run_id: str, role: str) -> list[str]:
+    """The event subjects ``role`` publishes on: each of its kinds' subject, or of a scoped kind the
+    subjects of the scopes it produces."""
+    out = []
+    for kind in sorted({*EMITS[role], *EVERY_ROLE_EMITS}):
+        if kind in SCOPES:
+            out += [subject_for(run_id, kind, scope) for scope, who in SCOPES[kind].items() if who == role]
+        else:
+            out.append(subject_for(run_id, kind))
+    return out
+
+
 def role_permissions(run_id: str, role: str) -> Permissions:
     """What ``role`` (a key of ``EMITS``) may do on run ``run_id``'s NATS."""
     if role not in EMITS:
         raise ConfigError(f"no NATS permissions for role {role!r} (known: {', '.join(sorted(EMITS))})", field=None)
     stream, own = f"COEVO_{run_id}", payload_bucket(run_id, role)
-    kinds = sorted({*EMITS[role], *EVERY_ROLE_EMITS})
-    publish = [subject_for(run_id, k) for k in kinds]
+    publish = role_subjects(run_id, role)
     publish += ["$JS.API.INFO", f"$JS.ACK.{stream}.>", f"$O.{own}.>"]
     for s in run_streams(run_id):  # read them, and run consumers on them (pull, ordered, ephemeral)
         publish += [

@@ -27,7 +27,7 @@ from nats.js import JetStreamContext, api
 
 from coevo.errors import BusError
 from coevo.runtime.pull import Puller, delivered_seq, read_all
-from coevo.schemas import Event, events_prefix, new_id, subject_for
+from coevo.schemas import Event, events_prefix, kind_from_subject, new_id, subject_filters
 
 TAIL_FETCH = 256
 LOST_AFTER = 3
@@ -67,12 +67,13 @@ class History:
         *,
         undecoded: Iterable[str] = (),
     ) -> AsyncIterator[tuple[int, Event | None, Msg]]:
-        """Every stored event (or those of ``kinds``) in order, up to ``end_seq`` (default: now).
+        """Every stored event (or those of ``kinds``: a kind, or ``<kind>.<scope>`` for one subject of a
+        scoped kind, ``coevo.schemas.registry``) in order, up to ``end_seq`` (default: now).
 
         Yields ``(sequence, event, msg)``; ``event`` is None for a payload that does not decode, and
         for the kinds in ``undecoded``, yielded as stored (a reader of their ids, ``stored_id(msg)``,
         never waits for an object store nor reads their bulk)."""
-        raw = {subject_for(self.run_id, k) for k in undecoded}
+        raw = set(undecoded)
         end = end_seq if end_seq is not None else await self.last_sequence()
         if end < start_seq:
             return
@@ -101,7 +102,8 @@ class History:
                     if md.sequence.stream > end:
                         return
                     try:
-                        event: Event | None = None if msg.subject in raw else await self.decode_msg(msg)
+                        undecode = kind_from_subject(msg.subject) in raw
+                        event: Event | None = None if undecode else await self.decode_msg(msg)
                     except ValueError:
                         event = None
                     read = md.sequence.stream
@@ -115,7 +117,8 @@ class History:
 
     def _reader_config(self, name: str, kinds: Iterable[str] | None, start_seq: int) -> api.ConsumerConfig:
         """An ephemeral consumer that acknowledges nothing, from ``start_seq``, of ``kinds`` (default: all)."""
-        subjects = [subject_for(self.run_id, k) for k in kinds] if kinds else [f"{events_prefix(self.run_id)}.>"]
+        every = [f"{events_prefix(self.run_id)}.>"]
+        subjects = [s for k in kinds for s in subject_filters(self.run_id, k)] if kinds else every
         return api.ConsumerConfig(
             name=name,
             ack_policy=api.AckPolicy.NONE,

@@ -30,7 +30,7 @@ from coevo.config import BusConfig, StreamConfig
 from coevo.errors import BusError, InjectedFault, PublishError
 from coevo.runtime import claims, faults, outbox
 from coevo.runtime.credentials import payload_bucket
-from coevo.schemas import Event, encode, kind_of, subject_for
+from coevo.schemas import Event, encode, subject_of
 
 if TYPE_CHECKING:
     from coevo.runtime.bus import BusStats
@@ -82,7 +82,7 @@ class Publisher:
         """Publish without waiting for the ack (bounded in-flight). Returns the ack future."""
         if event.run_id != self.run_id:
             raise BusError(f"event {event.event_id} belongs to run {event.run_id}, not {self.run_id}")
-        return await self.publish_raw(subject_for(self.run_id, kind_of(event)), encode(event), event.event_id)
+        return await self.publish_raw(subject_of(self.run_id, event), encode(event), event.event_id)
 
     async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> asyncio.Future[bool]:
         """Send ``payload`` with ``Nats-Msg-Id = msg_id`` and return at once; the returned future
@@ -191,7 +191,7 @@ class Publisher:
     async def publish_sync(self, event: Event) -> api.PubAck:
         """Publish and wait for the ack (retried with the same message id)."""
         return await self.republish(
-            await self._unacked_publish(subject_for(self.run_id, kind_of(event)), encode(event), event.event_id)
+            await self._unacked_publish(subject_of(self.run_id, event), encode(event), event.event_id)
         )
 
     async def _unacked_publish(self, subject: str, payload: bytes, msg_id: str) -> _UnackedPublish:

@@ -32,8 +32,10 @@ from coevo.schemas.events import (
 )
 from coevo.schemas.packed import FloatArray, Floats, IntArray, TokenIds
 from coevo.schemas.registry import (
+    ENDPOINT_GROUPS,
     EVENT_TYPES,
     KIND_TO_MODEL,
+    SCOPES,
     control_subject,
     decode,
     encode,
@@ -43,15 +45,24 @@ from coevo.schemas.registry import (
     json_schemas,
     kind_from_subject,
     kind_of,
+    parse_subject,
+    producer_of,
     readable,
+    refusal,
+    scope_of,
+    selector_keys,
+    subject_filters,
     subject_for,
+    subject_of,
     transfer_subject,
 )
 
 __all__ = [
+    "ENDPOINT_GROUPS",
     "EVENT_TYPES",
     "KIND_TO_MODEL",
     "SCHEMA_VERSION",
+    "SCOPES",
     "AgentStatus",
     "BudgetExceeded",
     "ControlReply",
@@ -94,7 +105,14 @@ __all__ = [
     "kind_from_subject",
     "kind_of",
     "new_id",
+    "parse_subject",
+    "producer_of",
     "readable",
+    "refusal",
+    "scope_of",
+    "selector_keys",
+    "subject_filters",
     "subject_for",
+    "subject_of",
     "transfer_subject",
 ]

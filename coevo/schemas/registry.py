@@ -1,8 +1,21 @@
 """One registry: event kind <-> model <-> subject, and the wire codec.
 
-Invariant: ``decode(encode(e)) == e`` for every registered event; every kind has exactly one
-subject ``coevo.<run>.ev.<kind>``; raw bytes that are not a valid event raise ``ValidationError``
-(never a half-built event). Old schema versions pass through an upcaster before validation.
+Invariant: ``decode(encode(e)) == e`` for every registered event; raw bytes that are not a valid
+event raise ``ValidationError`` (never a half-built event). Old schema versions pass through an
+upcaster before validation.
+
+Subjects (a role is its subjects). An event of a kind one role produces is published on
+``coevo.<run>.ev.<kind>``. A kind that two producers share, or that is read per lane, has one more
+token, its scope: ``coevo.<run>.ev.<kind>.<scope>`` (``SCOPES``: the scopes of each such kind and
+the one role that publishes each; ``scope_of`` reads an event's scope from what it is, not from who
+says it sent it). Invariant: each subject has exactly one producer role (``producer_of``), which
+the run's server lets publish there and no other role (``coevo.runtime.credentials``); so a reader
+knows who produced an event from the subject it came on, and an event its subject may not carry
+(``refusal``: another scope's, or what the scope's producer never sends, such as a ``candidate``
+group on the endpoint's subject) is not a valid event of that subject (the bus raises, a consumer
+dead-letters it with the reason). Newest-only readers read one lane's subject, so each is handed
+its own lane's last event. A scoped kind on its bare subject is an event stored before scopes
+(old streams) or by the run's ``admin``: read as it is (no role may publish there).
 """
 
 from __future__ import annotations
@@ -66,22 +79,131 @@ def kind_of(model: type[Event] | Event) -> str:
     return MODEL_TO_KIND[cls]
 
 
+ENDPOINT_GROUPS = "ext-"
+"""The id prefix of the groups the policy's endpoint opens (an outside agent's own task); no other
+producer's group id starts with it."""
+LANES = ("policy", "judge")
+
+SCOPES: dict[str, dict[str, str]] = {
+    "task.scheduled": {"tasks": "tasks", "endpoint": "policy"},
+    "learner.stepped": {lane: "learner" for lane in LANES},
+    "weights.published": {lane: "learner" for lane in LANES},
+    "weights.applied": {lane: lane for lane in LANES},
+}
+"""kind -> scope -> the one role that publishes ``coevo.<run>.ev.<kind>.<scope>``: a group the tasks
+agent schedules, or one the policy's endpoint opens; each lane's steps, weights, and servers."""
+
+
+def scope_of(event: Event) -> str | None:
+    """The scope of ``event``'s subject (None: its kind has one subject), from what the event is: a
+    group of the endpoint's ids is the endpoint's; a lane's event is its lane's."""
+    kind = kind_of(event)
+    if kind == "task.scheduled":
+        return "endpoint" if event.group_id.startswith(ENDPOINT_GROUPS) else "tasks"  # type: ignore[attr-defined]
+    if kind in SCOPES:
+        return str(event.role)  # type: ignore[attr-defined]
+    return None
+
+
+def refusal(scope: str | None, event: Event) -> str | None:
+    """Why ``event`` may not come on the subject of ``scope`` (None: it may). A bare subject (``scope``
+    None) carries any event of its kind: stored before scopes, or by the run's admin."""
+    if scope is None:
+        return None
+    kind = kind_of(event)
+    if scope not in SCOPES.get(kind, {}):
+        return f"{kind} has no subject of scope {scope!r}"
+    own = scope_of(event)
+    if own != scope:
+        return (
+            f"a {kind} of {own!r} on the subject of {scope!r}, which only the {SCOPES[kind][scope]!r} role publishes on"
+        )
+    if kind == "task.scheduled" and scope == "endpoint":
+        e: Any = event
+        if e.purpose != "train" or e.slot_id is not None:
+            return (
+                f"a {e.purpose} group of slot {e.slot_id} on the endpoint's subject: the endpoint opens "
+                "only training groups of an outside agent's task (no slot); candidates and evals are the tasks agent's"
+            )
+    return None
+
+
 def events_prefix(run_id: str) -> str:
     return f"{SUBJECT_ROOT}.{run_id}.ev"
 
 
-def subject_for(run_id: str, kind: str | type[Event]) -> str:
+def subject_for(run_id: str, kind: str | type[Event], scope: str | None = None) -> str:
+    """The subject of ``kind`` (of its ``scope``). A scoped kind's bare subject is no role's (see the
+    module's docstring): events are published on ``subject_of``."""
     k = kind if isinstance(kind, str) else kind_of(kind)
     if k not in KIND_TO_MODEL:
         raise KeyError(f"unknown event kind {k!r}")
-    return f"{events_prefix(run_id)}.{k}"
+    if scope is None:
+        return f"{events_prefix(run_id)}.{k}"
+    if scope not in SCOPES.get(k, {}):
+        raise KeyError(f"{k} has no subject of scope {scope!r}")
+    return f"{events_prefix(run_id)}.{k}.{scope}"
 
 
-def kind_from_subject(subject: str) -> str | None:
+def subject_of(run_id: str, event: Event) -> str:
+    """Where ``event`` is published."""
+    return subject_for(run_id, kind_of(event), scope_of(event))
+
+
+def parse_subject(subject: str) -> tuple[str, str | None] | None:
+    """``(kind, scope)`` of an event subject (the kind as written when it is not one: a mismatch
+    for the reader to refuse); None for a subject outside ``coevo.<run>.ev``."""
     parts = subject.split(".", 3)
     if len(parts) < 4 or parts[0] != SUBJECT_ROOT or parts[2] != "ev":
         return None
-    return parts[3]
+    rest = parts[3]
+    if rest in KIND_TO_MODEL:
+        return rest, None
+    kind, _, scope = rest.rpartition(".")
+    return (kind, scope) if kind in SCOPES else (rest, None)
+
+
+def kind_from_subject(subject: str) -> str | None:
+    parsed = parse_subject(subject)
+    return parsed[0] if parsed else None
+
+
+def producer_of(subject: str, emits: dict[str, tuple[str, ...]]) -> str | None:
+    """The role that publishes on ``subject`` (``emits``: each role's kinds, as the credentials
+    hold them); None for a subject no single role owns (a bare subject of a scoped kind, the kinds
+    every role publishes, an unknown one)."""
+    parsed = parse_subject(subject)
+    if parsed is None:
+        return None
+    kind, scope = parsed
+    if kind in SCOPES:
+        return SCOPES[kind].get(scope) if scope is not None else None
+    roles = [r for r, kinds in emits.items() if kind in kinds]
+    return roles[0] if len(roles) == 1 else None
+
+
+def selector_keys(selector: str) -> tuple[str, ...]:
+    """The subjects (run-neutral: ``<kind>`` or ``<kind>.<scope>``) a reader's selector names: a
+    kind names each of its subjects, ``<kind>.<scope>`` one."""
+    if selector in SCOPES:
+        return tuple(f"{selector}.{scope}" for scope in SCOPES[selector])
+    if selector in KIND_TO_MODEL:
+        return (selector,)
+    kind, _, scope = selector.rpartition(".")
+    subject_for("r", kind, scope)  # KeyError for what is neither
+    return (selector,)
+
+
+def subject_filters(run_id: str, selector: str) -> list[str]:
+    """The stream filters of a selector: a kind (every subject of it, the bare one of old streams
+    included) or ``<kind>.<scope>`` (that one subject: a newest-only reader of one lane)."""
+    if selector in SCOPES:
+        bare = subject_for(run_id, selector)
+        return [bare, f"{bare}.*"]
+    if selector in KIND_TO_MODEL:
+        return [subject_for(run_id, selector)]
+    kind, _, scope = selector.rpartition(".")
+    return [subject_for(run_id, kind, scope)]
 
 
 def control_subject(run_id: str, agent_id: str) -> str:

@@ -12,21 +12,26 @@ EXTRA_PRODUCERS = {"agent.status": {"every agent"}, "dead.lettered": {"every con
 
 
 def topology(cfg: CoevoConfig) -> dict[str, dict[str, set[str]]]:
+    """Subject (run-neutral: ``<kind>`` or ``<kind>.<scope>``) -> its producers and consumers."""
     from coevo.agents import ROLES, resolve_role
-    from coevo.schemas import KIND_TO_MODEL, kind_of
+    from coevo.schemas import KIND_TO_MODEL, SCOPES, kind_of, selector_keys
 
     producers: dict[str, set[str]] = defaultdict(set)
     consumers: dict[str, set[str]] = defaultdict(set)
     for role in ROLES:
         cls = resolve_role(role)
         for e in cls.emits:
-            producers[kind_of(e)].add(role)
+            kind = kind_of(e)
+            for key in selector_keys(kind):
+                if kind not in SCOPES or SCOPES[kind][key.rpartition(".")[2]] == role:
+                    producers[key].add(role)
         # subscriptions() reads only the config and bound handlers: no bus, no models to load
         agent: Any = object.__new__(cls)
         agent.cfg = cfg
         for sub in agent.subscriptions():
-            for kind in sub.kinds:
-                consumers[kind].add(f"{role} ({sub.durable}{'' if sub.shared else ', per instance'})")
+            for key in (k for selector in sub.kinds for k in selector_keys(selector)):
+                consumers[key].add(f"{role} ({sub.durable}{'' if sub.shared else ', per instance'})")
     for kind, who in EXTRA_PRODUCERS.items():
         producers[kind] |= who
-    return {k: {"producers": producers[k], "consumers": consumers[k]} for k in KIND_TO_MODEL}
+    keys = [key for kind in KIND_TO_MODEL for key in selector_keys(kind)]
+    return {k: {"producers": producers[k], "consumers": consumers[k]} for k in keys}

@@ -30,10 +30,13 @@ from coevo.weights.transports import Loaded, Reloads, Transport, TransportName, 
 
 
 def weights_subscription(lane: str, handler: Callable[[WeightsPublished, Delivery], Awaitable[None]]) -> Subscription:
-    """The follower's subscription: its own (every server follows), from the newest announcement on,
-    several in flight, so announcements that arrive while a load runs are seen and only the newest of
-    them is loaded next."""
-    return Subscription(f"{lane}-weights", (WeightsPublished,), handler, concurrency=8, shared=False, deliver="last")
+    """The follower's subscription: its own (every server follows), its lane's subject only, from its
+    newest announcement on (another lane's coming last is not handed to it instead), several in
+    flight, so announcements that arrive while a load runs are seen and only the newest of them is
+    loaded next."""
+    return Subscription(
+        f"{lane}-weights", (WeightsPublished,), handler, concurrency=8, shared=False, deliver="last", scope=lane
+    )
 
 
 @dataclass(frozen=True)
