@@ -31,6 +31,7 @@ from coevo.errors import EnvError
 from coevo.inference.chat import ChatTokens, Conversation
 from coevo.inference.clients import make_client
 from coevo.inference.engine import Completion
+from coevo.runtime import faults
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
 from coevo.runtime.consumer import Delivery, Subscription
@@ -332,6 +333,7 @@ class PolicyAgent(Agent):
         return event
 
     async def publish_step(self, episode: Episode, fields: dict[str, Any]) -> str:
+        await faults.ahit("endpoint.publish_step")  # a publish that fails: the endpoint keeps the step pending
         sched = episode.scheduled
         step = self.event(
             StepTaken,

@@ -18,8 +18,8 @@ are seeded by ``seed`` and the process id). A firing sleeps ``delay_s`` (0) and 
 Points: ``claims.fetch`` (reading a claimed payload: a transient object-store failure),
 ``handler`` (before a consumer's handler: a slow or failing handler), ``lane.optimizer_step``
 (inside a learner step, between its collectives), ``lane.step_kl`` (the KL guard's forward pass,
-after a batch's optimiser steps), ``endpoint.publish_step`` (the policy endpoint publishing a
-recorded step), ``follower.load`` (a follower loading weights:
+after a batch's optimiser steps), ``endpoint.publish_step`` (the policy agent publishing a step
+its endpoint recorded), ``follower.load`` (a follower loading weights:
 lag), ``publish`` (a publish, or a retry of one, refused as if no stream answered: retried under
 its id, never dropped).
 """

@@ -59,7 +59,6 @@ from coevo.algorithm.admission import Backlog, behind
 from coevo.config import CoevoConfig
 from coevo.errors import ApiError, ConfigError, InvalidTokens
 from coevo.inference.chat import Turn, normalize
-from coevo.runtime import faults
 from coevo.schemas import TaskScheduled, TaskSpec, new_id
 from coevo.schemas.events import Outcome
 from coevo.serve import messages_api as ma
@@ -590,7 +589,6 @@ class Endpoint:
         if ep.pending is None:
             return
         fields = ep.pending
-        await faults.ahit("endpoint.publish_step")
         step_id = await self.sink.publish_step(ep, {**fields, "next_observation": next_observation, "done": done})
         ep.pending = None
         ep.step_ids.append(step_id)

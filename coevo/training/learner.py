@@ -348,13 +348,7 @@ class LearnerAgent(Agent):
     async def report(self, role: Role, q: LaneQueue, **named: list[str]) -> None:
         """A ``LearnerStepped`` that trained nothing (``samples`` 0, the lane's version): it names the
         groups the lane disposed of without a step and carries the counts not reported yet."""
-        counts: dict[str, Any] = {
-            "stale_dropped": q.stale_pending,
-            "kl_rejected": q.kl_rejected_pending,
-            "not_finite": q.not_finite_pending,
-            **named,
-        }
-        q.stale_pending = q.kl_rejected_pending = q.not_finite_pending = 0
+        counts: dict[str, Any] = {**self.unreported(q), **named}
         await self.emit(
             self.event(
                 LearnerStepped,
@@ -371,6 +365,17 @@ class LearnerAgent(Agent):
             ),
             confirm=True,
         )
+
+    @staticmethod
+    def unreported(q: LaneQueue) -> dict[str, Any]:
+        """The lane's counts not reported yet, for the ``LearnerStepped`` being built (and reset)."""
+        counts = {
+            "stale_dropped": q.stale_pending,
+            "kl_rejected": q.kl_rejected_pending,
+            "not_finite": q.not_finite_pending,
+        }
+        q.stale_pending = q.kl_rejected_pending = q.not_finite_pending = 0
+        return counts
 
     def count_scored(self) -> None:
         """One more group of the wave is scored, trained or not (lock-step counts them)."""
@@ -481,9 +486,17 @@ class LearnerAgent(Agent):
         """Every group still queued or waiting for a checkpoint is nak'd (redelivered)."""
         waiting = [p.done for p in q.queued] + list(q.undurable.values())
         q.queued, q.undurable = [], {}
+        released = 0
         for done in waiting:
             if not done.done():
                 done.set_exception(Retry(f"{role} lane stopped before the group was trained and durable"))
+                # read here: a handler still waiting gets it (and naks); one the stop cancelled already
+                # (drain timeout) is gone, and its group comes back by redelivery: not an error to report
+                done.exception()
+                released += 1
+        if released:
+            self.counters[f"groups.released.{role}"] += released
+            self.log.info("learner.released", role=role, groups=released, reason="stopped before trained and durable")
 
     async def train(self, role: Role, q: LaneQueue) -> None:
         take = self.batching.take(q.queued)
@@ -510,8 +523,8 @@ class LearnerAgent(Agent):
         finally:
             q.training = []
         self.count_untrained(role, q, take, metrics)
+        q.stale_pending += metrics.stale_dropped
         if metrics.samples == 0:  # every sample stale, or the step undone: the groups are done, nothing trained
-            q.stale_pending += metrics.stale_dropped
             for p in take:
                 if not p.done.done():
                     p.done.set_result(None)
@@ -520,9 +533,10 @@ class LearnerAgent(Agent):
                 role, q, **({"kl_rejected_group_ids": ids} if metrics.kl_rejected else {"stale_group_ids": ids})
             )
             return
-        stale_dropped, q.stale_pending = q.stale_pending + metrics.stale_dropped, 0
-        kl_rejected, q.kl_rejected_pending = q.kl_rejected_pending, 0
-        not_finite, q.not_finite_pending = q.not_finite_pending, 0
+        await self.stepped(role, q, take, metrics)
+
+    async def stepped(self, role: Role, q: LaneQueue, take: list[QueuedGroup], metrics: StepMetrics) -> None:
+        """A batch trained: its groups wait for a durable checkpoint; ``LearnerStepped``, then weights."""
         for p in take:  # acknowledged once a checkpoint including them is durable
             q.undurable[p.group_id] = p.done
         if role == "policy":
@@ -541,10 +555,8 @@ class LearnerAgent(Agent):
                 staleness_histogram=metrics.staleness_histogram,
                 tokens_per_second=metrics.tokens_per_second,
                 group_ids=[p.group_id for p in take],
-                stale_dropped=stale_dropped,
-                kl_rejected=kl_rejected,
-                not_finite=not_finite,
                 step_kl=metrics.step_kl,
+                **self.unreported(q),
             ),
             confirm=True,
         )
