@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import signal
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -99,18 +98,9 @@ class Progress:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        from rich.console import Console
+        from coevo.observe.status import show_status
 
-        console = Console(stderr=True)
-        if sys.stderr.isatty():
-            with console.status(self.line()) as status:
-                while not stop.is_set():
-                    await wait_event(stop, 1.0)
-                    status.update(self.line())
-        else:
-            while not stop.is_set():
-                await wait_event(stop, 10.0)
-                log.info("progress", status=self.line())
+        await show_status(self.line, stop)  # on a terminal, log lines print above the line, never into it
 
 
 # ---- what a person reads at the end --------------------------------------------------------------
@@ -174,9 +164,9 @@ def describe(summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str]) -
     """A short human summary of a finished run: what improved, by how much, and where to look."""
     s = summary
     lines = [
-        f"Run {s['run_id']} finished after {s['seconds'] / 60:.1f} min: {s['learner_steps']} policy and "
-        f"{s['judge_learner_steps']} judge learner steps, {s['events'].get('trajectory.completed', 0)} "
-        f"trajectories, {s['groups_scored']} train groups scored."
+        f"Run {s['run_id']} finished: {s['learner_steps']} policy and {s['judge_learner_steps']} judge learner "
+        f"steps, {s['events'].get('trajectory.completed', 0)} trajectories, {s['groups_scored']} train groups "
+        f"scored in all (this process ran {s['seconds'] / 60:.1f} min of it)."
     ]
     lines += [
         _change(

@@ -53,7 +53,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
                 async with _agent_metrics(agent, args) as url:
                     if url:
                         print(f"{agent.agent_id}: Prometheus metrics at {url}", flush=True)
-                    await run_agents([agent], handle_signals=False, until=stop)
+                    await _with_status(agent, run_agents([agent], handle_signals=False, until=stop))
         except asyncio.CancelledError:
             if not signals.cancelled:
                 raise
@@ -65,6 +65,20 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(go())
+
+
+async def _with_status(agent: Any, running: Any) -> None:
+    """``running`` (the agent until it stops) with the agent's status line: what it has done so far,
+    redrawn on a terminal, logged every 10 s elsewhere (a separate process otherwise says nothing)."""
+    from coevo.observe.status import agent_line, show_status
+
+    done = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(show_status(lambda: agent_line(agent), done), name="agent-status")
+        try:
+            await running
+        finally:
+            done.set()
 
 
 def _agent_metrics(agent: Any, args: argparse.Namespace) -> Any:

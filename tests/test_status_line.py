@@ -1,0 +1,65 @@
+"""What a person sees while coevo runs (#39 item 8): log lines above the status line, each ending in
+its newline, never run into it; an agent in its own process says what it has done; the closing line
+says whose minutes it counts."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import types
+
+from rich.console import Console
+
+from coevo.config import load_config
+from coevo.loop import describe
+from coevo.observe.status import agent_line, logs_above, show_status
+from coevo.observe.tally import RunTally
+
+
+def test_a_log_line_prints_above_the_status_line_with_its_newline() -> None:
+    terminal = io.StringIO()
+    console = Console(file=terminal, force_terminal=True, width=100)
+    plain = io.StringIO()
+    handler = logging.StreamHandler(plain)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with console.status("42s | trajectories 7") as status, logs_above(console):
+            logging.getLogger("coevo.test").warning("a log line while the status line is drawn")
+            status.update("43s | trajectories 8")
+        assert handler.stream is plain  # its own stream back afterwards
+    finally:
+        root.removeHandler(handler)
+    out = terminal.getvalue()
+    assert "a log line while the status line is drawn\n" in out  # through the console: a line of its own
+    assert plain.getvalue() == ""  # nothing written past the status line
+
+
+async def test_show_status_off_a_terminal_logs_progress_until_stopped() -> None:
+    console = Console(file=io.StringIO(), force_terminal=False)
+    stop = asyncio.Event()
+    lines: list[str] = []
+
+    def line() -> str:
+        lines.append("x")
+        if len(lines) == 3:
+            stop.set()
+        return f"progress {len(lines)}"
+
+    await asyncio.wait_for(show_status(line, stop, every_s=0.01, console=console), 10)
+    assert len(lines) == 3
+
+
+def test_an_agents_status_line_says_what_it_did() -> None:
+    agent = types.SimpleNamespace(agent_id="scorer-1", counters={"scorer.handled": 12, "scorer.retried": 0})
+    assert agent_line(agent) == "scorer-1: handled 12"
+    idle = types.SimpleNamespace(agent_id="judge-2", counters={"judge.handled": 0})
+    assert agent_line(idle) == "judge-2: waiting for work"
+
+
+def test_the_closing_line_says_the_minutes_are_this_processs() -> None:
+    summary = {**RunTally().summary("r1", 180.0).model_dump(), "learner_steps": 83, "groups_scored": 281}
+    first = describe(summary, load_config(), {}).splitlines()[0]
+    assert first.startswith("Run r1 finished: 83 policy and 0 judge learner steps")
+    assert first.endswith("281 train groups scored in all (this process ran 3.0 min of it).")
