@@ -45,7 +45,7 @@ def logs_above(console: Any) -> Iterator[None]:
     handlers = [h for h in logging.getLogger().handlers if type(h) is logging.StreamHandler]
     streams = [h.stream for h in handlers]
     for h in handlers:
-        h.setStream(_Above(console))  # type: ignore[arg-type]
+        h.setStream(_Above(console))
     try:
         yield
     finally:
