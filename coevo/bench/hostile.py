@@ -93,7 +93,8 @@ def stream_verdict(events: list[Event], accepted: dict[str, set[int]], opened: I
     missing = {t: sorted(want - set(steps.get(t, []))) for t, want in accepted.items()}
     missing = {t: ix for t, ix in missing.items() if ix}
     short = {t: n - len(set(steps.get(t, []))) for t, n in claimed.items() if len(set(steps.get(t, []))) < n}
-    policy_steps = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy"]
+    reports = [e for e in events if isinstance(e, LearnerStepped) and e.role == "policy"]
+    policy_steps = [e for e in reports if e.is_step]
     return {
         "steps_stored": sum(len(ix) for ix in steps.values()),
         "steps_accepted": sum(len(ix) for ix in accepted.values()),
@@ -112,6 +113,8 @@ def stream_verdict(events: list[Event], accepted: dict[str, set[int]], opened: I
         "env_reward_max_abs": max((abs(r) for r in rewards), default=0.0),
         "env_rewards_not_finite_in_float32": sum(not _finite32(r) for r in rewards),
         "learner_steps": len(policy_steps),
+        "learner_batches_not_finite": sum(e.not_finite for e in reports),
+        "groups_disposed_untrained": sum(len(e.disposed_group_ids) - len(e.group_ids) for e in reports),
         "dead_lettered": dict(Counter(e.reason.split(":")[0][:80] for e in events if isinstance(e, DeadLettered))),
         "groups_trained_twice": _trained_twice([e for e in events if isinstance(e, LearnerStepped)]),
     }
@@ -245,12 +248,7 @@ async def bench_hostile(plan: HostilePlan, *, cache: Path | None = None, workdir
                 await wait_up(c, agents, task, time.monotonic() + plan.startup_s)
                 c.vocab = max(int(policy.client.tokenizer.vocab_size), len(policy.client.tokenizer))
                 attacks_s, complete = await play(c, rt, tallies, honest)
-                up: dict[str, Any] = {
-                    "run_task_running": not task.done(),
-                    "agents": {a.agent_id: a.state for a in agents},
-                    "endpoint_answers": (await c.http.call("/v1/models", c.run_key, method="GET")).status == 200,
-                    "engine_samples": (await c.http.call(CHAT, c.run_key, chat_body())).status == 200,
-                }
+                up = await still_up(c, agents, task)
                 weights = await asyncio.to_thread(weights_report, agents)
             stop.set()
             with contextlib.suppress(Exception):
@@ -263,12 +261,8 @@ async def bench_hostile(plan: HostilePlan, *, cache: Path | None = None, workdir
         "seconds": round(time.monotonic() - t0, 1),
         "attack_seconds": round(attacks_s, 1),
         "attacks_complete": complete,
-        "attacks": {name: t.report() for name, t in tallies.items() if t.sent},
-        "attacks_answered_wrongly": sorted(name for name, t in tallies.items() if t.violations),
-        "requests_sent": sum(t.sent for t in tallies.values()),
-        "status_5xx_or_none": sum(v for t in tallies.values() for s, v in t.statuses.items() if s >= 500 or s == 0),
-        "stayed_up": bool(up["run_task_running"] and up["endpoint_answers"] and up["engine_samples"])
-        and all(s == "running" for s in up["agents"].values()),
+        **attacks_report(tallies),
+        "stayed_up": up.pop("stayed_up"),
         "up": up,
         "weights": weights,
         "weights_not_finite": sum(w["not_finite"] for w in weights.values()),
@@ -288,6 +282,27 @@ async def bench_hostile(plan: HostilePlan, *, cache: Path | None = None, workdir
         },
     }
     return {"ok": sound(result), **result}
+
+
+async def still_up(c: Ctx, agents: list[Any], task: asyncio.Task[None]) -> dict[str, Any]:
+    """Whether the run is up: every agent running, the endpoint answering, the engine sampling."""
+    up: dict[str, Any] = {
+        "run_task_running": not task.done(),
+        "agents": {a.agent_id: a.state for a in agents},
+        "endpoint_answers": (await c.http.call("/v1/models", c.run_key, method="GET")).status == 200,
+        "engine_samples": (await c.http.call(CHAT, c.run_key, chat_body())).status == 200,
+    }
+    running = all(s == "running" for s in up["agents"].values())
+    return {"stayed_up": running and up["run_task_running"] and up["endpoint_answers"] and up["engine_samples"], **up}
+
+
+def attacks_report(tallies: dict[str, Tally]) -> dict[str, Any]:
+    return {
+        "attacks": {name: t.report() for name, t in tallies.items() if t.sent},
+        "attacks_answered_wrongly": sorted(name for name, t in tallies.items() if t.violations),
+        "requests_sent": sum(t.sent for t in tallies.values()),
+        "status_5xx_or_none": sum(v for t in tallies.values() for s, v in t.statuses.items() if s >= 500 or s == 0),
+    }
 
 
 def sound(r: dict[str, Any]) -> bool:
