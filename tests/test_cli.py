@@ -122,6 +122,18 @@ def test_an_agent_with_a_roles_credentials_and_no_run_id_is_refused_in_one_line(
     assert not (home / "runs").exists()
 
 
+def test_an_agent_for_a_run_the_server_does_not_serve_says_so_and_leaves_nothing(served, home: Path) -> None:
+    printed, _ = served
+    other = printed.replace("--run-id D1", "--run-id D2").replace("ROLE", "scorer").split()[1:]
+    out = coevo(*other, cwd=home, timeout=90)
+    logged = [line for line in out.stderr.splitlines() if line[:2] == "20"]  # the agent's own log lines
+    assert any("permissions violation" in line for line in logged)  # what the server said, logged
+    said = subprocess.CompletedProcess(out.args, out.returncode, out.stdout, out.stderr.split(logged[-1], 1)[1])
+    one_line(said, "timeout", "coevo server --run-id RUN", "is D2 one of them?", rc=1)
+    assert "Traceback" not in out.stderr
+    assert not (home / "runs" / "D2").exists()  # its log was all it had written
+
+
 # ---- 2, 3, 4: wrong run, wrong model, broken configs, dead server --------------------------------
 
 

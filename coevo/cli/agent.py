@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import Any
 
 from coevo.cli._checks import check_credentials_run, check_models, check_nats
@@ -64,7 +65,38 @@ def cmd_agent(args: argparse.Namespace) -> int:
             exit_now(0)
         return 0
 
-    return asyncio.run(go())
+    run_dir = cfg.run.runs_dir / cfg.run.run_id if cfg.run.run_id else None
+    fresh = run_dir is not None and not run_dir.exists()
+    try:
+        return asyncio.run(go())
+    except Exception as exc:
+        if fresh and run_dir is not None:
+            _remove_if_only_logs(run_dir)
+        raise _hinted(exc, cfg) from exc
+
+
+def _remove_if_only_logs(run_dir: Path) -> None:
+    """An agent that failed leaves nothing behind: the run directory it created, when it holds nothing
+    but this process's log (never a checkpoint or a store)."""
+    import shutil
+
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    if all(p.name.startswith("coevo.log") or p.suffix == ".log" for p in files):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _hinted(exc: Exception, cfg: Any) -> Exception:
+    """A NATS timeout under a role's credentials is most often a run the server does not serve."""
+    from coevo.cli._failure import one_line
+    from coevo.errors import BusError
+
+    line = one_line(exc)
+    if cfg.nats.credentials_file is None or line is None or "timeout" not in line.lower():
+        return exc
+    return BusError(
+        f"{line}: with --nats.credentials_file the server answers only for the runs it was started for "
+        f"(coevo server --run-id RUN); is {cfg.run.run_id} one of them?"
+    )
 
 
 async def _with_status(agent: Any, running: Any) -> None:
