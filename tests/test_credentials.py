@@ -65,17 +65,16 @@ def test_each_role_may_publish_exactly_what_its_agent_declares() -> None:
         assert kinds == {*EMITS[role], *EVERY_ROLE_EMITS}, role
     # a role is its subjects: each has one producer, the one its registry scope names
     for subject in _subjects("r1"):
-        kind = kind_from_subject(subject)
-        if kind in EVERY_ROLE_EMITS:
-            assert _owners(subject) == sorted(ROLES)
-        else:
-            assert _owners(subject) == ([p] if (p := producer_of(subject, EMITS)) else []), subject
+        assert _owners(subject) == ([p] if (p := producer_of(subject, EMITS)) in ROLES else []), subject
     assert _owners(subject_for("r1", "task.scheduled", "tasks")) == ["tasks"]  # train, candidate, eval groups
     assert _owners(subject_for("r1", "task.scheduled", "endpoint")) == ["policy"]  # its endpoint's
     assert _owners(subject_for("r1", "task.scheduled")) == []  # old streams' and the admin's
     for lane in ("policy", "judge"):
         assert _owners(subject_for("r1", "weights.published", lane)) == ["learner"]
         assert _owners(subject_for("r1", "weights.applied", lane)) == [lane]
+    for kind in EVERY_ROLE_EMITS:  # each role reports on its own subject
+        assert all(_owners(subject_for("r1", kind, role)) == [role] for role in ROLES)
+        assert _owners(subject_for("r1", kind)) == _owners(subject_for("r1", kind, "admin")) == []
 
 
 def test_no_role_changes_the_stream_or_reads_another_roles_inbox() -> None:
@@ -264,11 +263,11 @@ async def test_a_push_consumer_cannot_deliver_a_forged_command(run_bus: NatsBus,
             name="forger",
             deliver_subject=control_subject(run_bus.run_id, "victim"),
             ack_policy=api.AckPolicy.NONE,
-            filter_subject=subject_for(run_bus.run_id, "agent.status"),
+            filter_subject=subject_for(run_bus.run_id, "agent.status", "policy"),
         ),
     )
     await js.publish(
-        subject_for(run_bus.run_id, "agent.status"), ControlRequest(command="stop").model_dump_json().encode()
+        subject_for(run_bus.run_id, "agent.status", "policy"), ControlRequest(command="stop").model_dump_json().encode()
     )
     async with asyncio.timeout(20):
         while run_bus.stats.forged_requests == 0:

@@ -53,6 +53,8 @@ def test_each_event_goes_on_its_producers_subject_and_a_subject_refuses_what_it_
         "learner.stepped": f"coevo.r.ev.learner.stepped.{samples['learner.stepped'].role}",  # type: ignore[attr-defined]
         "weights.published": f"coevo.r.ev.weights.published.{samples['weights.published'].role}",  # type: ignore[attr-defined]
         "weights.applied": f"coevo.r.ev.weights.applied.{samples['weights.applied'].role}",  # type: ignore[attr-defined]
+        "agent.status": "coevo.r.ev.agent.status.policy",  # the sample's source role
+        "dead.lettered": "coevo.r.ev.dead.lettered.policy",
     }
     for e in samples.values():
         assert refusal(scope_of(e), e) is None and refusal(None, e) is None  # the bare subject: old streams
@@ -75,6 +77,19 @@ def test_each_event_goes_on_its_producers_subject_and_a_subject_refuses_what_it_
         "a weights.published of 'judge' on the subject of 'policy', which only the 'learner' role publishes on"
     )
     assert refusal("nobody", judge) == "weights.published has no subject of scope 'nobody'"
+    # every role reports on its own subject: a status or dead letter in another role's name is refused
+    status: Any = samples["agent.status"]
+    assert subject_of("r", status) == "coevo.r.ev.agent.status.policy"  # its source's role
+    learners = status.model_copy(update={"source": Source(agent_id="learner-1", role="learner")})
+    assert refusal("policy", learners) == (
+        "a agent.status of 'learner' on the subject of 'policy', which only the 'policy' role publishes on"
+    )
+    bench = status.model_copy(update={"source": Source(agent_id="b", role="bench")})  # no run role: the admin's
+    assert subject_of("r", bench) == "coevo.r.ev.agent.status.admin" and refusal("admin", bench) is None
+    from coevo.agents import ROLES
+    from coevo.schemas.registry import RUN_ROLES
+
+    assert set(RUN_ROLES) == set(ROLES)
     assert parse_subject("coevo.r.ev.step.taken.x") == ("step.taken.x", None)  # not step.taken's: refused
     assert parse_subject("coevo.r.ctl.x") is None
     with pytest.raises(KeyError):

@@ -12,8 +12,8 @@ Each role's permissions (``role_permissions``, a pure function of the run and th
   (``role_subjects``; ``coevo.schemas.registry.SCOPES``): only the learner publishes
   ``weights.published.<lane>``, only the tasks agent ``task.scheduled.tasks`` (every group it
   schedules: train, candidate, eval), only the policy ``task.scheduled.endpoint`` (the groups its
-  endpoint opens), and each lane's server its own ``weights.applied.<lane>``; no role publishes a
-  scoped kind's bare subject;
+  endpoint opens), each lane's server its own ``weights.applied.<lane>``, each role its own
+  ``agent.status.<role>`` and ``dead.lettered.<role>``; no role publishes a scoped kind's bare subject;
 - the JetStream API only to read the run's streams (``run_streams``: events, buckets, object
   stores) and to run consumers on them (create, read, pull, ack): no stream or bucket is created,
   changed, deleted or purged by a role (the retention keeper purges old events); a role writes

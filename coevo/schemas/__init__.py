@@ -32,6 +32,7 @@ from coevo.schemas.events import (
 )
 from coevo.schemas.packed import FloatArray, Floats, IntArray, TokenIds
 from coevo.schemas.registry import (
+    BY_ROLE,
     ENDPOINT_GROUPS,
     EVENT_TYPES,
     KIND_TO_MODEL,
@@ -58,6 +59,7 @@ from coevo.schemas.registry import (
 )
 
 __all__ = [
+    "BY_ROLE",
     "ENDPOINT_GROUPS",
     "EVENT_TYPES",
     "KIND_TO_MODEL",

@@ -83,23 +83,32 @@ ENDPOINT_GROUPS = "ext-"
 """The id prefix of the groups the policy's endpoint opens (an outside agent's own task); no other
 producer's group id starts with it."""
 LANES = ("policy", "judge")
+RUN_ROLES = ("policy", "judge", "scorer", "tasks", "learner", "env", "metrics", "retention")
+"""The roles of a run (``coevo.agents.ROLES``, kept equal by a test); ``admin`` is the run's own process."""
+BY_ROLE = ("agent.status", "dead.lettered")
+"""Kinds every role publishes, each on its own role's subject."""
 
 SCOPES: dict[str, dict[str, str]] = {
     "task.scheduled": {"tasks": "tasks", "endpoint": "policy"},
     "learner.stepped": {lane: "learner" for lane in LANES},
     "weights.published": {lane: "learner" for lane in LANES},
     "weights.applied": {lane: lane for lane in LANES},
+    **{kind: {role: role for role in (*RUN_ROLES, "admin")} for kind in BY_ROLE},
 }
 """kind -> scope -> the one role that publishes ``coevo.<run>.ev.<kind>.<scope>``: a group the tasks
-agent schedules, or one the policy's endpoint opens; each lane's steps, weights, and servers."""
+agent schedules, or one the policy's endpoint opens; each lane's steps, weights, and servers; each
+role's own statuses and dead letters (``admin``: the run's process, and agents of no run role)."""
 
 
 def scope_of(event: Event) -> str | None:
     """The scope of ``event``'s subject (None: its kind has one subject), from what the event is: a
-    group of the endpoint's ids is the endpoint's; a lane's event is its lane's."""
+    group of the endpoint's ids is the endpoint's; a lane's event is its lane's; a status or dead
+    letter is its source's role's (a reader sees that the subject and the source agree)."""
     kind = kind_of(event)
     if kind == "task.scheduled":
         return "endpoint" if event.group_id.startswith(ENDPOINT_GROUPS) else "tasks"  # type: ignore[attr-defined]
+    if kind in BY_ROLE:
+        return event.source.role if event.source.role in RUN_ROLES else "admin"
     if kind in SCOPES:
         return str(event.role)  # type: ignore[attr-defined]
     return None
