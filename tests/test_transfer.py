@@ -204,6 +204,10 @@ async def test_a_connect_takes_only_an_allowed_free_name_or_its_own_link_and_lin
         again = await _connect(bus, "vllm-a", token=ep.token)  # its own follower replaces its own link
         assert again.token != ep.token and server.links[("policy", "vllm-a")] is not held
         assert len(server.links) == 2
+        # vllm-b's workers never join: once its group failed to form, a new server may take its place
+        await asyncio.wait([server.links[("policy", "vllm-b")].ready])
+        await _connect(bus, "vllm-c")
+        assert set(server.links) == {("policy", "vllm-a"), ("policy", "vllm-c")}
     finally:
         await server.aclose()
 
