@@ -389,3 +389,38 @@ def test_setup_takes_the_cpu_build_where_its_index_answers_and_says_which(tmp_pa
     assert f"{dead} does not answer" in out.stderr and "(fallback)" in out.stderr
     kept = _install_torch(index=dead)  # the interpreter running this test has torch 2.13.0: nothing installed
     assert kept.returncode == 0 and "already installed, kept" in kept.stdout
+
+
+def _fail_after(runs: Path, *made: str) -> None:
+    """Under ``removed_on_failure(runs)``: make ``made`` (paths under runs; a name with a dot is a file), then fail."""
+    from coevo.cli._leftovers import removed_on_failure
+
+    def make_and_fail() -> None:
+        with removed_on_failure(runs):
+            for rel in made:
+                path = runs / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if "." in path.name:
+                    path.write_text("{}\n")
+                else:
+                    path.mkdir()
+            raise RuntimeError("failed")
+
+    with pytest.raises(RuntimeError):
+        make_and_fail()
+
+
+def test_a_failed_command_removes_only_the_run_directories_it_created_of_logs_alone(tmp_path: Path) -> None:
+    from coevo.cli._leftovers import removed_on_failure
+
+    runs = tmp_path / "runs"
+    (runs / "old").mkdir(parents=True)
+    (runs / "old" / "coevo.log.jsonl").write_text("{}\n")  # there before: never touched
+    _fail_after(runs, "logs-only/coevo.log.jsonl", "logs-only/config.json", "trained/checkpoints/step-1.pt")
+    assert sorted(p.name for p in runs.iterdir()) == ["old", "trained"]
+    fresh = tmp_path / "fresh-runs"
+    _fail_after(fresh, "r1")
+    assert not fresh.exists()  # it created runs_dir too: gone with its only run
+    with removed_on_failure(fresh):
+        (fresh / "r2").mkdir(parents=True)
+    assert (fresh / "r2").is_dir()  # a command that succeeded keeps what it made

@@ -477,8 +477,8 @@ def test_the_chaos_plan_gives_each_role_its_faults() -> None:
     from coevo.bench.chaos import KINDS, ChaosPlan, fault_rules
 
     every = ChaosPlan(faults=tuple(KINDS), hosts=3)
-    assert set(fault_rules(every, "learner")) == {"claims.fetch", "lane.optimizer_step"}
-    assert set(fault_rules(every, "policy")) == {"claims.fetch", "handler", "follower.load"}
+    assert set(fault_rules(every, "learner")) == {"claims.fetch", "lane.optimizer_step", "publish"}
+    assert set(fault_rules(every, "policy")) == {"claims.fetch", "handler", "follower.load", "publish"}
     assert fault_rules(ChaosPlan(), "policy") == {}  # kill, node, garbage: nothing inside the agents
     with pytest.raises(ValueError, match="need hosts"):
         ChaosPlan(faults=("link_cut",))

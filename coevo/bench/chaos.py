@@ -15,6 +15,13 @@ process. The faults (``ChaosPlan.faults``, ``KINDS``):
   (``lane.optimizer_step``); the group ends and is started again, as a process manager would;
 - ``disk_full``: the learner's checkpoints live on a small tmpfs, filled every ``disk_every_s``
   for ``disk_full_s``;
+- ``consumer_delete``: the admin deletes a random agent consumer of the run every ``delete_every_s``
+  (any role may): the agent creates it again where it left off (``coevo.runtime.revival``);
+- ``long_partition``: an agent cut off for ``partition_s``, longer than ``bus.unshared_inactive_s``
+  (``inactive_s`` here, so the bench stays short): its process is stopped (SIGSTOP, then SIGCONT),
+  which the server sees as a partition: no pulls, no acks, its unshared consumers deleted as inactive;
+- ``publish_fail``: 1 % of publishes (and retries) fail (fault point ``publish``), a handler's
+  outputs mid-batch among them: each is sent again under its id, none dropped;
 - with ``hosts`` (3 or more, ``coevo.bench.hosts``): each NATS node and a share of the agents on a
   host of its own (a network namespace), and ``link_cut``: a host's link cut for ``cut_s`` every
   ``cut_every_s``; ``sigterm_cut``: meanwhile one of that host's agents gets SIGTERM, and the
@@ -67,7 +74,12 @@ KINDS = (
     "disk_full",
     "link_cut",
     "sigterm_cut",
+    "consumer_delete",
+    "long_partition",
+    "publish_fail",
 )
+PARTITIONED = ("policy", "tasks", "judge", "learner")
+"""roles with unshared consumers (weight followers, learner-decisions, tasks-steps, policy-steps)"""
 BASIC = ("kill", "node", "garbage")
 
 
@@ -89,6 +101,11 @@ class ChaosPlan:
     disk_every_s: float = 120.0
     disk_full_s: float = 20.0
     disk_mb: int = 256
+    delete_every_s: float = 20.0
+    partition_every_s: float = 60.0
+    partition_s: float = 25.0
+    inactive_s: float = 10.0
+    """``bus.unshared_inactive_s`` of the agents under ``long_partition`` (shorter than ``partition_s``)"""
 
     def __post_init__(self) -> None:
         unknown = set(self.faults) - set(KINDS)
@@ -98,6 +115,8 @@ class ChaosPlan:
             raise ValueError(f"--hosts needs at least 3 (one per NATS node), got {self.hosts}")
         if not self.hosts and {"link_cut", "sigterm_cut"} & set(self.faults):
             raise ValueError("link_cut and sigterm_cut need hosts (--hosts 3)")
+        if "long_partition" in self.faults and self.partition_s <= self.inactive_s:
+            raise ValueError(f"a long partition outlasts inactive_s ({self.inactive_s}), got {self.partition_s}")
 
 
 def fault_rules(plan: ChaosPlan, role: str) -> dict[str, dict[str, Any]]:
@@ -114,6 +133,8 @@ def fault_rules(plan: ChaosPlan, role: str) -> dict[str, dict[str, Any]]:
         rules["follower.load"] = {"p": 0.3, "delay_s": 20.0, "error": False, "seed": plan.seed}
     if "rank_failure" in on and role == "learner":
         rules["lane.optimizer_step"] = {"p": 0.01, "seed": plan.seed}
+    if "publish_fail" in on:
+        rules["publish"] = {"p": 0.01, "seed": plan.seed}
     return rules
 
 
@@ -329,6 +350,8 @@ def chaos_overrides(runs_dir: Path, cache: Path | None, replicas: int, plan: Cha
         out["env.cache_dir"] = str(cache)
     if plan is not None and "store_reads" in plan.faults:
         out["bus.inline_max_bytes"] = 32768  # the groups' scores (and the longest trajectories) by claim
+    if plan is not None and "long_partition" in plan.faults:
+        out["bus.unshared_inactive_s"] = plan.inactive_s
     return out
 
 
@@ -385,6 +408,10 @@ class Injector:
                 tg.create_task(self.cuts(random.Random(rng.random()), "sigterm_cut" in on))
             if "disk_full" in on and self.disk is not None:
                 tg.create_task(self.disk_full())
+            if "consumer_delete" in on:
+                tg.create_task(self.consumer_deletes(random.Random(rng.random())))
+            if "long_partition" in on:
+                tg.create_task(self.partitions(random.Random(rng.random())))
 
     async def kills(self, rng: random.Random, kill: bool) -> None:
         """kill -9 of a random agent; and, kill or not, agents that exited on their own come back."""
@@ -441,6 +468,46 @@ class Injector:
                     hosts.heal(host)
             await asyncio.sleep(self.plan.cut_every_s)
 
+    async def consumer_deletes(self, rng: random.Random) -> None:
+        """Delete a random agent consumer of the run (the admin does; any role may)."""
+        from coevo.runtime.bus import stream_name
+        from coevo.runtime.history import TAIL_PREFIX
+
+        stream = stream_name(self.fleet.run_id)
+        nc = await connect_nats(self.fleet.admin(), self.cluster.url, name="coevo-chaos-delete")
+        try:
+            js = nc.jetstream(timeout=5.0)
+            while self.left() > 0:
+                await asyncio.sleep(min(self.plan.delete_every_s, max(self.left(), 0.1)))
+                try:
+                    names = sorted(
+                        c.name
+                        for c in await js.consumers_info(stream)
+                        if not c.name.startswith(("history_", TAIL_PREFIX))  # readers, not agents
+                    )
+                    if names:
+                        await js.delete_consumer(stream, rng.choice(names))
+                        self.faults["consumer deleted"] += 1
+                except Exception as exc:  # a node is out right now: delete one next time
+                    log.info("chaos.delete_failed", error=repr(exc)[:200])
+        finally:
+            await nc.close()
+
+    async def partitions(self, rng: random.Random) -> None:
+        """Cut an agent off for ``partition_s`` (longer than its unshared consumers' inactive threshold):
+        its process stopped, then continued."""
+        await asyncio.sleep(min(self.plan.partition_every_s / 2, self.left() / 3))
+        while self.left() > self.plan.partition_s:
+            role = rng.choice(PARTITIONED)
+            proc = self.fleet.procs[role]
+            _signal(proc, signal.SIGSTOP)
+            self.faults[f"partition {role}"] += 1
+            try:
+                await asyncio.sleep(self.plan.partition_s)
+            finally:
+                _signal(proc, signal.SIGCONT)
+            await asyncio.sleep(self.plan.partition_every_s)
+
     async def disk_full(self) -> None:
         """Fill the tmpfs under the learner's checkpoints for ``disk_full_s``, then free it."""
         assert self.disk is not None
@@ -482,15 +549,16 @@ def _small_disk(path: Path, mb: int) -> Iterator[Path | None]:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-def _fault_points(run_dir: Path) -> dict[str, int]:
-    """The fault points that fired in the agents of one run, by point (from their JSON logs)."""
+def _fault_points(run_dir: Path, event: str = "fault.injected", key: str = "point") -> dict[str, int]:
+    """The fault points that fired in the agents of one run, by point (from their JSON logs); or the
+    lines of another ``event``, by ``key``."""
     fired: Counter[str] = Counter()
     for path in run_dir.glob("*.jsonl"):
         with path.open(errors="replace") as f:
             for line in f:
-                if '"fault.injected"' in line:
+                if f'"{event}"' in line:
                     with contextlib.suppress(ValueError):
-                        fired[json.loads(line).get("point", "?")] += 1
+                        fired[str(json.loads(line).get(key, "?"))] += 1
     return dict(fired)
 
 
@@ -550,6 +618,7 @@ async def run_fleet(
         "faults_injected": sum(injector.faults.values()),
         "faults": dict(injector.faults),
         "fault_points_fired": _fault_points(workdir / "runs" / run_id),
+        "consumers_recreated": _fault_points(workdir / "runs" / run_id, "consumer.recreated", "consumer"),
         "sigterm_while_cut_off_s": injector.sigterm_s,
         "disk_full_unavailable": "disk_full" in active.faults and disk is None,
         "agent_starts": dict(fleet.starts),

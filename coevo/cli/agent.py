@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-from pathlib import Path
 from typing import Any
 
 from coevo.cli._checks import check_credentials_run, check_models, check_nats
 from coevo.cli._config import dry_run, resolve_config
+from coevo.cli._leftovers import removed_on_failure
 from coevo.cli._table import Command, arg
 
 
@@ -65,24 +65,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
             exit_now(0)
         return 0
 
-    run_dir = cfg.run.runs_dir / cfg.run.run_id if cfg.run.run_id else None
-    fresh = run_dir is not None and not run_dir.exists()
     try:
-        return asyncio.run(go())
+        with removed_on_failure(cfg.run.runs_dir):  # a failed agent leaves no run directory of its log alone
+            return asyncio.run(go())
     except Exception as exc:
-        if fresh and run_dir is not None:
-            _remove_if_only_logs(run_dir)
         raise _hinted(exc, cfg) from exc
-
-
-def _remove_if_only_logs(run_dir: Path) -> None:
-    """An agent that failed leaves nothing behind: the run directory it created, when it holds nothing
-    but this process's log (never a checkpoint or a store)."""
-    import shutil
-
-    files = [p for p in run_dir.rglob("*") if p.is_file()]
-    if all(p.name.startswith("coevo.log") or p.suffix == ".log" for p in files):
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _hinted(exc: Exception, cfg: Any) -> Exception:

@@ -195,6 +195,9 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
             hosts=args.hosts,
             cut_every_s=args.cut_every,
             cut_s=args.cut_s,
+            delete_every_s=args.delete_every,
+            partition_s=args.partition_s,
+            inactive_s=args.inactive_s,
         )
     except ValueError as exc:
         raise SystemExit(f"coevo bench chaos: {exc}") from None
@@ -379,6 +382,14 @@ BENCHES: tuple[Command, ...] = (
             arg("--cut-s", type=float, default=30.0, help="how long a host stays cut off"),
             arg("--kill-every", type=float, default=5.0, help="seconds between kill -9 of a random agent"),
             arg("--node-every", type=float, default=60.0, help="seconds between NATS node kills"),
+            arg("--delete-every", type=float, default=20.0, help="seconds between consumer deletions"),
+            arg("--partition-s", type=float, default=25.0, help="how long a long partition cuts an agent off"),
+            arg(
+                "--inactive-s",
+                type=float,
+                default=10.0,
+                help="bus.unshared_inactive_s under long_partition (shorter than --partition-s)",
+            ),
             arg("--seed", type=int, default=0),
             arg("--no-baseline", action="store_true", help="skip the fault-free run"),
             arg("--workdir", type=Path, help="keep stores, runs and agent logs here (default: removed)"),

@@ -7,6 +7,7 @@ import asyncio
 
 from coevo.cli._checks import check_models, check_nats, check_resume
 from coevo.cli._config import dry_run, resolve_config
+from coevo.cli._leftovers import removed_on_failure
 from coevo.cli._table import Command, arg
 
 
@@ -28,7 +29,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         report=not args.no_report,
         trace=trace,
     )
-    return asyncio.run(run_main(cfg, opts))
+    with removed_on_failure(cfg.run.runs_dir):  # failed before it ran: no run directory of logs alone
+        return asyncio.run(run_main(cfg, opts))
 
 
 COMMANDS: tuple[Command, ...] = (

@@ -16,7 +16,6 @@ import os
 import ssl
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import nats
@@ -37,6 +36,7 @@ from coevo.runtime.kv import Bucket
 from coevo.runtime.publishing import MSG_ID, Publisher
 from coevo.runtime.pull import Puller
 from coevo.runtime.rpc import Rpc
+from coevo.runtime.stats import BusStats
 from coevo.schemas import Event, decode, events_prefix, kind_of, new_id, parse_subject, refusal, subject_filters
 
 log = structlog.get_logger("coevo.bus")
@@ -126,20 +126,6 @@ def _secret(env: str) -> str:
     if not value:
         raise BusError(f"environment variable {env} (named by the config) is not set")
     return value
-
-
-@dataclass
-class BusStats:
-    published: int = 0
-    duplicates: int = 0
-    publish_retries: int = 0
-    unstored: int = 0
-    """publishes never acknowledged when the bus closed (each logged by id: ``bus.closed_unflushed``)"""
-    dead_lettered: int = 0
-    forged_requests: int = 0
-    """messages on a served subject that were not requests (``is_request``): dropped"""
-    latencies_ms: list[float] = field(default_factory=list)
-    track_latency: bool = False
 
 
 class NatsBus(Publisher, History, Rpc):

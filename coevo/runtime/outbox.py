@@ -19,13 +19,33 @@ import asyncio
 import contextvars
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from coevo.config import BusConfig
 from coevo.schemas import Event
 
-if TYPE_CHECKING:
-    from coevo.runtime.bus import NatsBus
-    from coevo.runtime.publishing import _UnackedPublish
+
+@dataclass(slots=True)
+class UnackedPublish:
+    """A publish awaiting its acknowledgement (what the bus's table holds and an outbox stages)."""
+
+    subject: str
+    payload: bytes
+    event_id: str
+    t0: float
+    headers: dict[str, str] = field(default_factory=dict)
+    future: asyncio.Future[bool] | None = None
+    """Resolves True once JetStream stored the message (``duplicate`` or not); fails when the stream
+    refused it or nobody answered. Set by ``publish_raw``, resolved by the ack subscription."""
+
+
+class Republisher(Protocol):
+    """What ``confirm`` needs of the bus (``coevo.runtime.publishing.Publisher``): the outbox sits
+    below the bus and never imports it."""
+
+    cfg: BusConfig
+
+    async def republish(self, p: UnackedPublish) -> object: ...
 
 
 @dataclass
@@ -34,7 +54,7 @@ class Outbox:
 
     cause_id: str
     consumer: str
-    staged: list[tuple[asyncio.Future[bool], _UnackedPublish]] = field(default_factory=list)
+    staged: list[tuple[asyncio.Future[bool], UnackedPublish]] = field(default_factory=list)
 
     def derived_id(self, event: Event) -> str:
         """A deterministic id for an event built while handling this delivery."""
@@ -42,7 +62,7 @@ class Outbox:
         digest = hashlib.sha256(f"{self.cause_id}\0{self.consumer}\0{body}".encode()).hexdigest()
         return f"o-{digest[:40]}"
 
-    async def confirm(self, bus: NatsBus) -> None:
+    async def confirm(self, bus: Republisher) -> None:
         """Return once every staged publish is stored; raise ``PublishError`` if one cannot be."""
         for fut, unacked in self.staged:
             try:

@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -30,24 +29,11 @@ from coevo.config import BusConfig, StreamConfig
 from coevo.errors import BusError, InjectedFault, PublishError
 from coevo.runtime import claims, faults, outbox
 from coevo.runtime.credentials import payload_bucket
+from coevo.runtime.outbox import UnackedPublish as _UnackedPublish
+from coevo.runtime.stats import BusStats
 from coevo.schemas import Event, encode, subject_of
 
-if TYPE_CHECKING:
-    from coevo.runtime.bus import BusStats
-
 MSG_ID = "Nats-Msg-Id"
-
-
-@dataclass(slots=True)
-class _UnackedPublish:
-    subject: str
-    payload: bytes
-    event_id: str
-    t0: float
-    headers: dict[str, str] = field(default_factory=dict)
-    future: asyncio.Future[bool] | None = None
-    """Resolves True once JetStream stored the message (``duplicate`` or not); fails when the stream
-    refused it or nobody answered. Set by ``publish_raw``, resolved by the ack subscription."""
 
 
 class Publisher:

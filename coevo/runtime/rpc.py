@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import nats.errors
 import structlog
@@ -18,10 +18,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from coevo.errors import BusError, NoResponders
+from coevo.runtime.stats import BusStats
 from coevo.schemas import ControlReply, ControlRequest, Frozen, control_subject
-
-if TYPE_CHECKING:
-    from coevo.runtime.bus import BusStats
 
 log = structlog.get_logger("coevo.bus")
 M = TypeVar("M", bound=Frozen)
