@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
@@ -57,6 +58,15 @@ def choice_token_ids(tokenizer: Any, choices: list[str], cache: dict[tuple[str, 
             ids.append(toks[0])
         cache[key] = ids
     return cache[key]
+
+
+def distinct_rows(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts of a batch, in first-seen order, and each prompt's row among them: requests
+    with the same prompt (the ``m`` votes on one step, the ``n`` rollouts of a group at its first
+    step) share one forward pass, and each still draws its own sample, in request order."""
+    rows: dict[tuple[int, ...], int] = {}
+    index = [rows.setdefault(tuple(p), len(rows)) for p in prompts]
+    return [list(p) for p in rows], index
 
 
 @dataclass(frozen=True)
@@ -184,6 +194,13 @@ class LocalEngine:
         self._queue: asyncio.Queue[_Request | _Swap] = asyncio.Queue()
         self._server: asyncio.Task[None] | None = None
         self._choice_ids: dict[tuple[str, ...], list[int]] = {}
+        self.rows_computed = 0
+        self.choice_cache_size = 4096
+        self._choice_logits: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], Any] = OrderedDict()
+        """(prompt ids, choice ids) -> their next-token logits under the weights served now (cleared by a
+        swap): a state met again (another rollout of the group, another trajectory's same step) costs
+        no forward pass; each request still draws its own sample"""
+        """prompt rows the constrained batches ran through the model (requests sharing a prompt count once)"""
         self._base: dict[str, Any] | None = None
         """the base weights of the layers an adapter changes, as they were before the first adapter"""
         if adapter is not None:
@@ -304,15 +321,20 @@ class LocalEngine:
         try:
             await asyncio.to_thread(self._load, source)
         except Exception as exc:
-            fut.set_exception(exc)
+            if not fut.done():  # its waiter may have been cancelled (a stop): the engine serves on
+                fut.set_exception(exc)
+            else:
+                log.warning("engine.load_failed", engine=self.name, version=version, error=repr(exc)[:300])
             return
         self._version = version
-        fut.set_result((time.perf_counter() - t0) * 1e3)
+        if not fut.done():
+            fut.set_result((time.perf_counter() - t0) * 1e3)
 
     def _load(self, source: Path | dict[str, Any] | _Adapter) -> None:
         """Copy the weights into the served model (``load_state_dict`` casts to its dtype and device)."""
         from safetensors.torch import load_file
 
+        self._choice_logits.clear()  # computed by the weights being replaced
         if isinstance(source, _Adapter):
             self._load_adapter(source)
             return
@@ -376,11 +398,46 @@ class LocalEngine:
         import torch
 
         prompts = [self._prompt_ids(r) for r in batch]
-        width = max(map(len, prompts))
+        allowed = [self.choice_token_ids(r.choices or []) for r in batch]
+        keys = [(tuple(p), tuple(a)) for p, a in zip(prompts, allowed, strict=True)]
+        missing = [p for p, k in zip(prompts, keys, strict=True) if k not in self._choice_logits]
+        if missing:
+            self._next_logits(missing, [k for k in keys if k not in self._choice_logits])
+        results = []
+        for i, r in enumerate(batch):
+            assert r.choices is not None
+            logits = self._choice_logits[keys[i]]
+            self._choice_logits.move_to_end(keys[i])
+            sub = truncate(logits[None] / max(r.temperature, 1e-5), self.sampling)[0]
+            logp = torch.log_softmax(sub, -1)
+            k = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
+            results.append(
+                Completion(
+                    r.choices[k],
+                    prompts[i],
+                    [allowed[i][k]],
+                    [float(logp[k])],
+                    self._version,
+                    choice=k,
+                    allowed_token_ids=list(allowed[i]),
+                )
+            )
+        while len(self._choice_logits) > self.choice_cache_size:
+            self._choice_logits.popitem(last=False)
+        return results
+
+    def _next_logits(self, prompts: list[list[int]], keys: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        """One forward pass over the distinct ``prompts``; the next-token logits of each key's choices
+        are kept (until the weights change) for every request that asks them again."""
+        import torch
+
+        distinct, row = distinct_rows(prompts)  # the m votes on a step, a group's first step: one row each
+        self.rows_computed += len(distinct)
+        width = max(map(len, distinct))
         pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: the next token is always at the end
+        ids = torch.full((len(distinct), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for i, p in enumerate(distinct):  # left padding: the next token is always at the end
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -394,25 +451,8 @@ class LocalEngine:
             .float()
             .cpu()
         )
-        results = []
-        for i, r in enumerate(batch):
-            assert r.choices is not None
-            allowed = self.choice_token_ids(r.choices)
-            sub = truncate(logits[i, allowed][None] / max(r.temperature, 1e-5), self.sampling)[0]
-            logp = torch.log_softmax(sub, -1)
-            k = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
-            results.append(
-                Completion(
-                    r.choices[k],
-                    prompts[i],
-                    [allowed[k]],
-                    [float(logp[k])],
-                    self._version,
-                    choice=k,
-                    allowed_token_ids=list(allowed),
-                )
-            )
-        return results
+        for j, key in enumerate(keys):
+            self._choice_logits[key] = logits[row[j], list(key[1])].clone()
 
     def _stopped(self, ids: list[int], stops: list[str], window: int = 32) -> bool:
         """Whether the text of the last ``window`` tokens holds a stop string (a stop string longer

@@ -13,6 +13,7 @@ a file that is not a GGUF model raises ``ConfigError`` naming the flag, and leav
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -56,6 +57,14 @@ def is_gguf(path: Path) -> bool:
 
 
 def file_digest(path: Path) -> str:
+    """The sha256 of ``path``'s bytes, read once per process while its size and mtime stay the same
+    (every agent of a run resolves the same file: the first reads it, in a thread, before they start)."""
+    st = path.stat()
+    return _digest(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(path: Path, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -127,7 +127,7 @@ def token_logprobs(
     """
     from torch.utils.checkpoint import checkpoint
 
-    hidden = _final_hidden(model, input_ids, attention_mask)
+    hidden = _shared_hidden(model, input_ids, attention_mask)
     head = _output_head(model)
     rows, cols = response_mask[:, 1:].nonzero(as_tuple=True)  # position cols predicts token cols + 1
     h = hidden[:, :-1][rows, cols]
@@ -181,6 +181,18 @@ def _chunk_logprobs(
 def _output_head(model: torch.nn.Module) -> torch.nn.Linear:
     """The causal LM's output head (transformers' ``get_output_embeddings``, reached through any wrapper)."""
     return cast(Callable[[], torch.nn.Linear], model.get_output_embeddings)()
+
+
+def _shared_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``_final_hidden`` with each distinct row run once: the samples of a group's rollouts at one state
+    (the same prompt and the same choice) are equal rows; their hidden states are computed once and
+    indexed out to every row, so the backward pass sums their gradients as separate rows would."""
+    rows = torch.cat([input_ids, attention_mask], dim=-1)
+    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if distinct.shape[0] == rows.shape[0]:
+        return _final_hidden(model, input_ids, attention_mask)
+    width = input_ids.shape[1]
+    return _final_hidden(model, distinct[:, :width], distinct[:, width:])[inverse]
 
 
 def _final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
