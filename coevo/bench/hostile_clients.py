@@ -471,8 +471,16 @@ class Honest:
     """requests of an honest agent answered otherwise than 200 or 429"""
 
 
+HONEST_TURNS: tuple[tuple[str, dict[str, Any]], ...] = (
+    (CHAT, chat_body("turn 0: say yes")),
+    (MESSAGES, chat_body("turn 1: say yes")),
+    (RESPONSES, {"model": "policy", "input": "turn 2: say yes", "max_output_tokens": 4}),
+)
+
+
 async def honest_agent(c: Ctx, i: int, tally: Honest) -> None:
-    """Episodes of two turns each (a reward per call), won at even rollout indices: a learning signal."""
+    """Episodes of three calls each, one through each API (Chat Completions, Messages, Responses), a reward
+    per call, won at even rollout indices: a learning signal."""
     from coevo.runtime.aio import wait_event
 
     while not c.stop.is_set():
@@ -483,10 +491,10 @@ async def honest_agent(c: Ctx, i: int, tally: Honest) -> None:
             continue
         ep, key = r.body, r.body["key"]
         tally.groups.add(ep["group_id"])
-        for turn in range(2):
-            got = await c.http.call(CHAT, key, chat_body(f"turn {turn}: say yes"))
+        for path, body in HONEST_TURNS:
+            got = await c.http.call(path, key, body)
             if got.status != 200:
-                tally.failed[f"chat {got.code()}"] += 1
+                tally.failed[f"{path} {got.code()}"] += 1
                 continue
             rew = await c.http.call(f"/coevo/v1/episodes/{ep['episode_id']}/reward", key, {"reward": 0.25})
             if rew.status != 200:
