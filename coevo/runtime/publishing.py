@@ -1,7 +1,7 @@
 """Publishing with acknowledgements: the bus's half that stores events (``NatsBus`` is a ``Publisher``).
 
 Invariants:
-- every event is published on ``subject_for(run, kind)`` with ``Nats-Msg-Id = event_id``, so a
+- every event is published on ``subject_of(run, event)`` with ``Nats-Msg-Id = event_id``, so a
   retried or repeated publish of the same event is stored once (within the duplicate window);
 - at most ``bus.max_inflight_publishes`` publishes await their acknowledgement; one unanswered for
   ``bus.publish_ack_timeout_s`` is sent again (same id) by the next publish, and ``flush()``
