@@ -325,20 +325,25 @@ class Consumer:
             except PayloadUnavailable as again:
                 exc = again
 
-    async def _handle(self, msg: Msg) -> bool:
-        """Handle one message to its outcome; True when it was acked (a dead letter settles itself)."""
+    async def _admitted(self, msg: Msg) -> Event | None:
+        """The message's event, or None when it is not one of this run's (dead-lettered with the
+        reason) or its payload cannot be had now (left to redelivery)."""
         try:
             event = await self._decode(msg)
-            if event is None:
-                return False
         except ValidationError as exc:
             await self._dead_letter(msg, f"invalid payload: {_short(exc)}")
-            return False
+            return None
         except ValueError as exc:
             await self._dead_letter(msg, f"undecodable payload: {exc}")
-            return False
-        if event.run_id != self.bus.run_id:
+            return None
+        if event is not None and event.run_id != self.bus.run_id:
             await self._dead_letter(msg, f"event of run {event.run_id} on run {self.bus.run_id}")
+            return None
+        return event
+
+    async def _handle(self, msg: Msg) -> bool:
+        """Handle one message to its outcome; True when it was acked (a dead letter settles itself)."""
+        if (event := await self._admitted(msg)) is None:
             return False
         box = Outbox(event.event_id, self.sub.durable)
         try:
