@@ -150,3 +150,24 @@ async def test_an_all_lost_group_releases_the_backlog_gate(bus: NatsBus, loop_cf
                 await released.wait()
         assert not policy.endpoint.backlog.groups
         await post(http, "/coevo/v1/episodes", {"task_id": "lost", "goal": "g"})  # admitted
+
+
+async def test_concurrent_rotations_of_one_agent_key_leave_it_one_open_episode(
+    bus: NatsBus, loop_cfg: CoevoConfig
+) -> None:
+    """Each rotation read the episode its key held as the request arrived: concurrent ones each
+    opened an episode that no key held (found by coevo bench hostile: 28 of 40), filling the
+    endpoint's open slots until the episode timeout. One at a time, each ends the one before."""
+    cfg = endpoint_cfg(loop_cfg)
+    policy = PolicyAgent(bus, cfg)
+    async with running([policy], f"http://127.0.0.1:{cfg.policy.serve_port}") as http:
+        agent = (await post(http, "/coevo/v1/agent-keys", {}))["agent_key"]
+        body = {"task_id": "flood", "goal": "g", "outcome": "lost"}
+        async with aiohttp.ClientSession(http._base_url, headers={"x-api-key": agent}) as harness:
+            opened = await asyncio.gather(*(post(harness, "/coevo/v1/episodes/rotate", body) for _ in range(12)))
+            call = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3}
+            held = await post(harness, "/v1/chat/completions", call)
+        book = policy.endpoint.book
+        assert len({o["episode_id"] for o in opened}) == 12
+        assert list(book.episodes) == [held["coevo"]["episode_id"]]  # the one it holds is the only one open
+        assert sum(book.ended[o["episode_id"]] == "lost" for o in opened if o["episode_id"] in book.ended) == 11

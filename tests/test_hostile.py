@@ -88,6 +88,7 @@ async def test_hostile_clients_poison_nothing_and_honest_agents_are_trained(tmp_
             assert all(400 <= int(s) < 500 for s in statuses), (name, holder, statuses)
     assert r["status_5xx_or_none"] == 0 and r["endpoint_errors_500"] == 0
     assert r["stayed_up"], r["up"]
+    assert r["flood_orphans"] == 0  # concurrent rotations of one agent key end each other's episodes
     assert r["weights_not_finite"] == 0, r["weights"]
     assert {"learner_policy_model", "published_policy", "engine_policy"} <= r["weights"].keys()
     assert all(w["tensors"] > 0 for w in r["weights"].values())

@@ -369,7 +369,9 @@ async def flood_opens(c: Ctx, h: Holder) -> list[Reply]:
         held = await c.http.call(CHAT, h.key, chat_body())  # the episode the agent key holds now
         mine = held.body.get("coevo", {}).get("episode_id") if held.status == 200 else None
         h.episode = next((b for b in opened if b["episode_id"] == mine), opened[-1])
-        c.orphans += sum(b["episode_id"] != mine for b in opened)
+        others = [b["episode_id"] for b in opened if b["episode_id"] != mine]
+        still = await asyncio.gather(*(c.http.call(f"/coevo/v1/episodes/{e}", c.run_key, method="GET") for e in others))
+        c.orphans += sum(r.status == 200 for r in still)  # open, and held by no key (ended ones answer 409)
     return replies
 
 

@@ -706,14 +706,15 @@ class Endpoint:
                 code="episode_key_scope",
             )
         body = await self._json(request, empty_ok=True)
-        current: Episode | None = request.get(BOUND)
-        if current is not None:
-            outcome, error, observation = self._outcome(body)
-            async with current.lock:
-                await self.end(current, outcome, error, observation)
-        rest = {k: v for k, v in body.items() if k not in ("outcome", "reward", "error", "observation")}
-        ep = await self._open(rest)
-        self.book.agents[agent] = ep.episode_id
+        async with self.book.rotations[agent]:  # one at a time: each ends the episode the one before opened
+            current = self.book.current(agent)  # read under the lock, not as the request arrived
+            if current is not None:
+                outcome, error, observation = self._outcome(body)
+                async with current.lock:
+                    await self.end(current, outcome, error, observation)
+            rest = {k: v for k, v in body.items() if k not in ("outcome", "reward", "error", "observation")}
+            ep = await self._open(rest)
+            self.book.agents[agent] = ep.episode_id
         return self._opened(ep)
 
     async def _own_episode(self, body: dict[str, Any]) -> Episode:

@@ -155,6 +155,8 @@ class Book:
         self.keys: dict[str, Episode] = {}
         self.agents: dict[str, str | None] = {}
         """agent key -> the id of its current episode (None before its first)"""
+        self.rotations: dict[str, asyncio.Lock] = {}
+        """agent key -> the lock its rotations take one at a time (each ends the one before it)"""
         self.ended: OrderedDict[str, str] = OrderedDict()
         self.remember = remember
         self.reserved = 0
@@ -178,7 +180,13 @@ class Book:
     def new_agent(self) -> str:
         key = f"ak-{secrets.token_urlsafe(24)}"
         self.agents[key] = None
+        self.rotations[key] = asyncio.Lock()
         return key
+
+    def current(self, agent: str) -> Episode | None:
+        """The open episode agent key ``agent`` holds now."""
+        episode_id = self.agents.get(agent)
+        return self.episodes.get(episode_id) if episode_id is not None else None
 
     def add(
         self,
