@@ -234,11 +234,13 @@ async def test_sigterm_is_honoured_within_5_s_while_a_worker_thread_computes(
 
 
 async def test_sigterm_is_honoured_within_5_s_during_the_first_connect(tmp_path) -> None:
-    """An agent started before its server (or pointed at one that is gone) retries its first
-    connect for up to 30 s; a SIGTERM meanwhile ends it within 5 s, cleanly (issue #24)."""
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """An agent whose server takes its connection but never answers (hung, or not NATS) retries its
+    first connect for up to 30 s; a SIGTERM meanwhile ends it within 5 s, cleanly (issue #24). (A
+    port nothing listens on is refused before the agent starts: ``coevo agent`` probes --nats.)"""
+    silent = socket.socket()  # listens, never accepts: TCP connects succeed, no INFO ever comes
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
     agent = spawn_agent(
         "tests.agents_for_tests:Echo", f"nats://127.0.0.1:{port}", "sigterm2", {"COEVO_TEST_RUNS": str(tmp_path)}
     )
@@ -252,6 +254,7 @@ async def test_sigterm_is_honoured_within_5_s_during_the_first_connect(tmp_path)
     t0 = time.monotonic()
     agent.send_signal(signal.SIGTERM)
     code = await wait_exit(agent, 40)
+    silent.close()
     assert time.monotonic() - t0 < 5.0, time.monotonic() - t0
     assert code == 0
 
