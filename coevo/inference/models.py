@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -128,14 +129,23 @@ def build_model(out_dir: Path, kind: ModelKind, seed: int = 0) -> None:
 
 def ensure_default_model(kind: ModelKind, cache_dir: Path, seed: int = 0) -> Path:
     """The tiny default model of ``kind``, built on first use."""
-    final = default_model_dir(kind, cache_dir, seed)
+
+    def build(tmp: Path) -> None:
+        build_tokenizer(tmp, seed)
+        build_model(tmp, kind, seed)
+
+    return built_once(default_model_dir(kind, cache_dir, seed), build)
+
+
+def built_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """The model directory ``final``, made by ``build`` into a temporary directory beside it and renamed
+    into place (atomic: a concurrent builder's result wins, a failed build leaves nothing)."""
     if (final / "config.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        build_tokenizer(tmp, seed)
-        build_model(tmp, kind, seed)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
