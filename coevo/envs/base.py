@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import json
+import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -86,6 +87,27 @@ class Family(abc.ABC):
 
     @abc.abstractmethod
     async def precheck(self, task: TaskSpec) -> PrecheckResult: ...
+
+    def drawn_pool(
+        self, ranges: dict[str, tuple[int, int]], id_prefix: str, n_train: int, n_heldout: int, seed: int
+    ) -> list[TaskSpec]:
+        """An initial pool: ``n_train`` then ``n_heldout`` tasks, each knob drawn uniformly from its
+        range (a fixed knob draws nothing) and a seed param, all from ``seed``."""
+        rng = random.Random(seed)
+        tasks = []
+        for i in range(n_train + n_heldout):
+            split: Literal["train", "heldout"] = "train" if i < n_train else "heldout"
+            knobs = {k: lo if lo == hi else rng.randint(lo, hi) for k, (lo, hi) in ranges.items()}
+            tasks.append(
+                TaskSpec(
+                    task_id=f"{id_prefix}-{split[0]}{i}",
+                    family=self.name,
+                    params={"seed": rng.randrange(1_000_000)},
+                    knobs=knobs,
+                    split=split,
+                )
+            )
+        return tasks
 
     def knobs_of(self, task: TaskSpec) -> dict[str, int]:
         """Every knob's value for ``task`` (its low bound when unset); out of bounds is an error."""

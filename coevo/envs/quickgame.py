@@ -303,22 +303,7 @@ class QuickGame(Family):
     id_prefix: ClassVar[str] = "qg"
 
     def initial_tasks(self, n_train: int, n_heldout: int, seed: int) -> list[TaskSpec]:
-        rng = random.Random(seed)
-        tasks = []
-        for i in range(n_train + n_heldout):
-            split: Literal["train", "heldout"] = "train" if i < n_train else "heldout"
-            # a fixed knob draws nothing: the default pool stays the one earlier versions built
-            knobs = {k: lo if lo == hi else rng.randint(lo, hi) for k, (lo, hi) in self.initial_knobs.items()}
-            tasks.append(
-                TaskSpec(
-                    task_id=f"{self.id_prefix}-{split[0]}{i}",
-                    family=self.name,
-                    params={"seed": rng.randrange(1_000_000)},
-                    knobs=knobs,
-                    split=split,
-                )
-            )
-        return tasks
+        return self.drawn_pool(self.initial_knobs, self.id_prefix, n_train, n_heldout, seed)
 
     async def precheck(self, task: TaskSpec) -> PrecheckResult:
         try:
