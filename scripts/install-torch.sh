@@ -40,5 +40,9 @@ if [ "$DRY" = "--dry-run" ]; then
   echo "setup: would install torch $VERSION ($why)" >&2
   exit 0
 fi
-"$PY" -m pip install -q "${args[@]}"
+if ! "$PY" -m pip install -q "${args[@]}"; then  # an index that answered but could not deliver: the default one
+  [ "${args[0]}" = "--index-url" ] || exit 1
+  why="no GPU; $INDEX failed mid-install: the default index's build (fallback)"
+  "$PY" -m pip install -q "torch==$VERSION"
+fi
 echo "setup: installed torch $("$PY" -c 'import torch; print(torch.__version__, "CUDA " + str(torch.version.cuda) if torch.version.cuda else "CPU only")') ($why)"
