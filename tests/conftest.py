@@ -17,6 +17,11 @@ from coevo.runtime.server import EmbeddedServer
 from coevo.schemas import new_id
 
 REPO = Path(__file__).resolve().parent.parent
+HEAVY = pytest.mark.skipif(
+    os.environ.get("COEVO_HEAVY") != "1",
+    reason="trains a real pretrained model for minutes: COEVO_HEAVY=1 runs it (kept out of CI's 40 minutes)",
+)
+"""The ``heavy`` tests' gate: ``pytest.mark.heavy`` says what they are, this says when they run."""
 
 
 @pytest.fixture(scope="module")

