@@ -313,7 +313,13 @@ def check_learner_lineage(events, ckpt_root) -> list[LearnerStepped]:
         for g in events
         if isinstance(g, GroupScored) and g.purpose == "train" and g.policy_samples and not g.flagged
     }
-    assert trainable - consumed == set(), "an acknowledged group was never trained"
+    disposed = {  # acknowledged untrained, each named with its reason (issue 36 item 12)
+        g
+        for e in events
+        if isinstance(e, LearnerStepped) and e.role == "policy"
+        for g in (*e.stale_group_ids, *e.no_signal_group_ids, *e.kl_rejected_group_ids, *e.dead_lettered_group_ids)
+    }
+    assert trainable - consumed - disposed == set(), "an acknowledged group was neither trained nor named disposed"
     return lineage
 
 

@@ -269,21 +269,11 @@ class Consumer:
                     await twin.nak()
 
     async def _release(self, msgs: list[Msg]) -> None:
-        """Give messages back on a stop or a pause (nak'd, redelivered after ``release_delay_s``).
-
-        Not at once: the stopping process's own pull requests stay open on the server for up to
-        ``fetch_timeout_s``, and a message nak'd without delay went straight into one of them, was
-        given back again, and so on until its deliveries ran out (a clean Ctrl-C dead-lettered
-        several messages "delivered 6 times without an outcome"). After the delay only a live
-        consumer's pull can take it: another replica's, or this one's after a restart."""
+        """Give fetched-but-unstarted messages back at once (nak without delay)."""
         for msg in msgs:
             self.stats.nak_on_shutdown += 1
             with contextlib.suppress(Exception):
-                await msg.nak(delay=self.release_delay_s)
-
-    @property
-    def release_delay_s(self) -> float:
-        return 2 * self.cfg.fetch_timeout_s
+                await msg.nak()
 
     async def _keepalive(self) -> None:
         """Send ``in_progress`` for messages held longer than ``in_progress_every_s``; read a shared
