@@ -55,10 +55,10 @@ def test_converted_weights_are_the_dequantised_gguf_weights(smol_dir: Path) -> N
 
 
 def test_a_file_that_is_not_gguf_is_one_config_error_and_leaves_nothing(tmp_path: Path) -> None:
-    fake = tmp_path / "model.gguf"
-    fake.write_text("not a model")
+    not_model = tmp_path / "model.gguf"
+    not_model.write_text("not a model")
     with pytest.raises(ConfigError, match=r"policy\.model '.*model\.gguf' is not a GGUF file") as e:
-        gguf_model_dir(fake, tmp_path / "cache", flag="policy.model")
+        gguf_model_dir(not_model, tmp_path / "cache", flag="policy.model")
     assert e.value.field == "policy.model"
     assert not (tmp_path / "cache").exists()
 
