@@ -165,7 +165,8 @@ def serving(model: Path, log_dir: Path, extra: tuple[str, ...] = (), lora_rank: 
     log_path = log_dir / "vllm.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            server_command(python, model, port, lora_rank=lora_rank, extra=extra),
+            # eager: the tests check what is served, not how fast; vLLM's warm-up compile is 30 of a start's 70 s
+            server_command(python, model, port, lora_rank=lora_rank, extra=("--enforce-eager", *extra)),
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **SERVER_ENV},
