@@ -25,7 +25,7 @@ from coevo.observe.aggregate import Aggregator
 from coevo.observe.live import LiveRun, ObserveOptions, observe_run
 from coevo.observe.tally import RunTally
 from coevo.runtime.agent import Agent, run_agents
-from coevo.runtime.aio import wait_event
+from coevo.runtime.aio import off_the_loop, wait_event
 from coevo.runtime.app import Runtime, open_runtime
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.credentials import credentials_dir
@@ -247,7 +247,7 @@ async def run_main(cfg: CoevoConfig, opts: ObserveOptions | None = None) -> int:
                 if cfg.run.steps is not None and steps_done >= cfg.run.steps:
                     stop.set()
 
-        agents = build_agents(rt.bus, cfg, on_step=on_step)
+        agents = await off_the_loop(lambda: build_agents(rt.bus, cfg, on_step=on_step), _loading)
         async with _observe(rt, cfg, opts, agents) as live:
             started = time.time()
             _announce(rt, cfg, live)
@@ -257,6 +257,10 @@ async def run_main(cfg: CoevoConfig, opts: ObserveOptions | None = None) -> int:
             links = await _links(rt, live, summary, opts)
     print(describe(summary, cfg, links), flush=True)
     return 0
+
+
+def _loading(seconds: float) -> None:
+    log.info("run.loading_models", seconds=round(seconds))
 
 
 def _observe(rt: Runtime, cfg: CoevoConfig, opts: ObserveOptions, agents: list[Agent]) -> Any:

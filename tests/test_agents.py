@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from coevo.errors import AgentFailed
-from coevo.runtime.agent import run_agents
+from coevo.runtime.agent import Agent, run_agents
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import AgentStatus, TaskScheduled, TaskSpec, TrajectoryCompleted
 from tests.agents_for_tests import Echo, Flaky, Producer
@@ -275,3 +276,41 @@ async def test_drain_waits_for_work_but_not_for_a_server_that_is_gone() -> None:
     assert await drain([stuck], 60.0, lambda: False, grace_s=0.3) == {stuck}  # gone: the grace only
     assert time.monotonic() - t1 < 1.0
     stuck.cancel()
+
+
+class Stubborn(Agent):
+    """Producer work that outlives its cancellation (work a stop cannot end, as a hung stop does)."""
+
+    role = "test-stubborn"
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.released = asyncio.Event()
+
+    async def main(self) -> None:
+        while not self.released.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.hold_on()
+
+    async def hold_on(self) -> None:
+        await self.released.wait()
+
+
+async def test_a_stop_that_does_not_end_says_what_it_waits_on(bus: NatsBus, cfg, monkeypatch, capsys) -> None:
+    from coevo.runtime import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "NOT_STOPPED_REPORT_S", 0.5)
+    stubborn = Stubborn(bus, cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"drain_timeout_s": 0.1})}))
+    stop = asyncio.Event()
+
+    async def scenario() -> None:
+        await asyncio.sleep(0.2)
+        stop.set()
+        async with asyncio.timeout(10):
+            while "hold_on" not in capsys.readouterr().err:
+                await asyncio.sleep(0.05)
+        stubborn.released.set()
+
+    async with asyncio.timeout(20):
+        await asyncio.gather(run_agents([stubborn], handle_signals=False, until=stop), scenario())
+    assert stubborn.state == "stopped"

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from coevo.errors import ConfigError
 from coevo.inference import gguf
@@ -35,23 +36,63 @@ def test_shipped_short_name_converts_once_to_an_ordinary_model_dir(smol_dir: Pat
     assert [p.name for p in smol_dir.parent.iterdir() if p.name.startswith(".gguf-")] == []
 
 
+HF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    _, layer, part, kind = gguf_name.split(".")
+    return f"model.layers.{layer}.{HF_NAMES[part]}.{kind}"
+
+
 @pytest.mark.slow
 def test_converted_weights_are_the_dequantised_gguf_weights(smol_dir: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Every tensor of the converted directory against the file's own, dequantised by the gguf package
+    (not by the transformers path the conversion took); q and k in GGUF's rotary layout (llama.cpp's
+    permutation of the Hugging Face one)."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.numpy import load_file
 
-    file = shipped_file(SMOL)
-    reference = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
-    converted = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
+    config = json.loads((smol_dir / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    converted: dict[str, np.ndarray] = {}
+    for f in sorted(smol_dir.glob("*.safetensors")):
+        converted |= load_file(f)
+
+    def rotary(w: np.ndarray, n: int) -> np.ndarray:
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    compared = 0
+    for t in GGUFReader(shipped_file(SMOL)).tensors:
+        ours = converted[hf_name(t.name)]
+        if t.name.endswith("attn_q.weight"):
+            ours = rotary(ours, heads)
+        elif t.name.endswith("attn_k.weight"):
+            ours = rotary(ours, kv_heads)
+        theirs = dequantize(t.data, t.tensor_type).reshape(ours.shape)
+        assert ours.dtype == np.float32 and np.array_equal(ours, theirs), t.name
+        compared += 1
+    assert compared == 272 == len(converted)  # 30 layers of 9, the embedding (tied to the head), the final norm
     tok = AutoTokenizer.from_pretrained(smol_dir)
     text = tok.apply_chat_template(
-        [{"role": "user", "content": "What is 17 + 25?"}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": "17 + 25?"}], add_generation_prompt=True, tokenize=False
     )
-    ids = torch.tensor([tok(text, add_special_tokens=False).input_ids])
-    with torch.no_grad():
-        a, b = reference(ids).logits, converted(ids).logits
-    assert torch.equal(a, b)
-    assert "<|im_start|>assistant" in tok.decode(ids[0])  # the instruct chat template came along
+    assert text.endswith("<|im_start|>assistant\n")  # the instruct chat template came along
 
 
 def test_a_file_that_is_not_gguf_is_one_config_error_and_leaves_nothing(tmp_path: Path) -> None:

@@ -253,7 +253,7 @@ def test_run_with_an_unreachable_api_completes_and_never_leaks_the_key(tmp_path:
             "--judge-api-base",
             "http://127.0.0.1:9/v1",
             "--minutes",
-            "0.5",
+            "0.25",
             "--run-id",
             "keytest",
             "--run.runs_dir",

@@ -462,6 +462,8 @@ def test_coevo_run_stops_cleanly_and_resume_continues(tmp_path, model_cache) -> 
     s2 = json.loads((runs / "resumable" / "summary.json").read_text())
     assert s2["learner_steps"] >= s1["learner_steps"] + 2  # one stream, one version sequence
     assert s2["events"]["run.finished"] == 2
+    # two clean stops (a Ctrl-C stops the same way): what each gave back was handled after, not dead-lettered
+    assert s2["events"].get("dead.lettered", 0) == 0, s2["events"]
     export = tmp_path / "e.jsonl"
     subprocess.run(
         [PYTHON, "-m", "coevo", "events", "export", str(export), "--run", "resumable", "--runs-dir", str(runs)],

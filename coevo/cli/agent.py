@@ -41,7 +41,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
             return _learner_follower(cfg)
 
     async def go() -> int:
+        import structlog
+
         from coevo.runtime.agent import run_agents
+        from coevo.runtime.aio import off_the_loop
         from coevo.runtime.app import open_runtime
         from coevo.runtime.proc import StopSignals, exit_now
 
@@ -50,7 +53,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
         try:
             async with open_runtime(cfg, name=f"coevo-agent-{cls.role}") as rt:
                 signals.started()
-                agent = cls(rt.bus, cfg, agent_id=args.agent_id)
+                agent = await off_the_loop(
+                    lambda: cls(rt.bus, cfg, agent_id=args.agent_id),
+                    lambda s: structlog.get_logger("coevo.cli").info(
+                        "agent.loading_models", role=cls.role, seconds=round(s)
+                    ),
+                )
                 async with _agent_metrics(agent, args) as url:
                     if url:
                         print(f"{agent.agent_id}: Prometheus metrics at {url}", flush=True)
@@ -58,8 +66,6 @@ def cmd_agent(args: argparse.Namespace) -> int:
         except asyncio.CancelledError:
             if not signals.cancelled:
                 raise
-            import structlog  # nothing was consumed yet: nothing to drain
-
             structlog.get_logger("coevo.cli").info("agent.stopped_before_start", role=cls.role)
         if stop.is_set():  # stopped by a signal: within seconds, whatever a worker thread still computes
             exit_now(0)

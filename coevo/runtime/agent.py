@@ -31,8 +31,13 @@ from coevo.runtime import outbox
 from coevo.runtime.aio import drain, first_completed, unless_set, wait_event
 from coevo.runtime.bus import TRANSIENT, NatsBus
 from coevo.runtime.consumer import Consumer, Subscription, backoff
+from coevo.runtime.proc import dump_tasks
 from coevo.schemas import AgentStatus, ControlReply, ControlRequest, Event, Source, kind_of, new_id
 from coevo.schemas.events import AgentState
+
+log = structlog.get_logger("coevo.agents")
+NOT_STOPPED_REPORT_S = 60.0
+"""agents still running this long after their stop: logged, with every task's stack (``dump_tasks``)"""
 
 E = TypeVar("E", bound=Event)
 
@@ -336,10 +341,20 @@ async def run_agents(
     """Run agents side by side in one event loop; SIGINT/SIGTERM or ``until`` stops them all."""
     agents = list(agents)
     loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[None]] = []
+    watchdog: list[asyncio.TimerHandle] = []
+
+    def not_stopped() -> None:  # a stop drains within seconds: one that does not says what it waits on
+        running = [t.get_name() for t in tasks if not t.done()]
+        if running:
+            log.warning("agents.not_stopped", agents=running, after_s=NOT_STOPPED_REPORT_S)
+            dump_tasks()
 
     def stop_all() -> None:
         for a in agents:
             a.stop()
+        if not watchdog:
+            watchdog.append(loop.call_later(NOT_STOPPED_REPORT_S, not_stopped))
 
     installed = []
     if handle_signals:
@@ -351,7 +366,7 @@ async def run_agents(
                 pass
     try:
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(a.run(), name=a.agent_id) for a in agents]
+            tasks += [tg.create_task(a.run(), name=a.agent_id) for a in agents]
             if until is not None:
 
                 async def watch() -> None:
@@ -360,5 +375,7 @@ async def run_agents(
 
                 tg.create_task(watch(), name="run_agents:until")
     finally:
+        for handle in watchdog:
+            handle.cancel()
         for sig in installed:
             loop.remove_signal_handler(sig)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
@@ -85,3 +88,17 @@ async def outlast(fut: asyncio.Future[Any]) -> None:
             continue
         except Exception:  # its outcome, read by the caller from ``fut``
             return
+
+
+async def off_the_loop(build: Callable[[], T], beat: Callable[[float], None], every_s: float = 10.0) -> T:
+    """``build()`` on a worker thread (agents whose constructors load models: a real model takes a
+    minute on 2 cores), so the event loop keeps answering the bus (heartbeats, acks, a Ctrl-C)
+    meanwhile; ``beat(seconds so far)`` every ``every_s`` while it runs. Cancelled, the thread finishes
+    on its own and its result is dropped."""
+    started = time.monotonic()
+    task = asyncio.ensure_future(asyncio.to_thread(build))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=every_s)
+        if done:
+            return task.result()
+        beat(time.monotonic() - started)

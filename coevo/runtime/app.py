@@ -19,6 +19,7 @@ from coevo.errors import ConfigError
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.credentials import ADMIN, credential_path, credentials_dir, role_users
 from coevo.runtime.logging import bind, configure_logging
+from coevo.runtime.proc import dump_tasks_on_usr1
 from coevo.runtime.server import EmbeddedServer
 from coevo.schemas import new_id
 
@@ -146,5 +147,6 @@ async def open_runtime(cfg: CoevoConfig, *, name: str = "coevo", log_to_file: bo
     run_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(run_dir if log_to_file else None, level=cfg.log.level, console=cfg.log.console)
     bind(run_id=run_id)
+    dump_tasks_on_usr1()
     async with open_bus(run_id, url=cfg.nats.url, store=run_dir / "nats", cfg=cfg, name=name) as bus:
         yield Runtime(cfg, run_id, run_dir, bus)

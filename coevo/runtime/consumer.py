@@ -361,8 +361,8 @@ class Consumer:
                 await self.sub.handler(event, Delivery(msg))
             if box.staged:  # nothing staged (most deliveries of a pure consumer): nothing to wait for
                 await box.confirm(self.bus)
-        except asyncio.CancelledError:
-            await self._release([msg])
+        except asyncio.CancelledError:  # the drain ran out: given back once every pull is closed (``run``)
+            self._unstarted.append(msg)
             raise
         except Retry as r:
             self.stats.retried += 1

@@ -111,3 +111,31 @@ class StopSignals:
     def started(self) -> None:
         """From here on a signal only sets ``stop``: what runs drains by its own rules."""
         self._started = True
+
+
+def dump_tasks(file: Any = None) -> None:
+    """Every asyncio task of the running loop and where it waits, to ``file`` (stderr): what
+    ``kill -USR1`` on a coevo process prints (a stop that does not end says what it waits on)."""
+    import io
+    import sys
+
+    out = io.StringIO()
+    tasks = sorted(asyncio.all_tasks(), key=lambda t: t.get_name())
+    out.write(f"coevo: {len(tasks)} asyncio tasks\n")
+    for task in tasks:
+        out.write(f"--- {task.get_name()}\n")
+        waiting: Any = task.get_coro()
+        while waiting is not None:  # the chain of awaits down to what it waits on
+            frame = getattr(waiting, "cr_frame", None) or getattr(waiting, "gi_frame", None)
+            if frame is None:
+                out.write(f"    waits on {waiting!r:.200}\n")
+                break
+            out.write(f"    {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n")
+            waiting = getattr(waiting, "cr_await", None) or getattr(waiting, "gi_yieldfrom", None)
+    print(out.getvalue(), file=file or sys.stderr, flush=True)
+
+
+def dump_tasks_on_usr1() -> None:
+    """``kill -USR1 <pid>`` prints every task's stack (``dump_tasks``); needs a running loop."""
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread: none
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
