@@ -4,7 +4,8 @@ Invariant: a child started with ``preexec_fn=die_with_parent`` gets SIGTERM when
 started it ends, which for every coevo command is its main thread (the event loop's): a bench or
 run stopped by kill -9 leaves no agent behind. (The embedded NATS server needs more, a watchdog on
 a pipe, because ``start()`` may run in a worker thread: ``coevo.runtime.server``.) A command's own
-SIGINT/SIGTERM is honoured in every state, its first connect included (``StopSignals``).
+SIGINT/SIGTERM is honoured in every state, its first connect included (``StopSignals``); its SIGUSR1
+prints where each of its asyncio tasks waits (``dump_tasks``).
 """
 
 from __future__ import annotations
