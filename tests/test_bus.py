@@ -592,3 +592,49 @@ async def test_a_stopped_consumer_gives_back_what_it_did_not_start_once(nats_url
 async def _until(done) -> None:
     while not done():
         await asyncio.sleep(0.02)
+
+
+async def test_a_stop_ends_a_consumer_whose_keepalive_swallowed_its_cancellation(
+    nats_url: str, run_id: str, cfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.11's ``asyncio.wait_for`` (under the keepalive's read of the ack floor) returns its
+    result when a cancellation arrives in the same tick, and the keepalive loops on: a stop then
+    waited for it for good (CI runs hung that way). Here the read swallows the first cancellation it
+    meets, as that race does, and the stop still ends the consumer."""
+    import coevo.runtime.consumer as consumer_mod
+    from coevo.runtime.revival import Revival
+
+    swallowed: list[bool] = []
+    reads: list[int] = []
+    reading = asyncio.Event()
+
+    async def read_ack_floor(self: Revival) -> None:
+        reads.append(1)
+        if len(reads) == 1:  # the start's read
+            return
+        reading.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed.append(True)  # the 3.11 race: the answer arrived with the cancellation
+
+    monkeypatch.setattr(Revival, "read_ack_floor", read_ack_floor)
+    monkeypatch.setattr(consumer_mod, "ACK_FLOOR_EVERY_S", 0.0)
+    quick = cfg.bus.model_copy(update={"in_progress_every_s": 0.2})
+    bus = await NatsBus.connect(nats_url, run_id, bus=quick)
+    try:
+
+        async def work(event: TaskScheduled, d) -> None:
+            return None
+
+        c = Consumer(bus, Subscription("work", (TaskScheduled,), work), SRC)
+        stop = asyncio.Event()
+        task = asyncio.create_task(c.run(stop))
+        await asyncio.wait_for(reading.wait(), 10)  # the keepalive reads, and hangs there
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        assert swallowed == [True]
+    finally:
+        await bus.close()

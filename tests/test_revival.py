@@ -156,6 +156,11 @@ async def test_consumers_deleted_under_a_running_agent_come_back_and_lose_and_re
         agent.release.set()
         await agent.until_handled({held.event_id})
         status = await _reported(bus, agent.agent_id, {"keeper.recreated": 1, "keeper-own.recreated": 1})
+        # the recreated durable redelivers from the ack floor it was read at: those handled already
+        # are acked unhandled, and a stop while they are still on their way would leave them pending
+        async with asyncio.timeout(20):
+            while (info := await bus.js.consumer_info(bus.stream, "keeper")).num_ack_pending or info.num_pending:
+                await asyncio.sleep(0.1)
         stop.set()
     assert set(agent.handled) == {e.event_id for e in [*before, held, *after]}
     assert set(agent.handled.values()) == {1}, "an event was handled twice"

@@ -238,9 +238,9 @@ except OSError as e:
     + WRONG,
     "memory_bomb": """
 def has_close_elements(numbers, threshold):
-    hoard = []
-    while numbers == [1.0, 2.0, 3.9, 4.0, 5.0, 2.2]:
-        hoard.append(bytearray(50 * 1024 * 1024))
+    hoard = []  # bytes(n) is calloc'd, untouched: the address-space limit is reached at once, not after
+    while numbers == [1.0, 2.0, 3.9, 4.0, 5.0, 2.2]:  # 1 GB of memset (a CI machine took over 2 s)
+        hoard.append(bytes(50 * 1024 * 1024))
     return True
 """,
     "kill_the_parent": DISARM

@@ -28,7 +28,7 @@ import structlog
 from coevo.config import CoevoConfig
 from coevo.errors import AgentFailed, PublishError
 from coevo.runtime import outbox
-from coevo.runtime.aio import drain, first_completed, unless_set, wait_event
+from coevo.runtime.aio import cancel_all, drain, first_completed, unless_set, wait_event
 from coevo.runtime.bus import TRANSIENT, NatsBus
 from coevo.runtime.consumer import Consumer, Subscription, backoff
 from coevo.runtime.proc import dump_tasks
@@ -268,9 +268,10 @@ class Agent:
         bus is disconnected), then cancel it: a stop is honoured in every state. Consumers drain
         their handlers by the same rule (``Consumer.run``)."""
         await first_completed(self.stopping.wait(), asyncio.wait(tasks))
-        for task in await drain(tasks, self.cfg.agent.drain_timeout_s, self.bus.connected):
+        late = await drain(tasks, self.cfg.agent.drain_timeout_s, self.bus.connected)
+        for task in late:
             self.log.warning("agent.cancelled_on_stop", task=task.get_name())
-            task.cancel()
+        await cancel_all(late)
 
     async def _main_once(self) -> None:
         await self.main()

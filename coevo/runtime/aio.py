@@ -19,15 +19,25 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     return True
 
 
+async def cancel_all(tasks: Iterable[asyncio.Future[Any]], again_every_s: float = 0.5) -> None:
+    """Cancel ``tasks`` and wait until each has ended, cancelling again any still running after
+    ``again_every_s``. Once is not enough: Python 3.11's ``asyncio.wait_for`` (under every nats-py
+    request) swallows a cancellation that arrives in the same tick as its result, and a task that
+    loops then never ends (a consumer's keepalive held a stop for good that way)."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=again_every_s)
+
+
 async def first_completed(*aws: Awaitable[Any]) -> None:
     """Wait until the first of ``aws`` completes; cancel and await the others."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(tasks)
 
 
 async def unless_set(event: asyncio.Event, aw: Awaitable[Any]) -> bool:
@@ -39,9 +49,7 @@ async def unless_set(event: asyncio.Event, aw: Awaitable[Any]) -> bool:
         await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
     finally:
         waiter.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,))
+        await cancel_all([task])
     if task.cancelled():
         return False
     task.result()

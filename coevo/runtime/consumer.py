@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from coevo.config import BusConfig
 from coevo.errors import ConsumerGone, PayloadUnavailable, PublishError, Reject, Retry
 from coevo.runtime import faults
-from coevo.runtime.aio import drain, first_completed, unless_set
+from coevo.runtime.aio import cancel_all, drain, first_completed, unless_set
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.outbox import Outbox, staging
 from coevo.runtime.pull import Puller, stream_seq
@@ -175,9 +175,7 @@ class Consumer:
                 ]
                 keepalive = tg.create_task(self._keepalive(), name=f"{self.sub.durable}:keepalive")
                 await first_completed(stop.wait(), asyncio.wait(workers))
-                for task in await drain(workers, self.drain_timeout_s, self.bus.connected):
-                    task.cancel()
-                keepalive.cancel()
+                await cancel_all([*await drain(workers, self.drain_timeout_s, self.bus.connected), keepalive])
         finally:
             # every pull of this process closed before anything is given back: a message nak'd while
             # one of them still waits would be handed straight back here, and each bounce costs one of

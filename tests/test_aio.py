@@ -1,0 +1,54 @@
+"""Structured-concurrency helpers under the cancellations Python 3.11 really delivers."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from coevo.runtime.aio import cancel_all
+
+
+async def _swallowing_task() -> tuple[asyncio.Task[None], list[int]]:
+    """A task whose ``wait_for`` meets its result and a cancellation in the same tick, then loops."""
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[None] = loop.create_future()
+    turns: list[int] = []
+
+    async def body() -> None:
+        await asyncio.wait_for(answer, 5)
+        while True:
+            turns.append(1)
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(body())
+    await asyncio.sleep(0)  # it waits inside wait_for now
+    answer.set_result(None)
+    task.cancel()
+    return task, turns
+
+
+async def test_one_cancel_can_be_swallowed_by_wait_for_and_cancel_all_still_ends_the_task() -> None:
+    task, turns = await _swallowing_task()
+    await asyncio.sleep(0.1)
+    if sys.version_info < (3, 12):  # the race this helper exists for (asyncio's wait_for, rewritten in 3.12)
+        assert not task.done() and turns, "the cancellation was not swallowed: the race is not reproduced"
+    await asyncio.wait_for(cancel_all([task], again_every_s=0.05), 5)
+    assert task.cancelled()
+
+
+async def test_cancel_all_waits_for_every_task_and_leaves_finished_ones_alone() -> None:
+    done = asyncio.create_task(asyncio.sleep(0))
+    await done
+    cleanup: list[str] = []
+
+    async def slow_to_end() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.05)  # cleanup that takes a while: cancel_all waits for it
+            cleanup.append("ended")
+
+    slow = asyncio.create_task(slow_to_end())
+    await asyncio.sleep(0)
+    await cancel_all([done, slow])
+    assert slow.cancelled() and cleanup == ["ended"] and not done.cancelled()
