@@ -184,7 +184,7 @@ class LocalEngine:
         base = adapters.base_of(adapter) if adapter is not None else self.model_dir  # a LoRA lane's checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(base)
         # transformers' @wraps(Module.to) is not a bound method to mypy: it wants the model as first argument
-        self.model = AutoModelForCausalLM.from_pretrained(base).to(self.device).eval()  # type: ignore[arg-type]
+        self.model = AutoModelForCausalLM.from_pretrained(base).to(self.device).eval()
         if str(self.device).startswith("cuda"):
             self.model = self.model.to(torch.bfloat16)  # serve in bf16 on CUDA (log-probs still in fp32)
         self.max_batch = max_batch

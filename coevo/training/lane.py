@@ -235,7 +235,7 @@ class Lane:
         if lc is None:
             # transformers' @wraps(Module.to) is not a bound method to mypy: it wants the model as first argument
             loaded = AutoModelForCausalLM.from_pretrained(resume or self.base_model)
-            return loaded.to(self.device)  # type: ignore[arg-type]
+            return loaded.to(self.device)
         if self.fsdp:
             raise ConfigError(
                 "learner.lora under torchrun needs learner.parallel = 'ddp' (adapters are not sharded)",
@@ -264,7 +264,7 @@ class Lane:
 
         dtype = torch.bfloat16 if str(self.device).startswith("cuda") else torch.float32
         loaded = AutoModelForCausalLM.from_pretrained(self.base_model, dtype=dtype)
-        ref = loaded.to(self.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to), as in _model
+        ref = loaded.to(self.device)
         ref.eval()
         ref.requires_grad_(False)
         return ref

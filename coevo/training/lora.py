@@ -34,7 +34,7 @@ def _peft_config(cfg: LoraConfig) -> Any:
     # peft annotates lora_alpha int; it only divides by it (alpha / r), a float alpha is meant
     return PeftLoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha,  # type: ignore[arg-type]
+        lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=list(cfg.target_modules),
         bias="none",

@@ -120,7 +120,7 @@ class HashingFile:
 def torch_save(path: Path, obj: Any) -> FileInfo:
     with Path(path).open("wb") as f:
         out = HashingFile(f)
-        torch.save(obj, out)  # type: ignore[arg-type]
+        torch.save(obj, out)
     return out.info()
 
 

@@ -126,10 +126,10 @@ class GlooCollective:
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]  # torch's stub of ProcessGroupGloo lacks it
+        self.pg.broadcast([tensor], opts).wait()
 
     def close(self) -> None:
-        self.pg = None  # type: ignore[assignment]
+        self.pg = None
         self.store = None
 
 
