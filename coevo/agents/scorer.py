@@ -100,6 +100,7 @@ def make_sample(
         response_token_ids=tokens.response_token_ids,
         logprobs=tokens.logprobs,
         allowed_token_ids=tokens.allowed_token_ids,
+        grammar=getattr(tokens, "grammar", None),  # a judge's vote has none
         advantage=advantage,
         model_version=model_version,
         step_event_id=step_event_id,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ import structlog
 from coevo.config import SamplingConfig
 from coevo.errors import InvalidTokens
 from coevo.inference import adapters
+from coevo.inference.grammar import GrammarError, Grammars
 from coevo.inference.sampling import truncate
 
 log = structlog.get_logger("coevo.inference")
@@ -102,9 +104,12 @@ class InferenceClient(Protocol):
         index: int = 0,
         prompt_ids: list[int] | None = None,
         stop: list[str] | None = None,
+        grammar: str | None = None,
     ) -> Completion: ...
 
     # prompt_ids (token-in): sample after exactly these tokens; ``prompt`` is then only a label;
+    # grammar: every token is drawn from the distribution masked by this grammar (its EBNF text,
+    # ``coevo.inference.grammar``), and generation ends where the grammar does;
     # stop: generation ends once the text holds one of these (the tokens so far are returned, the
     # stop string's included: cutting the text is the caller's, and a client may end at fewer stop
     # strings than given, vLLM's 4 first, so the caller cuts at every one of them)
@@ -156,6 +161,7 @@ class _Request:
     prompt_ids: list[int] | None = None
     """token-in: the exact prompt tokens (``prompt`` is not encoded)"""
     stop: list[str] | None = None
+    grammar: str | None = None
 
 
 class LocalEngine:
@@ -206,6 +212,11 @@ class LocalEngine:
         if adapter is not None:
             self._load_adapter(_Adapter(adapter))
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Grammar masks over this model's logits (built on first use: most engines never need one)."""
+        return Grammars(self.tokenizer, int(self.model.config.vocab_size))
+
     @property
     def version(self) -> int:
         return self._version
@@ -242,10 +253,13 @@ class LocalEngine:
         index: int = 0,
         prompt_ids: list[int] | None = None,
         stop: list[str] | None = None,
+        grammar: str | None = None,
     ) -> Completion:
         self._ensure_started()
         if prompt_ids is not None:
             self.check_ids(prompt_ids)
+        if grammar is not None and choices:
+            raise ValueError("a grammar and choices: one constraint at a time")
         req = _Request(
             prompt,
             choices,
@@ -254,6 +268,7 @@ class LocalEngine:
             asyncio.get_running_loop().create_future(),
             prompt_ids=prompt_ids,
             stop=stop,
+            grammar=grammar,
         )
         self._queue.put_nowait(req)
         return await req.future
@@ -470,14 +485,19 @@ class LocalEngine:
         out_lp: list[float] = []
         eos = self.tokenizer.eos_token_id
         finish = "length"
+        matcher = None if r.grammar is None else self.grammars.matcher(r.grammar)
         for _ in range(r.max_tokens):
             res = self.model(input_ids=ids, cache=cache, use_cache=True)
             cache = res.cache
             scaled = res.logits[0, -1].float().cpu() / max(r.temperature, 1e-5)
+            if matcher is not None:  # masked first, then truncated: the learner's order (``loss``), and vLLM's
+                scaled = scaled.masked_fill(~matcher.allowed()[: scaled.shape[-1]], float("-inf"))
             logp = torch.log_softmax(truncate(scaled[None], self.sampling)[0], -1)
             tok = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
             out_ids.append(tok)
             out_lp.append(float(logp[tok]))
+            if matcher is not None and not matcher.accept(tok):
+                raise GrammarError(f"the engine drew token {tok}, which its grammar refuses")
             if tok == eos or (r.stop and self._stopped(out_ids, r.stop)):
                 finish = "stop"
                 break

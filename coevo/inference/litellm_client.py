@@ -132,8 +132,11 @@ class LiteLLMClient:
         prompt_ids: list[int] | None = None,
         stop: list[str] | None = None,
         response_format: Any = None,
+        grammar: str | None = None,
     ) -> Completion:
         # stop: not sent (the text is the caller's to cut at every stop string, as InferenceClient says)
+        if grammar is not None:
+            raise ExternalCallFailed(self.model, "a grammar needs a local model or a vLLM server (use response_format)")
         if choices:
             raise ExternalCallFailed(self.model, "constrained choices need a local model (use a reasoned prompt)")
         if prompt_ids is not None:

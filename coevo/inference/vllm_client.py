@@ -54,7 +54,8 @@ def server_command(
 ) -> list[str]:
     """The command line coevo starts vLLM with (tests, benchmarks): log-probs of the distribution
     actually sampled from, fp32, pushed weights through ``transfer_backend``, and with ``lora_rank``
-    LoRA adapters up to that rank (two at once: policy and judge on one base)."""
+    LoRA adapters up to that rank (two at once: policy and judge on one base), and grammars held
+    by xgrammar, as the learner replays them (``coevo.inference.grammar``)."""
     lora = []
     if lora_rank is not None:
         lora = [
@@ -82,6 +83,9 @@ def server_command(
         "float32",
         "--weight-transfer-config",
         json.dumps({"backend": transfer_backend}),
+        # grammars compiled by xgrammar, the backend the learner replays them with (``auto`` may pick another)
+        "--structured-outputs-config",
+        json.dumps({"backend": "xgrammar"}),
         *lora,
         *extra,
     ]
@@ -233,6 +237,7 @@ class VLLMClient:
         index: int = 0,
         prompt_ids: list[int] | None = None,
         stop: list[str] | None = None,
+        grammar: str | None = None,
     ) -> Completion:
         prompt_ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt)
         body: dict[str, Any] = {
@@ -245,6 +250,8 @@ class VLLMClient:
         }
         if stop:  # vLLM takes at most 4 (a 400 beyond): the caller cuts at every stop string anyway
             body.update(stop=list(stop)[:MAX_STOPS], include_stop_str_in_output=True)
+        if grammar is not None:  # vLLM's xgrammar backend compiles the same EBNF (``server_command``)
+            body["structured_outputs"] = {"grammar": grammar}
         allowed = None
         if choices:
             allowed = self.choice_token_ids(choices)

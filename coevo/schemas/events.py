@@ -110,6 +110,11 @@ class StepTaken(Event):
     allowed_token_ids: TokenIds | None = Field(
         default=None, description="choice mode: the tokens sampling was restricted to (log-probs are of that)"
     )
+    grammar: str | None = Field(
+        default=None,
+        description="structured output: the grammar (xgrammar EBNF) each response token was drawn under; "
+        "the learner replays it for the masks",
+    )
     response_text: str = ""
     action_index: int | None = None
     action_text: str = ""
@@ -185,6 +190,7 @@ class TrainingSample(Frozen):
     response_token_ids: TokenIds
     logprobs: Floats
     allowed_token_ids: TokenIds | None = None
+    grammar: str | None = None
     advantage: float
     model_version: int = Field(ge=0)
     step_event_id: str

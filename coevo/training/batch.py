@@ -8,7 +8,7 @@ micro-batches per minibatch (``rank_plan``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +112,36 @@ def finite32(values: Sequence[float]) -> bool:
 
 
 @dataclass
+class PositionMasks:
+    """Per-position allowed tokens of the rows sampled under a grammar: each row's masks replayed
+    over its sampled tokens (``coevo.inference.grammar``), packed 32 tokens to an int32 until used."""
+
+    packed: dict[int, torch.Tensor]
+    """row -> [response tokens, ceil(vocab/32)] int32"""
+    starts: dict[int, int]
+    """row -> the column of its first response token"""
+
+    def restrict(
+        self, rows: torch.Tensor, cols: torch.Tensor, allowed: torch.Tensor | None, vocab: int
+    ) -> torch.Tensor:
+        """``allowed`` ([k, vocab] bool, or everything) narrowed, for the positions (``rows``, ``cols``:
+        column ``cols`` predicts token ``cols + 1``) of grammar rows, to what their grammar allowed."""
+        from coevo.inference.grammar import unpack
+
+        out = allowed.clone() if allowed is not None else torch.ones((len(rows), vocab), dtype=torch.bool)
+        out = out.to(rows.device)
+        for row, packed in self.packed.items():
+            sel = (rows == row).nonzero(as_tuple=True)[0]
+            if sel.numel():
+                at = (cols[sel] + 1 - self.starts[row]).to(packed.device)
+                out[sel] &= unpack(packed[at], vocab).to(out.device)
+        return out
+
+    def to(self, device: str | torch.device) -> PositionMasks:
+        return PositionMasks({r: p.to(device) for r, p in self.packed.items()}, self.starts)
+
+
+@dataclass
 class Tensors:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -120,6 +150,7 @@ class Tensors:
     advantages: torch.Tensor
     allowed: torch.Tensor | None
     versions: list[int]
+    positions: PositionMasks | None = None
 
     def to(self, device: str | torch.device) -> Tensors:
         return Tensors(
@@ -130,10 +161,18 @@ class Tensors:
             self.advantages.to(device),
             None if self.allowed is None else self.allowed.to(device),
             self.versions,
+            None if self.positions is None else self.positions.to(device),
         )
 
 
-def to_tensors(samples: Sequence[TrainingSample], vocab_size: int, pad_id: int = 0) -> Tensors:
+def to_tensors(
+    samples: Sequence[TrainingSample],
+    vocab_size: int,
+    pad_id: int = 0,
+    masks: Callable[[TrainingSample], torch.Tensor] | None = None,
+) -> Tensors:
+    """The samples as padded tensors; ``masks(sample)`` gives a grammar sample's packed per-position
+    masks (the lane's replay), required when a sample carries a grammar."""
     width = max(len(s.prompt_token_ids) + len(s.response_token_ids) for s in samples)
     n = len(samples)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -141,6 +180,7 @@ def to_tensors(samples: Sequence[TrainingSample], vocab_size: int, pad_id: int =
     resp = torch.zeros((n, width), dtype=torch.long)
     behav = torch.zeros((n, width), dtype=torch.float32)
     allowed = None
+    positions = PositionMasks({}, {})
     if any(s.allowed_token_ids for s in samples):
         allowed = torch.ones((n, vocab_size), dtype=torch.bool)
     for i, s in enumerate(samples):
@@ -155,5 +195,18 @@ def to_tensors(samples: Sequence[TrainingSample], vocab_size: int, pad_id: int =
         if allowed is not None and s.allowed_token_ids:
             allowed[i] = False
             allowed[i, list(s.allowed_token_ids)] = True
+        if s.grammar is not None:
+            if masks is None:
+                raise ValueError(f"sample {s.sample_id} was sampled under a grammar: its masks are needed")
+            positions.packed[i], positions.starts[i] = masks(s), p
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return Tensors(ids, attn, resp, behav, adv, allowed, [s.model_version for s in samples])
+    return Tensors(
+        ids,
+        attn,
+        resp,
+        behav,
+        adv,
+        allowed,
+        [s.model_version for s in samples],
+        positions if positions.packed else None,
+    )

@@ -41,11 +41,12 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ import torch
 from coevo.config import LearnerConfig, SamplingConfig
 from coevo.errors import ConfigError, NonFiniteStep
 from coevo.inference import adapters
+from coevo.inference.grammar import GrammarError, Grammars
 from coevo.runtime import faults
 from coevo.schemas import TrainingSample
 from coevo.schemas.events import WeightsFormat
@@ -73,6 +75,10 @@ from coevo.weights.publish import (
 )
 
 __all__ = ["MARKER", "Lane", "StepMetrics", "kl_rejects", "latest_checkpoint"]
+
+
+REPLAYED_KEPT = 256
+"""grammar samples whose replayed masks a lane keeps (packed: under 2 MB for 256 tokens of a 49k vocabulary)"""
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,7 @@ class Lane:
         """steps and publications of this lane (of every lane on a shared base) never overlap"""
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.vocab = int(self.model.config.vocab_size)
+        self._replayed: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def _model(self, resume: Path | None, shared: lora.SharedBase | None) -> Any:
         """The model to train: the resume checkpoint's, else the base; under ``learner.lora`` the base
@@ -288,7 +295,33 @@ class Lane:
         return group_id in self._durable
 
     def sample_problem(self, s: TrainingSample) -> str | None:
-        return sample_problem(s, self.vocab, int(getattr(self.model.config, "max_position_embeddings", 1 << 30)))
+        problem = sample_problem(s, self.vocab, int(getattr(self.model.config, "max_position_embeddings", 1 << 30)))
+        if problem is None and s.grammar is not None:
+            try:
+                self.grammar_masks(s)
+            except GrammarError as exc:  # what the grammar refuses was not sampled under it
+                return str(exc)
+        return problem
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The grammar masks of this lane's tokenizer and vocabulary (built on the first grammar sample)."""
+        from transformers import AutoTokenizer
+
+        base = adapters.base_of(self.base_model) if adapters.is_adapter(self.base_model) else self.base_model
+        return Grammars(AutoTokenizer.from_pretrained(base), self.vocab)
+
+    def grammar_masks(self, s: TrainingSample) -> torch.Tensor:
+        """A grammar sample's packed per-position masks, replayed over its response tokens (the last
+        few kept: a sample is checked by ``sample_problem`` and then packed for the step)."""
+        hit = self._replayed.get(s.sample_id)
+        if hit is None:
+            assert s.grammar is not None
+            hit = self.grammars.replay(s.grammar, list(s.response_token_ids))
+            self._replayed[s.sample_id] = hit
+            if len(self._replayed) > REPLAYED_KEPT:
+                self._replayed.popitem(last=False)
+        return hit
 
     def step(self, samples: list[TrainingSample], groups: list[str]) -> StepMetrics:
         """``_step`` under the lane's lock: one step at a time, whatever calls it (a restarted learner
@@ -359,7 +392,7 @@ class Lane:
     def _rank_tensors(self, part: list[TrainingSample]) -> list[Any]:
         """This rank's micro-batches of one minibatch, as tensors on the lane's device."""
         return [
-            to_tensors(mb, self.vocab, self.pad_id).to(self.device)
+            to_tensors(mb, self.vocab, self.pad_id, self.grammar_masks).to(self.device)
             for mb in rank_plan(part, self.rank, self.world, self.cfg.max_batch_tokens)
         ]
 
@@ -389,7 +422,7 @@ class Lane:
         measure (``coevo.training.parity``). This rank alone: never under a sharded model."""
         with self._lock, torch.no_grad(), self._autocast():
             self._activate()
-            t = to_tensors(samples, self.vocab, self.pad_id).to(self.device)
+            t = to_tensors(samples, self.vocab, self.pad_id, self.grammar_masks).to(self.device)
             new = self._logprobs(t, self.model.eval())
             return mismatch_kl(new, t.behav_logp, t.response_mask.float())
 
@@ -404,6 +437,7 @@ class Lane:
             t.allowed,
             self.temperature,
             sampling=self.sampling,
+            positions=t.positions,
         )
 
     def _autocast(self) -> Any:

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 
 from coevo.config import SamplingConfig
 from coevo.inference.sampling import truncate
+
+if TYPE_CHECKING:
+    from coevo.training.batch import PositionMasks
 
 DECOUPLED_CAP = 100.0
 
@@ -115,6 +118,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
     sampling: SamplingConfig | None = None,
+    positions: PositionMasks | None = None,
 ) -> torch.Tensor:
     """log π(token_t | prefix) for every position (0 where ``response_mask`` is 0), [batch, tokens].
 
@@ -122,7 +126,8 @@ def token_logprobs(
     positions that predict a response token, in chunks of ``chunk_elements // vocab`` positions
     (recomputed in the backward pass), so no [batch, tokens, vocab] tensor ever exists.
     ``allowed`` ([batch, vocab] bool or None per batch) restricts the distribution to the tokens a
-    constrained sampler could choose, and ``sampling`` truncates it as the sampler did (top-k,
+    constrained sampler could choose, ``positions`` narrows it per position for rows sampled under a
+    grammar (the masks replayed over the sampled tokens), and ``sampling`` truncates it as the sampler did (top-k,
     top-p, min-p: ``coevo.inference.sampling``), so the log-probs match what was sampled from.
     """
     from torch.utils.checkpoint import checkpoint
@@ -135,17 +140,12 @@ def token_logprobs(
     softcap = getattr(model.config, "final_logit_softcapping", None)
     step = max(1, chunk_elements // max(int(head.weight.shape[0]), 1))
     parts = []
+    vocab = int(head.weight.shape[0])
     for s in range(0, int(rows.numel()), step):
-        args = (
-            h[s : s + step],
-            head.weight,
-            head.bias,
-            targets[s : s + step],
-            None if allowed is None else allowed[rows[s : s + step]],
-            temperature,
-            softcap,
-            sampling,
-        )
+        mask = None if allowed is None else allowed[rows[s : s + step]]
+        if positions is not None:
+            mask = positions.restrict(rows[s : s + step], cols[s : s + step], mask, vocab)
+        args = (h[s : s + step], head.weight, head.bias, targets[s : s + step], mask, temperature, softcap, sampling)
         parts.append(
             checkpoint(_chunk_logprobs, *args, use_reentrant=False) if h.requires_grad else _chunk_logprobs(*args)
         )
