@@ -113,7 +113,7 @@ def test_replay_refuses_what_the_grammar_does_not_allow_and_names_the_position(p
     tok = AutoTokenizer.from_pretrained(policy)
     grammars = Grammars(tok, int(json.loads((policy / "config.json").read_text())["vocab_size"]))
     grammar = json_grammar(ANSWER)
-    good = tok.encode('{"move": "north", "sure": true, "steps": 7}', add_special_tokens=False) + [tok.eos_token_id]
+    good = [*tok.encode('{"move": "north", "sure": true, "steps": 7}', add_special_tokens=False), tok.eos_token_id]
     masks = unpack(grammars.replay(grammar, good), grammars.vocab_size)
     assert masks.shape == (len(good), grammars.vocab_size)
     assert all(masks[i, t] for i, t in enumerate(good))

@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -33,12 +34,24 @@ class GrammarError(InferenceError, ValueError):
 def json_grammar(schema: dict[str, Any]) -> str:
     """The grammar of JSON text that satisfies ``schema``, written as ``json.dumps`` writes it (no
     free whitespace: a model cannot pad its answer with spaces until its token budget runs out)."""
+    return _json_grammar(json.dumps(schema))  # key order kept: properties are written in their order
+
+
+@functools.lru_cache(maxsize=256)
+def _json_grammar(schema: str) -> str:
     import xgrammar as xgr
 
     try:
-        return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+        return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
     except Exception as exc:  # xgrammar's own errors: an unsupported keyword, a schema that is not one
-        raise GrammarError(f"JSON schema not supported: {exc}") from exc
+        raise GrammarError(f"JSON schema not supported: {str(exc)[:300]}") from exc
+
+
+def either(*grammars: str) -> str:
+    """The grammar of text any one of ``grammars`` accepts."""
+    import xgrammar as xgr
+
+    return str(xgr.Grammar.union(*(xgr.Grammar.from_ebnf(g) for g in grammars)))
 
 
 def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None) -> str:

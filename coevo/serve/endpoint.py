@@ -61,6 +61,7 @@ from coevo.errors import ApiError, ConfigError, InvalidTokens
 from coevo.inference.chat import Turn, normalize
 from coevo.schemas import TaskScheduled, TaskSpec, new_id
 from coevo.schemas.events import Outcome
+from coevo.serve import constraints as cs
 from coevo.serve import messages_api as ma
 from coevo.serve import openai_api as oa
 from coevo.serve import responses_api as ra
@@ -392,7 +393,7 @@ class Endpoint:
             async with self._outside():
                 ids, how = await self.sampler.chat_prompt(call)
                 samples = await asyncio.gather(
-                    *(self.sampler.sample(ids, how, call.max_tokens, call.stops) for _ in range(n))
+                    *(self.sampler.sample(ids, how, call.max_tokens, call.stops, call.grammar) for _ in range(n))
                 )
             return [self.sampler.answer(s, call.parse_tools) for s in samples]
         self._check_call(ep, n)
@@ -401,7 +402,7 @@ class Endpoint:
             ids, how = await self.sampler.chat_prompt(call, ep.turn)
             seen = observation_of(call.messages)
             await self._flush(ep, seen)
-            s = await self.sampler.sample(ids, how, call.max_tokens, call.stops)
+            s = await self.sampler.sample(ids, how, call.max_tokens, call.stops, call.grammar)
             answer = self.sampler.answer(s, call.parse_tools)
             self._record(ep, s, seen, action_of(answer))
             assistant = ra.assistant_message(answer.text, answer.calls)
@@ -431,12 +432,19 @@ class Endpoint:
         req = oa.ChatRequest.model_validate(await self._json(request))
         req.check()
         ep = self._episode_of(request, req.user)
+        grammar = cs.grammar_for(
+            req.tools,
+            cs.chat_tool_choice(req.tool_choice),
+            cs.json_schema_of(req.response_format, "response_format", nested=True),
+            tools_off=req.tool_choice == "none",
+        )
         call = ChatCall(
             normalize(req.messages),
             req.tools,
             bool(req.tools) and req.tool_choice != "none",
             self._max_tokens(req.max_completion_tokens or req.max_tokens),
             req.stops(),
+            grammar,
         )
         answers = await self.answer_chat(ep, call, req.n)
         choices = [
@@ -494,12 +502,21 @@ class Endpoint:
         history = self.history.before(req.previous_response_id, owner)
         conversation = normalize([*history, *ra.to_messages(req.input)])
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        tools = ra.chat_tools(req.tools)
+        grammar = cs.grammar_for(
+            tools,
+            cs.responses_tool_choice(req.tool_choice),
+            cs.json_schema_of((req.text or {}).get("format"), "text.format", nested=False),
+            tools_off=req.tool_choice == "none",
+            format_param="text.format",
+        )
         call = ChatCall(
             normalize(system) + conversation,
-            ra.chat_tools(req.tools),
+            tools,
             req.parse_tools,
             self._max_tokens(req.max_output_tokens),
             [],
+            grammar,
         )
         (a,) = await self.answer_chat(ep, call)
         logprobs = ra.text_logprobs(self.sampler.token_logprobs(a.sample)) if req.logprobs else None
@@ -523,12 +540,20 @@ class Endpoint:
         req = ma.MessagesRequest.model_validate(await self._json(request))
         req.check()
         ep = self._episode_of(request, req.user)
+        tools = ma.chat_tools(req.tools)
+        grammar = cs.grammar_for(
+            tools,
+            cs.messages_tool_choice(req.tool_choice),
+            None,
+            tools_off=(req.tool_choice or {}).get("type") == "none",
+        )
         call = ChatCall(
             normalize(ma.to_messages(req)),
-            ma.chat_tools(req.tools),
+            tools,
             req.parse_tools,
             self._max_tokens(req.max_tokens),
             req.stops(),
+            grammar,
         )
         (a,) = await self.answer_chat(ep, call)
         body = ma.message_body(
@@ -575,6 +600,7 @@ class Endpoint:
             "response_text": s.text,
             "action_text": action,
             "policy_version": s.version,
+            "grammar": s.grammar,
         }
         ep.pending_call = f"call-{new_id()[:24]}"
         ep.calls += 1

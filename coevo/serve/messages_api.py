@@ -54,13 +54,6 @@ class MessagesRequest(BaseModel):
 
     def check(self) -> None:
         """Refuse what would be accepted and ignored (a 400 naming the parameter)."""
-        if (self.tool_choice or {}).get("type", "auto") not in ("auto", "none"):
-            raise ApiError(
-                400,
-                "tool_choice must be auto or none: forcing a tool needs constrained decoding, which "
-                "this policy endpoint does not offer",
-                param="tool_choice",
-            )
         if (self.thinking or {}).get("type", "disabled") != "disabled":
             raise ApiError(
                 400, "extended thinking is not supported: the policy's output is what it samples", param="thinking"

@@ -5,10 +5,10 @@ Accepted and honoured: ``messages`` (text parts), ``prompt`` (text or token ids)
 ``max_completion_tokens``, ``n``, ``stream`` (+ ``stream_options.include_usage``), ``stop`` (passed
 to generation, which ends there; the text is cut before it), ``logprobs`` (chat: ``true``;
 completions: ``0``: the sampled tokens' log-probs), ``tools`` (rendered by the model's chat template;
-``<tool_call>{json}</tool_call>`` in the output becomes ``tool_calls``), ``tool_choice: "auto" |
-"none"``, ``user``. Refused with a 400 naming the parameter: ``tool_choice: "required"`` or a named
-function and ``response_format`` other than text (they need constrained decoding), log-prob
-alternatives (``top_logprobs`` > 0, completions ``logprobs`` > 0). Accepted without changing
+``<tool_call>{json}</tool_call>`` in the output becomes ``tool_calls``), ``tool_choice`` (``"auto"``,
+``"none"``, and ``"required"`` or a named function, held by a grammar: ``coevo.serve.constraints``),
+``response_format`` (``json_schema``, ``json_object``: held by a grammar), ``user``. Refused with a
+400 naming the parameter: log-prob alternatives (``top_logprobs`` > 0, completions ``logprobs`` > 0). Accepted without changing
 sampling: its knobs (``temperature``, ``top_p``, penalties, ``seed``): the policy samples at
 ``policy.temperature``, the temperature the learner computes log-probs at, so what is trained is
 what was sampled.
@@ -54,20 +54,6 @@ class ChatRequest(_Request):
 
     def check(self) -> None:
         """Refuse what would be accepted and ignored (a 400 naming the parameter)."""
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ApiError(
-                400,
-                'tool_choice must be "auto" or "none": forcing a tool needs constrained decoding, '
-                "which this policy endpoint does not offer",
-                param="tool_choice",
-            )
-        if (self.response_format or {}).get("type", "text") != "text":
-            raise ApiError(
-                400,
-                "response_format: structured output needs constrained decoding, which this policy "
-                "endpoint does not offer",
-                param="response_format",
-            )
         if self.top_logprobs:
             raise ApiError(
                 400,

@@ -58,21 +58,6 @@ class ResponsesRequest(BaseModel):
         for name in REFUSED:
             if extra.get(name) not in (None, False):
                 raise ApiError(400, f"{name} is not supported by the coevo policy endpoint", param=name)
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ApiError(
-                400,
-                'tool_choice must be "auto" or "none": forcing a tool needs constrained decoding, '
-                "which this policy endpoint does not offer",
-                param="tool_choice",
-            )
-        fmt = (self.text or {}).get("format") or {"type": "text"}
-        if fmt.get("type") != "text":
-            raise ApiError(
-                400,
-                f"text.format {fmt.get('type')!r}: structured output needs constrained decoding, "
-                "which this policy endpoint does not offer",
-                param="text.format",
-            )
         for name in self.include or []:
             if name != "message.output_text.logprobs":
                 raise ApiError(
@@ -226,7 +211,7 @@ def response_body(
         "store": req.store is not False,
         "max_output_tokens": req.max_output_tokens,
         "metadata": req.metadata or {},
-        "text": {"format": {"type": "text"}},
+        "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "temperature": None,
         "top_p": None,
         "truncation": "disabled",

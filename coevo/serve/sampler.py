@@ -39,6 +39,8 @@ class Sampled:
     """the stop string the text was cut at"""
     pieces: tuple[str, ...] = ()
     """the text each token added, for streaming (one piece: the text was cut or does not decode token by token)"""
+    grammar: str | None = None
+    """the grammar every token was drawn under (structured output), recorded with the step"""
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class ChatCall:
     parse_tools: bool
     max_tokens: int
     stops: list[str]
+    grammar: str | None = None
+    """what the sampler is held to (``coevo.serve.constraints``): a forced tool call, a JSON schema"""
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,9 @@ class Sampler:
     def decode(self, ids: list[int]) -> str:
         return str(self.client.tokenizer.decode(ids, skip_special_tokens=True))
 
-    async def sample(self, prompt_ids: list[int], how: str, max_tokens: int, stops: list[str]) -> Sampled:
+    async def sample(
+        self, prompt_ids: list[int], how: str, max_tokens: int, stops: list[str], grammar: str | None = None
+    ) -> Sampled:
         limit = self.client.context_length if isinstance(self.client, KnowsContext) else None
         if limit is not None and len(prompt_ids) + max_tokens > limit:
             raise ApiError(
@@ -114,14 +120,17 @@ class Sampler:
                 param="messages",
                 code="context_length_exceeded",
             )
+        held = {} if grammar is None else {"grammar": grammar}  # clients without grammars are asked for none
         c = await self.client.complete(
-            "", prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=self.temperature, stop=stops or None
+            "", prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=self.temperature, stop=stops or None, **held
         )
         self.counters[f"endpoint.tokens.{how}"] += 1
-        s: Sampled = await self.off_loop(self._finish, c, how, stops)
+        if grammar is not None:
+            self.counters["endpoint.calls.constrained"] += 1
+        s: Sampled = await self.off_loop(self._finish, c, how, stops, grammar)
         return s
 
-    def _finish(self, c: Any, how: str, stops: list[str]) -> Sampled:
+    def _finish(self, c: Any, how: str, stops: list[str], grammar: str | None = None) -> Sampled:
         ids, lps, finish = list(c.response_token_ids), list(c.logprobs), c.finish_reason
         text, hit = self.decode(ids), None
         if stops:
@@ -139,6 +148,7 @@ class Sampler:
             how,
             hit,
             tuple(self.pieces(ids, text)),
+            grammar,
         )
 
     def pieces(self, ids: list[int], shown: str) -> list[str]:

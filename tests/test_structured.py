@@ -1,0 +1,138 @@
+"""Structured outputs through the policy endpoint, with the official SDKs on a real NATS server: a
+forced tool call or a JSON schema is held by a grammar, the answer parses against its schema, the
+recorded step carries the grammar, and the learner's log-probs of it are the sampler's."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from coevo.agents.policy import PolicyAgent
+from coevo.config import CoevoConfig
+from coevo.inference.clients import model_dir
+from coevo.runtime.bus import NatsBus
+from coevo.schemas import StepTaken, TrainingSample
+from coevo.training.lane import Lane
+from tests.test_byo_apis import steps_of
+from tests.test_byo_endpoint import endpoint_cfg, need, post, running
+from tests.test_grammar import ANSWER, check_answer
+
+BUDGET = 200
+"""tokens: the tiny model writes a character a token or so, and an answer or a call is under 150"""
+
+
+def as_samples(steps: list[StepTaken]) -> list[TrainingSample]:
+    return [
+        TrainingSample(
+            sample_id=s.event_id,
+            role="policy",
+            prompt_token_ids=s.prompt_token_ids,
+            response_token_ids=s.response_token_ids,
+            logprobs=s.logprobs,
+            grammar=s.grammar,
+            advantage=0.0,
+            model_version=s.policy_version,
+            step_event_id=s.event_id,
+        )
+        for s in steps
+    ]
+
+
+async def test_openai_and_anthropic_sdks_get_what_their_schemas_ask_and_it_is_trained_exactly(
+    bus: NatsBus, loop_cfg: CoevoConfig, tmp_path: Any
+) -> None:
+    need("openai")
+    need("anthropic")
+    import anthropic
+    import openai
+
+    cfg = endpoint_cfg(loop_cfg)
+    base = f"http://127.0.0.1:{cfg.policy.serve_port}"
+    go = {"type": "function", "function": {"name": "go", "description": "walk", "parameters": ANSWER}}
+    async with running([PolicyAgent(bus, cfg)], base) as http:
+        ep = await post(http, "/coevo/v1/episodes", {"task_id": "structured-1", "goal": "answer in JSON"})
+        oai = openai.AsyncOpenAI(base_url=base + "/v1", api_key=ep["key"], max_retries=0)
+        msgs: list[Any] = [{"role": "user", "content": "where to?"}]
+        schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+        r1 = await oai.chat.completions.create(model="m", messages=msgs, response_format=schema, max_tokens=BUDGET)
+        check_answer(json.loads(r1.choices[0].message.content or ""))
+        msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "now walk."}]
+        r2 = await oai.chat.completions.create(
+            model="m", messages=msgs, tools=[go], tool_choice="required", max_tokens=BUDGET
+        )
+        (call,) = r2.choices[0].message.tool_calls or []
+        assert r2.choices[0].finish_reason == "tool_calls" and call.function.name == "go"
+        check_answer(json.loads(call.function.arguments))
+        r3 = await oai.responses.create(
+            model="m",
+            input="and then?",
+            text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}},
+            max_output_tokens=BUDGET,
+        )
+        check_answer(json.loads(r3.output_text))
+        assert r3.text.format.type == "json_schema"
+        claude = anthropic.AsyncAnthropic(base_url=base, api_key=ep["key"], max_retries=0)
+        m4 = await claude.messages.create(
+            model="m",
+            max_tokens=BUDGET,
+            messages=[{"role": "user", "content": "walk."}],
+            tools=[{"name": "go", "description": "walk", "input_schema": ANSWER}],
+            tool_choice={"type": "any"},
+        )
+        (use,) = [b for b in m4.content if b.type == "tool_use"]
+        assert m4.stop_reason == "tool_use" and use.name == "go"
+        check_answer(dict(use.input))  # type: ignore[arg-type]
+        await post(http, f"/coevo/v1/episodes/{ep['episode_id']}/finish", {"outcome": "won"})
+        await oai.close()
+        await claude.close()
+        steps = await steps_of(bus, ep["trajectory_id"])
+    assert len(steps) == 4 and all(s.grammar for s in steps)
+    assert "<tool_call>" in steps[1].grammar and "<tool_call>" not in steps[0].grammar  # type: ignore[operator]
+    policy = model_dir(cfg, "policy")
+    lane = Lane("policy", policy, tmp_path / "lane", cfg.learner, temperature=cfg.policy.temperature, device="cpu")
+    samples = as_samples(steps)
+    assert all(lane.sample_problem(s) is None for s in samples)
+    assert lane.mismatch_kl(samples) < 1e-4  # the learner computes the distribution each token was drawn from
+    assert lane.mismatch_kl([s.model_copy(update={"grammar": None}) for s in samples]) > 0.5
+
+
+async def test_structured_output_requests_that_cannot_be_held_are_refused_naming_the_parameter(
+    bus: NatsBus, loop_cfg: CoevoConfig
+) -> None:
+    cfg = endpoint_cfg(loop_cfg)
+    async with running([PolicyAgent(bus, cfg)], f"http://127.0.0.1:{cfg.policy.serve_port}") as http:
+        chat = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 2}
+        tools = [{"type": "function", "function": {"name": "go", "parameters": ANSWER}}]
+        refused = [
+            ("/v1/chat/completions", {**chat, "tool_choice": "required"}, "tool_choice", "no tools"),
+            (
+                "/v1/chat/completions",
+                {**chat, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "fly"}}},
+                "tool_choice",
+                "'fly'",
+            ),
+            ("/v1/chat/completions", {**chat, "tool_choice": "sometimes"}, "tool_choice", "expected"),
+            ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema"}}, "response_format", "schema"),
+            ("/v1/chat/completions", {**chat, "response_format": {"type": "xml"}}, "response_format", "'xml'"),
+            (
+                "/v1/chat/completions",
+                {**chat, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+                "response_format",
+                "not supported",
+            ),
+            ("/v1/responses", {"input": "a", "text": {"format": {"type": "json_schema"}}}, "text.format", "schema"),
+            (
+                "/v1/responses",
+                {"input": "a", "tool_choice": {"type": "function", "name": "x"}},
+                "tool_choice",
+                "no tools",
+            ),
+        ]
+        for path, body, param, says in refused:
+            err = (await post(http, path, body, 400))["error"]
+            assert err["param"] == param and says in err["message"], (path, body, err)
+        async with http.post(
+            "/v1/messages", json={**chat, "tool_choice": {"type": "tool", "name": "fly"}, "tools": []}
+        ) as r:
+            err = await r.json()
+            assert r.status == 400 and "no tools" in err["error"]["message"], err
