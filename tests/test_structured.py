@@ -5,7 +5,9 @@ recorded step carries the grammar, and the learner's log-probs of it are the sam
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal, TypedDict
+
+from pydantic import BaseModel, Field
 
 from coevo.agents.policy import PolicyAgent
 from coevo.config import CoevoConfig
@@ -16,6 +18,20 @@ from coevo.training.lane import Lane
 from tests.test_byo_apis import steps_of
 from tests.test_byo_endpoint import endpoint_cfg, need, post, running
 from tests.test_grammar import ANSWER, check_answer
+
+
+class Move(BaseModel):
+    """What the frameworks ask for (their users' pydantic model)."""
+
+    move: Literal["north", "south", "take coin"]
+    sure: bool
+    steps: int = Field(ge=0, le=99)
+
+
+class State(TypedDict):
+    question: str
+    answer: Move | None
+
 
 BUDGET = 200
 """tokens: the tiny model writes a character a token or so, and an answer or a call is under 150"""
@@ -136,3 +152,84 @@ async def test_structured_output_requests_that_cannot_be_held_are_refused_naming
         ) as r:
             err = await r.json()
             assert r.status == 400 and "no tools" in err["error"]["message"], err
+
+
+async def test_pydantic_ai_agents_sdk_and_langgraph_structured_modes_are_held_and_trained_exactly(
+    bus: NatsBus, loop_cfg: CoevoConfig, tmp_path: Any
+) -> None:
+    """Each framework's own structured mode, as its users write it: pydantic-ai's ``output_type`` (a
+    forced output tool), the Agents SDK's ``output_type`` (Responses ``text.format`` json_schema),
+    LangChain's ``with_structured_output`` in a LangGraph node (``response_format`` json_schema). Each
+    gets a validated ``Move`` from a random model, and every recorded step is trained exactly."""
+    for module in ("pydantic_ai", "agents", "langgraph", "langchain_openai"):
+        need(module)
+    from agents import Agent as SdkAgent
+    from agents import ModelSettings, OpenAIResponsesModel, RunConfig, Runner, set_tracing_disabled
+    from langchain_openai import ChatOpenAI
+    from langgraph.graph import END, START, StateGraph
+    from openai import AsyncOpenAI
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.settings import ModelSettings as PaiSettings
+
+    set_tracing_disabled(True)
+    cfg = endpoint_cfg(loop_cfg)
+    base = f"http://127.0.0.1:{cfg.policy.serve_port}"
+    trajectories: list[str] = []
+    async with running([PolicyAgent(bus, cfg)], base) as http:
+
+        async def episode(task: str) -> dict[str, Any]:
+            ep = await post(http, "/coevo/v1/episodes", {"task_id": task, "goal": "move"})
+            trajectories.append(ep["trajectory_id"])
+            return ep
+
+        async def finish(ep: dict[str, Any]) -> None:
+            await post(http, f"/coevo/v1/episodes/{ep['episode_id']}/finish", {"outcome": "won"})
+
+        ep = await episode("pai")
+        model = OpenAIChatModel("m", provider=OpenAIProvider(base_url=f"{base}/v1", api_key=ep["key"]))
+        pai = Agent(model, output_type=Move, instructions="choose a move", retries=0)
+        result = await pai.run("where to?", model_settings=PaiSettings(max_tokens=BUDGET))
+        assert isinstance(result.output, Move)
+        await finish(ep)
+
+        ep = await episode("sdk")
+        client = AsyncOpenAI(base_url=f"{base}/v1", api_key=ep["key"], max_retries=0)
+        sdk = SdkAgent(name="mover", instructions="choose a move", output_type=Move)
+        config = RunConfig(
+            model=OpenAIResponsesModel("m", openai_client=client), model_settings=ModelSettings(max_tokens=BUDGET)
+        )
+        run = await Runner.run(sdk, "where to?", run_config=config, max_turns=1)
+        assert isinstance(run.final_output, Move)
+        await client.close()
+        await finish(ep)
+
+        ep = await episode("langgraph")
+        chat = ChatOpenAI(model="m", base_url=f"{base}/v1", api_key=ep["key"], max_tokens=BUDGET, max_retries=0)
+        structured = chat.with_structured_output(Move)
+
+        async def decide(state: State) -> dict[str, Any]:
+            return {"answer": await structured.ainvoke(state["question"])}
+
+        graph = StateGraph(State)
+        graph.add_node("decide", decide)
+        graph.add_edge(START, "decide")
+        graph.add_edge("decide", END)
+        out = await graph.compile().ainvoke({"question": "where to?", "answer": None})
+        assert isinstance(out["answer"], Move)
+        await finish(ep)
+        steps = [s for t in trajectories for s in await steps_of(bus, t)]
+    assert len(steps) == 3 and all(s.grammar for s in steps), [s.grammar is not None for s in steps]
+    assert "<tool_call>" in (steps[0].grammar or "")  # pydantic-ai: a forced output tool
+    lane = Lane(
+        "policy",
+        model_dir(cfg, "policy"),
+        tmp_path / "lane",
+        cfg.learner,
+        temperature=cfg.policy.temperature,
+        device="cpu",
+    )
+    samples = as_samples(steps)
+    assert all(lane.sample_problem(s) is None for s in samples)
+    assert lane.mismatch_kl(samples) < 1e-4
