@@ -348,6 +348,12 @@ class PolicyConfig(Section):
         "policy and open, reward and finish episodes (docs/security.md)",
     )
     serve_max_tokens: int = Field(default=512, ge=1, description="cap on a request's max_tokens at the endpoint")
+    serve_strict: bool = Field(
+        default=False,
+        description="refuse (400, naming it) a request's sampling parameter the policy does not sample "
+        "with (temperature, top_p, top_k, min_p other than policy's; penalties, logit_bias); "
+        "off: served at the policy's own, and counted (endpoint.knobs_ignored.<name>)",
+    )
     serve_max_unrecorded: int = Field(
         default=4,
         ge=1,

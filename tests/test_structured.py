@@ -233,3 +233,30 @@ async def test_pydantic_ai_agents_sdk_and_langgraph_structured_modes_are_held_an
     samples = as_samples(steps)
     assert all(lane.sample_problem(s) is None for s in samples)
     assert lane.mismatch_kl(samples) < 1e-4
+
+
+async def test_sampling_knobs_the_learner_would_not_reproduce_are_counted_or_refused_when_strict(
+    bus: NatsBus, loop_cfg: CoevoConfig
+) -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 2}
+    lenient = endpoint_cfg(loop_cfg)
+    policy = PolicyAgent(bus, lenient)
+    async with running([policy], f"http://127.0.0.1:{lenient.policy.serve_port}") as http:
+        await post(http, "/v1/chat/completions", {**chat, "temperature": 0.2, "presence_penalty": 1.5})
+        await post(http, "/v1/chat/completions", {**chat, "temperature": lenient.policy.temperature, "seed": 3})
+    assert policy.counters["endpoint.knobs_ignored.temperature"] == 1
+    assert policy.counters["endpoint.knobs_ignored.presence_penalty"] == 1
+    strict = endpoint_cfg(loop_cfg, **{"policy.serve_strict": True})
+    async with running([PolicyAgent(bus, strict)], f"http://127.0.0.1:{strict.policy.serve_port}") as http:
+        for path, body, param in [
+            ("/v1/chat/completions", {**chat, "temperature": 0.2}, "temperature"),
+            ("/v1/chat/completions", {**chat, "logit_bias": {"5": 10}}, "logit_bias"),
+            ("/v1/completions", {"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty"),
+            ("/v1/responses", {"input": "a", "top_p": 0.5}, "top_p"),
+        ]:
+            err = (await post(http, path, body, 400))["error"]
+            assert err["param"] == param and "serve_strict" in err["message"], err
+        async with http.post("/v1/messages", json={**chat, "top_k": 5}) as r:
+            assert r.status == 400 and "top_k" in (await r.json())["error"]["message"]
+        # what the policy samples with anyway is served, strict or not
+        await post(http, "/v1/chat/completions", {**chat, "temperature": strict.policy.temperature, "top_p": 1.0})

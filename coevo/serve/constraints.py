@@ -8,12 +8,17 @@ Pure functions, no I/O: each API's spelling in, one grammar out (``coevo.inferen
   JSON text satisfying the schema; with tools offered and ``tool_choice`` auto, that JSON or a tool call;
 - refused with a 400 naming the parameter: a forced tool without tools, a name not offered, a
   schema the grammar engine cannot hold, a tool choice or format of another kind.
+
+Sampling parameters the learner would not reproduce (``ignored_knobs``) are another matter: the
+policy samples at its own temperature and truncation, so a request's own are served without and
+counted, or refused under ``policy.serve_strict``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from coevo.config import SamplingConfig
 from coevo.errors import ApiError
 from coevo.inference.grammar import GrammarError, either, json_grammar, tool_call_grammar
 
@@ -108,3 +113,20 @@ def grammar_for(
         except GrammarError as exc:
             raise ApiError(400, f"tools: {exc}", param="tools") from exc
     return answer
+
+
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {}}
+"""sampling parameters no policy in coevo samples with, at their values that change nothing"""
+
+
+def ignored_knobs(body: dict[str, Any], temperature: float, sampling: SamplingConfig) -> list[str]:
+    """The sampling parameters ``body`` asks for that the policy does not sample with: it samples
+    at ``temperature`` with ``sampling``'s truncation, the distribution the learner computes."""
+    own = {"temperature": temperature, "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p}
+    asked = [
+        k
+        for k, v in own.items()
+        if body.get(k) is not None and body[k] != v and not (k == "top_k" and v == 0 and body[k] in (0, -1))
+    ]
+    asked += [k for k, v in NEUTRAL.items() if body.get(k) not in (None, v)]
+    return asked

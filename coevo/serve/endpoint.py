@@ -290,6 +290,26 @@ class Endpoint:
         who = "an agent key" if agent else f"the key of episode {ep.episode_id if ep else '?'}"
         raise ApiError(403, f"{who} acts only on its own episode", type="permission_error", code="episode_key_scope")
 
+    async def _sampling_request(self, request: web.Request) -> dict[str, Any]:
+        """The body of a call that samples, its sampling parameters checked (``_knobs``)."""
+        body = await self._json(request)
+        self._knobs(body)
+        return body
+
+    def _knobs(self, body: dict[str, Any]) -> None:
+        """A request's sampling parameters the policy does not sample with: refused under
+        ``policy.serve_strict``, else served at the policy's own and counted."""
+        ignored = cs.ignored_knobs(body, self.pc.temperature, self.pc.sampling)
+        if ignored and self.pc.serve_strict:
+            raise ApiError(
+                400,
+                f"{ignored[0]} {body[ignored[0]]!r}: the policy samples at its own settings (policy.temperature, "
+                "policy.sampling), the distribution the learner trains; policy.serve_strict refuses others",
+                param=ignored[0],
+            )
+        for name in ignored:
+            self.counters[f"endpoint.knobs_ignored.{name}"] += 1
+
     @staticmethod
     async def _json(request: web.Request, *, empty_ok: bool = False) -> dict[str, Any]:
         raw = await request.read()
@@ -429,7 +449,7 @@ class Endpoint:
     # ---- Chat Completions and Completions ----------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = oa.ChatRequest.model_validate(await self._json(request))
+        req = oa.ChatRequest.model_validate(await self._sampling_request(request))
         req.check()
         ep = self._episode_of(request, req.user)
         grammar = cs.grammar_for(
@@ -458,7 +478,7 @@ class Endpoint:
         return await self._respond(request, body, [a.pieces for a in answers], req)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = oa.CompletionRequest.model_validate(await self._json(request))
+        req = oa.CompletionRequest.model_validate(await self._sampling_request(request))
         req.check()
         ep = self._episode_of(request, req.user)
         prompt, max_tokens = req.single(), self._max_tokens(req.max_tokens)
@@ -495,7 +515,7 @@ class Endpoint:
     # ---- Responses and Messages --------------------------------------------------------------
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
-        req = ra.ResponsesRequest.model_validate(await self._json(request))
+        req = ra.ResponsesRequest.model_validate(await self._sampling_request(request))
         req.check()
         ep = self._episode_of(request, req.user)
         owner = ep.episode_id if ep is not None else None
@@ -537,7 +557,7 @@ class Endpoint:
         return await self._events(request, body, ra.stream_events(body, a.pieces))
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        req = ma.MessagesRequest.model_validate(await self._json(request))
+        req = ma.MessagesRequest.model_validate(await self._sampling_request(request))
         req.check()
         ep = self._episode_of(request, req.user)
         tools = ma.chat_tools(req.tools)

@@ -11,7 +11,8 @@ completions: ``0``: the sampled tokens' log-probs), ``tools`` (rendered by the m
 400 naming the parameter: log-prob alternatives (``top_logprobs`` > 0, completions ``logprobs`` > 0). Accepted without changing
 sampling: its knobs (``temperature``, ``top_p``, penalties, ``seed``): the policy samples at
 ``policy.temperature``, the temperature the learner computes log-probs at, so what is trained is
-what was sampled.
+what was sampled (each one asked for is counted, ``endpoint.knobs_ignored.<name>``, and refused with a
+400 under ``policy.serve_strict``: ``coevo.serve.constraints.ignored_knobs``).
 """
 
 from __future__ import annotations
