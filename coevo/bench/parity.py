@@ -6,7 +6,9 @@ instruct-style defaults (top_k, top_p, repetition penalty, temperature), which v
 whatever a request leaves out. For each, the KL per token from the server's sampling to the
 learner's log-probs on fresh samples (``coevo.training.parity.probe``): requests as coevo sent them
 before (the temperature alone) and as it sends them now (every field stated), neutral and with a
-configured truncation that the learner applies too.
+configured truncation that the learner applies too. And under a grammar (structured outputs, #38):
+samples vLLM drew under a forced tool call, against the learner with and without the replayed masks,
+and what the masks cost a learner step.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import structlog
 
 from coevo.inference.engine import Completion
 from coevo.inference.vllm_client import VLLMClient
+from coevo.schemas import TrainingSample
 
 INSTRUCT_DEFAULTS = {"do_sample": True, "temperature": 0.6, "top_k": 5, "top_p": 0.7, "repetition_penalty": 1.5}
 """as published instruct models ship them (the values vary; the kinds are these)"""
@@ -102,6 +105,90 @@ async def measure(url: str, model: Path, work: Path, rollouts: int, steps: int =
     return {k: [_nats(x) for x in v] if isinstance(v, list) else _nats(v) for k, v in out.items()}
 
 
+STRUCTURED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "go",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "move": {"enum": ["north", "south", "take coin"]},
+                    "sure": {"type": "boolean"},
+                    "steps": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["move", "sure", "steps"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "look",
+            "parameters": {"type": "object", "properties": {"far": {"type": "boolean"}}, "required": ["far"]},
+        },
+    },
+]
+"""the forced tool call the structured measure samples under (#38): a wrapper, names, an enum, numbers"""
+
+
+async def structured(url: str, model: Path, work: Path, rollouts: int) -> dict[str, Any]:
+    """Samples vLLM drew under a grammar (a forced tool call): the KL per token from its sampling to
+    the learner's log-probs with the replayed masks and without them, beside unconstrained sampling's,
+    and the seconds of one learner step on those samples with and without the masks."""
+    from coevo.config import LearnerConfig
+    from coevo.inference.grammar import tool_call_grammar
+    from coevo.training.lane import Lane
+    from coevo.training.parity import PROMPTS, probe
+
+    grammar = tool_call_grammar(STRUCTURED_TOOLS)
+
+    def lane(name: str) -> Lane:
+        return Lane("policy", model, work / name, LearnerConfig(), temperature=1.0, device="cpu")
+
+    masked_lane, bare_lane = lane("masks"), lane("bare")
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+        done = await asyncio.gather(
+            *(
+                client.complete(PROMPTS[i % len(PROMPTS)], max_tokens=200, temperature=1.0, index=i, grammar=grammar)
+                for i in range(2 * rollouts)
+            )
+        )
+        free = (await probe(client, masked_lane, rollouts=rollouts))[0]
+    held = [
+        TrainingSample.model_validate(
+            {
+                "sample_id": f"held-{i}",
+                "role": "policy",
+                "prompt_token_ids": c.prompt_token_ids,
+                "response_token_ids": c.response_token_ids,
+                "logprobs": c.logprobs,
+                "grammar": grammar,
+                "advantage": 1.0 if i % 2 else -1.0,
+                "model_version": 0,
+                "step_event_id": f"held-{i}",
+            }
+        )
+        for i, c in enumerate(done)
+    ]
+    bare = [s.model_copy(update={"grammar": None}) for s in held]
+    out: dict[str, Any] = {
+        "kl_masked": _nats(masked_lane.mismatch_kl(held[:rollouts])),
+        "kl_unmasked": _nats(bare_lane.mismatch_kl(bare[:rollouts])),
+        "kl_unconstrained_sampling": _nats(free),
+        "tokens_per_sample": round(sum(len(s.response_token_ids) for s in held) / len(held), 1),
+    }
+    for name, one, samples in (("with_masks", masked_lane, held), ("without_masks", bare_lane, bare)):
+        seconds = []
+        for half in (samples[:rollouts], samples[rollouts:]):  # the first step warms up; the second is measured
+            t0 = time.perf_counter()
+            await asyncio.to_thread(one.step, half, ["g"])
+            seconds.append(time.perf_counter() - t0)
+        out[f"step_seconds_{name}"] = round(seconds[-1], 3)
+    return out
+
+
 def _nats(kl: float) -> float:
     return float(f"{max(kl, 0.0):.3g}")  # k3 is >= 0; rounding can leave -0.0
 
@@ -130,6 +217,9 @@ async def bench_parity(python: str, *, cache: Path | None = None, rollouts: int 
             async with served(python, model) as url:
                 results[name] = await measure(url, model, work / name, rollouts)
                 log.info("parity.measured", model=name, **{k: str(v) for k, v in results[name].items()})
+                if name == "without_defaults":
+                    held = await structured(url, model, work / "structured", rollouts)
+                    log.info("parity.structured", **{k: str(v) for k, v in held.items()})
     return {
         "bench": "parity",
         "model": "tiny default policy (fp32, vLLM CPU)",
@@ -138,5 +228,6 @@ async def bench_parity(python: str, *, cache: Path | None = None, rollouts: int 
         "instruct_defaults": INSTRUCT_DEFAULTS,
         "truncation": TRUNCATION,
         "kl_nats_per_token": results,
+        "structured": held,
         "seconds": round(time.monotonic() - t0, 1),
     }
