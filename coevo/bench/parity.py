@@ -215,11 +215,11 @@ async def bench_parity(python: str, *, cache: Path | None = None, rollouts: int 
         results: dict[str, Any] = {}
         for name, model in (("without_defaults", base), ("instruct_defaults", instruct)):
             async with served(python, model) as url:
-                results[name] = await measure(url, model, work / name, rollouts)
-                log.info("parity.measured", model=name, **{k: str(v) for k, v in results[name].items()})
-                if name == "without_defaults":
+                if name == "without_defaults":  # first: ``measure`` swaps trained weights into the server
                     held = await structured(url, model, work / "structured", rollouts)
                     log.info("parity.structured", **{k: str(v) for k, v in held.items()})
+                results[name] = await measure(url, model, work / name, rollouts)
+                log.info("parity.measured", model=name, **{k: str(v) for k, v in results[name].items()})
     return {
         "bench": "parity",
         "model": "tiny default policy (fp32, vLLM CPU)",
