@@ -5,6 +5,7 @@ recorded step carries the grammar, and the learner's log-probs of it are the sam
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, Field
@@ -52,6 +53,14 @@ def as_samples(steps: list[StepTaken]) -> list[TrainingSample]:
         )
         for s in steps
     ]
+
+
+def trains(lane: Lane, samples: list[TrainingSample]) -> None:
+    """A learner step on the samples (signed advantages): all of them trained, under their masks."""
+    signed = [s.model_copy(update={"advantage": 1.0 if i % 2 else -1.0}) for i, s in enumerate(samples)]
+    step = lane.step(signed, ["structured"])
+    assert step.samples == len(samples) and step.optimizer_steps >= 1 and math.isfinite(step.loss)
+    assert step.mismatch_kl < 1e-4, step  # the step's own measure: behaviour vs proximal log-probs
 
 
 async def test_openai_and_anthropic_sdks_get_what_their_schemas_ask_and_it_is_trained_exactly(
@@ -110,6 +119,7 @@ async def test_openai_and_anthropic_sdks_get_what_their_schemas_ask_and_it_is_tr
     assert all(lane.sample_problem(s) is None for s in samples)
     assert lane.mismatch_kl(samples) < 1e-4  # the learner computes the distribution each token was drawn from
     assert lane.mismatch_kl([s.model_copy(update={"grammar": None}) for s in samples]) > 0.5
+    trains(lane, samples)
 
 
 async def test_structured_output_requests_that_cannot_be_held_are_refused_naming_the_parameter(
@@ -233,6 +243,7 @@ async def test_pydantic_ai_agents_sdk_and_langgraph_structured_modes_are_held_an
     samples = as_samples(steps)
     assert all(lane.sample_problem(s) is None for s in samples)
     assert lane.mismatch_kl(samples) < 1e-4
+    trains(lane, samples)
 
 
 async def test_sampling_knobs_the_learner_would_not_reproduce_are_counted_or_refused_when_strict(
