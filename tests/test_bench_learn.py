@@ -452,3 +452,26 @@ def test_the_tables_quote_means_intervals_paired_differences_and_each_step() -> 
     # seconds 8 and 12: mean 10, half-width 12.706 · 2.83 / √2 = 25
     assert "| outcome_only | 0.00 ± 0.00 | 0.25 ± 0.00 (5 ± 13 s) | 0.38 ± 1.59 (10 ± 25 s) |" in text
     assert "step 20" in text and "20 policy steps per run" in text
+
+
+def test_bench_runs_take_a_config_file_sets_and_one_base_as_coevo_run_does() -> None:
+    """``bench learn|ladder --config F --set K=V --base B --lora-lanes``: every run's overrides, the
+    file first, then the sets, then the base (policy and judge), checked before anything runs."""
+    import argparse
+
+    from coevo.cli.bench import _run_overrides
+
+    args = argparse.Namespace(
+        config=Path(__file__).parents[1] / "configs" / "smollm2.toml",
+        set=["learner.lr=1e-4", "env.n_heldout=8"],
+        base="smollm2-135m-instruct",
+        lora_lanes=True,
+    )
+    over = _run_overrides(args)
+    assert over["policy.n"] == 4 and over["judge.mode"] == "verdict"  # from the file
+    assert over["learner.lr"] == "1e-4" and over["env.n_heldout"] == "8"  # --set, over the file's 3e-4 and 4
+    assert over["policy.model"] == over["judge.model"] == "smollm2-135m-instruct" and over["learner.lora"] == {}
+    cfg = load_config(overrides=over)
+    assert cfg.learner.lr == 1e-4 and cfg.env.n_heldout == 8 and cfg.learner.lora is not None
+    with pytest.raises(SystemExit, match=r"learner\.lrr"):
+        _run_overrides(argparse.Namespace(config=None, set=["learner.lrr=1"], base=None, lora_lanes=False))

@@ -46,6 +46,8 @@ WRONG_PATH = [
     ("bench", "table", "missing.json"),
     ("rejudge", "--run", "nosuch", "--judge", "missing.toml"),
     ("bench", "learn", "--judge-from", "missing-model"),
+    ("bench", "learn", "--config", "missing.toml"),
+    ("bench", "ladder", "--set", "learner.no_such_field=1"),
     ("server", "--store", "../a-file/store", "--port", "-1", "--insecure-loopback"),
     ("trace", "t-1", "--run", "r1", "--runs-dir", "missing-runs"),
 ]

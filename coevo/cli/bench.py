@@ -89,7 +89,7 @@ def _over_seeds(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"coevo bench: {exc}") from None
     if args.seeds < 1:
         raise SystemExit("coevo bench: --seeds must be >= 1")
-    overrides: dict[str, Any] = {}
+    overrides = _run_overrides(args)
     if args.judge_from is not None:
         if not (args.judge_from / "config.json").is_file():
             raise SystemExit(f"coevo bench: --judge-from {args.judge_from}: not a model directory (no config.json)")
@@ -101,6 +101,44 @@ def _over_seeds(args: argparse.Namespace) -> dict[str, Any]:
         "cache_dir": args.cache_dir,
         "overrides": overrides,
     }
+
+
+def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """What every run of a bench learn / ladder takes from the command line, as ``coevo run`` would:
+    a ``--config`` file, then ``--set KEY=VALUE``, then ``--lora`` and ``--base`` (policy and judge from
+    one base: a model directory, a GGUF file or a shipped model's short name)."""
+    from coevo.cli._config import one_base, parse_value
+    from coevo.config import load_config, read_config_file
+    from coevo.errors import ConfigError
+
+    overrides: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            overrides.update(_dotted(read_config_file(args.config)))
+        except ConfigError as exc:
+            raise SystemExit(f"coevo bench: {exc}") from None
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"coevo bench: --set expects KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = parse_value(value)
+    one_base(argparse.Namespace(lora=args.lora_lanes, base=args.base), overrides)
+    try:
+        load_config(overrides=overrides)  # a wrong field is one line now, not after the first run started
+    except ConfigError as exc:
+        raise SystemExit(f"coevo bench: {exc}") from None
+    return overrides
+
+
+def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config file's tree as dotted overrides (an empty section stays one: ``learner.lora = {}``)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _seeds_args() -> tuple[Arg, ...]:
@@ -125,6 +163,26 @@ def _seeds_args() -> tuple[Arg, ...]:
             "minutes:M or seconds:S (default: --minutes)",
         ),
         arg("--max-minutes", type=float, default=30.0, help="wall-clock cap of a steps:N run"),
+        arg("--config", type=Path, metavar="FILE", help="a config file every run starts from (as coevo run's)"),
+        arg(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="a config field of every run, by dotted name (repeatable; after --config; each run's seed and "
+            "configuration are set over it)",
+        ),
+        arg(
+            "--base",
+            metavar="MODEL",
+            help="policy and judge from one base: a model directory, a GGUF file or a shipped short name "
+            "(smollm2-135m-instruct) [policy.model, judge.model]",
+        ),
+        arg(
+            "--lora-lanes",
+            action="store_true",
+            help="every run trains LoRA adapters of the base [learner.lora] (bench learn --lora compares them with full)",
+        ),
         arg(
             "--judge-from",
             type=Path,
