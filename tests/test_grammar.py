@@ -139,5 +139,7 @@ def test_replay_refuses_what_the_grammar_does_not_allow_and_names_the_position(p
 def test_a_tool_call_grammar_for_a_tool_that_is_not_offered_names_it() -> None:
     with pytest.raises(GrammarError, match="'fly'"):
         tool_call_grammar(TOOLS, "fly")
+    with pytest.raises(GrammarError, match=r"tools\[1\] has no function name"):
+        tool_call_grammar([TOOLS[0], {"type": "function", "function": {"parameters": {}}}])
     with pytest.raises(GrammarError, match="JSON schema"):
         json_grammar({"type": "no-such-type"})

@@ -68,9 +68,17 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None) -> s
     """The grammar of one wrapped tool call, ``{"name": …, "arguments": …}``, to one of ``tools``
     (chat tool definitions, ``{"type": "function", "function": {...}}``) or only to ``name``, with
     arguments that satisfy that tool's parameters schema."""
-    xgr = _xgrammar()
+    return _tool_call_grammar(json.dumps(tools), name)  # an agent sends the same tools on every call
 
-    functions = [t.get("function", t) for t in tools]
+
+@functools.lru_cache(maxsize=256)
+def _tool_call_grammar(tools_json: str, name: str | None) -> str:
+    xgr = _xgrammar()
+    tools: list[dict[str, Any]] = json.loads(tools_json)
+    functions = [t.get("function", t) if isinstance(t, dict) else {} for t in tools]
+    nameless = next((i for i, f in enumerate(functions) if not isinstance(f.get("name"), str)), None)
+    if nameless is not None:
+        raise GrammarError(f"tools[{nameless}] has no function name")
     chosen = [f for f in functions if name is None or f.get("name") == name]
     if not chosen:
         raise GrammarError(f"no tool named {name!r} among {[f.get('name') for f in functions]}")
