@@ -399,6 +399,7 @@ async def test_a_grammar_vllm_holds_is_the_distribution_the_learner_computes(vll
     url, model = vllm_server
     grammar = tool_call_grammar(TOOLS)
     async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+        await client.swap_weights(model, 0)  # the server is shared: tests before this one pushed trained weights
         held = await asyncio.gather(
             *(
                 client.complete("answer:", max_tokens=BUDGET, temperature=1.0, index=i, grammar=grammar)
@@ -438,3 +439,48 @@ async def test_a_grammar_vllm_holds_is_the_distribution_the_learner_computes(vll
     print(f"vLLM mismatch KL per token: grammar+masks {masked:.2e}, grammar unmasked {unmasked:.3f}, free {plain:.2e}")
     assert masked < plain + 0.01, (masked, plain)
     assert unmasked > 0.5, unmasked
+
+
+async def test_the_endpoint_of_a_vllm_served_policy_holds_structured_outputs_and_trains_them_exactly(
+    vllm_server, bus, loop_cfg, tmp_path: Path
+) -> None:
+    """The policy endpoint in front of vLLM: the openai SDK's ``response_format`` and
+    ``tool_choice="required"`` go to vLLM as its grammar, the answers parse, and the learner's
+    log-probs of the recorded steps are vLLM's."""
+    import json
+
+    import openai
+
+    from coevo.agents.policy import PolicyAgent
+    from tests.test_byo_apis import steps_of
+    from tests.test_byo_endpoint import endpoint_cfg, post, running
+    from tests.test_grammar import ANSWER, check_answer
+    from tests.test_structured import BUDGET, as_samples
+
+    url, model = vllm_server
+    async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
+        await client.swap_weights(model, 0)  # base weights, as the lane below starts from
+    cfg = endpoint_cfg(loop_cfg, **{"policy.url": url, "policy.model": str(model)})
+    base = f"http://127.0.0.1:{cfg.policy.serve_port}"
+    go = {"type": "function", "function": {"name": "go", "parameters": ANSWER}}
+    async with running([PolicyAgent(bus, cfg)], base) as http:
+        ep = await post(http, "/coevo/v1/episodes", {"task_id": "vllm-structured", "goal": "answer"})
+        oai = openai.AsyncOpenAI(base_url=base + "/v1", api_key=ep["key"], max_retries=0)
+        msgs: list = [{"role": "user", "content": "where to?"}]
+        schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+        r1 = await oai.chat.completions.create(model="m", messages=msgs, response_format=schema, max_tokens=BUDGET)
+        check_answer(json.loads(r1.choices[0].message.content or ""))
+        msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "walk."}]
+        r2 = await oai.chat.completions.create(
+            model="m", messages=msgs, tools=[go], tool_choice="required", max_tokens=BUDGET
+        )
+        (call,) = r2.choices[0].message.tool_calls or []
+        check_answer(json.loads(call.function.arguments))
+        await post(http, f"/coevo/v1/episodes/{ep['episode_id']}/finish", {"outcome": "won"})
+        await oai.close()
+        steps = await steps_of(bus, ep["trajectory_id"])
+    assert len(steps) == 2 and all(s.grammar for s in steps)
+    lane = Lane("policy", model, tmp_path / "lane", LearnerConfig(), temperature=cfg.policy.temperature, device="cpu")
+    samples = as_samples(steps)
+    assert all(lane.sample_problem(s) is None for s in samples)
+    assert lane.mismatch_kl(samples) < 0.01
