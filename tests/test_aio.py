@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from coevo.runtime.aio import cancel_all
+from coevo.runtime.aio import cancel_all, wait_event
 
 
 async def _swallowing_task() -> tuple[asyncio.Task[None], list[int]]:
@@ -52,3 +52,23 @@ async def test_cancel_all_waits_for_every_task_and_leaves_finished_ones_alone() 
     await asyncio.sleep(0)
     await cancel_all([done, slow])
     assert slow.cancelled() and cleanup == ["ended"] and not done.cancelled()
+
+
+async def test_wait_event_never_drops_a_cancellation_that_arrives_as_the_event_is_set() -> None:
+    """Agents sleep on ``wait_event`` in loops (``Agent.sleep``, the observer's poll): the cancel that
+    arrives in the tick the event is set must still end the loop, where 3.11's ``wait_for`` dropped it."""
+    event = asyncio.Event()
+    turns: list[int] = []
+
+    async def sleeper() -> None:
+        while True:
+            await wait_event(event, 5)
+            event.clear()
+            turns.append(1)
+
+    task = asyncio.create_task(sleeper())
+    await asyncio.sleep(0)  # it waits on the event now
+    event.set()
+    task.cancel()
+    await asyncio.wait({task}, timeout=1)
+    assert task.cancelled() and not turns

@@ -11,9 +11,14 @@ T = TypeVar("T")
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
-    """Wait until ``event`` is set or ``timeout_s`` has passed; True when it was set."""
+    """Wait until ``event`` is set or ``timeout_s`` has passed; True when it was set. A cancellation
+    always propagates (``asyncio.timeout`` tells its own from the caller's; 3.11's ``wait_for`` drops
+    one that arrives as the event is set, and the loops that sleep on this would go on)."""
+    if event.is_set():
+        return True
     try:
-        await asyncio.wait_for(event.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
     except TimeoutError:
         return False
     return True
