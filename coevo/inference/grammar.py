@@ -126,10 +126,6 @@ class Matcher:
     def accept(self, token: int) -> bool:
         return bool(self._m.accept_token(token))
 
-    @property
-    def done(self) -> bool:
-        return bool(self._m.is_terminated())
-
 
 class Grammars:
     """Compiled grammars for one tokenizer (a bounded cache keyed by the grammar's text)."""
