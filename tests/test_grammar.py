@@ -8,33 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from coevo.bench.parity import STRUCTURED_TOOLS
 from coevo.config import LearnerConfig
 from coevo.inference.engine import LocalEngine
 from coevo.inference.grammar import GrammarError, Grammars, json_grammar, tool_call_grammar, unpack
 from coevo.inference.models import ensure_default_model
 from coevo.schemas import TrainingSample
 from coevo.training.lane import Lane
+from coevo.training.parity import as_sample
 
-ANSWER = {
-    "type": "object",
-    "properties": {
-        "move": {"enum": ["north", "south", "take coin"]},
-        "sure": {"type": "boolean"},
-        "steps": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["move", "sure", "steps"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "go", "parameters": ANSWER}},
-    {
-        "type": "function",
-        "function": {
-            "name": "look",
-            "parameters": {"type": "object", "properties": {"far": {"type": "boolean"}}, "required": ["far"]},
-        },
-    },
-]
+TOOLS = STRUCTURED_TOOLS  # two tools: an enum, a boolean, a bounded integer, and one boolean
+ANSWER = TOOLS[0]["function"]["parameters"]
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +38,7 @@ async def _sampled(policy: Path, grammar: str, n: int = 8) -> list[TrainingSampl
             await engine.complete("answer:", max_tokens=120, temperature=1.0, index=i, grammar=grammar)
             for i in range(n)
         ]
-    return [
-        TrainingSample(
-            sample_id=f"g{i}",
-            role="policy",
-            prompt_token_ids=c.prompt_token_ids,
-            response_token_ids=c.response_token_ids,
-            logprobs=c.logprobs,
-            grammar=grammar,
-            advantage=0.0,
-            model_version=0,
-            step_event_id=f"g{i}",
-        )
-        for i, c in enumerate(done)
-    ]
+    return [as_sample(c, f"g{i}", "policy", grammar=grammar) for i, c in enumerate(done)]
 
 
 async def test_a_random_model_held_to_a_json_schema_writes_only_json_that_satisfies_it(policy: Path) -> None:

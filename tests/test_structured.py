@@ -11,6 +11,7 @@ from typing import Any, Literal, TypedDict
 from pydantic import BaseModel, Field
 
 from coevo.agents.policy import PolicyAgent
+from coevo.agents.scorer import make_sample
 from coevo.config import CoevoConfig
 from coevo.inference.clients import model_dir
 from coevo.runtime.bus import NatsBus
@@ -39,20 +40,25 @@ BUDGET = 200
 
 
 def as_samples(steps: list[StepTaken]) -> list[TrainingSample]:
-    return [
-        TrainingSample(
-            sample_id=s.event_id,
-            role="policy",
-            prompt_token_ids=s.prompt_token_ids,
-            response_token_ids=s.response_token_ids,
-            logprobs=s.logprobs,
-            grammar=s.grammar,
-            advantage=0.0,
-            model_version=s.policy_version,
-            step_event_id=s.event_id,
-        )
-        for s in steps
-    ]
+    """The recorded steps as the scorer makes them samples (advantage 0: the test sets its own)."""
+    return [make_sample(s.event_id, "policy", s, 0.0, s.policy_version, s.event_id) for s in steps]
+
+
+async def json_then_a_forced_tool(oai: Any) -> None:
+    """Through the openai SDK, in one conversation: an answer under ``response_format`` json_schema,
+    then a call ``tool_choice="required"`` forces; each parses against ``ANSWER``."""
+    go = {"type": "function", "function": {"name": "go", "description": "walk", "parameters": ANSWER}}
+    msgs: list[Any] = [{"role": "user", "content": "where to?"}]
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    r1 = await oai.chat.completions.create(model="m", messages=msgs, response_format=schema, max_tokens=BUDGET)
+    check_answer(json.loads(r1.choices[0].message.content or ""))
+    msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "now walk."}]
+    r2 = await oai.chat.completions.create(
+        model="m", messages=msgs, tools=[go], tool_choice="required", max_tokens=BUDGET
+    )
+    (call,) = r2.choices[0].message.tool_calls or []
+    assert r2.choices[0].finish_reason == "tool_calls" and call.function.name == "go"
+    check_answer(json.loads(call.function.arguments))
 
 
 def trains(lane: Lane, samples: list[TrainingSample]) -> None:
@@ -73,21 +79,10 @@ async def test_openai_and_anthropic_sdks_get_what_their_schemas_ask_and_it_is_tr
 
     cfg = endpoint_cfg(loop_cfg)
     base = f"http://127.0.0.1:{cfg.policy.serve_port}"
-    go = {"type": "function", "function": {"name": "go", "description": "walk", "parameters": ANSWER}}
     async with running([PolicyAgent(bus, cfg)], base) as http:
         ep = await post(http, "/coevo/v1/episodes", {"task_id": "structured-1", "goal": "answer in JSON"})
         oai = openai.AsyncOpenAI(base_url=base + "/v1", api_key=ep["key"], max_retries=0)
-        msgs: list[Any] = [{"role": "user", "content": "where to?"}]
-        schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
-        r1 = await oai.chat.completions.create(model="m", messages=msgs, response_format=schema, max_tokens=BUDGET)
-        check_answer(json.loads(r1.choices[0].message.content or ""))
-        msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "now walk."}]
-        r2 = await oai.chat.completions.create(
-            model="m", messages=msgs, tools=[go], tool_choice="required", max_tokens=BUDGET
-        )
-        (call,) = r2.choices[0].message.tool_calls or []
-        assert r2.choices[0].finish_reason == "tool_calls" and call.function.name == "go"
-        check_answer(json.loads(call.function.arguments))
+        await json_then_a_forced_tool(oai)
         r3 = await oai.responses.create(
             model="m",
             input="and then?",

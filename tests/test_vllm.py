@@ -393,6 +393,7 @@ async def test_a_grammar_vllm_holds_is_the_distribution_the_learner_computes(vll
     import json
 
     from coevo.inference.grammar import tool_call_grammar
+    from coevo.training.parity import as_sample
     from tests.test_grammar import TOOLS, check_answer
     from tests.test_structured import BUDGET
 
@@ -416,20 +417,7 @@ async def test_a_grammar_vllm_holds_is_the_distribution_the_learner_computes(vll
             check_answer(call["arguments"])
 
     def samples(done, grammar: str | None) -> list[TrainingSample]:
-        return [
-            TrainingSample(
-                sample_id=f"v{i}",
-                role="policy",
-                prompt_token_ids=c.prompt_token_ids,
-                response_token_ids=c.response_token_ids,
-                logprobs=c.logprobs,
-                grammar=grammar,
-                advantage=0.0,
-                model_version=0,
-                step_event_id=f"v{i}",
-            )
-            for i, c in enumerate(done)
-        ]
+        return [as_sample(c, f"v{i}", "policy", grammar=grammar) for i, c in enumerate(done)]
 
     lane = Lane("policy", model, tmp_path / "lane", LearnerConfig(), temperature=1.0, device="cpu")
     constrained = samples(held, grammar)
@@ -447,35 +435,23 @@ async def test_the_endpoint_of_a_vllm_served_policy_holds_structured_outputs_and
     """The policy endpoint in front of vLLM: the openai SDK's ``response_format`` and
     ``tool_choice="required"`` go to vLLM as its grammar, the answers parse, and the learner's
     log-probs of the recorded steps are vLLM's."""
-    import json
 
     import openai
 
     from coevo.agents.policy import PolicyAgent
     from tests.test_byo_apis import steps_of
     from tests.test_byo_endpoint import endpoint_cfg, post, running
-    from tests.test_grammar import ANSWER, check_answer
-    from tests.test_structured import BUDGET, as_samples
+    from tests.test_structured import as_samples, json_then_a_forced_tool
 
     url, model = vllm_server
     async with VLLMClient(url, str(model), tokenizer_dir=model) as client:
         await client.swap_weights(model, 0)  # base weights, as the lane below starts from
     cfg = endpoint_cfg(loop_cfg, **{"policy.url": url, "policy.model": str(model)})
     base = f"http://127.0.0.1:{cfg.policy.serve_port}"
-    go = {"type": "function", "function": {"name": "go", "parameters": ANSWER}}
     async with running([PolicyAgent(bus, cfg)], base) as http:
         ep = await post(http, "/coevo/v1/episodes", {"task_id": "vllm-structured", "goal": "answer"})
         oai = openai.AsyncOpenAI(base_url=base + "/v1", api_key=ep["key"], max_retries=0)
-        msgs: list = [{"role": "user", "content": "where to?"}]
-        schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
-        r1 = await oai.chat.completions.create(model="m", messages=msgs, response_format=schema, max_tokens=BUDGET)
-        check_answer(json.loads(r1.choices[0].message.content or ""))
-        msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "walk."}]
-        r2 = await oai.chat.completions.create(
-            model="m", messages=msgs, tools=[go], tool_choice="required", max_tokens=BUDGET
-        )
-        (call,) = r2.choices[0].message.tool_calls or []
-        check_answer(json.loads(call.function.arguments))
+        await json_then_a_forced_tool(oai)
         await post(http, f"/coevo/v1/episodes/{ep['episode_id']}/finish", {"outcome": "won"})
         await oai.close()
         steps = await steps_of(bus, ep["trajectory_id"])

@@ -25,7 +25,6 @@ import structlog
 
 from coevo.inference.engine import Completion
 from coevo.inference.vllm_client import VLLMClient
-from coevo.schemas import TrainingSample
 
 INSTRUCT_DEFAULTS = {"do_sample": True, "temperature": 0.6, "top_k": 5, "top_p": 0.7, "repetition_penalty": 1.5}
 """as published instruct models ship them (the values vary; the kinds are these)"""
@@ -140,7 +139,7 @@ async def structured(url: str, model: Path, work: Path, rollouts: int) -> dict[s
     from coevo.config import LearnerConfig
     from coevo.inference.grammar import tool_call_grammar
     from coevo.training.lane import Lane
-    from coevo.training.parity import PROMPTS, probe
+    from coevo.training.parity import PROMPTS, as_sample, probe
 
     grammar = tool_call_grammar(STRUCTURED_TOOLS)
 
@@ -157,19 +156,7 @@ async def structured(url: str, model: Path, work: Path, rollouts: int) -> dict[s
         )
         free = (await probe(client, masked_lane, rollouts=rollouts))[0]
     held = [
-        TrainingSample.model_validate(
-            {
-                "sample_id": f"held-{i}",
-                "role": "policy",
-                "prompt_token_ids": c.prompt_token_ids,
-                "response_token_ids": c.response_token_ids,
-                "logprobs": c.logprobs,
-                "grammar": grammar,
-                "advantage": 1.0 if i % 2 else -1.0,
-                "model_version": 0,
-                "step_event_id": f"held-{i}",
-            }
-        )
+        as_sample(c, f"held-{i}", "policy", grammar=grammar, advantage=1.0 if i % 2 else -1.0)
         for i, c in enumerate(done)
     ]
     bare = [s.model_copy(update={"grammar": None}) for s in held]

@@ -20,6 +20,7 @@ import structlog
 from coevo.config import CoevoConfig, VllmEndpoint
 from coevo.errors import ConfigError, VLLMError
 from coevo.schemas import TrainingSample
+from coevo.schemas.events import Role
 from coevo.training.lane import Lane
 
 if TYPE_CHECKING:
@@ -36,6 +37,24 @@ PROMPTS = (
 )
 
 
+def as_sample(
+    c: Any, sample_id: str, role: Role, *, grammar: str | None = None, advantage: float = 0.0
+) -> TrainingSample:
+    """A completion as a training sample: its tokens and the sampler's log-probs, at the version that
+    sampled it, drawn under ``grammar`` when it was (structured outputs)."""
+    return TrainingSample(
+        sample_id=sample_id,
+        role=role,
+        prompt_token_ids=c.prompt_token_ids,
+        response_token_ids=c.response_token_ids,
+        logprobs=c.logprobs,
+        grammar=grammar,
+        advantage=advantage,
+        model_version=c.model_version,
+        step_event_id=sample_id,
+    )
+
+
 async def fresh_samples(client: Any, lane: Lane, *, rollouts: int = 20, max_tokens: int = 16) -> list[TrainingSample]:
     """``rollouts`` fresh completions of the probe prompts at the lane's temperature, as samples
     (advantage 0) with the server's behaviour log-probs."""
@@ -45,20 +64,7 @@ async def fresh_samples(client: Any, lane: Lane, *, rollouts: int = 20, max_toke
             for i in range(rollouts)
         )
     )
-    return [
-        TrainingSample(
-            sample_id=f"probe-{i}",
-            role=lane.role,
-            prompt_token_ids=c.prompt_token_ids,
-            response_token_ids=c.response_token_ids,
-            logprobs=c.logprobs,
-            advantage=0.0,
-            model_version=c.model_version,
-            step_event_id=f"probe-{i}",
-        )
-        for i, c in enumerate(done)
-        if c.response_token_ids
-    ]
+    return [as_sample(c, f"probe-{i}", lane.role) for i, c in enumerate(done) if c.response_token_ids]
 
 
 async def probe(client: Any, lane: Lane, *, rollouts: int = 20, max_tokens: int = 16) -> tuple[float, int]:
