@@ -504,6 +504,7 @@ def run_result(
         "best_train_success": max(p["success"] for p in curve),
         "heldout_success_initial": held0,
         "heldout_success": held,
+        "heldout_gain": None if held is None or held0 is None else round(held - held0, 6),
         "seconds_to_0.8": reached,
         "steps_to_0.8": hit["policy_version"] if hit else None,
         "seconds_to_0.8_or_budget": reached if reached is not None else round(elapsed, 1),
@@ -541,6 +542,7 @@ def bench_config(tmp: Path, overrides: Overrides) -> CoevoConfig:
 METRICS = (
     "train_success",
     "heldout_success",
+    "heldout_gain",
     "judge_process_accuracy",
     "judge_outcome_accuracy",
     "seconds_to_0.8",
@@ -571,6 +573,7 @@ that evaluation. ``seconds``: the run's wall clock (under a step budget, what th
 PAIRED = (
     "train_success",
     "heldout_success",
+    "heldout_gain",
     "best_train_success",
     "judge_process_accuracy",
     "judge_outcome_accuracy",
@@ -687,17 +690,19 @@ LADDER: dict[str, Overrides] = {k: RUNGS[k] for k in ("policy-only", "policy+jud
 
 
 def rungs_named(names: str) -> dict[str, Overrides]:
-    """The rungs of a comma-separated list, in its order (the first is the one the others pair against)."""
+    """The rungs of a comma-separated list, in its order (the first is the one the others pair against;
+    a single rung pairs only against its own base, ``heldout_gain``)."""
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in RUNGS]
-    if unknown or len(chosen) < 2 or len(set(chosen)) < len(chosen):
-        raise ValueError(f"--rungs {names!r}: two or more distinct rungs of {', '.join(RUNGS)}")
+    if unknown or not chosen or len(set(chosen)) < len(chosen):
+        raise ValueError(f"--rungs {names!r}: one or more distinct rungs of {', '.join(RUNGS)}")
     return {n: RUNGS[n] for n in chosen}
 
 
 RUNG_KEYS = (
     "train_success",
     "heldout_success",
+    "heldout_gain",
     "train_success_initial",
     "heldout_success_initial",
     "judge_process_accuracy",
