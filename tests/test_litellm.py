@@ -125,6 +125,7 @@ async def test_mocked_judge_votes_reach_the_scorer_with_the_right_numbers(bus: N
     assert sorted(s.advantage for s in score.policy_samples) == pytest.approx([-1.0, 1.0])
     assert score.judge_samples == []  # an external judge is not trained
     assert score.judge_consistency == pytest.approx((2 * 3 + 0 * 3) / 6)  # R·S over the six +1 votes
+    assert score.judge_vote_positive == 1.0 and score.judge_steps_silent == 1.0  # unanimous: nothing to learn
     assert score.accuracy == 0.5
 
 

@@ -127,6 +127,7 @@ async def test_short_run_produces_every_event_kind_with_consistent_ids(bus: Nats
     ):
         assert key in summary
     assert summary["learner_steps"] == len(steps) and summary["events"]["step.taken"] == seen["step.taken"]
+    assert 0.0 <= summary["judge_vote_positive"] <= 1.0 and 0.0 <= summary["judge_steps_silent"] <= 1.0
     decided = [e for e in events if isinstance(e, TaskDecided)]
     assert summary["rewrites_accepted"] == sum(d.accepted for d in decided)
 

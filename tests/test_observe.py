@@ -132,6 +132,9 @@ def a_run() -> list[Event]:
                 judge_process_accuracy=0.5 + i / 20,
                 judge_outcome_accuracy=0.6,
                 judge_consistency=0.3,
+                judge_vote_positive=round(0.6 - i / 10, 2),
+                judge_steps_silent=i / 5,
+                steps_labelled_good=0.8,
                 trajectory_ids=["g-1-r0"] if i == 0 else [],
                 policy_samples=[sample(i)] if acc < 1 else [],
             )
@@ -288,6 +291,10 @@ def test_same_events_same_points_and_the_summary_matches_the_tally() -> None:
         tally.add(e)
     assert agg.summary(20.0) == tally.summary("r1", 20.0).model_dump()
     assert agg.summary(20.0)["heldout_success_end"] == 0.75
+    s = tally.summary("r1", 20.0)  # 6 groups with votes: a quarter is the first or the last group
+    assert (s.judge_vote_positive_start, s.judge_vote_positive) == (0.6, 0.1)
+    assert (s.judge_steps_silent_start, s.judge_steps_silent) == (0.0, 1.0)
+    assert s.steps_labelled_good == 0.8
 
 
 def test_consumer_infos_become_series_and_rows() -> None:

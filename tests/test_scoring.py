@@ -18,8 +18,10 @@ from coevo.algorithm.scoring import (
     consistency_advantages,
     integrated_rewards,
     judge_accuracies,
+    outcome_weight,
     rewrite_direction,
     step_advantages,
+    vote_profile,
 )
 
 P, M, U, E = VoteRec(1), VoteRec(-1), VoteRec(None, "unparseable"), VoteRec(None, "error")
@@ -94,6 +96,33 @@ def test_accuracy_and_judge_accuracies() -> None:
     assert proc == pytest.approx(5 / 6)
     # mean votes: t1 4/6 > 0 and won (hit); t2 -1/9... (-3-1+3)/9 < 0 and lost (hit); t3 -1/3 (hit)
     assert outc == 1.0
+
+
+def test_vote_profile_by_hand() -> None:
+    p = vote_profile(group(), integrated_rewards(group()))
+    # parseable votes of the non-aborted steps: 9 of 17 are +1
+    assert p.positive == pytest.approx(9 / 17)
+    # s10 (R 2, +++), s20 (R -2, ---) and s22 (R 0, +++) give every vote one reward: 3 of 6 steps silent
+    assert p.silent == pytest.approx(0.5)
+    assert p.labelled_good == pytest.approx(0.5)
+    assert vote_profile([], {}) == type(p)(None, None, None)
+
+
+@given(
+    won=st.booleans(),
+    votes=st.lists(st.sampled_from([1, -1]), min_size=2, max_size=8).filter(lambda v: len(set(v)) == 2),
+    lam=st.floats(0.0, 1.0),
+)
+def test_the_judge_learns_the_outcome_whatever_lambda(won: bool, votes: list[int], lam: float) -> None:
+    """On a step whose votes split, the consistency advantages are those of R = O: the vote mean that
+    the integrated reward adds (lambda <= 1) only scales R, and the step's z-score removes the scale. What
+    the judge is trained to say of a step is its trajectory's outcome, not the step's quality."""
+    recs = tuple(VoteRec(v) for v in votes)  # type: ignore[arg-type]
+    t = [TrajRec("t", "won" if won else "lost", (StepRec("s", 0, recs),))]
+    r = integrated_rewards(t, lam=lam)["s"]
+    assert consistency_advantages(r, recs) == pytest.approx(consistency_advantages(1.0 if won else -1.0, recs))
+    plus = [a for a, v in zip(consistency_advantages(r, recs), votes, strict=True) if v == 1]
+    assert all((a > 0) == won for a in plus)  # a +1 vote is rewarded iff the trajectory was won
 
 
 @pytest.mark.parametrize(
@@ -381,3 +410,102 @@ def test_critic_reads_the_judges_reasoning_and_an_unparseable_vote_is_not_a_minu
         QuickGame(), TaskSpec(task_id="q", family="quickgame", knobs={"steps": 3}), "easier", [summary], [digest]
     )
     assert "2. jump into pit -> You jump into pit" in prompt and "judge on step 2: the pit kills you" in prompt
+
+
+def quarter_won_group(run_id: str = "r") -> object:
+    """A scorable group of 4 one-step trajectories, 1 won and 3 lost (accuracy 0.25, in the judge's band),
+    every step voted (+1, +1, -1) by a local judge: votes that do not depend on the outcome."""
+    from coevo.agents.scorer import Group
+    from coevo.schemas import Source, StepJudged, StepTaken, TaskScheduled, TaskSpec, TrajectoryCompleted, Vote
+
+    src = Source(agent_id="test", role="test")
+    g = Group(
+        scheduled=TaskScheduled(
+            run_id=run_id, source=src, task=TaskSpec(task_id="t", family="quickgame"), group_id="g", n_rollouts=4
+        )
+    )
+    for i, outcome in enumerate(("won", "lost", "lost", "lost")):
+        s = StepTaken(
+            run_id=run_id,
+            source=src,
+            trajectory_id=f"g-t{i}",
+            task_id="t",
+            group_id="g",
+            step_index=0,
+            observation=f"room {i}",
+            action_text="go",
+            done=True,
+            policy_version=0,
+            prompt_token_ids=[1, 2],
+            response_token_ids=[3],
+            logprobs=[-0.5],
+        )
+        g.add(s)
+        g.add(
+            TrajectoryCompleted(
+                run_id=run_id,
+                source=src,
+                trajectory_id=f"g-t{i}",
+                task_id="t",
+                group_id="g",
+                rollout_index=i,
+                outcome=outcome,
+                num_steps=1,
+                step_event_ids=[s.event_id],
+            )
+        )
+        votes = [
+            Vote(
+                index=j,
+                value=v,
+                status="ok",
+                prompt_token_ids=[5, 6],
+                response_token_ids=[7],
+                logprobs=[-0.7],
+                model_version=0,
+            )
+            for j, v in enumerate((1, 1, -1))
+        ]
+        g.add(
+            StepJudged(
+                run_id=run_id,
+                source=src,
+                step_event_id=s.event_id,
+                trajectory_id=f"g-t{i}",
+                task_id="t",
+                group_id="g",
+                step_index=0,
+                votes=votes,
+            )
+        )
+    return g
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_a_judge_blind_to_the_outcome_is_pushed_to_minus_one_unless_the_outcomes_are_balanced(balance: bool) -> None:
+    """The cause of the judge's collapse (docs/benchmarks.md 'Why a judge collapses'), on one group: at
+    accuracy 0.25 the consistency reward pushes outcome-blind votes towards -1 (three lost trajectories
+    outvote one won); scorer.judge_balance weighs won and lost alike, and the push is zero."""
+    from coevo.agents.scorer import score_group
+    from coevo.config import load_config
+
+    cfg = load_config(overrides={"scorer.judge_balance": balance})
+    score = score_group(quarter_won_group(), cfg, train_judge=True)  # type: ignore[arg-type]
+    assert score.accuracy == 0.25 and score.judge_band_ok
+    assert len(score.judge_samples) == 12
+    plus = sum(s.advantage for s in score.judge_samples if s.sample_id.endswith(("-0", "-1")))
+    # per step (+, +, -): z = (.7071, .7071, -1.4142) on the won step, the negatives on each lost one
+    won_w, lost_w = (2.0, 2 / 3) if balance else (1.0, 1.0)
+    assert plus == pytest.approx(2 * math.sqrt(0.5) * (won_w - 3 * lost_w))
+    assert plus == pytest.approx(0.0 if balance else -2 * math.sqrt(2))
+    assert score.judge_vote_positive == pytest.approx(2 / 3) and score.judge_steps_silent == 0.0
+
+
+@given(n=st.integers(2, 16), won=st.integers(1, 15))
+def test_balanced_weights_average_one_over_a_group(n: int, won: int) -> None:
+    won = min(won, n - 1)
+    acc = won / n
+    weights = [outcome_weight(True, acc)] * won + [outcome_weight(False, acc)] * (n - won)
+    assert sum(weights) == pytest.approx(n)  # the judge's step size is unchanged on average
+    assert won * weights[0] == pytest.approx((n - won) * weights[-1])  # both outcomes weigh half
+    assert outcome_weight(True, 1.0) == outcome_weight(False, 0.0) == 1.0

@@ -136,18 +136,23 @@ def policy_samples(trajs: list[scoring.TrajRec], g: Group, adv: dict[str, float]
     return out
 
 
-def judge_vote_samples(trajs: list[scoring.TrajRec], g: Group, rewards: dict[str, float]) -> list[TrainingSample]:
-    """One sample per vote with a nonzero consistency advantage (docs/algorithm.md §2)."""
+def judge_vote_samples(
+    trajs: list[scoring.TrajRec], g: Group, rewards: dict[str, float], balance_acc: float | None = None
+) -> list[TrainingSample]:
+    """One sample per vote with a nonzero consistency advantage (docs/algorithm.md §2); with
+    ``balance_acc`` (the group's accuracy, ``scorer.judge_balance``) weighted by ``scoring.outcome_weight``."""
     out = []
-    for s in (s for t in trajs for s in t.steps):
-        judged = g.judged.get(s.step_id)
-        if judged is None:
-            continue
-        for vote, va in zip(judged.votes, scoring.consistency_advantages(rewards[s.step_id], s.votes), strict=True):
-            if va is not None and va != 0.0 and vote.response_token_ids:
-                out.append(
-                    make_sample(f"j-{s.step_id}-{vote.index}", "judge", vote, va, vote.model_version or 0, s.step_id)
-                )
+    for t in trajs:
+        w = 1.0 if balance_acc is None else scoring.outcome_weight(t.outcome == "won", balance_acc)
+        for s in t.steps:
+            judged = g.judged.get(s.step_id)
+            if judged is None:
+                continue
+            advantages = scoring.consistency_advantages(rewards[s.step_id], s.votes)
+            for vote, va in zip(judged.votes, advantages, strict=True):
+                if va is not None and va != 0.0 and vote.response_token_ids:
+                    sid = f"j-{s.step_id}-{vote.index}"
+                    out.append(make_sample(sid, "judge", vote, w * va, vote.model_version or 0, s.step_id))
     return out
 
 
@@ -185,7 +190,8 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
     judge_samples: list[TrainingSample] = []
     if trainable and train_judge and judge_ok:
         coding = g.scheduled.task.family == "coding"
-        judge_samples = coding_judge_samples(trajs, g) if coding else judge_vote_samples(trajs, g, rewards)
+        balance = acc if sc.judge_balance else None
+        judge_samples = coding_judge_samples(trajs, g) if coding else judge_vote_samples(trajs, g, rewards, balance)
     consistency = [
         r
         for t in trajs
@@ -194,6 +200,7 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
         if r is not None
     ]
     proc, outc = scoring.judge_accuracies(trajs)
+    profile = scoring.vote_profile(trajs, rewards)
     return common.model_copy(
         update={
             "accuracy": acc,
@@ -205,6 +212,9 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
             "judge_samples": judge_samples,
             "judge_process_accuracy": proc,
             "judge_outcome_accuracy": outc,
+            "judge_vote_positive": profile.positive,
+            "judge_steps_silent": profile.silent,
+            "steps_labelled_good": profile.labelled_good,
             "flagged": flagged,
             "failures": [failure_digest(t, g) for t in trajs if t.outcome in ("lost", "truncated")],
             "mean_reward": sum(rewards.values()) / len(rewards) if rewards else 0.0,

@@ -6,7 +6,10 @@
                      R without environment rewards; std ≤ 1e-8 gives 0)
 - environment reward clipped to ±``scorer.max_abs_env_reward`` (a NaN counts 0) before it is added
 - consistency reward R_{S} = R_{τ_i} · S, or −2 for an unparseable vote; z-scored over the votes
-                     of the same step (a step whose votes all have the same reward is skipped)
+                     of the same step (a step whose votes all have the same reward is skipped).
+                     Since |mean S| < 1 on a step with split votes, sign R_{τ_i} = O_τ there (without
+                     environment rewards): the judge's advantage is its vote's agreement with the
+                     outcome, whatever λ; a step whose votes agree teaches it nothing (``vote_profile``)
 - acceptance gate    harder: 0 < acc(q′) < acc(q) and acc(q′) ≥ α_low;
                      easier: acc(q′) > acc(q) and acc(q′) ≤ α_high
 
@@ -141,6 +144,15 @@ def consistency_advantages(step_reward: float, votes: Sequence[VoteRec], eps: fl
     return [next(z) if r is not None else None for r in rewards]
 
 
+def outcome_weight(won: bool, acc: float) -> float:
+    """``scorer.judge_balance``'s weight of a vote's consistency advantage in a group of accuracy ``acc``:
+    1/(2·acc) for a won trajectory's votes, 1/(2·(1 - acc)) for a lost one's, so both outcomes weigh half
+    of the group (1 when the group is all won or all lost)."""
+    if not 0.0 < acc < 1.0:
+        return 1.0
+    return 0.5 / acc if won else 0.5 / (1.0 - acc)
+
+
 def coding_test_advantages(results: Sequence[Sequence[tuple[bool, bool]]], eps: float = 1e-8) -> list[float]:
     """Coding variant (docs/algorithm.md §2): ``results[j]`` lists (program correct, program passed test j).
 
@@ -202,6 +214,34 @@ def rewrite_direction(acc: float, low: float = 0.2, high: float = 0.8) -> Litera
 def majority(votes: Sequence[VoteRec]) -> Literal[1, -1] | None:
     m = sum(v.value or 0 for v in votes if v.status == "ok")
     return None if m == 0 else (1 if m > 0 else -1)
+
+
+@dataclass(frozen=True)
+class VoteProfile:
+    """How a group's votes lean, beside whether they are right (``judge_accuracies``)."""
+
+    positive: float | None
+    """share of the parseable votes that are +1"""
+    silent: float | None
+    """share of the judged steps (two or more votes) whose votes all earned the same consistency
+    reward, so they give the judge no sample (``consistency_advantages``: all None)"""
+    labelled_good: float | None
+    """share of the steps with a reference label whose label is +1 (a judge voting -1 everywhere has
+    process accuracy 1 - this)"""
+
+
+def vote_profile(trajs: Sequence[TrajRec], rewards: dict[str, float]) -> VoteProfile:
+    """The ``VoteProfile`` of a group (aborted trajectories left out), ``rewards`` its integrated rewards."""
+    steps = [s for t in trajs if t.outcome != "aborted" for s in t.steps]
+    ok = [v.value for s in steps for v in s.votes if v.status == "ok"]
+    judged = [s for s in steps if sum(v.status != "error" for v in s.votes) >= 2]
+    silent = [all(a is None for a in consistency_advantages(rewards[s.step_id], s.votes)) for s in judged]
+    labels = [s.reference_label for s in steps if s.reference_label is not None]
+    return VoteProfile(
+        positive=sum(v == 1 for v in ok) / len(ok) if ok else None,
+        silent=sum(silent) / len(silent) if silent else None,
+        labelled_good=sum(x == 1 for x in labels) / len(labels) if labels else None,
+    )
 
 
 def judge_accuracies(trajs: Sequence[TrajRec]) -> tuple[float | None, float | None]:

@@ -87,6 +87,24 @@ class RunSummary(BaseModel):
         description=("judge's votes agreeing with the trajectory's outcome: first quarter of groups")
     )
     judge_outcome_accuracy: float | None = Field(description="the same over the last quarter of the scored groups")
+    judge_vote_positive_start: float | None = Field(
+        default=None,
+        description="share of the judge's parseable votes that are +1, first quarter of the groups with votes "
+        "(with judge_steps_silent: a judge that votes one way on everything has stopped learning, docs/benchmarks.md "
+        "'Why a judge collapses')",
+    )
+    judge_vote_positive: float | None = Field(default=None, description="the same over the last quarter")
+    judge_steps_silent_start: float | None = Field(
+        default=None,
+        description="share of the judged steps whose votes all earned the same consistency reward, so they gave "
+        "the judge no training sample: first quarter of the groups with votes",
+    )
+    judge_steps_silent: float | None = Field(default=None, description="the same over the last quarter")
+    steps_labelled_good: float | None = Field(
+        default=None,
+        description="share of the steps with a reference label labelled +1, over the run (a judge voting -1 on "
+        "everything has process accuracy 1 - this)",
+    )
     judge_process_accuracy_heldout: float | None = Field(
         description=("judge process accuracy on held-out groups, last half of them")
     )
@@ -159,6 +177,12 @@ def _mean(xs: list[float]) -> float | None:
     return round(statistics.fmean(xs), 4) if xs else None
 
 
+def _quarter(xs: list[float], *, first: bool) -> list[float]:
+    """The first or the last quarter of ``xs`` (at least one value)."""
+    k = max(1, len(xs) // 4)
+    return xs[:k] if first else xs[-k:]
+
+
 @dataclass
 class RunTally:
     """The summary's inputs, accumulated event by event."""
@@ -171,6 +195,9 @@ class RunTally:
     outc: list[float] = field(default_factory=list)
     proc_heldout: list[float] = field(default_factory=list)  # held-out groups: the same tasks whatever the rewriter did
     outc_heldout: list[float] = field(default_factory=list)
+    positive: list[float] = field(default_factory=list)
+    silent: list[float] = field(default_factory=list)
+    labelled_good: list[float] = field(default_factory=list)
     purposes: Counter[str] = field(default_factory=Counter)
     policy_samples: int = 0
     groups_with_samples: int = 0
@@ -232,6 +259,13 @@ class RunTally:
             self.outc.append(event.judge_outcome_accuracy)
             if heldout:
                 self.outc_heldout.append(event.judge_outcome_accuracy)
+        for values, x in (
+            (self.positive, event.judge_vote_positive),
+            (self.silent, event.judge_steps_silent),
+            (self.labelled_good, event.steps_labelled_good),
+        ):
+            if x is not None:
+                values.append(x)
 
     def summary(self, run_id: str, seconds: float) -> RunSummary:
         k = max(1, len(self.train) // 5)
@@ -255,6 +289,11 @@ class RunTally:
             judge_process_accuracy_change=Interval.of(self.proc[:tail], self.proc[-tail:]),
             judge_outcome_accuracy_start=_mean(self.outc[:otail]),
             judge_outcome_accuracy=_mean(self.outc[-otail:]),
+            judge_vote_positive_start=_mean(_quarter(self.positive, first=True)),
+            judge_vote_positive=_mean(_quarter(self.positive, first=False)),
+            judge_steps_silent_start=_mean(_quarter(self.silent, first=True)),
+            judge_steps_silent=_mean(_quarter(self.silent, first=False)),
+            steps_labelled_good=_mean(self.labelled_good),
             judge_process_accuracy_heldout=_mean(self.proc_heldout[-max(1, len(self.proc_heldout) // 2) :]),
             judge_outcome_accuracy_heldout=_mean(self.outc_heldout[-max(1, len(self.outc_heldout) // 2) :]),
             rewrites_proposed=self.counts["task.rewritten"],

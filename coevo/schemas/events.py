@@ -226,6 +226,16 @@ class GroupScore(Frozen):
     judge_samples: list[TrainingSample] = Field(default_factory=list)
     judge_process_accuracy: Probability | None = None
     judge_outcome_accuracy: Probability | None = None
+    judge_vote_positive: Probability | None = Field(
+        default=None, description="share of the parseable votes that are +1"
+    )
+    judge_steps_silent: Probability | None = Field(
+        default=None,
+        description="share of the judged steps whose votes all earned one consistency reward (no judge sample)",
+    )
+    steps_labelled_good: Probability | None = Field(
+        default=None, description="share of the steps with a reference label that are labelled +1"
+    )
     flagged: str | None = Field(default=None, description="why this group is kept out of training")
     failures: list[FailureDigest] = Field(default_factory=list)
     mean_reward: float = 0.0
