@@ -20,6 +20,7 @@ from coevo.bench.learn import (
     METRICS,
     PAIRED,
     RUNG_KEYS,
+    RUNGS,
     Budget,
     aggregate_seeds,
     bench_config,
@@ -29,6 +30,7 @@ from coevo.bench.learn import (
     learn_result,
     paired_stats,
     plan_runs,
+    rungs_named,
     seed_stats,
     t975,
 )
@@ -204,6 +206,7 @@ def _run(seed: int, train: float, heldout: float, reached: float | None, judge: 
         "heldout_success": heldout,
         "train_success_initial": 0.1,
         "heldout_success_initial": 0.1,
+        "heldout_gain": round(heldout - 0.1, 6),
         "seconds_to_0.8": reached,
         "seconds_to_0.8_or_budget": 60.0 if reached is None else reached,
         "judge_process_accuracy": judge,
@@ -301,6 +304,7 @@ def test_ladder_result_pairs_each_rung_with_the_bottom_one_and_the_one_below() -
     assert set(up) == set(PAIRED)
     assert up["train_success"] == _interval(0.3, 0.0, 4.303, 3)  # 0.8-0.5, 0.9-0.6, 1.0-0.7
     assert up["heldout_success"] == _interval(0.2, 0.1, 4.303, 3)  # 0.2, 0.3, 0.1
+    assert up["heldout_gain"] == up["heldout_success"]  # every run's base scored 0.1
     assert up["seconds_to_0.8_or_budget"] == _interval(-30.0, 10.0, 4.303, 3)  # -20, -30, -40
     assert result["paired"]["policy+judge - policy-only"]["judge_process_accuracy"]["n"] == 0
     added = result["paired"]["full - policy+judge"]  # what environment adaptation adds to judge training
@@ -317,6 +321,20 @@ def test_ladder_result_pairs_each_rung_with_the_bottom_one_and_the_one_below() -
         pytest.approx(0.7),
     ]
     assert json.loads(json.dumps(result)) == result
+
+
+def test_one_rung_is_compared_with_its_own_base_only() -> None:
+    assert rungs_named(" full ") == {"full": RUNGS["full"]}
+    assert list(rungs_named("policy+judge,policy+judge-balanced")) == ["policy+judge", "policy+judge-balanced"]
+    for bad in ("", "full,full", "full,nope"):
+        with pytest.raises(ValueError, match="one or more distinct rungs"):
+            rungs_named(bad)
+    out = _ladder_out()
+    result = ladder_result({**out, "configs": {"full": out["configs"]["full"]}})
+    assert result["paired"] == {} and list(result["rungs"]) == ["full"]
+    assert result["rungs"]["full"]["heldout_gain"] == pytest.approx(
+        result["rungs"]["full"]["heldout_success"] - 0.1, abs=1e-6
+    )
 
 
 def test_learn_result_pairs_integrated_with_outcome_only() -> None:

@@ -689,9 +689,11 @@ RUNGS: dict[str, Overrides] = {
     "policy+judge": {"loop": "policy+judge"},
     "full": {"loop": "full"},
     "full-unsaturated": {"loop": "full", "tasks.saturated_after": 0},
+    "policy+judge-balanced": {"loop": "policy+judge", "scorer.judge_balance": True},
 }
 """The rungs ``bench ladder --rungs`` chooses from: ``full-unsaturated`` is the full loop without the saturated-slot
-rules (``coevo.algorithm.saturation``), the ablation of that rule."""
+rules (``coevo.algorithm.saturation``), the ablation of that rule; ``policy+judge-balanced`` trains the judge with
+won and lost trajectories weighed alike (``scorer.judge_balance``)."""
 LADDER: dict[str, Overrides] = {k: RUNGS[k] for k in ("policy-only", "policy+judge", "full")}
 """``bench ladder``'s rungs, bottom first: policy-only, + judge training, + environment adaptation."""
 

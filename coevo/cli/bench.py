@@ -371,8 +371,9 @@ BENCHES: tuple[Command, ...] = (
             arg(
                 "--rungs",
                 default="policy-only,policy+judge,full",
-                help="comma-separated, bottom first, of "
-                "policy-only, policy+judge, full, full-unsaturated (the full loop without the saturated-slot rules)",
+                help="comma-separated, bottom first (one rung: against its own base), of policy-only, policy+judge, "
+                "full, full-unsaturated (the full loop without the saturated-slot rules), policy+judge-balanced "
+                "(scorer.judge_balance)",
             ),
             *_seeds_args(),
         ),
