@@ -79,6 +79,35 @@ async def test_votes_sharing_a_forward_follow_the_models_distribution(judge_mode
     assert abs(len(plus) / n - p) < 4 * sd + 1e-9, (len(plus) / n, p)
 
 
+async def test_generating_requests_run_as_one_batch_and_each_row_is_what_the_learner_computes(
+    tiny: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Prompts of different lengths (left-padded together), budgets and stop strings: one forward pass per
+    token of the longest response, and every row's log-probs are the learner's on its own, unpadded row."""
+    from coevo.training.parity import PROMPTS, as_sample
+
+    lane = Lane("policy", tiny, tmp_path / "lane", LearnerConfig(), temperature=0.9, device="cpu")
+    async with LocalEngine(tiny, seed=5) as engine:
+        done = await asyncio.gather(
+            *(
+                engine.complete(
+                    PROMPTS[i % len(PROMPTS)],
+                    max_tokens=6 + 4 * i,
+                    temperature=0.9,
+                    stop=["coin"] if i % 3 == 0 else None,
+                )
+                for i in range(10)
+            )
+        )
+    lengths = [len(c.response_token_ids) for c in done]
+    assert len({len(c.prompt_token_ids) for c in done}) >= 4 and sum(lengths) > 100
+    assert all(n <= 6 + 4 * i for i, n in enumerate(lengths))
+    assert engine.generate_passes == max(lengths) < sum(lengths)  # together, not one request after another
+    samples = [as_sample(c, f"g{i}", "policy") for i, c in enumerate(done) if c.response_token_ids]
+    assert lane.mismatch_kl(samples) < 1e-6
+
+
 async def test_a_groups_rollouts_at_one_observation_share_its_forward(tiny: Path) -> None:  # noqa: F811
     """The ``n`` rollouts of a group start from one observation: one row, ``n`` draws; distinct
     observations in the same batch keep their own rows."""

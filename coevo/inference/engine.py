@@ -201,6 +201,9 @@ class LocalEngine:
         self._server: asyncio.Task[None] | None = None
         self._choice_ids: dict[tuple[str, ...], list[int]] = {}
         self.rows_computed = 0
+        self.generate_passes = 0
+        """forward passes of free generation (a batch of generating requests takes one pass per token of its
+        longest response, not one per token of each)"""
         self.choice_cache_size = 4096
         self._choice_logits: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], Any] = OrderedDict()
         """(prompt ids, choice ids) -> their next-token logits under the weights served now (cleared by a
@@ -398,9 +401,10 @@ class LocalEngine:
             if constrained:
                 for r, c in zip(constrained, self._choose(constrained), strict=True):
                     out[id(r)] = c
-            for r in batch:
-                if not r.choices:
-                    out[id(r)] = self._generate(r)
+            free = [r for r in batch if not r.choices]
+            if free:
+                for r, c in zip(free, self._generate(free), strict=True):
+                    out[id(r)] = c
             return [out[id(r)] for r in batch]
 
     def _encode(self, prompt: str) -> list[int]:
@@ -475,32 +479,70 @@ class LocalEngine:
         tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=True)
         return any(s in tail for s in stops)
 
-    def _generate(self, r: _Request) -> Completion:
+    def _generate(self, batch: list[_Request]) -> list[Completion]:
+        """Generate for every request of ``batch`` together: the prompts left-padded into one forward
+        pass, then one token per unfinished row per pass, with the cache, until every row has stopped
+        (end of sequence, a stop string, its ``max_tokens``). Each row draws from its own distribution
+        (its temperature, its grammar's mask before truncation) and records that distribution's
+        log-probs; a finished row rides along unread until the batch ends."""
         import torch
 
-        prompt = self._prompt_ids(r)
-        ids = torch.tensor([prompt], device=self.device)
-        cache = None
-        out_ids: list[int] = []
-        out_lp: list[float] = []
+        prompts = [self._prompt_ids(r) for r in batch]
+        n, width = len(batch), max(map(len, prompts))
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((n, width), pad, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row's next token is at the end
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        matchers = [None if r.grammar is None else self.grammars.matcher(r.grammar) for r in batch]
+        out_ids: list[list[int]] = [[] for _ in batch]
+        out_lp: list[list[float]] = [[] for _ in batch]
+        finish = ["length"] * n
+        live = [r.max_tokens > 0 for r in batch]
         eos = self.tokenizer.eos_token_id
-        finish = "length"
-        matcher = None if r.grammar is None else self.grammars.matcher(r.grammar)
-        for _ in range(r.max_tokens):
-            res = self.model(input_ids=ids, cache=cache, use_cache=True)
+        cache = None
+        while any(live):
+            res = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                cache=cache,
+                use_cache=True,
+            )
             cache = res.cache
-            scaled = res.logits[0, -1].float().cpu() / max(r.temperature, 1e-5)
-            if matcher is not None:  # masked first, then truncated: the learner's order (``loss``), and vLLM's
-                scaled = scaled.masked_fill(~matcher.allowed()[: scaled.shape[-1]], float("-inf"))
-            logp = torch.log_softmax(truncate(scaled[None], self.sampling)[0], -1)
-            tok = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
-            out_ids.append(tok)
-            out_lp.append(float(logp[tok]))
-            if matcher is not None and not matcher.accept(tok):
-                raise GrammarError(f"the engine drew token {tok}, which its grammar refuses")
-            if tok == eos or (r.stop and self._stopped(out_ids, r.stop)):
-                finish = "stop"
-                break
-            ids = torch.tensor([[tok]], device=self.device)
-        text = cast(str, self.tokenizer.decode(out_ids, skip_special_tokens=True))  # one sequence: one string
-        return Completion(text, prompt, out_ids, out_lp, self._version, finish_reason=finish)
+            self.generate_passes += 1
+            logits = res.logits[:, -1].float().cpu()
+            ids = torch.full((n, 1), pad, dtype=torch.long)
+            for i, r in enumerate(batch):
+                if not live[i]:
+                    continue
+                scaled = logits[i] / max(r.temperature, 1e-5)
+                matcher = matchers[i]
+                if matcher is not None:  # masked first, then truncated: the learner's order (``loss``), and vLLM's
+                    scaled = scaled.masked_fill(~matcher.allowed()[: scaled.shape[-1]], float("-inf"))
+                logp = torch.log_softmax(truncate(scaled[None], self.sampling)[0], -1)
+                tok = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
+                out_ids[i].append(tok)
+                out_lp[i].append(float(logp[tok]))
+                ids[i, 0] = tok
+                if matcher is not None and not matcher.accept(tok):
+                    raise GrammarError(f"the engine drew token {tok}, which its grammar refuses")
+                if tok == eos or (r.stop and self._stopped(out_ids[i], r.stop)):
+                    finish[i], live[i] = "stop", False
+                elif len(out_ids[i]) >= r.max_tokens:
+                    live[i] = False
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+            positions = positions[:, -1:] + 1
+        return [
+            Completion(
+                cast(str, self.tokenizer.decode(out_ids[i], skip_special_tokens=True)),
+                prompts[i],
+                out_ids[i],
+                out_lp[i],
+                self._version,
+                finish_reason=finish[i],
+            )
+            for i in range(n)
+        ]
