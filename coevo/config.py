@@ -508,10 +508,10 @@ class ScorerConfig(Section):
     judge_band: Band = Field(default=(0.2, 0.8), description="accuracy band of tasks the judge trains on")
     judge_balance: bool = Field(
         default=False,
-        description="weigh the judge's consistency advantages so that a group's won and lost trajectories count "
-        "alike (1/(2·acc) and 1/(2·(1-acc))): the judge then learns which steps raise the odds of winning above "
-        "the task's own, not the base rate of failure that makes it vote -1 everywhere (docs/benchmarks.md "
-        "'Why a judge collapses'); off is the paper's reward",
+        description="weigh the judge's consistency advantages so that the steps of a group's won and of its lost "
+        "trajectories count alike (S/(2·S_won), S/(2·S_lost)): the judge then learns which steps raise the odds "
+        "of winning above the task's own, not the base rate of failure that makes it vote -1 everywhere "
+        "(docs/benchmarks.md 'Why a judge collapses'); off is the paper's reward",
     )
     max_abs_env_reward: float = Field(
         default=100.0,

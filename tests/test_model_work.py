@@ -85,8 +85,10 @@ async def test_generating_requests_run_as_one_batch_and_each_row_is_what_the_lea
 ) -> None:
     """Prompts of different lengths (left-padded together), budgets and stop strings: one forward pass per
     token of the longest response, and every row's log-probs are the learner's on its own, unpadded row."""
+    from coevo.inference.grammar import json_grammar
     from coevo.training.parity import PROMPTS, as_sample
 
+    grammar = json_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     lane = Lane("policy", tiny, tmp_path / "lane", LearnerConfig(), temperature=0.9, device="cpu")
     async with LocalEngine(tiny, seed=5) as engine:
         done = await asyncio.gather(
@@ -96,15 +98,23 @@ async def test_generating_requests_run_as_one_batch_and_each_row_is_what_the_lea
                     max_tokens=6 + 4 * i,
                     temperature=0.9,
                     stop=["coin"] if i % 3 == 0 else None,
+                    grammar=grammar if i == 4 else None,
                 )
                 for i in range(10)
-            )
+            ),
+            engine.complete(PROMPTS[0], max_tokens=0),  # no budget: no token, no forward pass of its own
         )
+    *done, empty = done
+    assert empty.response_token_ids == [] and empty.finish_reason == "length" and empty.prompt_token_ids
     lengths = [len(c.response_token_ids) for c in done]
     assert len({len(c.prompt_token_ids) for c in done}) >= 4 and sum(lengths) > 100
     assert all(n <= 6 + 4 * i for i, n in enumerate(lengths))
     assert engine.generate_passes == max(lengths) < sum(lengths)  # together, not one request after another
-    samples = [as_sample(c, f"g{i}", "policy") for i, c in enumerate(done) if c.response_token_ids]
+    samples = [
+        as_sample(c, f"g{i}", "policy", grammar=grammar if i == 4 else None)
+        for i, c in enumerate(done)
+        if c.response_token_ids
+    ]
     assert lane.mismatch_kl(samples) < 1e-6
 
 

@@ -18,7 +18,7 @@ from coevo.algorithm.scoring import (
     consistency_advantages,
     integrated_rewards,
     judge_accuracies,
-    outcome_weight,
+    outcome_weights,
     rewrite_direction,
     step_advantages,
     vote_profile,
@@ -413,99 +413,87 @@ def test_critic_reads_the_judges_reasoning_and_an_unparseable_vote_is_not_a_minu
 
 
 def quarter_won_group(run_id: str = "r") -> object:
-    """A scorable group of 4 one-step trajectories, 1 won and 3 lost (accuracy 0.25, in the judge's band),
-    every step voted (+1, +1, -1) by a local judge: votes that do not depend on the outcome."""
+    """A scorable group of 4 trajectories, 1 won in one step and 3 lost in two steps each (accuracy 0.25,
+    in the judge's band; 1 won step against 6 lost ones), every step voted (+1, +1, -1) by a local judge:
+    votes that do not depend on the outcome."""
     from coevo.agents.scorer import Group
     from coevo.schemas import Source, StepJudged, StepTaken, TaskScheduled, TaskSpec, TrajectoryCompleted, Vote
 
     src = Source(agent_id="test", role="test")
+    ids = {"run_id": run_id, "source": src, "task_id": "t", "group_id": "g"}
     g = Group(
         scheduled=TaskScheduled(
-            run_id=run_id, source=src, task=TaskSpec(task_id="t", family="quickgame"), group_id="g", n_rollouts=4
+            run_id=run_id, source=src, group_id="g", task=TaskSpec(task_id="t", family="quickgame"), n_rollouts=4
         )
     )
-    for i, outcome in enumerate(("won", "lost", "lost", "lost")):
-        s = StepTaken(
-            run_id=run_id,
-            source=src,
-            trajectory_id=f"g-t{i}",
-            task_id="t",
-            group_id="g",
-            step_index=0,
-            observation=f"room {i}",
-            action_text="go",
-            done=True,
-            policy_version=0,
-            prompt_token_ids=[1, 2],
-            response_token_ids=[3],
-            logprobs=[-0.5],
-        )
-        g.add(s)
-        g.add(
-            TrajectoryCompleted(
-                run_id=run_id,
-                source=src,
-                trajectory_id=f"g-t{i}",
-                task_id="t",
-                group_id="g",
-                rollout_index=i,
-                outcome=outcome,
-                num_steps=1,
-                step_event_ids=[s.event_id],
+    for i, (outcome, n) in enumerate((("won", 1), ("lost", 2), ("lost", 2), ("lost", 2))):
+        tid = f"g-t{i}"
+        steps = [
+            StepTaken(
+                **ids,
+                trajectory_id=tid,
+                step_index=k,
+                observation=f"room {i}.{k}",
+                action_text="go",
+                done=k == n - 1,
+                policy_version=0,
+                prompt_token_ids=[1, 2],
+                response_token_ids=[3],
+                logprobs=[-0.5],
             )
-        )
-        votes = [
-            Vote(
-                index=j,
-                value=v,
-                status="ok",
-                prompt_token_ids=[5, 6],
-                response_token_ids=[7],
-                logprobs=[-0.7],
-                model_version=0,
-            )
-            for j, v in enumerate((1, 1, -1))
+            for k in range(n)
         ]
-        g.add(
-            StepJudged(
-                run_id=run_id,
-                source=src,
-                step_event_id=s.event_id,
-                trajectory_id=f"g-t{i}",
-                task_id="t",
-                group_id="g",
-                step_index=0,
-                votes=votes,
-            )
+        for s in steps:
+            g.add(s)
+        done = TrajectoryCompleted(
+            **ids,
+            trajectory_id=tid,
+            rollout_index=i,
+            outcome=outcome,
+            num_steps=n,
+            step_event_ids=[s.event_id for s in steps],
         )
+        g.add(done)
+        for s in steps:
+            votes = [
+                Vote(index=j, value=v, status="ok", prompt_token_ids=[5], response_token_ids=[7], logprobs=[-0.7])
+                for j, v in enumerate((1, 1, -1))
+            ]
+            g.add(StepJudged(**ids, step_event_id=s.event_id, trajectory_id=tid, step_index=s.step_index, votes=votes))
     return g
 
 
 @pytest.mark.parametrize("balance", [False, True])
 def test_a_judge_blind_to_the_outcome_is_pushed_to_minus_one_unless_the_outcomes_are_balanced(balance: bool) -> None:
     """The cause of the judge's collapse (docs/benchmarks.md 'Why a judge collapses'), on one group: at
-    accuracy 0.25 the consistency reward pushes outcome-blind votes towards -1 (three lost trajectories
-    outvote one won); scorer.judge_balance weighs won and lost alike, and the push is zero."""
+    accuracy 0.25 the consistency reward pushes outcome-blind votes towards -1 (six lost steps outvote one
+    won step); scorer.judge_balance weighs the won and the lost steps alike, and the push is zero."""
     from coevo.agents.scorer import score_group
     from coevo.config import load_config
 
     cfg = load_config(overrides={"scorer.judge_balance": balance})
     score = score_group(quarter_won_group(), cfg, train_judge=True)  # type: ignore[arg-type]
     assert score.accuracy == 0.25 and score.judge_band_ok
-    assert len(score.judge_samples) == 12
+    assert len(score.judge_samples) == 7 * 3
     plus = sum(s.advantage for s in score.judge_samples if s.sample_id.endswith(("-0", "-1")))
     # per step (+, +, -): z = (.7071, .7071, -1.4142) on the won step, the negatives on each lost one
-    won_w, lost_w = (2.0, 2 / 3) if balance else (1.0, 1.0)
-    assert plus == pytest.approx(2 * math.sqrt(0.5) * (won_w - 3 * lost_w))
-    assert plus == pytest.approx(0.0 if balance else -2 * math.sqrt(2))
+    won_w, lost_w = (7 / 2, 7 / 12) if balance else (1.0, 1.0)
+    assert plus == pytest.approx(2 * math.sqrt(0.5) * (won_w - 6 * lost_w))
+    assert plus == pytest.approx(0.0 if balance else -5 * math.sqrt(2))
     assert score.judge_vote_positive == pytest.approx(2 / 3) and score.judge_steps_silent == 0.0
 
 
-@given(n=st.integers(2, 16), won=st.integers(1, 15))
-def test_balanced_weights_average_one_over_a_group(n: int, won: int) -> None:
-    won = min(won, n - 1)
-    acc = won / n
-    weights = [outcome_weight(True, acc)] * won + [outcome_weight(False, acc)] * (n - won)
-    assert sum(weights) == pytest.approx(n)  # the judge's step size is unchanged on average
-    assert won * weights[0] == pytest.approx((n - won) * weights[-1])  # both outcomes weigh half
-    assert outcome_weight(True, 1.0) == outcome_weight(False, 0.0) == 1.0
+@given(lengths=st.lists(st.tuples(st.booleans(), st.integers(0, 6)), min_size=1, max_size=12))
+def test_balanced_weights_give_each_outcome_half_of_the_groups_steps(lengths: list[tuple[bool, int]]) -> None:
+    trajs = [
+        TrajRec(f"t{i}", "won" if won else "lost", tuple(StepRec(f"s{i}-{k}", k) for k in range(n)))
+        for i, (won, n) in enumerate(lengths)
+    ]
+    won_w, lost_w = outcome_weights(trajs)
+    won_steps = sum(n for won, n in lengths if won)
+    lost_steps = sum(n for won, n in lengths if not won)
+    if not won_steps or not lost_steps:
+        assert (won_w, lost_w) == (1.0, 1.0)
+        return
+    assert won_w * won_steps == pytest.approx(lost_w * lost_steps)  # both outcomes weigh half
+    assert won_w * won_steps + lost_w * lost_steps == pytest.approx(won_steps + lost_steps)  # the same total

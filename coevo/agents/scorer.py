@@ -137,13 +137,14 @@ def policy_samples(trajs: list[scoring.TrajRec], g: Group, adv: dict[str, float]
 
 
 def judge_vote_samples(
-    trajs: list[scoring.TrajRec], g: Group, rewards: dict[str, float], balance_acc: float | None = None
+    trajs: list[scoring.TrajRec], g: Group, rewards: dict[str, float], *, balance: bool = False
 ) -> list[TrainingSample]:
-    """One sample per vote with a nonzero consistency advantage (docs/algorithm.md §2); with
-    ``balance_acc`` (the group's accuracy, ``scorer.judge_balance``) weighted by ``scoring.outcome_weight``."""
+    """One sample per vote with a nonzero consistency advantage (docs/algorithm.md §2); with ``balance``
+    (``scorer.judge_balance``) weighted by ``scoring.outcome_weights``."""
+    won_w, lost_w = scoring.outcome_weights(trajs) if balance else (1.0, 1.0)
     out = []
     for t in trajs:
-        w = 1.0 if balance_acc is None else scoring.outcome_weight(t.outcome == "won", balance_acc)
+        w = won_w if t.outcome == "won" else lost_w
         for s in t.steps:
             judged = g.judged.get(s.step_id)
             if judged is None:
@@ -190,8 +191,11 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
     judge_samples: list[TrainingSample] = []
     if trainable and train_judge and judge_ok:
         coding = g.scheduled.task.family == "coding"
-        balance = acc if sc.judge_balance else None
-        judge_samples = coding_judge_samples(trajs, g) if coding else judge_vote_samples(trajs, g, rewards, balance)
+        judge_samples = (
+            coding_judge_samples(trajs, g)
+            if coding
+            else judge_vote_samples(trajs, g, rewards, balance=sc.judge_balance)
+        )
     consistency = [
         r
         for t in trajs

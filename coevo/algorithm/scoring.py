@@ -7,9 +7,10 @@
 - environment reward clipped to ±``scorer.max_abs_env_reward`` (a NaN counts 0) before it is added
 - consistency reward R_{S} = R_{τ_i} · S, or −2 for an unparseable vote; z-scored over the votes
                      of the same step (a step whose votes all have the same reward is skipped).
-                     Since |mean S| < 1 on a step with split votes, sign R_{τ_i} = O_τ there (without
-                     environment rewards): the judge's advantage is its vote's agreement with the
-                     outcome, whatever λ; a step whose votes agree teaches it nothing (``vote_profile``)
+                     On a step whose ±1 votes split (none unparseable), |mean S| < 1, so with λ ≤ 1 and
+                     no environment reward sign R_{τ_i} = O_τ and the z-score removes |R|: the judge's
+                     advantage is its vote's agreement with the outcome alone. A step whose votes
+                     agree teaches it nothing (``vote_profile``)
 - acceptance gate    harder: 0 < acc(q′) < acc(q) and acc(q′) ≥ α_low;
                      easier: acc(q′) > acc(q) and acc(q′) ≤ α_high
 
@@ -144,13 +145,17 @@ def consistency_advantages(step_reward: float, votes: Sequence[VoteRec], eps: fl
     return [next(z) if r is not None else None for r in rewards]
 
 
-def outcome_weight(won: bool, acc: float) -> float:
-    """``scorer.judge_balance``'s weight of a vote's consistency advantage in a group of accuracy ``acc``:
-    1/(2·acc) for a won trajectory's votes, 1/(2·(1 - acc)) for a lost one's, so both outcomes weigh half
-    of the group (1 when the group is all won or all lost)."""
-    if not 0.0 < acc < 1.0:
-        return 1.0
-    return 0.5 / acc if won else 0.5 / (1.0 - acc)
+def outcome_weights(trajs: Sequence[TrajRec]) -> tuple[float, float]:
+    """``scorer.judge_balance``'s weights of the consistency advantages of a won trajectory's votes and of
+    a lost one's: S / (2·S_won) and S / (2·S_lost), S_won and S_lost the steps of the group's won and
+    lost trajectories, S their sum. The steps of each outcome then weigh half of the group's, whatever
+    the group's accuracy and however long each outcome's trajectories are; (1, 1) when one outcome has
+    no step (the group trains no judge then)."""
+    won = sum(len(t.steps) for t in trajs if t.outcome == "won")
+    lost = sum(len(t.steps) for t in trajs if t.outcome not in ("won", "aborted"))
+    if not won or not lost:
+        return 1.0, 1.0
+    return (won + lost) / (2 * won), (won + lost) / (2 * lost)
 
 
 def coding_test_advantages(results: Sequence[Sequence[tuple[bool, bool]]], eps: float = 1e-8) -> list[float]:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import functools
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -201,6 +201,7 @@ class LocalEngine:
         self._server: asyncio.Task[None] | None = None
         self._choice_ids: dict[tuple[str, ...], list[int]] = {}
         self.rows_computed = 0
+        """prompt rows the constrained batches ran through the model (requests sharing a prompt count once)"""
         self.generate_passes = 0
         """forward passes of free generation (a batch of generating requests takes one pass per token of its
         longest response, not one per token of each)"""
@@ -209,7 +210,6 @@ class LocalEngine:
         """(prompt ids, choice ids) -> their next-token logits under the weights served now (cleared by a
         swap): a state met again (another rollout of the group, another trajectory's same step) costs
         no forward pass; each request still draws its own sample"""
-        """prompt rows the constrained batches ran through the model (requests sharing a prompt count once)"""
         self._base: dict[str, Any] | None = None
         """the base weights of the layers an adapter changes, as they were before the first adapter"""
         if adapter is not None:
@@ -465,6 +465,7 @@ class LocalEngine:
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 position_ids=position_ids.to(self.device),
+                **self._last_logits_only,
             )
             .logits[:, -1, :]
             .float()
@@ -472,6 +473,14 @@ class LocalEngine:
         )
         for j, key in enumerate(keys):
             self._choice_logits[key] = logits[row[j], list(key[1])].clone()
+
+    @functools.cached_property
+    def _last_logits_only(self) -> dict[str, int]:
+        """``logits_to_keep=1`` where the model takes it: the vocabulary-wide logits of the last position
+        only, not of every prompt position of every row."""
+        import inspect
+
+        return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
 
     def _stopped(self, ids: list[int], stops: list[str], window: int = 32) -> bool:
         """Whether the text of the last ``window`` tokens holds a stop string (a stop string longer
@@ -488,6 +497,14 @@ class LocalEngine:
         import torch
 
         prompts = [self._prompt_ids(r) for r in batch]
+        empty = Completion("", [], [], [], self._version, finish_reason="length")
+        rows = [i for i, r in enumerate(batch) if r.max_tokens > 0]  # a zero budget costs no forward pass
+        if len(rows) < len(batch):
+            done = self._generate([batch[i] for i in rows]) if rows else []
+            out = [replace(empty, prompt_token_ids=p) for p in prompts]
+            for i, c in zip(rows, done, strict=True):
+                out[i] = c
+            return out
         n, width = len(batch), max(map(len, prompts))
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.full((n, width), pad, dtype=torch.long)
@@ -500,7 +517,7 @@ class LocalEngine:
         out_ids: list[list[int]] = [[] for _ in batch]
         out_lp: list[list[float]] = [[] for _ in batch]
         finish = ["length"] * n
-        live = [r.max_tokens > 0 for r in batch]
+        live = [True] * n
         eos = self.tokenizer.eos_token_id
         cache = None
         while any(live):
@@ -510,6 +527,7 @@ class LocalEngine:
                 position_ids=positions.to(self.device),
                 cache=cache,
                 use_cache=True,
+                **self._last_logits_only,
             )
             cache = res.cache
             self.generate_passes += 1

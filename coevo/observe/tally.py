@@ -96,8 +96,9 @@ class RunSummary(BaseModel):
     judge_vote_positive: float | None = Field(default=None, description="the same over the last quarter")
     judge_steps_silent_start: float | None = Field(
         default=None,
-        description="share of the judged steps whose votes all earned the same consistency reward, so they gave "
-        "the judge no training sample: first quarter of the groups with votes",
+        description="share of the judged steps whose votes all earned the same consistency reward, steps that give "
+        "the judge no training sample: first quarter of the groups with votes (every scored group counts, trained "
+        "on or not, as for the judge's accuracies)",
     )
     judge_steps_silent: float | None = Field(default=None, description="the same over the last quarter")
     steps_labelled_good: float | None = Field(
