@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coevo.algorithm import scoring
-from coevo.config import CoevoConfig
+from coevo.config import CoevoConfig, ScorerConfig
 from coevo.runtime.agent import Agent
 from coevo.runtime.bus import stored_id
 from coevo.runtime.consumer import Delivery, Subscription
@@ -137,11 +137,11 @@ def policy_samples(trajs: list[scoring.TrajRec], g: Group, adv: dict[str, float]
 
 
 def judge_vote_samples(
-    trajs: list[scoring.TrajRec], g: Group, rewards: dict[str, float], *, balance: bool = False
+    trajs: list[scoring.TrajRec], g: Group, rewards: dict[str, float], sc: ScorerConfig
 ) -> list[TrainingSample]:
-    """One sample per vote with a nonzero consistency advantage (docs/algorithm.md §2); with ``balance``
-    (``scorer.judge_balance``) weighted by ``scoring.outcome_weights``."""
-    won_w, lost_w = scoring.outcome_weights(trajs) if balance else (1.0, 1.0)
+    """One sample per vote with a nonzero consistency advantage (docs/algorithm.md §2); with
+    ``scorer.judge_balance`` weighted by ``scoring.outcome_weights``."""
+    won_w, lost_w = scoring.outcome_weights(trajs) if sc.judge_balance else (1.0, 1.0)
     out = []
     for t in trajs:
         w = won_w if t.outcome == "won" else lost_w
@@ -155,6 +155,16 @@ def judge_vote_samples(
                     sid = f"j-{s.step_id}-{vote.index}"
                     out.append(make_sample(sid, "judge", vote, w * va, vote.model_version or 0, s.step_id))
     return out
+
+
+def failed_judge(trajs: list[scoring.TrajRec], sc: ScorerConfig) -> str | None:
+    """Why a group is kept out of training when more than half its votes failed (None otherwise; an
+    outcome-only reward does not read the votes)."""
+    errors = sum(v.status == "error" for t in trajs for s in t.steps for v in s.votes)
+    total_votes = sum(len(s.votes) for t in trajs for s in t.steps)
+    if total_votes and errors / total_votes > 0.5 and sc.reward != "outcome-only":
+        return f"judge errors: {errors}/{total_votes} votes failed"
+    return None
 
 
 def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
@@ -182,20 +192,12 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
         return common
     rewards = scoring.integrated_rewards(trajs, sc.lam, sc.reward, sc.env_reward_weight, sc.max_abs_env_reward)
     policy_ok, judge_ok = scoring.in_band(acc, *sc.policy_band), scoring.in_band(acc, *sc.judge_band)
-    errors = sum(v.status == "error" for t in trajs for s in t.steps for v in s.votes)
-    total_votes = sum(len(s.votes) for t in trajs for s in t.steps)
-    flagged = None
-    if total_votes and errors / total_votes > 0.5 and sc.reward != "outcome-only":
-        flagged = f"judge errors: {errors}/{total_votes} votes failed"
+    flagged = failed_judge(trajs, sc)
     trainable = g.scheduled.purpose in ("train", "candidate") and flagged is None
     judge_samples: list[TrainingSample] = []
     if trainable and train_judge and judge_ok:
         coding = g.scheduled.task.family == "coding"
-        judge_samples = (
-            coding_judge_samples(trajs, g)
-            if coding
-            else judge_vote_samples(trajs, g, rewards, balance=sc.judge_balance)
-        )
+        judge_samples = coding_judge_samples(trajs, g) if coding else judge_vote_samples(trajs, g, rewards, sc)
     consistency = [
         r
         for t in trajs
@@ -204,7 +206,6 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
         if r is not None
     ]
     proc, outc = scoring.judge_accuracies(trajs)
-    profile = scoring.vote_profile(trajs, rewards)
     return common.model_copy(
         update={
             "accuracy": acc,
@@ -216,9 +217,7 @@ def score_group(g: Group, cfg: CoevoConfig, *, train_judge: bool) -> GroupScore:
             "judge_samples": judge_samples,
             "judge_process_accuracy": proc,
             "judge_outcome_accuracy": outc,
-            "judge_vote_positive": profile.positive,
-            "judge_steps_silent": profile.silent,
-            "steps_labelled_good": profile.labelled_good,
+            **scoring.vote_profile(trajs, rewards).fields(),
             "flagged": flagged,
             "failures": [failure_digest(t, g) for t in trajs if t.outcome in ("lost", "truncated")],
             "mean_reward": sum(rewards.values()) / len(rewards) if rewards else 0.0,

@@ -234,6 +234,14 @@ class VoteProfile:
     """share of the steps with a reference label whose label is +1 (a judge voting -1 everywhere has
     process accuracy 1 - this)"""
 
+    def fields(self) -> dict[str, float | None]:
+        """As ``GroupScore``'s fields."""
+        return {
+            "judge_vote_positive": self.positive,
+            "judge_steps_silent": self.silent,
+            "steps_labelled_good": self.labelled_good,
+        }
+
 
 def vote_profile(trajs: Sequence[TrajRec], rewards: dict[str, float]) -> VoteProfile:
     """The ``VoteProfile`` of a group (aborted trajectories left out), ``rewards`` its integrated rewards."""

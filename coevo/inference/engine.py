@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import functools
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -401,10 +401,14 @@ class LocalEngine:
             if constrained:
                 for r, c in zip(constrained, self._choose(constrained), strict=True):
                     out[id(r)] = c
-            free = [r for r in batch if not r.choices]
+            free = [r for r in batch if not r.choices and r.max_tokens > 0]
             if free:
                 for r, c in zip(free, self._generate(free), strict=True):
                     out[id(r)] = c
+            for r in batch:  # a zero budget: no token, no forward pass
+                out.setdefault(
+                    id(r), Completion("", self._prompt_ids(r), [], [], self._version, finish_reason="length")
+                )
             return [out[id(r)] for r in batch]
 
     def _encode(self, prompt: str) -> list[int]:
@@ -448,18 +452,10 @@ class LocalEngine:
     def _next_logits(self, prompts: list[list[int]], keys: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
         """One forward pass over the distinct ``prompts``; the next-token logits of each key's choices
         are kept (until the weights change) for every request that asks them again."""
-        import torch
 
         distinct, row = distinct_rows(prompts)  # the m votes on a step, a group's first step: one row each
         self.rows_computed += len(distinct)
-        width = max(map(len, distinct))
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((len(distinct), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(distinct), width), dtype=torch.long)
-        for i, p in enumerate(distinct):  # left padding: the next token is always at the end
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, position_ids = self._left_padded(distinct)
         logits = (
             self.model(
                 input_ids=ids.to(self.device),
@@ -473,6 +469,34 @@ class LocalEngine:
         )
         for j, key in enumerate(keys):
             self._choice_logits[key] = logits[row[j], list(key[1])].clone()
+
+    def _left_padded(self, prompts: list[list[int]]) -> tuple[Any, Any, Any]:
+        """(ids, attention mask, position ids) of ``prompts`` padded on the left: every row's next token
+        is at the end, and each row's positions count from its own first token."""
+        import torch
+
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def _draw(self, logits: Any, r: _Request, matcher: Any) -> tuple[int, float]:
+        """One token for ``r`` from one row's next-token ``logits``: tempered, masked by the grammar's
+        ``matcher`` (if any) before truncation (the learner's order, ``loss``, and vLLM's), then drawn;
+        with its log-prob under that distribution."""
+        import torch
+
+        scaled = logits / max(r.temperature, 1e-5)
+        if matcher is not None:
+            scaled = scaled.masked_fill(~matcher.allowed()[: scaled.shape[-1]], float("-inf"))
+        logp = torch.log_softmax(truncate(scaled[None], self.sampling)[0], -1)
+        tok = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
+        if matcher is not None and not matcher.accept(tok):
+            raise GrammarError(f"the engine drew token {tok}, which its grammar refuses")
+        return tok, float(logp[tok])
 
     @functools.cached_property
     def _last_logits_only(self) -> dict[str, int]:
@@ -493,26 +517,12 @@ class LocalEngine:
         pass, then one token per unfinished row per pass, with the cache, until every row has stopped
         (end of sequence, a stop string, its ``max_tokens``). Each row draws from its own distribution
         (its temperature, its grammar's mask before truncation) and records that distribution's
-        log-probs; a finished row rides along unread until the batch ends."""
+        log-probs; a finished row rides along unread until the batch ends. Every budget is at least 1."""
         import torch
 
         prompts = [self._prompt_ids(r) for r in batch]
-        empty = Completion("", [], [], [], self._version, finish_reason="length")
-        rows = [i for i, r in enumerate(batch) if r.max_tokens > 0]  # a zero budget costs no forward pass
-        if len(rows) < len(batch):
-            done = self._generate([batch[i] for i in rows]) if rows else []
-            out = [replace(empty, prompt_token_ids=p) for p in prompts]
-            for i, c in zip(rows, done, strict=True):
-                out[i] = c
-            return out
-        n, width = len(batch), max(map(len, prompts))
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((n, width), pad, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every row's next token is at the end
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        n, pad = len(batch), self.tokenizer.pad_token_id or 0
+        ids, mask, positions = self._left_padded(prompts)
         matchers = [None if r.grammar is None else self.grammars.matcher(r.grammar) for r in batch]
         out_ids: list[list[int]] = [[] for _ in batch]
         out_lp: list[list[float]] = [[] for _ in batch]
@@ -536,17 +546,10 @@ class LocalEngine:
             for i, r in enumerate(batch):
                 if not live[i]:
                     continue
-                scaled = logits[i] / max(r.temperature, 1e-5)
-                matcher = matchers[i]
-                if matcher is not None:  # masked first, then truncated: the learner's order (``loss``), and vLLM's
-                    scaled = scaled.masked_fill(~matcher.allowed()[: scaled.shape[-1]], float("-inf"))
-                logp = torch.log_softmax(truncate(scaled[None], self.sampling)[0], -1)
-                tok = int(torch.multinomial(logp.exp(), 1, generator=self.generator).item())
+                tok, lp = self._draw(logits[i], r, matchers[i])
                 out_ids[i].append(tok)
-                out_lp[i].append(float(logp[tok]))
+                out_lp[i].append(lp)
                 ids[i, 0] = tok
-                if matcher is not None and not matcher.accept(tok):
-                    raise GrammarError(f"the engine drew token {tok}, which its grammar refuses")
                 if tok == eos or (r.stop and self._stopped(out_ids[i], r.stop)):
                     finish[i], live[i] = "stop", False
                 elif len(out_ids[i]) >= r.max_tokens:
