@@ -452,7 +452,6 @@ class LocalEngine:
     def _next_logits(self, prompts: list[list[int]], keys: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
         """One forward pass over the distinct ``prompts``; the next-token logits of each key's choices
         are kept (until the weights change) for every request that asks them again."""
-
         distinct, row = distinct_rows(prompts)  # the m votes on a step, a group's first step: one row each
         self.rows_computed += len(distinct)
         ids, mask, position_ids = self._left_padded(distinct)

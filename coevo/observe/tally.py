@@ -273,8 +273,6 @@ class RunTally:
         ordered = sorted(self.evals.items(), key=lambda kv: int(kv[0][4:] or 0))
         complete = [v for name, v in ordered if len(v) >= self.eval_scheduled[name]]
         rounds = complete or [v for _, v in ordered]
-        tail = max(1, len(self.proc) // 4)
-        otail = max(1, len(self.outc) // 4)
         seconds = max(seconds, 1e-9)
         return RunSummary(
             run_id=run_id,
@@ -282,14 +280,16 @@ class RunTally:
             policy_success_end=_mean(self.train[-k:]),
             heldout_success_start=_mean(rounds[0]) if rounds else None,
             heldout_success_end=_mean(rounds[-1]) if rounds else None,
-            judge_process_accuracy_start=_mean(self.proc[:tail]),
-            judge_process_accuracy=_mean(self.proc[-tail:]),
+            judge_process_accuracy_start=_mean(_quarter(self.proc, first=True)),
+            judge_process_accuracy=_mean(_quarter(self.proc, first=False)),
             policy_success_change=Interval.of(self.train[:k], self.train[-k:]),
             heldout_success_change=Interval.of(rounds[0], rounds[-1]) if len(rounds) > 1 else None,
             heldout_success_rounds=[m for r in rounds if (m := _mean(r)) is not None],
-            judge_process_accuracy_change=Interval.of(self.proc[:tail], self.proc[-tail:]),
-            judge_outcome_accuracy_start=_mean(self.outc[:otail]),
-            judge_outcome_accuracy=_mean(self.outc[-otail:]),
+            judge_process_accuracy_change=Interval.of(
+                _quarter(self.proc, first=True), _quarter(self.proc, first=False)
+            ),
+            judge_outcome_accuracy_start=_mean(_quarter(self.outc, first=True)),
+            judge_outcome_accuracy=_mean(_quarter(self.outc, first=False)),
             judge_vote_positive_start=_mean(_quarter(self.positive, first=True)),
             judge_vote_positive=_mean(_quarter(self.positive, first=False)),
             judge_steps_silent_start=_mean(_quarter(self.silent, first=True)),
