@@ -154,6 +154,12 @@ async def episode(play: Play, root: str, key: str, task_id: str, seed: int) -> s
     return str(game.outcome)
 
 
+def stopping(exc: BaseException) -> bool:
+    """coevo answered 503 (``endpoint_stopping``: the run ended, a call in flight was cut short);
+    every SDK here keeps the status as ``status_code``."""
+    return getattr(exc, "status_code", None) == 503
+
+
 async def train(
     play: Play, doc: str, prefix: str, gone: tuple[type[BaseException], ...] = (), root: str | None = None
 ) -> int:
@@ -177,6 +183,8 @@ async def train(
             outcomes = await asyncio.gather(*(episode(play, root, key, task_id, seed) for _ in range(args.group)))
             print(f"{task_id}: {' '.join(outcomes)}", flush=True)
             done += 1
-    except (urllib.error.URLError, ConnectionError, *gone) as exc:
+    except Exception as exc:
+        if not (isinstance(exc, (urllib.error.URLError, ConnectionError, *gone)) or stopping(exc)):
+            raise
         print(f"coevo went away ({exc!r}): stopping", flush=True)
     return 0

@@ -109,6 +109,50 @@ async def test_the_responses_api_with_the_openai_sdk(bus: NatsBus, loop_cfg: Coe
     assert steps[3].response_text == final.output_text and steps[3].done
 
 
+async def test_a_call_the_stop_cuts_short_answers_503_endpoint_stopping(bus: NatsBus, loop_cfg: CoevoConfig) -> None:
+    """A call waiting on its episode while the endpoint stops, and every call after, is told coevo is
+    stopping (503 ``endpoint_stopping``), not that its episode ended: an agent tells coevo's stop from
+    its own mistakes (the examples stop cleanly on it)."""
+    need("anthropic")
+    import anthropic
+    import openai
+
+    cfg = endpoint_cfg(loop_cfg)
+    base = f"http://127.0.0.1:{cfg.policy.serve_port}"
+    policy = PolicyAgent(bus, cfg)
+    async with running([policy], base) as http:
+        ep = await post(http, "/coevo/v1/episodes", {"task_id": "stop-1", "goal": "walk"})
+        endpoint, episode = policy.endpoint, policy.endpoint.book.get(ep["episode_id"])
+        claude = anthropic.AsyncAnthropic(base_url=base, api_key=ep["key"], max_retries=0)
+        first = [{"role": "user", "content": "you are in room 0."}]
+        async with episode.lock:  # the call waits on its episode (an ignored temperature marks it arrived)
+            call = asyncio.create_task(
+                claude.messages.create(model="m", max_tokens=6, messages=first, extra_body={"temperature": 0.3})
+            )
+            async with asyncio.timeout(30):
+                while not endpoint.counters["endpoint.knobs_ignored.temperature"]:
+                    assert not call.done(), call.exception()
+                    await asyncio.sleep(0.05)
+            endpoint.stopping = True  # what the endpoint's stop does before it ends the open episodes
+            await endpoint.end(episode, "aborted", "the policy endpoint stopped")
+        with pytest.raises(anthropic.InternalServerError, match="coevo is stopping") as cut:
+            await call
+        assert cut.value.status_code == 503 and cut.value.body["error"]["type"] == "overloaded_error"
+        assert ep["episode_id"] in str(cut.value)
+        gpt = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=endpoint.key or "none", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as later:  # a new call, even with the run's key
+            await gpt.chat.completions.create(model="m", max_tokens=6, messages=first)
+        assert later.value.status_code == 503 and later.value.code == "endpoint_stopping"
+        await claude.close()
+        await gpt.close()
+        (end,) = [
+            e
+            for e in await wait_events(bus, lambda ev: any(isinstance(e, TrajectoryCompleted) for e in ev))
+            if isinstance(e, TrajectoryCompleted)
+        ]
+    assert end.trajectory_id == ep["trajectory_id"] and end.outcome == "aborted"
+
+
 async def test_the_messages_api_with_the_anthropic_sdk(bus: NatsBus, loop_cfg: CoevoConfig) -> None:
     need("anthropic")
     import anthropic

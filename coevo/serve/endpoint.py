@@ -27,6 +27,8 @@ Invariants:
 - while the learner is behind (``coevo.algorithm.admission``), opening an episode answers 429 with
   ``Retry-After``: rollouts are paced instead of played and dropped as stale;
 - every error is in its API's shape (Anthropic's on ``/v1/messages``, OpenAI's elsewhere);
+- once the endpoint stops, every request, and every call that waited on an episode the stop
+  ended, answers 503 ``endpoint_stopping``: an agent tells coevo's stop from its own mistakes;
 - numbers are bounded where they enter: a body with ``Infinity`` or ``NaN`` is not JSON (400), a
   reward is a finite number within ±``scorer.max_abs_env_reward`` (a step's rewards add up within
   it too; else 400 naming ``reward``), and prompt token ids lie inside the vocabulary (400 naming
@@ -142,6 +144,7 @@ class Endpoint:
         self.key = key
         self.key_file = key_file
         self.url: str | None = None
+        self.stopping = False
         self._texts: dict[str, dict[str, Any]] = {}
 
     @property
@@ -177,6 +180,7 @@ class Endpoint:
             print(f"coevo policy endpoint at {self.url} (OPENAI_BASE_URL), {where}", flush=True)
             yield self
         finally:
+            self.stopping = True
             await self.abort_open("the policy endpoint stopped")
             await runner.cleanup()
             self.sampler.close()
@@ -231,6 +235,8 @@ class Endpoint:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         try:
+            if self.stopping:
+                raise self._stopped()
             request[BOUND], request[AGENT] = self._authorize(request)
             return await handler(request)
         except ApiError as exc:
@@ -249,6 +255,13 @@ class Endpoint:
             self.log.error("policy.endpoint_failed", path=request.path, error=repr(exc), exc_info=exc)
             self.counters["endpoint.errors"] += 1
             return self._error(request, ApiError(500, f"internal error: {exc!r}"[:500], type="server_error"))
+
+    @staticmethod
+    def _stopped(episode_id: str | None = None) -> ApiError:
+        aborted = f" (episode {episode_id} was aborted)" if episode_id else ""
+        return ApiError(
+            503, f"coevo is stopping: the run ended{aborted}", type="server_error", code="endpoint_stopping"
+        )
 
     @staticmethod
     def _error(request: web.Request, exc: ApiError) -> web.Response:
@@ -597,9 +610,15 @@ class Endpoint:
                 400, "n > 1 inside an episode: an episode is one sequence of calls (open n episodes instead)", param="n"
             )
 
-    def _check_open(self, ep: Episode) -> None:
+    def _check_live(self, ep: Episode) -> None:
+        """``ep`` has not ended (while a request waited on its lock, say)."""
+        if ep.ended and self.stopping:
+            raise self._stopped(ep.episode_id)
         if ep.ended:
             raise ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
+
+    def _check_open(self, ep: Episode) -> None:
+        self._check_live(ep)
         if ep.calls >= self.cfg.env.max_steps:
             raise ApiError(
                 409,
@@ -826,8 +845,7 @@ class Endpoint:
         reward = body.get("reward")
         self._reward(reward)
         async with ep.lock:
-            if ep.ended:
-                raise ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
+            self._check_live(ep)
             if ep.pending is None:
                 raise ApiError(
                     409,
@@ -869,8 +887,7 @@ class Endpoint:
         ep = self._lookup(request.match_info["episode_id"])
         outcome, error, observation = self._outcome(await self._json(request, empty_ok=True))
         async with ep.lock:
-            if ep.ended:  # finished concurrently
-                raise ApiError(409, f"episode {ep.episode_id} has ended", code="episode_ended")
+            self._check_live(ep)  # finished concurrently
             await self.end(ep, outcome, error, observation)
         return web.json_response(
             {
