@@ -155,7 +155,11 @@ def _seeds_args() -> tuple[Arg, ...]:
             choices=("default", "hard"),
             help="initial task pool; hard: the quick game's sparse-reward pool (family quickgame-hard)",
         ),
-        arg("--family", default="quickgame", help="quickgame or textworld"),
+        arg(
+            "--family",
+            default="quickgame",
+            help="an environment family: quickgame, textworld, arithmetic (word problems), coding, or a plugin's",
+        ),
         arg("--cache-dir", type=Path, help="models and compiled games (default: a temporary directory)"),
         arg(
             "--budget",
