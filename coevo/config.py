@@ -510,7 +510,8 @@ class ScorerConfig(Section):
         default=False,
         description="weigh the judge's consistency advantages so that the steps of a group's won and of its lost "
         "trajectories count alike (S/(2·S_won), S/(2·S_lost)): the judge then learns which steps raise the odds "
-        "of winning above the task's own, not the base rate of failure that makes it vote -1 everywhere "
+        "of winning above the task's own, not the base rate of failure that makes it vote -1 everywhere. "
+        "Measured on the tiny judge, it stops the -1 collapse, but 3 judges of 5 saturate at +1 instead "
         "(docs/benchmarks.md 'Why a judge collapses'); off is the paper's reward",
     )
     max_abs_env_reward: float = Field(
