@@ -217,11 +217,15 @@ def test_two_gloo_processes_match_single_process(
     )
     gathered = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
     # Adam's first step moves a weight by lr·g/(|g|+eps): where |g| is near eps (1e-8) it amplifies the
-    # float32 rounding of summing the gradient in another order (~1e-11) up to lr·1e-11/eps = 1e-5, a
-    # little more where |g| is nearer eps (a full-suite run once saw it just past 1e-5); a rank that
-    # trained the wrong rows would be off by ~lr = 1e-2 in many weights
+    # float32 rounding of summing the gradient in another order (~1e-11) up to lr·1e-11/eps = 1e-5 and,
+    # for the rare |g| nearer eps, past 1e-4 (1.2e-4 on some CPUs); a rank that trained the wrong rows
+    # would be off by ~lr = 1e-2 in many weights. So: every weight within 1e-3, nearly all within 1e-6.
+    loose = total = 0
     for k, v in single.model.state_dict().items():
-        assert torch.allclose(v, gathered[k], atol=1e-4), (k, float((v - gathered[k]).abs().max()))
+        diff = (v - gathered[k]).abs()
+        assert float(diff.max()) < 1e-3, (k, float(diff.max()))
+        loose, total = loose + int((diff > 1e-6).sum()), total + diff.numel()
+    assert loose <= 1e-3 * total, f"{loose} of {total} weights differ by more than 1e-6"
 
 
 # ---- sampling parity (#23): what the sampler truncated, the learner truncates ----------------------
