@@ -407,6 +407,15 @@ def test_a_budget_parses_steps_minutes_and_seconds_and_names_what_is_wrong() -> 
             Budget.parse(bad)
 
 
+def test_per_task_success_counts_each_task_over_its_own_episodes() -> None:
+    from coevo.bench.learn import per_task
+
+    a, b, c = (TaskSpec(task_id=t, family="quick", params={}) for t in "abc")
+    # episode i plays task i % 3: a gets episodes 0, 3, 6; b gets 1, 4; c gets 2, 5
+    won = [True, False, False, True, True, False, False]
+    assert per_task([a, b, c], won) == {"a": pytest.approx(2 / 3, abs=1e-6), "b": 0.5, "c": 0.0}
+
+
 def test_step_milestones_end_on_the_budget() -> None:
     assert Budget("steps", 10).milestones(4) == [4, 8, 10]
     assert Budget("steps", 8).milestones(4) == [4, 8]
@@ -432,6 +441,12 @@ async def test_a_step_budget_ends_each_run_at_that_policy_version_and_evaluates_
         # step 0 is the base model; then each milestone's own version, copied when it was published
         assert [(p["step"], p["policy_version"]) for p in run["curve"]] == [(0, 0), (2, 2), (3, 3)]
         assert run["learner_steps"] >= 3 and run["heldout_success"] is not None
+        # 4 episodes over 2 held-out tasks: each task's rate is over its 2 episodes, their mean the whole
+        by_task = run["heldout_by_task"]
+        assert len(by_task) == run["heldout_tasks"] == 2
+        for when, whole in (("final", "heldout_success"), ("initial", "heldout_success_initial")):
+            assert statistics.mean(t[when] for t in by_task.values()) == pytest.approx(run[whole]), (c, when)
+            assert all(t[when] in (0.0, 0.5, 1.0) for t in by_task.values())
         assert out["configs"][c]["summary"]["seconds"]["n"] == 1
 
 

@@ -231,6 +231,29 @@ async def evaluate(
     (``policy``: its mode and temperature; default config when None). Episode ``i`` plays
     ``tasks[i % len(tasks)]``, so every task gets its share; ``family`` (default: built from the
     tasks' family name) makes the environments."""
+    won = await play_episodes(model_dir, tasks, episodes, seed, family=family, policy=policy, concurrency=concurrency)
+    return sum(won) / episodes
+
+
+def per_task(tasks: list[TaskSpec], won: list[bool]) -> dict[str, float]:
+    """Each task's success rate over the episodes ``play_episodes`` gave it (pure)."""
+    games: dict[str, list[bool]] = {}
+    for i, w in enumerate(won):
+        games.setdefault(tasks[i % len(tasks)].task_id, []).append(w)
+    return {t: round(sum(g) / len(g), 6) for t, g in games.items()}
+
+
+async def play_episodes(
+    model_dir: Path,
+    tasks: list[TaskSpec],
+    episodes: int,
+    seed: int = 0,
+    *,
+    family: Family | None = None,
+    policy: PolicyConfig | None = None,
+    concurrency: int = 32,
+) -> list[bool]:
+    """Whether each of ``episodes`` episodes was won; episode ``i`` plays ``tasks[i % len(tasks)]``."""
     from coevo.envs import make_family
     from coevo.inference.engine import LocalEngine
 
@@ -247,8 +270,7 @@ async def evaluate(
                 finally:
                     await env.close()
 
-        results = await asyncio.gather(*(one(tasks[i % len(tasks)]) for i in range(episodes)))
-    return sum(results) / episodes
+        return list(await asyncio.gather(*(one(tasks[i % len(tasks)]) for i in range(episodes))))
 
 
 @dataclass
@@ -266,6 +288,14 @@ class EvalSet:
         if not tasks:
             return None
         return await evaluate(model, tasks, self.episodes, seed, family=self.family, policy=self.policy)
+
+    async def heldout_per_task(self, model: Path, seed: int) -> tuple[float | None, dict[str, float]]:
+        """Held-out success of ``model`` and each held-out task's success rate (the mean alone hides
+        whether a gain is many tasks a little better or a few flipping from never to always won)."""
+        if not self.heldout:
+            return None, {}
+        won = await play_episodes(model, self.heldout, self.episodes, seed, family=self.family, policy=self.policy)
+        return sum(won) / len(won), per_task(self.heldout, won)
 
 
 async def eval_set(cfg: CoevoConfig, episodes: int) -> EvalSet:
@@ -474,10 +504,11 @@ async def run_budget(cfg: CoevoConfig, budget: Budget, *, eval_every: float, epi
                     _step_curve(ev, base, watch, budget, eval_every, bar, pool),
                 )
         elapsed = time.monotonic() - t0
-        held = await ev.success(final, "heldout", seed=999)
-        held0 = await ev.success(base, "heldout", seed=999)
+        held, held_tasks = await ev.heldout_per_task(final, seed=999)
+        held0, held0_tasks = await ev.heldout_per_task(base, seed=999)
         summary = await summarize(rt.bus, 0.0, elapsed)
-    return run_result(cfg, budget, curve, summary, ev, held0, held, elapsed) | pool()
+    by_task = {t: {"initial": held0_tasks[t], "final": held_tasks[t]} for t in held_tasks}
+    return run_result(cfg, budget, curve, summary, ev, held0, held, elapsed) | pool() | {"heldout_by_task": by_task}
 
 
 def run_result(
