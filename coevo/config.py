@@ -514,6 +514,13 @@ class ScorerConfig(Section):
         "Measured on the tiny judge, it stops the -1 collapse, but 3 judges of 5 saturate at +1 instead "
         "(docs/benchmarks.md 'Why a judge collapses'); off is the paper's reward",
     )
+    judge_baseline: Literal["step", "group"] = Field(
+        default="step",
+        description="what the judge's consistency rewards are standardised over: 'step', the paper's, over the "
+        "step's own m votes (a step whose votes agree is skipped, so a judge that votes alike everywhere hears "
+        "nothing more); 'group', over every vote of the group, so such a step still tells the judge whether "
+        "its votes agreed with the outcome more or less than the group's average vote",
+    )
     max_abs_env_reward: float = Field(
         default=100.0,
         gt=0,

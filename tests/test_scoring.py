@@ -16,6 +16,7 @@ from coevo.algorithm.scoring import (
     accept_rewrite,
     accuracy,
     consistency_advantages,
+    group_consistency_advantages,
     integrated_rewards,
     judge_accuracies,
     outcome_weights,
@@ -412,9 +413,9 @@ def test_critic_reads_the_judges_reasoning_and_an_unparseable_vote_is_not_a_minu
     assert "2. jump into pit -> You jump into pit" in prompt and "judge on step 2: the pit kills you" in prompt
 
 
-def quarter_won_group(run_id: str = "r") -> object:
+def quarter_won_group(run_id: str = "r", voted: tuple[int, ...] = (1, 1, -1)) -> object:
     """A scorable group of 4 trajectories, 1 won in one step and 3 lost in two steps each (accuracy 0.25,
-    in the judge's band; 1 won step against 6 lost ones), every step voted (+1, +1, -1) by a local judge:
+    in the judge's band; 1 won step against 6 lost ones), every step voted ``voted`` by a local judge:
     votes that do not depend on the outcome."""
     from coevo.agents.scorer import Group
     from coevo.schemas import Source, StepJudged, StepTaken, TaskScheduled, TaskSpec, TrajectoryCompleted, Vote
@@ -457,7 +458,7 @@ def quarter_won_group(run_id: str = "r") -> object:
         for s in steps:
             votes = [
                 Vote(index=j, value=v, status="ok", prompt_token_ids=[5], response_token_ids=[7], logprobs=[-0.7])
-                for j, v in enumerate((1, 1, -1))
+                for j, v in enumerate(voted)
             ]
             g.add(StepJudged(**ids, step_event_id=s.event_id, trajectory_id=tid, step_index=s.step_index, votes=votes))
     return g
@@ -481,6 +482,48 @@ def test_a_judge_blind_to_the_outcome_is_pushed_to_minus_one_unless_the_outcomes
     assert plus == pytest.approx(2 * math.sqrt(0.5) * (won_w - 6 * lost_w))
     assert plus == pytest.approx(0.0 if balance else -5 * math.sqrt(2))
     assert score.judge_vote_positive == pytest.approx(2 / 3) and score.judge_steps_silent == 0.0
+
+
+@pytest.mark.parametrize("vote", [1, -1])
+def test_a_judge_that_votes_alike_everywhere_is_silent_per_step_and_told_where_it_is_wrong_per_group(vote: int) -> None:
+    """The absorbing state (docs/benchmarks.md 'Why a judge collapses', point 3): a judge whose m votes
+    agree on every step gets no sample under the paper's per-step baseline. Standardised over the group
+    (scorer.judge_baseline = "group"), each step's votes are told whether they agreed with the outcome:
+    a -1 vote earns R·S = 0 on the won step (R = 1 - 1) and +2 on each lost one (R = -1 - 1), so its
+    votes on the won step lose and on the lost steps gain; a constant +1 the other way round. The
+    advantages of the group still sum to zero: a constant vote gets no net push either way."""
+    from coevo.agents.scorer import score_group
+    from coevo.config import load_config
+
+    g = quarter_won_group(voted=(vote, vote, vote))
+    step = score_group(g, load_config(), train_judge=True)  # type: ignore[arg-type]
+    assert step.judge_band_ok and step.judge_samples == [] and step.judge_steps_silent == 1.0
+    group = score_group(g, load_config(overrides={"scorer.judge_baseline": "group"}), train_judge=True)  # type: ignore[arg-type]
+    assert len(group.judge_samples) == 7 * 3
+    assert group.trajectory_ids[0] == "g-t0"  # the won trajectory, one step
+    won_step = group.step_event_ids[0]
+    on_won = [s.advantage for s in group.judge_samples if s.step_event_id == won_step]
+    # +1: 3 votes scoring 2 on the won step, 18 scoring 0: z = +sqrt(18/3) there, -sqrt(3/18) elsewhere;
+    # -1: 0 on the won step, 2 elsewhere, the signs flipped
+    assert on_won == pytest.approx([vote * math.sqrt(6)] * 3)
+    on_lost = [s.advantage for s in group.judge_samples if s.step_event_id != won_step]
+    assert on_lost == pytest.approx([-vote * math.sqrt(1 / 6)] * 18)
+    assert sum(s.advantage for s in group.judge_samples) == pytest.approx(0.0)
+
+
+def test_the_group_baseline_standardises_every_vote_of_the_group_together() -> None:
+    # R = 2 (won, votes +1 +1), R = 0 (lost, + -), an error vote and an unparseable one (-2)
+    z = group_consistency_advantages([(2.0, [P, P]), (0.0, [P, M]), (-1.0, [E, U])])
+    rewards = [2.0, 2.0, 0.0, 0.0, -2.0]
+    mu = sum(rewards) / 5
+    sd = math.sqrt(sum((r - mu) ** 2 for r in rewards) / 5)
+    assert z == [
+        pytest.approx([(2 - mu) / sd] * 2),
+        pytest.approx([-mu / sd] * 2),
+        [None, pytest.approx((-2 - mu) / sd)],
+    ]
+    assert group_consistency_advantages([(1.0, [P, P]), (-1.0, [M, M])]) == [[None, None], [None, None]]
+    assert group_consistency_advantages([(1.0, [E])]) == [[None]]
 
 
 @given(lengths=st.lists(st.tuples(st.booleans(), st.integers(0, 6)), min_size=1, max_size=12))

@@ -139,21 +139,22 @@ def policy_samples(trajs: list[scoring.TrajRec], g: Group, adv: dict[str, float]
 def judge_vote_samples(
     trajs: list[scoring.TrajRec], g: Group, rewards: dict[str, float], sc: ScorerConfig
 ) -> list[TrainingSample]:
-    """One sample per vote with a nonzero consistency advantage (docs/algorithm.md §2); with
+    """One sample per vote with a nonzero consistency advantage (docs/algorithm.md §2), standardised
+    over the step's votes or, with ``scorer.judge_baseline = "group"``, over the group's; with
     ``scorer.judge_balance`` weighted by ``scoring.outcome_weights``."""
     won_w, lost_w = scoring.outcome_weights(trajs) if sc.judge_balance else (1.0, 1.0)
+    judged = [(t, s, j) for t in trajs for s in t.steps if (j := g.judged.get(s.step_id)) is not None]
+    if sc.judge_baseline == "group":
+        advantages = scoring.group_consistency_advantages([(rewards[s.step_id], s.votes) for _, s, _ in judged])
+    else:
+        advantages = [scoring.consistency_advantages(rewards[s.step_id], s.votes) for _, s, _ in judged]
     out = []
-    for t in trajs:
+    for (t, s, j), step_advantages in zip(judged, advantages, strict=True):
         w = won_w if t.outcome == "won" else lost_w
-        for s in t.steps:
-            judged = g.judged.get(s.step_id)
-            if judged is None:
-                continue
-            advantages = scoring.consistency_advantages(rewards[s.step_id], s.votes)
-            for vote, va in zip(judged.votes, advantages, strict=True):
-                if va is not None and va != 0.0 and vote.response_token_ids:
-                    sid = f"j-{s.step_id}-{vote.index}"
-                    out.append(make_sample(sid, "judge", vote, w * va, vote.model_version or 0, s.step_id))
+        for vote, va in zip(j.votes, step_advantages, strict=True):
+            if va is not None and va != 0.0 and vote.response_token_ids:
+                sid = f"j-{s.step_id}-{vote.index}"
+                out.append(make_sample(sid, "judge", vote, w * va, vote.model_version or 0, s.step_id))
     return out
 
 

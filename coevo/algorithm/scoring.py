@@ -145,6 +145,23 @@ def consistency_advantages(step_reward: float, votes: Sequence[VoteRec], eps: fl
     return [next(z) if r is not None else None for r in rewards]
 
 
+def group_consistency_advantages(
+    steps: Sequence[tuple[float, Sequence[VoteRec]]], eps: float = 1e-8
+) -> list[list[float | None]]:
+    """``scorer.judge_baseline = "group"``: per step (its integrated reward R, its votes), per vote, the
+    consistency reward R·S standardised over every vote of the group instead of over the step's own.
+    A step whose votes agree is then heard too: its votes gain where they agree with the outcome more
+    than the group's average vote does, and lose where less; with the paper's per-step baseline such
+    a step is silent, which makes a judge that votes alike everywhere an absorbing state. None: an
+    error vote, or every vote of the group earned the same reward."""
+    rewards = [consistency_rewards(r, votes) for r, votes in steps]
+    present = [x for rs in rewards for x in rs if x is not None]
+    if len(present) < 2 or max(present) - min(present) <= eps:
+        return [[None] * len(rs) for rs in rewards]
+    z = iter(zscore(present, eps))
+    return [[next(z) if x is not None else None for x in rs] for rs in rewards]
+
+
 def outcome_weights(trajs: Sequence[TrajRec]) -> tuple[float, float]:
     """``scorer.judge_balance``'s weights of the consistency advantages of a won trajectory's votes and of
     a lost one's: S / (2·S_won) and S / (2·S_lost), S_won and S_lost the steps of the group's won and
@@ -229,7 +246,8 @@ class VoteProfile:
     """share of the parseable votes that are +1"""
     silent: float | None
     """share of the judged steps (two or more votes) whose votes all earned the same consistency
-    reward, so they give the judge no sample (``consistency_advantages``: all None)"""
+    reward: with the paper's per-step baseline they give the judge no sample (``consistency_advantages``:
+    all None); with ``scorer.judge_baseline = "group"`` they are heard"""
     labelled_good: float | None
     """share of the steps with a reference label whose label is +1 (a judge voting -1 everywhere has
     process accuracy 1 - this)"""

@@ -377,7 +377,7 @@ BENCHES: tuple[Command, ...] = (
                 default="policy-only,policy+judge,full",
                 help="comma-separated, bottom first (one rung: against its own base), of policy-only, policy+judge, "
                 "full, full-unsaturated (the full loop without the saturated-slot rules), policy+judge-balanced "
-                "(scorer.judge_balance)",
+                "(scorer.judge_balance), policy+judge-group (scorer.judge_baseline=group)",
             ),
             *_seeds_args(),
         ),
