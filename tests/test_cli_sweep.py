@@ -48,6 +48,9 @@ WRONG_PATH = [
     ("bench", "learn", "--judge-from", "missing-model"),
     ("bench", "learn", "--config", "missing.toml"),
     ("bench", "ladder", "--set", "learner.no_such_field=1"),
+    ("bench", "async", "--base", "missing-model"),
+    ("bench", "async", "--set", "learner.no_such_field=1"),
+    ("bench", "ladder", "--base", "missing-model"),
     ("server", "--store", "../a-file/store", "--port", "-1", "--insecure-loopback"),
     ("trace", "t-1", "--run", "r1", "--runs-dir", "missing-runs"),
 ]

@@ -110,6 +110,7 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
     from coevo.cli._config import one_base, parse_value
     from coevo.config import load_config, read_config_file
     from coevo.errors import ConfigError
+    from coevo.inference.models import resolve_model_path
 
     overrides: dict[str, Any] = {}
     if args.config is not None:
@@ -124,6 +125,8 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides[key.strip()] = parse_value(value)
     one_base(argparse.Namespace(lora=args.lora_lanes, base=args.base), overrides)
     try:
+        if args.base is not None:
+            resolve_model_path(args.base, "--base", "policy.model")
         load_config(overrides=overrides)  # a wrong field is one line now, not after the first run started
     except ConfigError as exc:
         raise SystemExit(f"coevo bench: {exc}") from None
@@ -167,6 +170,21 @@ def _seeds_args() -> tuple[Arg, ...]:
             "minutes:M or seconds:S (default: --minutes)",
         ),
         arg("--max-minutes", type=float, default=30.0, help="wall-clock cap of a steps:N run"),
+        *_model_args(),
+        arg(
+            "--judge-from",
+            type=Path,
+            metavar="DIR",
+            help="the judge starts from this model directory (a "
+            "judge trained beforehand, e.g. runs/<id>/checkpoints/judge/published/v…): frozen in the "
+            "policy-only rung and with outcome-only reward, trained on elsewhere",
+        ),
+    )
+
+
+def _model_args() -> tuple[Arg, ...]:
+    """What every run of a bench takes as ``coevo run`` would (``_run_overrides`` reads them)."""
+    return (
         arg("--config", type=Path, metavar="FILE", help="a config file every run starts from (as coevo run's)"),
         arg(
             "--set",
@@ -186,14 +204,6 @@ def _seeds_args() -> tuple[Arg, ...]:
             "--lora-lanes",
             action="store_true",
             help="every run trains LoRA adapters of the base [learner.lora] (bench learn --lora compares them with full)",
-        ),
-        arg(
-            "--judge-from",
-            type=Path,
-            metavar="DIR",
-            help="the judge starts from this model directory (a "
-            "judge trained beforehand, e.g. runs/<id>/checkpoints/judge/published/v…): frozen in the "
-            "policy-only rung and with outcome-only reward, trained on elsewhere",
         ),
     )
 
@@ -284,9 +294,8 @@ def cmd_bench_codec(args: argparse.Namespace) -> int:
 def cmd_bench_async(args: argparse.Namespace) -> int:
     from coevo.bench.asynchrony import AsyncPlan, bench_async
 
-    overrides = {k.strip(): parse_value(v) for k, _, v in (kv.partition("=") for kv in args.set)}
-    plan = AsyncPlan(minutes=args.minutes, seeds=args.seeds, loop=args.loop, overrides=overrides)
-    return _emit(run_stoppable(bench_async(plan, workdir=args.workdir)), args.json)
+    plan = AsyncPlan(minutes=args.minutes, seeds=args.seeds, loop=args.loop, overrides=_run_overrides(args))
+    return _emit(run_stoppable(bench_async(plan, cache=args.cache_dir, workdir=args.workdir)), args.json)
 
 
 def cmd_bench_hostile(args: argparse.Namespace) -> int:
@@ -509,13 +518,8 @@ BENCHES: tuple[Command, ...] = (
             arg("--minutes", type=float, default=3.0, help="measured per run"),
             arg("--seeds", type=int, default=2, help="a sync and an async run per seed"),
             arg("--loop", default="policy+judge", choices=("policy-only", "policy+judge", "full")),
-            arg(
-                "--set",
-                action="append",
-                default=[],
-                metavar="KEY=VALUE",
-                help="config override for both modes (repeatable), e.g. learner.batch_samples=32",
-            ),
+            *_model_args(),
+            arg("--cache-dir", type=Path, help="models (default: one under the work directory, removed after)"),
             arg("--workdir", type=Path, help="keep the store, runs and agent logs here (default: removed)"),
         ),
     ),
