@@ -132,21 +132,28 @@ def test_backlog_holds_scored_groups_until_a_step_names_them() -> None:
     assert b.oldest(now=102.0) == 3 and b.oldest(now=104.5) is None  # never named: stops counting
 
 
-async def test_a_slow_learner_pauses_scheduling_until_it_trains_the_old_groups(bus, cfg) -> None:
-    """Async (max_staleness 2): a scored train group whose step has not come holds scheduling back
-    once the policy is more than 2 versions past the version it was scheduled at."""
-    import asyncio
+def test_backlog_counts_its_groups_and_samples_and_is_full_at_max_staleness_steps_of_work() -> None:
+    from coevo.algorithm.admission import Backlog, queue_full
 
-    from coevo.agents.tasks import TasksAgent
-    from coevo.runtime.agent import run_agents
+    b = Backlog(timeout_s=100.0)
+    b.scored("g1", 0, now=0.0, samples=5)
+    b.scored("g2", 0, now=50.0, samples=6)
+    assert b.queued(now=60.0) == (2, 11)
+    assert b.queued(now=101.0) == (1, 6)  # g1 stopped counting
+    # by samples: max_staleness 2 of batches of 8 is 16 samples
+    assert queue_full(3, 15, 2, 8, None) is None
+    why = queue_full(2, 16, 2, 8, None)
+    assert why is not None and "16 samples" in why and "2.0 steps' work" in why and "max_staleness = 2" in why
+    # by groups (learner.batch_groups): what the samples say does not count
+    assert queue_full(3, 500, 2, 8, 2) is None
+    assert queue_full(4, 0, 2, 8, 2) is not None
+    assert queue_full(1, 1, 1, 1, None) is not None  # one batch at max_staleness 1
+
+
+def _sample() -> object:
     from coevo.schemas import TrainingSample
 
-    agent = TasksAgent(bus, cfg)
-    await agent.load()
-    slot = next(s for s in agent.slots.values() if s.split == "train")
-    await agent.schedule(slot, slot.active, "train")
-    (group,) = agent.inflight.groups
-    sample = TrainingSample(
+    return TrainingSample(
         sample_id="s",
         role="policy",
         prompt_token_ids=[1],
@@ -156,6 +163,21 @@ async def test_a_slow_learner_pauses_scheduling_until_it_trains_the_old_groups(b
         model_version=0,
         step_event_id="e",
     )
+
+
+async def _gate_scenario(bus, cfg, samples: int, versions: tuple[int, ...]) -> None:
+    """A train group scheduled at version 0 and scored with ``samples`` policy samples, then the
+    policy ``versions`` published: scheduling must pause, and go on once a policy step names the group."""
+    import asyncio
+
+    from coevo.agents.tasks import TasksAgent
+    from coevo.runtime.agent import run_agents
+
+    agent = TasksAgent(bus, cfg)
+    await agent.load()
+    slot = next(s for s in agent.slots.values() if s.split == "train")
+    await agent.schedule(slot, slot.active, "train")
+    (group,) = agent.inflight.groups
     src = Source(agent_id="learner", role="learner")
     stop = asyncio.Event()
 
@@ -177,26 +199,25 @@ async def test_a_slow_learner_pauses_scheduling_until_it_trains_the_old_groups(b
                     policy_band_ok=True,
                     judge_band_ok=True,
                     n_trajectories=8,
-                    policy_samples=[sample],
+                    policy_samples=[_sample()] * samples,
                 )
             )
             await until(lambda: group not in agent.inflight.groups and agent.backlog.groups)
-            for v in (1, 2, 3):
+            for v in versions:
                 await bus.publish(
                     WeightsPublished(
                         run_id=bus.run_id, source=src, role="policy", version=v, path="/w", sha256="0" * 64, bytes=1
                     )
                 )
-            await until(lambda: agent.policy_version == 3)
-            await asyncio.sleep(0.3)
-            assert not agent.admitted()  # scored at version 0, not trained, policy at 3 > 0 + 2
+            await until(lambda: agent.policy_version == (versions[-1] if versions else 0))
+            assert not agent.admitted()
             assert group not in agent.inflight.groups and len(agent.inflight.groups) < 4
             await bus.publish(
                 LearnerStepped(
                     run_id=bus.run_id,
                     source=src,
                     role="policy",
-                    version=4,
+                    version=len(versions) + 1,
                     samples=1,
                     tokens=2,
                     loss=0.0,
@@ -214,6 +235,21 @@ async def test_a_slow_learner_pauses_scheduling_until_it_trains_the_old_groups(b
 
     agent.main = agent.stopping.wait  # the test schedules; the agent only consumes
     await asyncio.gather(run_agents([agent], handle_signals=False, until=stop), scenario())
+
+
+async def test_a_slow_learner_pauses_scheduling_until_it_trains_the_old_groups(bus, cfg) -> None:
+    """Async (max_staleness 2): a scored train group whose step has not come holds scheduling back
+    once the policy is more than 2 versions past the version it was scheduled at (one sample: the
+    queue is far from full)."""
+    await _gate_scenario(bus, cfg, samples=1, versions=(1, 2, 3))
+
+
+async def test_a_queue_of_max_staleness_steps_of_work_pauses_scheduling_at_the_same_version(bus, cfg) -> None:
+    """Rollouts faster than the learner: no group is too old yet (the policy is still at version 0), but
+    the queue holds max_staleness (2) batches of samples, so a group scheduled now would be trained
+    more than 2 versions late; scheduling pauses until the learner names the group."""
+    assert cfg.learner.max_staleness == 2
+    await _gate_scenario(bus, cfg, samples=2 * cfg.learner.batch_samples, versions=())
 
 
 def test_versions_at_scheduling_come_from_stream_order() -> None:

@@ -10,7 +10,8 @@ Invariants:
 - a train group stays counted against that bound after it is scored, until a policy
   ``LearnerStepped`` names it (``Backlog``): a learner slower than the rollouts pauses scheduling
   instead of training ever staler samples (soft state: an entry the learner never names stops
-  counting after ``backlog_timeout_s``);
+  counting after ``backlog_timeout_s``), and so does a queue that already holds
+  ``learner.max_staleness`` steps' work (``admission.queue_full``);
 - at ``learner.max_staleness = 0`` groups go in lock-step waves (``Lockstep``): the next wave only once
   every group of the last one is scored and the weights trained on it (policy, judge) are published;
   each ``TaskScheduled`` carries the policy version it was scheduled at (``source.model_version``);
@@ -31,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from coevo.algorithm import saturation, scoring
-from coevo.algorithm.admission import Backlog
+from coevo.algorithm.admission import Backlog, queue_full
 from coevo.algorithm.rewriter import BuiltinRewriter, Rewriter
 from coevo.config import LLMRewriterConfig
 from coevo.envs import make_family
@@ -240,10 +241,13 @@ class TasksAgent(Agent):
         if len(self.inflight.groups) >= self.cfg.tasks.max_groups_in_flight:
             return False
         oldest = min(self.inflight.groups.values(), default=self.policy_version)
-        queued = self.backlog.oldest(time.monotonic()) if self.cfg.learner.max_staleness > 0 else None
+        lc = self.cfg.learner
+        queued = self.backlog.oldest(time.monotonic()) if lc.max_staleness > 0 else None
         if queued is not None:
             oldest = min(oldest, queued)
-        if self.policy_version - oldest > self.cfg.learner.max_staleness:
+            if queue_full(*self.backlog.queued(time.monotonic()), lc.max_staleness, lc.batch_samples, lc.batch_groups):
+                return False
+        if self.policy_version - oldest > lc.max_staleness:
             return False
         versions = {"policy": self.policy_version, "judge": self.judge_version}
         return self.cfg.learner.max_staleness > 0 or self.lockstep.admits(
@@ -357,7 +361,7 @@ class TasksAgent(Agent):
         self._loaded()
         version = self.inflight.groups.get(event.group_id)
         if version is not None and event.purpose == "train" and event.policy_samples and not event.flagged:
-            self.backlog.scored(event.group_id, version, time.monotonic())
+            self.backlog.scored(event.group_id, version, time.monotonic(), len(event.policy_samples))
         self.inflight.forget(event.group_id)
         self.scoring += 1  # lock-step: still in flight until what it trains is known
         try:
