@@ -143,6 +143,30 @@ def test_rejudge_with_the_recorded_responses_agrees_completely(recorded) -> None
     r = json.loads(out.stdout[out.stdout.index("{") :])
     assert r["steps"] > 50 and r["agreement"] == 1.0
     assert r["original"] == r["rejudge"]
+    out = coevo("rejudge", "--run", run, "--runs-dir", str(runs), "--steps", "10")
+    some = json.loads(out.stdout[out.stdout.index("{") :])
+    assert some["steps"] == 10 and some["agreement"] == 1.0 and some["original"] == some["rejudge"]
+
+
+def test_rejudge_with_another_local_judge_on_a_spread_sample_of_steps(recorded, model_cache: Path) -> None:
+    """A local judge (the tiny default, one constrained token a vote) over 12 steps spread over the
+    run, judged concurrently: every vote parses, and the result says which mode and how long."""
+    runs, run = recorded
+    judge = runs / "verdict-judge.toml"
+    judge.write_text(f'[env]\ncache_dir = "{model_cache}"\n[judge]\nmode = "verdict"\nm = 2\n')
+    out = coevo("rejudge", "--run", run, "--runs-dir", str(runs), "--judge", str(judge), "--steps", "12")
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout[out.stdout.index("{") :])
+    assert r["steps"] == 12 and r["judge_mode"] == "verdict" and r["rejudge_seconds"] > 0
+    assert r["rejudge_votes"] == {"ok": 24, "unparseable": 0, "error": 0}
+    assert 0.0 <= r["rejudge"]["process_accuracy"] <= 1.0 and 0.0 <= r["agreement"] <= 1.0
+
+
+def test_spread_takes_an_even_sample_in_order() -> None:
+    from coevo.tools.rejudge import spread
+
+    assert spread(list(range(10)), 4) == [0, 2, 5, 7]
+    assert spread(list(range(3)), 5) == [0, 1, 2] and spread(list(range(3)), None) == [0, 1, 2]
 
 
 async def test_lineage_of_a_candidate_rejected_then_proposed_again_and_accepted(bus) -> None:

@@ -46,13 +46,15 @@ def cmd_rejudge(args: argparse.Namespace) -> int:
     from coevo.tools.events import open_run, run_config
     from coevo.tools.rejudge import rejudge, unparsed
 
+    if args.steps is not None and args.steps < 1:
+        raise SystemExit("coevo rejudge: --steps must be >= 1")
     recorded_cfg = run_config(args.runs_dir, args.run, {})
     use_recorded = args.judge == "recorded"
     cfg = recorded_cfg if use_recorded else load_config(Path(args.judge))
 
     async def go() -> dict[str, Any]:
         async with open_run(args.run, args.runs_dir, args.nats_url, args.nats_credentials) as bus:
-            return await rejudge(bus, cfg, use_recorded)
+            return await rejudge(bus, cfg, use_recorded, args.steps)
 
     result = asyncio.run(go())
     print(json.dumps(result, indent=2))
@@ -84,6 +86,15 @@ COMMANDS: tuple[Command, ...] = (
         "run another judge over a run's steps; agreement and accuracies",
         cmd_rejudge,
         source=True,
-        args=(RUN_ARG, arg("--judge", default="recorded", help="'recorded' (the original responses) or a config file")),
+        args=(
+            RUN_ARG,
+            arg("--judge", default="recorded", help="'recorded' (the original responses) or a config file"),
+            arg(
+                "--steps",
+                type=int,
+                metavar="N",
+                help="judge N of the run's judged steps, evenly spread over it (default: all)",
+            ),
+        ),
     ),
 )
