@@ -241,18 +241,16 @@ class TasksAgent(Agent):
         if len(self.inflight.groups) >= self.cfg.tasks.max_groups_in_flight:
             return False
         oldest = min(self.inflight.groups.values(), default=self.policy_version)
-        lc = self.cfg.learner
-        queued = self.backlog.oldest(time.monotonic()) if lc.max_staleness > 0 else None
+        lc, now = self.cfg.learner, time.monotonic()
+        queued = self.backlog.oldest(now) if lc.max_staleness > 0 else None
         if queued is not None:
             oldest = min(oldest, queued)
-            if queue_full(*self.backlog.queued(time.monotonic()), lc.max_staleness, lc.batch_samples, lc.batch_groups):
+            if queue_full(*self.backlog.queued(now), lc.max_staleness, lc.batch_samples, lc.batch_groups):
                 return False
         if self.policy_version - oldest > lc.max_staleness:
             return False
         versions = {"policy": self.policy_version, "judge": self.judge_version}
-        return self.cfg.learner.max_staleness > 0 or self.lockstep.admits(
-            len(self.inflight.groups) + self.scoring, versions, time.monotonic()
-        )
+        return lc.max_staleness > 0 or self.lockstep.admits(len(self.inflight.groups) + self.scoring, versions, now)
 
     def next_group(self) -> tuple[Slot, TaskSpec, Literal["train", "candidate", "eval"]]:
         """Candidates first, then a due held-out evaluation round, then a train slot by stride scheduling

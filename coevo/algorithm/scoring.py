@@ -136,13 +136,10 @@ def consistency_rewards(step_reward: float, votes: Sequence[VoteRec]) -> list[fl
 
 
 def consistency_advantages(step_reward: float, votes: Sequence[VoteRec], eps: float = 1e-8) -> list[float | None]:
-    """Per vote: the standardised consistency reward, or None (error vote, or a skipped step)."""
-    rewards = consistency_rewards(step_reward, votes)
-    present = [r for r in rewards if r is not None]
-    if len(present) < 2 or max(present) - min(present) <= eps:
-        return [None] * len(votes)
-    z = iter(zscore(present, eps))
-    return [next(z) if r is not None else None for r in rewards]
+    """Per vote: the standardised consistency reward, or None (error vote, or a skipped step): the
+    paper's per-step baseline, a group of one step."""
+    (advantages,) = group_consistency_advantages([(step_reward, votes)], eps)
+    return advantages
 
 
 def group_consistency_advantages(

@@ -217,24 +217,6 @@ async def _play(engine: LocalEngine, family: Family, env: Environment, task: Tas
     return False
 
 
-async def evaluate(
-    model_dir: Path,
-    tasks: list[TaskSpec],
-    episodes: int,
-    seed: int = 0,
-    *,
-    family: Family | None = None,
-    policy: PolicyConfig | None = None,
-    concurrency: int = 32,
-) -> float:
-    """Success rate of the policy at ``model_dir`` on ``tasks``, sampling as the policy agent does
-    (``policy``: its mode and temperature; default config when None). Episode ``i`` plays
-    ``tasks[i % len(tasks)]``, so every task gets its share; ``family`` (default: built from the
-    tasks' family name) makes the environments."""
-    won = await play_episodes(model_dir, tasks, episodes, seed, family=family, policy=policy, concurrency=concurrency)
-    return sum(won) / episodes
-
-
 def per_task(tasks: list[TaskSpec], won: list[bool]) -> dict[str, float]:
     """Each task's success rate over the episodes ``play_episodes`` gave it (pure)."""
     games: dict[str, list[bool]] = {}
@@ -253,7 +235,10 @@ async def play_episodes(
     policy: PolicyConfig | None = None,
     concurrency: int = 32,
 ) -> list[bool]:
-    """Whether each of ``episodes`` episodes was won; episode ``i`` plays ``tasks[i % len(tasks)]``."""
+    """Whether each of ``episodes`` episodes of the policy at ``model_dir`` was won, sampling as the
+    policy agent does (``policy``: its mode and temperature; default config when None). Episode ``i``
+    plays ``tasks[i % len(tasks)]``, so every task gets its share; ``family`` (default: built from the
+    tasks' family name) makes the environments."""
     from coevo.envs import make_family
     from coevo.inference.engine import LocalEngine
 
@@ -283,18 +268,22 @@ class EvalSet:
     policy: PolicyConfig
     episodes: int
 
+    async def _won(self, model: Path, tasks: list[TaskSpec], seed: int) -> list[bool]:
+        return await play_episodes(model, tasks, self.episodes, seed, family=self.family, policy=self.policy)
+
     async def success(self, model: Path, split: Literal["train", "heldout"], seed: int) -> float | None:
         tasks = self.train if split == "train" else self.heldout
         if not tasks:
             return None
-        return await evaluate(model, tasks, self.episodes, seed, family=self.family, policy=self.policy)
+        won = await self._won(model, tasks, seed)
+        return sum(won) / len(won)
 
     async def heldout_per_task(self, model: Path, seed: int) -> tuple[float | None, dict[str, float]]:
         """Held-out success of ``model`` and each held-out task's success rate (the mean alone hides
         whether a gain is many tasks a little better or a few flipping from never to always won)."""
         if not self.heldout:
             return None, {}
-        won = await play_episodes(model, self.heldout, self.episodes, seed, family=self.family, policy=self.policy)
+        won = await self._won(model, self.heldout, seed)
         return sum(won) / len(won), per_task(self.heldout, won)
 
 
