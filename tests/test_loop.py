@@ -344,7 +344,8 @@ async def test_learner_killed_between_checkpoints_trains_the_lost_groups_again(
     bus: NatsBus, loop_cfg: CoevoConfig, nats_url: str, run_id: str
 ) -> None:
     """Checkpoints every 3 steps; kill -9 after a step past the last one: the groups of the lost
-    steps were not acknowledged, come back, and are trained again on the restored weights."""
+    steps were not acknowledged, come back (after ``bus.ack_wait_s``, maybe behind newer groups), and
+    are trained again on the restored weights."""
     from coevo.inference.clients import model_dir
     from coevo.training.lane import latest_checkpoint
 
@@ -403,15 +404,20 @@ async def test_learner_killed_between_checkpoints_trains_the_lost_groups_again(
                     break
                 learner = start()
             first = {e.source.agent_id for e in before if isinstance(e, LearnerStepped)}
+            lost = {  # trained since the checkpoint: redelivered after ack_wait, behind newer groups maybe
+                g
+                for e in before
+                if isinstance(e, LearnerStepped) and e.role == "policy" and e.version > killed["checkpoint"]
+                for g in e.group_ids
+            }
             learner = start()
-            await wait_for(
-                bus,
-                lambda ev: (
-                    last_version([e for e in ev if isinstance(e, LearnerStepped) and e.source.agent_id not in first])
-                    >= killed["version"] + 2
-                ),
-                timeout=300,
-            )
+
+            def trained_again(ev) -> bool:
+                new = [e for e in ev if isinstance(e, LearnerStepped) and e.source.agent_id not in first]
+                named = {g for e in new if e.role == "policy" for g in (*e.group_ids, *e.stale_group_ids)}
+                return last_version(new) >= killed["version"] + 2 and lost <= named
+
+            await wait_for(bus, trained_again, timeout=300)
             stop.set()
         finally:
             await stop_procs(learner)
