@@ -12,7 +12,8 @@ scorer) and the nats-server on one core, the learner alone on another, one torch
 Everything is read from the stream afterwards (``measure``, pure): learner steps per minute,
 trajectories per second, the time and the policy version at which the success of the last ``window``
 train groups first reaches ``target``, the staleness each lane trained at, the share of the time the
-rollouts had no group in flight (waiting for the learner), and whether each trajectory was played with
+rollouts had no group in flight (waiting for the learner), the share of the learner's compute time
+with a group in flight (what the two overlapped), and whether each trajectory was played with
 the policy version that was current when its group was scheduled.
 """
 
@@ -145,20 +146,42 @@ def trajectory_versions(events: list[Event], at: dict[str, int]) -> dict[str, in
     return out
 
 
-def idle_fraction(events: list[Event], t0: float, seconds: float) -> float:
-    """Share of ``[t0, t0 + seconds]`` with no group in flight (scheduled, not yet scored): the rollouts
-    waiting for the learner."""
+def in_flight(events: list[Event]) -> list[tuple[float, float]]:
+    """The spans (unix time) with a group in flight: scheduled, not yet scored. The last one is open
+    (ends at infinity) when a group was still in flight at the end of the stream."""
     marks = sorted(
         (e.ts, 1 if isinstance(e, TaskScheduled) else -1) for e in events if isinstance(e, TaskScheduled | GroupScored)
     )
-    idle, in_flight, last = 0.0, 0, t0
+    spans, count, start = [], 0, 0.0
     for ts, delta in marks:
-        if in_flight <= 0 and ts > t0:
-            idle += max(0.0, min(ts, t0 + seconds) - max(last, t0))
-        in_flight, last = in_flight + delta, ts
-    if in_flight <= 0:
-        idle += max(0.0, t0 + seconds - max(last, t0))
-    return round(idle / seconds, 4)
+        if count <= 0 < count + delta:
+            start = ts
+        elif count > 0 >= count + delta:
+            spans.append((start, ts))
+        count += delta
+    if count > 0:
+        spans.append((start, float("inf")))
+    return spans
+
+
+def covered(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of ``[lo, hi]`` inside ``spans`` (disjoint)."""
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+
+
+def idle_fraction(events: list[Event], t0: float, seconds: float) -> float:
+    """Share of ``[t0, t0 + seconds]`` with no group in flight: the rollouts waiting for the learner."""
+    return round(1 - covered(in_flight(events), t0, t0 + seconds) / seconds, 4)
+
+
+def overlap_fraction(events: list[Event], steps: list[LearnerStepped]) -> float | None:
+    """Share of these steps' compute time (ending at each step's event) with a group in flight: what
+    asynchrony overlaps. Lock-step waves overlap nothing; a learner that is the bottleneck of an
+    asynchronous loop may still leave the rollouts idle (its queue full), and that is not this."""
+    spans = in_flight(events)
+    timed = [(s.ts - s.tokens / s.tokens_per_second, s.ts) for s in steps if s.tokens_per_second > 0]
+    busy = sum(b - a for a, b in timed)
+    return round(sum(covered(spans, a, b) for a, b in timed) / busy, 4) if busy > 0 else None
 
 
 def rolling_success(scored: list[GroupScored], t0: float, window: int) -> list[tuple[float, float]]:
@@ -211,6 +234,7 @@ def measure(events: list[Event], t0: float, seconds: float, *, target: float, wi
         "judge_step_s": round(step_seconds(judge) / len(judge), 3) if judge else None,
         "learner_busy_fraction": round(step_seconds(steps) / seconds, 3),
         "rollouts_idle_fraction": idle_fraction(events, t0, seconds),
+        "learner_overlap_fraction": overlap_fraction(events, steps),
         "samples_per_step": round(trained / len(policy), 1) if policy else None,
         "samples_trained_per_minute": round(trained / seconds * 60, 1),
         "seconds_to_target": reached[0] if reached else None,
@@ -237,6 +261,7 @@ MEANS = (
     "steps_to_target",
     "learner_busy_fraction",
     "rollouts_idle_fraction",
+    "learner_overlap_fraction",
     "policy_step_s",
     "judge_step_s",
     "samples_per_step",
