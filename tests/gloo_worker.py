@@ -27,10 +27,10 @@ def main() -> None:
         device="cpu",
     )
     assert lane.fsdp == (parallel == "fsdp")
-    lane.step(samples, ["g"])  # the whole batch: the lane takes its rows of the shared plan
+    metrics = lane.step(samples, ["g"])  # the whole batch: the lane takes its rows of the shared plan
     path, sha, _ = lane.checkpoint()
     if int(rank) == 0:
-        print(json.dumps({"path": str(path), "sha": sha}), flush=True)
+        print(json.dumps({"path": str(path), "sha": sha, "entropy": metrics.entropy}), flush=True)
     dist.barrier()  # both ranks are done with every collective before either tears gloo down
     dist.destroy_process_group()
     # gloo's worker threads can still abort the interpreter's finalization ("terminate called without

@@ -315,6 +315,7 @@ def check_learner_lineage(events, ckpt_root, acked: set[str]) -> list[LearnerSte
     assert [s.version for s in lineage] == list(range(1, len(lineage) + 1)), [s.version for s in steps]
     trained = [g for s in lineage for g in s.group_ids]
     assert len(trained) == len(set(trained)), "a group was trained twice into the surviving weights"
+    assert all(s.entropy is not None and s.entropy > 0 for s in lineage), [s.entropy for s in lineage]
     ckpt = latest_checkpoint(ckpt_root)
     assert ckpt is not None
     state = json.loads((ckpt / "state.json").read_text())

@@ -235,6 +235,7 @@ def a_run() -> list[Event]:
             mismatch_kl=0.01,
             staleness_histogram={"1": 2},
             tokens_per_second=120.0,
+            entropy=0.4,
         ),
     ]
     return events
@@ -258,6 +259,7 @@ def test_the_aggregator_turns_events_into_every_series() -> None:
     assert values(points, 'learner_loss{role="policy"}') == [0.5, 0.25]
     assert [p.step for p in points if p.name == "learner_loss"] == [1, 2]  # the step is the version
     assert values(points, 'learner_staleness_mean{role="policy"}') == [0.3333, 1.0]
+    assert values(points, 'learner_entropy{role="policy"}') == [0.4]  # the first step did not report one
     assert values(points, 'weights_pause_ms{role="policy",server="vllm-b",transport="gloo"}') == [40.0]
     assert values(points, 'weights_apply_failures_total{role="policy",server="vllm-b"}') == [1.0]
     assert values(points, 'task_difficulty{slot="train-0"}')[-1] > values(points, 'task_difficulty{slot="train-0"}')[0]
@@ -295,6 +297,7 @@ def test_same_events_same_points_and_the_summary_matches_the_tally() -> None:
     assert (s.judge_vote_positive_start, s.judge_vote_positive) == (0.6, 0.1)
     assert (s.judge_steps_silent_start, s.judge_steps_silent) == (0.0, 1.0)
     assert s.steps_labelled_good == 0.8
+    assert (s.policy_entropy_start, s.policy_entropy) == (0.4, 0.4)  # one policy step reported an entropy
 
 
 def test_consumer_infos_become_series_and_rows() -> None:

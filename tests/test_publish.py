@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 from coevo.config import LearnerConfig
 from coevo.inference.engine import LocalEngine
 from coevo.training.lane import Lane, latest_checkpoint
-from coevo.training.loss import token_logprobs
+from coevo.training.loss import token_logprobs, token_logprobs_and_entropy
 from coevo.weights import tensorfiles
 from coevo.weights.manifest import HELD, manifest_of, verify
 from tests.test_training import choice_samples
@@ -83,6 +84,33 @@ def test_chunked_logprobs_equal_the_full_computation(
     token_logprobs(small_model, ids, attn, resp, allowed, temperature, chunk_elements=chunk_elements).sum().backward()
     for g, p in zip(grads, small_model.parameters(), strict=True):
         assert (g - p.grad).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("chunk_elements", [300, 1 << 25])
+def test_entropy_is_that_of_the_distribution_each_response_token_was_drawn_from(
+    small_model, chunk_elements: int
+) -> None:
+    torch.manual_seed(2)
+    ids = torch.randint(0, 300, (2, 10))
+    attn = torch.ones(2, 10, dtype=torch.long)
+    resp = torch.zeros(2, 10, dtype=torch.long)
+    resp[0, 5:] = 1
+    resp[1, 9] = 1
+    allowed = torch.ones(2, 300, dtype=torch.bool)
+    allowed[1] = False
+    allowed[1, [int(ids[1, 9]), 5, 6]] = True  # row 1: a choice among three tokens
+    with torch.no_grad():
+        logp, ent = token_logprobs_and_entropy(
+            small_model, ids, attn, resp, allowed, 0.7, chunk_elements=chunk_elements, entropy=True
+        )
+        logits = small_model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / 0.7
+    assert ent is not None and torch.equal(logp, token_logprobs(small_model, ids, attn, resp, allowed, 0.7).detach())
+    want = torch.distributions.Categorical(logits=logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))).entropy()
+    want = torch.nn.functional.pad(torch.where(resp[:, 1:] > 0, want, torch.zeros_like(want)), (1, 0))
+    assert (ent - want).abs().max() < 1e-4 and torch.equal(ent == 0, resp == 0)
+    assert 0 < float(ent[1, 9]) <= math.log(3) + 1e-6 < float(ent[0, 5:].min())  # three choices, not 300 tokens
+    with pytest.raises(ValueError, match="no_grad"):
+        token_logprobs_and_entropy(small_model, ids, attn, resp, allowed, entropy=True)
 
 
 def test_a_row_without_response_tokens_still_reaches_every_parameter(small_model) -> None:

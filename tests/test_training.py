@@ -143,6 +143,9 @@ def test_sampler_and_learner_agree_and_a_step_learns(tiny: Path, tmp_path: Path)
     m = lane.step(samples, ["g1"])
     # at version 0 the learner recomputes exactly the log-probs the engine sampled with
     assert m.mismatch_kl < 1e-6
+    # and reports the entropy of the distribution they were drawn from: one prompt, two choices
+    p = {s.response_token_ids[0]: math.exp(s.logprobs[0]) for s in samples}
+    assert len(p) == 2 and m.entropy == pytest.approx(-sum(q * math.log(q) for q in p.values()), abs=1e-5)
     assert m.staleness_histogram == {"0": 16} and m.version == 1
     changed = [k for k, v in lane.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "the step did not change any parameter"
@@ -180,7 +183,7 @@ def test_two_gloo_processes_match_single_process(
     single = Lane(
         "policy", tiny, tmp_path / "single", LearnerConfig(lr=1e-2, max_batch_tokens=max_tokens), device="cpu"
     )
-    single.step(samples, ["g"])
+    entropy = single.step(samples, ["g"]).entropy
     procs = [
         subprocess.Popen(
             [
@@ -209,7 +212,9 @@ def test_two_gloo_processes_match_single_process(
             p.kill()
     for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output[-3000:]
-    ckpt = Path(json.loads(outputs[0].strip().splitlines()[-1])["path"])
+    report = json.loads(outputs[0].strip().splitlines()[-1])
+    ckpt = Path(report["path"])
+    assert entropy is not None and report["entropy"] == pytest.approx(entropy, abs=1e-5)  # over both ranks' rows
     assert (
         (ckpt / "COMPLETE").exists()
         and (ckpt / "optimizer.rank0.pt").exists()

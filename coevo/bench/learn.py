@@ -550,6 +550,8 @@ def run_result(
                 "policy_kl_rejected",
                 "policy_mismatch_kl_max",
                 "policy_step_kl_max",
+                "policy_entropy_start",
+                "policy_entropy",
             )
         },
         "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / max(elapsed, 1e-9), 2),

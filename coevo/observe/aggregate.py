@@ -268,6 +268,7 @@ class Aggregator:
             "kl": e.kl,
             "clip_fraction": e.clip_fraction,
             "mismatch_kl": e.mismatch_kl,
+            "entropy": e.entropy,
             "tokens_per_second": e.tokens_per_second,
             "samples": e.samples,
             "t": round(t, 1),
@@ -282,6 +283,8 @@ class Aggregator:
                 ("learner_tokens_per_second", e.tokens_per_second),
             )
         ]
+        if e.entropy is not None:
+            out.append(self._point("learner_entropy", labels, t, e.entropy, e.ts, step=e.version))
         if n:
             mean = sum(_num(k) * v for k, v in e.staleness_histogram.items()) / n
             out.append(self._point("learner_staleness_mean", labels, t, round(mean, 4), e.ts, step=e.version))

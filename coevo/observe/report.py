@@ -26,6 +26,7 @@ ORDER = (
     "consistency",
     "loss",
     "clip",
+    "entropy",
     "mismatch_kl",
     "tokens",
     "rates",
@@ -150,7 +151,7 @@ def _save_plots(pngs: list[tuple[str, str, bytes]], out: Path) -> str:
     return '<div class="plots">' + "".join(figures) + "</div>"
 
 
-LEARNER_KEYS = ("version", "loss", "kl", "clip_fraction", "mismatch_kl", "tokens_per_second")
+LEARNER_KEYS = ("version", "loss", "kl", "clip_fraction", "mismatch_kl", "entropy", "tokens_per_second")
 SLOT_KEYS = ("slot_id", "split", "task_id", "knobs", "difficulty", "accuracy", "accepted", "rejected")
 REWRITE_KEYS = ("slot_id", "parent_id", "candidate_id", "direction", "accepted", "reason")
 

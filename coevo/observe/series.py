@@ -55,6 +55,13 @@ SPECS: dict[str, Spec] = {
         "nats",
         labels=("role",),
     ),
+    "learner_entropy": Spec(
+        "entropy of the distributions a step's batch was drawn from, under the weights before the step "
+        "(per response token; a policy collapsing to one answer goes to 0)",
+        "entropy",
+        "nats",
+        labels=("role",),
+    ),
     "learner_clip_fraction": Spec(
         "fraction of tokens whose ratio was clipped, one learner step", "clip", "fraction", labels=("role",)
     ),
@@ -146,6 +153,7 @@ CHARTS: dict[str, tuple[str, str]] = {
     "kl": ("KL (trained vs sampling policy)", "nats"),
     "mismatch_kl": ("Mismatch KL (learner vs inference log-probs)", "nats"),
     "clip": ("Clip fraction", "fraction"),
+    "entropy": ("Entropy of the sampled distributions (per response token)", "nats"),
     "tokens": ("Train tokens/s", "tokens/s"),
     "staleness": ("Staleness of trained samples (mean)", "versions"),
     "staleness_hist": ("Staleness histogram (samples, cumulative)", "samples"),

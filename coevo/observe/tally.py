@@ -135,6 +135,13 @@ class RunSummary(BaseModel):
     policy_mismatch_kl_max: float | None = Field(
         description=("largest KL per token from the sampler to the learner's weights at a policy step")
     )
+    policy_entropy_start: float | None = Field(
+        default=None,
+        description="mean entropy (nats per response token) of the distributions the policy's batches were drawn "
+        "from, under the weights before each step: first quarter of the policy steps (a policy that collapses to "
+        "one answer per prompt goes to 0)",
+    )
+    policy_entropy: float | None = Field(default=None, description="the same over the last quarter")
     policy_samples: int = Field(
         description=("policy training samples the scorer produced (one per step of a trainable group)")
     )
@@ -208,6 +215,7 @@ class RunTally:
     not_finite: int = 0
     step_kl_max: float | None = None
     mismatch_kl_max: float | None = None
+    entropy: list[float] = field(default_factory=list)
     accepted: int = 0
     wide: int = 0
     judge: Counter[str] = field(default_factory=Counter)
@@ -230,6 +238,8 @@ class RunTally:
                 self.mismatch_kl_max = max(self.mismatch_kl_max or 0.0, event.mismatch_kl)
                 if event.step_kl is not None:
                     self.step_kl_max = max(self.step_kl_max or 0.0, event.step_kl)
+                if event.entropy is not None:
+                    self.entropy.append(event.entropy)
         elif isinstance(event, TaskDecided):
             self.accepted += event.accepted
         elif isinstance(event, TaskRewritten):
@@ -306,6 +316,8 @@ class RunTally:
             policy_not_finite=self.not_finite,
             policy_step_kl_max=None if self.step_kl_max is None else round(self.step_kl_max, 4),
             policy_mismatch_kl_max=None if self.mismatch_kl_max is None else round(self.mismatch_kl_max, 4),
+            policy_entropy_start=_mean(_quarter(self.entropy, first=True)),
+            policy_entropy=_mean(_quarter(self.entropy, first=False)),
             policy_samples=self.policy_samples,
             train_groups_with_samples=self.groups_with_samples,
             events=dict(sorted(self.counts.items())),

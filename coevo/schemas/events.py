@@ -314,6 +314,13 @@ class LearnerStepped(Event):
         description="KL per token from the weights before this step "
         "to those after, on its batch (measured under learner.max_step_kl)",
     )
+    entropy: float | None = Field(
+        default=None,
+        ge=0,
+        description="nats per response token of the distributions this step's batch was drawn from (temperature, "
+        "allowed tokens, grammar, truncation), under the weights before the step: a policy collapsing to one "
+        "answer goes to 0",
+    )
 
     @property
     def is_step(self) -> bool:

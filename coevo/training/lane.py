@@ -64,7 +64,7 @@ from coevo.schemas.events import WeightsFormat
 from coevo.training import lora
 from coevo.training.batch import Tensors, minibatches, rank_plan, sample_problem, split_stale, staleness, to_tensors
 from coevo.training.checkpoint import MARKER, Checkpoint, CheckpointJob, CheckpointWriter, latest_checkpoint
-from coevo.training.loss import DECOUPLED_CAP, mismatch_kl, ppo_loss, token_logprobs
+from coevo.training.loss import DECOUPLED_CAP, mismatch_kl, ppo_loss, token_logprobs_and_entropy
 from coevo.weights.manifest import HELD, manifest_of
 from coevo.weights.publish import (
     clear_partial,
@@ -103,6 +103,8 @@ class StepMetrics:
     """KL per token from the weights before the batch to those after (under ``learner.max_step_kl``)"""
     kl_rejected: bool = False
     """the batch was undone: its step KL exceeded ``learner.max_step_kl`` (``samples`` 0, version unchanged)"""
+    entropy: float | None = None
+    """nats per response token of the distributions the batch was drawn from, under the weights before the step"""
 
     @classmethod
     def trained(
@@ -117,6 +119,7 @@ class StepMetrics:
         *,
         dropped: int,
         step_kl: float | None,
+        entropy: float | None = None,
     ) -> StepMetrics:
         """A batch trained in ``steps`` optimiser steps: ``sums`` of their metrics become means."""
         loss, kl, clip, mismatch, grad_norm = (
@@ -137,6 +140,7 @@ class StepMetrics:
             stale_dropped=dropped,
             optimizer_steps=steps,
             step_kl=step_kl,
+            entropy=entropy,
         )
 
     @classmethod
@@ -351,7 +355,7 @@ class Lane:
         self.model.train()
         parts = minibatches(kept, self.cfg.minibatches, self.version)
         plans = [self._rank_tensors(part) for part in parts]
-        fixed = self._fixed_logprobs(plans)
+        fixed, entropy = self._fixed_logprobs(plans)
         agg: defaultdict[str, float] = defaultdict(float)
         steps = 0
         guard = self.cfg.max_step_kl
@@ -387,6 +391,7 @@ class Lane:
             time.perf_counter() - t0,
             dropped=dropped,
             step_kl=step_kl,
+            entropy=entropy,
         )
 
     def _rank_tensors(self, part: list[TrainingSample]) -> list[Any]:
@@ -404,17 +409,11 @@ class Lane:
         with torch.no_grad(), self._autocast():
             for micro, fx in zip(plans, fixed, strict=True):
                 for t, (px, _ref) in zip(micro, fx, strict=True):
-                    new = self._logprobs(t)
+                    new = self._logprobs(t)[0]
                     n = float(t.response_mask.sum())
                     num += mismatch_kl(new, px, t.response_mask.float()) * n
                     den += n
-        if self.world > 1:
-            import torch.distributed as dist
-
-            both = torch.tensor([num, den], dtype=torch.float64, device=self.device)
-            dist.all_reduce(both, op=dist.ReduceOp.SUM)
-            num, den = float(both[0]), float(both[1])
-        return num / den if den else 0.0
+        return self._mean_over_ranks(num, den)
 
     def mismatch_kl(self, samples: list[TrainingSample]) -> float:
         """KL(sampler || this lane's weights) per response token on ``samples``, computed as a step
@@ -423,13 +422,15 @@ class Lane:
         with self._lock, torch.no_grad(), self._autocast():
             self._activate()
             t = to_tensors(samples, self.vocab, self.pad_id, self.grammar_masks).to(self.device)
-            new = self._logprobs(t, self.model.eval())
+            new = self._logprobs(t, self.model.eval())[0]
             return mismatch_kl(new, t.behav_logp, t.response_mask.float())
 
-    def _logprobs(self, t: Tensors, model: torch.nn.Module | None = None) -> torch.Tensor:
+    def _logprobs(
+        self, t: Tensors, model: torch.nn.Module | None = None, *, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of ``t``'s tokens under ``model`` (default: the lane's), as the sampler drew them
-        (temperature, truncation, allowed tokens)."""
-        return token_logprobs(
+        (temperature, truncation, allowed tokens); with ``entropy`` (no gradient), those distributions' entropies."""
+        return token_logprobs_and_entropy(
             model if model is not None else self.model,
             t.input_ids,
             t.attention_mask,
@@ -438,6 +439,7 @@ class Lane:
             self.temperature,
             sampling=self.sampling,
             positions=t.positions,
+            entropy=entropy,
         )
 
     def _autocast(self) -> Any:
@@ -445,17 +447,36 @@ class Lane:
             "cuda", dtype=torch.bfloat16, enabled=self.cfg.bf16 and str(self.device).startswith("cuda")
         )
 
-    def _fixed_logprobs(self, plans: list[list[Tensors]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _fixed_logprobs(
+        self, plans: list[list[Tensors]]
+    ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], float]:
         """Per minibatch, per micro-batch: (proximal log-probs, the KL's reference log-probs), taken
-        once per batch before its first optimiser step."""
+        once per batch before its first optimiser step; and the policy's entropy on the batch: nats per
+        response token of the distributions its tokens were drawn from, under the weights before the
+        step (every rank's rows)."""
+        fixed: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        num = den = 0.0
         with torch.no_grad(), self._autocast():
-            return [
-                [
-                    (self._logprobs(t), t.behav_logp if self.reference is None else self._logprobs(t, self.reference))
-                    for t in micro
-                ]
-                for micro in plans
-            ]
+            for micro in plans:
+                fixed.append([])
+                for t in micro:
+                    prox, ent = self._logprobs(t, entropy=True)
+                    assert ent is not None
+                    num += float((ent * t.response_mask).sum())
+                    den += float(t.response_mask.sum())
+                    ref = t.behav_logp if self.reference is None else self._logprobs(t, self.reference)[0]
+                    fixed[-1].append((prox, ref))
+        return fixed, self._mean_over_ranks(num, den)
+
+    def _mean_over_ranks(self, num: float, den: float) -> float:
+        """``num / den`` summed over ranks (every rank gets the same number: a collective on every rank)."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            both = torch.tensor([num, den], dtype=torch.float64, device=self.device)
+            dist.all_reduce(both, op=dist.ReduceOp.SUM)
+            num, den = float(both[0]), float(both[1])
+        return num / den if den else 0.0
 
     def _row_cap(self, t: Tensors) -> torch.Tensor | None:
         """Under ``stale = "correct"``: the truncated-IS cap for rows beyond ``max_staleness`` (the
@@ -478,7 +499,7 @@ class Lane:
         agg: defaultdict[str, float] = defaultdict(float)
         for t, (px, ref) in zip(micro, fixed, strict=True):
             with self._autocast():
-                new = self._logprobs(t)
+                new = self._logprobs(t)[0]
             out = ppo_loss(
                 new,
                 px,

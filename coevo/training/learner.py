@@ -556,6 +556,7 @@ class LearnerAgent(Agent):
                 tokens_per_second=metrics.tokens_per_second,
                 group_ids=[p.group_id for p in take],
                 step_kl=metrics.step_kl,
+                entropy=metrics.entropy,
                 **self.unreported(q),
             ),
             confirm=True,

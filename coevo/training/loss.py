@@ -120,7 +120,31 @@ def token_logprobs(
     sampling: SamplingConfig | None = None,
     positions: PositionMasks | None = None,
 ) -> torch.Tensor:
-    """log π(token_t | prefix) for every position (0 where ``response_mask`` is 0), [batch, tokens].
+    """log π(token_t | prefix) for every position (0 where ``response_mask`` is 0), [batch, tokens]
+    (``token_logprobs_and_entropy``, without the entropy)."""
+    logp, _ = token_logprobs_and_entropy(
+        model, input_ids, attention_mask, response_mask, allowed, temperature, chunk_elements, sampling, positions
+    )
+    return logp
+
+
+def token_logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    allowed: torch.Tensor | None,
+    temperature: float = 1.0,
+    chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
+    sampling: SamplingConfig | None = None,
+    positions: PositionMasks | None = None,
+    *,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(token_t | prefix) for every position (0 where ``response_mask`` is 0), [batch, tokens],
+    and with ``entropy`` the entropy (nats) of the distribution each response token was drawn from
+    (the same distribution: temperature, allowed tokens, grammar, truncation; tokens it could not
+    draw count 0), else None. The entropy is a measure, taken without gradient.
 
     Memory-bounded: the model runs without its output head, the head is applied only at the
     positions that predict a response token, in chunks of ``chunk_elements // vocab`` positions
@@ -132,6 +156,8 @@ def token_logprobs(
     """
     from torch.utils.checkpoint import checkpoint
 
+    if entropy and torch.is_grad_enabled():
+        raise ValueError("the entropy is a measure: take it under torch.no_grad()")
     hidden = _shared_hidden(model, input_ids, attention_mask)
     head = _output_head(model)
     rows, cols = response_mask[:, 1:].nonzero(as_tuple=True)  # position cols predicts token cols + 1
@@ -139,22 +165,36 @@ def token_logprobs(
     targets = input_ids[:, 1:][rows, cols]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     step = max(1, chunk_elements // max(int(head.weight.shape[0]), 1))
-    parts = []
+    parts: list[torch.Tensor] = []
+    ents: list[torch.Tensor] = []
     vocab = int(head.weight.shape[0])
     for s in range(0, int(rows.numel()), step):
         mask = None if allowed is None else allowed[rows[s : s + step]]
         if positions is not None:
             mask = positions.restrict(rows[s : s + step], cols[s : s + step], mask, vocab)
         args = (h[s : s + step], head.weight, head.bias, targets[s : s + step], mask, temperature, softcap, sampling)
+        if entropy:  # one pass of the head gives both
+            logp_all = torch.log_softmax(_chunk_logits(*args), -1)
+            parts.append(logp_all.gather(-1, targets[s : s + step].unsqueeze(-1)).squeeze(-1))
+            plogp = (logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
+            ents.append((-plogp).clamp(min=0.0))  # not -1e-9 from rounding at a one-hot
+            continue
         parts.append(
             checkpoint(_chunk_logprobs, *args, use_reentrant=False) if h.requires_grad else _chunk_logprobs(*args)
         )
-    values = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
-    logp = torch.zeros(response_mask[:, 1:].shape, dtype=torch.float32, device=hidden.device)
-    logp = logp.index_put((rows, cols), values)
+    logp = _scatter(parts, rows, cols, response_mask, hidden)
     if not parts and hidden.requires_grad:  # no response token (a padding row): every parameter still
         logp = logp + (hidden.sum() + head.weight.sum()) * 0  # gets a (zero) gradient, as every rank must
-    return torch.nn.functional.pad(logp, (1, 0))
+    return logp, _scatter(ents, rows, cols, response_mask, hidden) if entropy else None
+
+
+def _scatter(
+    parts: list[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, response_mask: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor:
+    """Values per predicting position back to [batch, tokens] at the positions of the tokens they predict."""
+    values = torch.cat(parts) if parts else like.new_zeros(0, dtype=torch.float32)
+    out = torch.zeros(response_mask[:, 1:].shape, dtype=torch.float32, device=like.device)
+    return torch.nn.functional.pad(out.index_put((rows, cols), values), (1, 0))
 
 
 def _chunk_logprobs(
@@ -167,6 +207,21 @@ def _chunk_logprobs(
     softcap: float | None,
     sampling: SamplingConfig | None = None,
 ) -> torch.Tensor:
+    logits = _chunk_logits(h, weight, bias, targets, allowed, temperature, softcap, sampling)
+    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _chunk_logits(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    allowed: torch.Tensor | None,
+    temperature: float,
+    softcap: float | None,
+    sampling: SamplingConfig | None = None,
+) -> torch.Tensor:
+    """The logits each target was drawn from: head, softcap, temperature, allowed tokens, truncation."""
     logits = torch.nn.functional.linear(h, weight, bias).float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
@@ -175,7 +230,7 @@ def _chunk_logprobs(
         logits = logits.masked_fill(~allowed, float("-inf"))
     if sampling is not None:  # the tokens the sampler could not pick (a mask: no gradient flows through it)
         logits = truncate(logits, sampling, keep=targets)
-    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logits
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Linear:
