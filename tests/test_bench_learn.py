@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import math
@@ -22,6 +23,7 @@ from coevo.bench.learn import (
     RUNG_KEYS,
     RUNGS,
     Budget,
+    StepWatch,
     aggregate_seeds,
     bench_config,
     bench_learn,
@@ -38,6 +40,7 @@ from coevo.config import load_config
 from coevo.envs import make_family
 from coevo.envs.quickgame import QuickGame, QuickGameHard, State, build_world, candidates, transition
 from coevo.schemas import TaskSpec
+from coevo.training.lane import StepMetrics
 
 # ---- statistics ----------------------------------------------------------------------------------
 
@@ -421,6 +424,23 @@ def test_step_milestones_end_on_the_budget() -> None:
     assert Budget("steps", 8).milestones(4) == [4, 8]
     assert Budget("steps", 3).milestones(10) == [3]
     assert Budget("steps", 3).milestones(0.5) == [1, 2, 3]
+
+
+async def test_a_run_the_cap_ends_is_evaluated_at_its_newest_version(tmp_path: Path) -> None:
+    """Milestones 4 and 8; the run reaches version 6 before the cap: 4, then 6 (not 4 again, not the base)."""
+    published, keep, stop = tmp_path / "published", tmp_path / "kept", asyncio.Event()
+    keep.mkdir()
+    watch = StepWatch(published, keep, [4, 8], stop)
+    for v in range(1, 7):
+        (published / f"v{v:06d}-abc").mkdir(parents=True)
+        (published / f"v{v:06d}-abc" / "w").write_text(str(v))
+        watch.on_step("policy", StepMetrics.untrained(v, 0))
+        watch.on_step("judge", StepMetrics.untrained(v + 10, 0))  # the judge lane's versions are not the policy's
+    first = await watch.next(cap_s=60)
+    assert first is not None and first[0] == 4 and (first[1] / "w").read_text() == "4" and not stop.is_set()
+    last = await watch.next(cap_s=0.2)
+    assert last is not None and last[0] == 6 and (last[1] / "w").read_text() == "6" and stop.is_set()
+    assert await watch.next(cap_s=0.2) is None
 
 
 @pytest.mark.timeout(420)

@@ -364,15 +364,21 @@ class StepWatch:
 
     When the policy lane steps to a milestone version, that version's publication is copied out of
     the run (published directories are pruned as newer ones arrive) and queued for evaluation; at the
-    last milestone ``stop`` is set, so the loop ends at the budget while the copy is evaluated."""
+    last milestone ``stop`` is set, so the loop ends at the budget while the copy is evaluated. A run
+    the wall-clock cap ends first is evaluated at its newest version, not at its last milestone."""
 
     def __init__(self, published: Path, keep: Path, milestones: list[int], stop: asyncio.Event) -> None:
         self.published, self.keep, self.pending, self.stop = published, keep, list(milestones), stop
         self.ready: asyncio.Queue[tuple[int, Path, float]] = asyncio.Queue()
         self.t0 = time.monotonic()
+        self.latest = self.given = 0
+        """the newest policy version stepped to; the newest handed out for evaluation"""
 
     def on_step(self, role: str, metrics: StepMetrics) -> None:
-        if role != "policy" or not self.pending or metrics.version < self.pending[0]:
+        if role != "policy":
+            return
+        self.latest = max(self.latest, metrics.version)
+        if not self.pending or metrics.version < self.pending[0]:
             return
         while self.pending and self.pending[0] <= metrics.version:
             self.pending.pop(0)
@@ -398,7 +404,9 @@ class StepWatch:
         """The next milestone copied, or None once ``stop`` is set with none left (or ``cap_s`` passed)."""
         while True:
             if not self.ready.empty():
-                return self.ready.get_nowait()
+                got = self.ready.get_nowait()
+                self.given = got[0]
+                return got
             if self.stop.is_set():
                 return None
             getter = asyncio.ensure_future(self.ready.get())
@@ -409,8 +417,11 @@ class StepWatch:
             if getter in done:
                 return getter.result()
             getter.cancel()
-            if not done:  # the cap: the budget is not reached
+            if not done:  # the cap: the budget is not reached; the run's newest version is its last point
                 self.stop.set()
+                if self.latest > self.given:
+                    self.given = self.latest
+                    return self.latest, self.copy(self.latest), time.monotonic() - self.t0
 
 
 async def _step_curve(
