@@ -443,6 +443,23 @@ async def test_a_run_the_cap_ends_is_evaluated_at_its_newest_version(tmp_path: P
     assert await watch.next(cap_s=0.2) is None
 
 
+async def test_a_milestone_that_arrives_while_waiting_is_not_evaluated_again_at_the_cap(tmp_path: Path) -> None:
+    published, keep, stop = tmp_path / "published", tmp_path / "kept", asyncio.Event()
+    keep.mkdir()
+    watch = StepWatch(published, keep, [4, 8], stop)
+    for v in range(1, 5):
+        (published / f"v{v:06d}-abc").mkdir(parents=True)
+
+    async def learner() -> None:
+        await asyncio.sleep(0)  # next() is waiting by now
+        for v in range(1, 5):
+            watch.on_step("policy", StepMetrics.untrained(v, 0))
+
+    got, _ = await asyncio.gather(watch.next(cap_s=60), learner())
+    assert got is not None and got[0] == 4
+    assert await watch.next(cap_s=0.2) is None and stop.is_set()  # version 4 was the newest: nothing more
+
+
 @pytest.mark.timeout(420)
 async def test_a_step_budget_ends_each_run_at_that_policy_version_and_evaluates_it(model_cache: Path) -> None:
     # 11 s a run on a quiet machine: a cap of 120 s ends a stalled run with its numbers (once in CI, a run

@@ -371,8 +371,8 @@ class StepWatch:
         self.published, self.keep, self.pending, self.stop = published, keep, list(milestones), stop
         self.ready: asyncio.Queue[tuple[int, Path, float]] = asyncio.Queue()
         self.t0 = time.monotonic()
-        self.latest = self.given = 0
-        """the newest policy version stepped to; the newest handed out for evaluation"""
+        self.latest = self.queued = 0
+        """the newest policy version stepped to; the newest queued for evaluation"""
 
     def on_step(self, role: str, metrics: StepMetrics) -> None:
         if role != "policy":
@@ -382,9 +382,13 @@ class StepWatch:
             return
         while self.pending and self.pending[0] <= metrics.version:
             self.pending.pop(0)
-        self.ready.put_nowait((metrics.version, self.copy(metrics.version), time.monotonic() - self.t0))
+        self.queue(metrics.version)
         if not self.pending:
             self.stop.set()
+
+    def queue(self, version: int) -> None:
+        self.ready.put_nowait((version, self.copy(version), time.monotonic() - self.t0))
+        self.queued = version
 
     def copy(self, version: int) -> Path:
         """The publication of ``version``, copied under ``keep`` (read under its lease: never half pruned)."""
@@ -404,9 +408,7 @@ class StepWatch:
         """The next milestone copied, or None once ``stop`` is set with none left (or ``cap_s`` passed)."""
         while True:
             if not self.ready.empty():
-                got = self.ready.get_nowait()
-                self.given = got[0]
-                return got
+                return self.ready.get_nowait()
             if self.stop.is_set():
                 return None
             getter = asyncio.ensure_future(self.ready.get())
@@ -419,9 +421,8 @@ class StepWatch:
             getter.cancel()
             if not done:  # the cap: the budget is not reached; the run's newest version is its last point
                 self.stop.set()
-                if self.latest > self.given:
-                    self.given = self.latest
-                    return self.latest, self.copy(self.latest), time.monotonic() - self.t0
+                if self.latest > self.queued:
+                    self.queue(self.latest)
 
 
 async def _step_curve(
