@@ -199,6 +199,12 @@ def test_plan_is_seed_major_and_a_seed_seeds_both_weights_and_pool(tmp_path: Pat
     assert bench_config(tmp_path, outcome).scorer.reward == "outcome-only"
     with pytest.raises(ValueError, match="seeds must be >= 1"):
         plan_runs(LADDER, 0)
+    later = plan_runs(LADDER, range(3, 5))  # --first-seed 3 --seeds 2
+    assert [(s, c, run["run.seed"], run["env.seed"]) for s, c, run in later] == [
+        (s, c, s, s) for s in (3, 4) for c in LADDER
+    ]
+    with pytest.raises(ValueError, match="distinct and >= 0"):
+        plan_runs(LADDER, [3, 3])
 
 
 def _run(seed: int, train: float, heldout: float, reached: float | None, judge: float | None) -> dict[str, Any]:
@@ -294,6 +300,24 @@ def test_aggregate_seeds_wants_every_seed_once_in_order(seeds: list[int]) -> Non
     runs = {**copy.deepcopy(LADDER_RUNS), "full": [_run(s, 0.9, 0.8, 30.0, 0.7) for s in seeds]}
     with pytest.raises(ValueError, match="'full' has runs for seeds"):
         aggregate_seeds(runs, seeds=3, family="quickgame", preset="default", budget=Budget("seconds", 60.0), episodes=4)
+
+
+def test_a_later_seed_range_and_the_runs_config_fields_are_recorded() -> None:
+    runs = {c: [_run(s, 0.5, 0.4, None, None) for s in (3, 4)] for c in LADDER}
+    over = {"learner.lr": 1e-4, "policy.model": "smollm2-135m-instruct"}
+    out = aggregate_seeds(
+        runs,
+        seeds=range(3, 5),
+        family="quickgame",
+        preset="default",
+        budget=Budget("seconds", 60.0),
+        episodes=4,
+        overrides=over,
+    )
+    assert out["seeds"] == [3, 4] and out["overrides"] == over
+    assert out["configs"]["full"]["summary"]["train_success"]["n"] == 2
+    with pytest.raises(ValueError, match=r"not \[0, 1\] in order"):
+        aggregate_seeds(runs, seeds=2, family="quickgame", preset="default", budget=Budget("seconds", 60.0), episodes=4)
 
 
 def test_ladder_result_pairs_each_rung_with_the_bottom_one_and_the_one_below() -> None:

@@ -5,7 +5,8 @@ wall-clock budget per configuration, and measure the policy with an evaluator th
 the newest policy checkpoint every ``eval_every_s`` seconds, acting as the policy agent does (same
 prompt, same mode, same temperature, the family's own environments).
 
-Evidence over seeds: every configuration runs once per seed ``s`` in ``0..K-1``, with ``run.seed = s``
+Evidence over seeds: every configuration runs once per seed ``s`` (``0..K-1``, or ``S..S+K-1`` with
+``--first-seed S``: ``coevo.bench.merge`` joins the parts of one seed range), with ``run.seed = s``
 (the tiny models' initial weights and tokenizer, policy and judge sampling) and ``env.seed = s``
 (the initial training pool). The held-out tasks are the same for every seed and configuration
 (``HELDOUT_SEED``), so held-out success is comparable across runs. Runs go seed by seed, every
@@ -38,7 +39,7 @@ Overrides = dict[str, Any]
 """dotted config field -> value (``load_config``'s overrides)"""
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Sequence
 
     from coevo.agents.tasks import Slot
     from coevo.envs.base import Environment, Family, Observation
@@ -643,26 +644,42 @@ def family_of(family: str, preset: str) -> str:
     return f"{family}-{preset}"
 
 
-def plan_runs(configs: dict[str, Overrides], seeds: int) -> list[tuple[int, str, dict[str, Any]]]:
+def seed_list(seeds: int | Sequence[int]) -> list[int]:
+    """The seeds a bench runs: ``K`` means ``0..K-1``; a sequence is taken as given (``--first-seed``
+    runs a later part of a seed range, which ``coevo bench merge`` joins to the earlier part)."""
+    chosen = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    if not chosen:
+        raise ValueError("seeds must be >= 1, got none")
+    if len(set(chosen)) < len(chosen) or min(chosen) < 0:
+        raise ValueError(f"seeds must be distinct and >= 0, got {chosen}")
+    return chosen
+
+
+def plan_runs(configs: dict[str, Overrides], seeds: int | Sequence[int]) -> list[tuple[int, str, dict[str, Any]]]:
     """The runs of ``configs`` × ``seeds`` in the order they run, as (seed, configuration, overrides):
-    seed-major (every configuration of seed ``s`` before seed ``s + 1``, in the order of ``configs``),
+    seed-major (every configuration of seed ``s`` before the next seed, in the order of ``configs``),
     each run's overrides its configuration's with ``run.seed = env.seed = s``."""
-    if seeds < 1:
-        raise ValueError(f"seeds must be >= 1, got {seeds}")
-    return [(s, c, {**configs[c], "run.seed": s, "env.seed": s}) for s in range(seeds) for c in configs]
+    return [(s, c, {**configs[c], "run.seed": s, "env.seed": s}) for s in seed_list(seeds) for c in configs]
 
 
 def aggregate_seeds(
-    runs: dict[str, list[dict[str, Any]]], *, seeds: int, family: str, preset: str, budget: Budget, episodes: int
+    runs: dict[str, list[dict[str, Any]]],
+    *,
+    seeds: int | Sequence[int],
+    family: str,
+    preset: str,
+    budget: Budget,
+    episodes: int,
+    overrides: Overrides | None = None,
 ) -> Result:
-    """``run_seeds``' result from its runs, with no I/O: ``runs[c][s]`` is configuration ``c``'s run with
-    seed ``s``, so every configuration has exactly the seeds ``0..seeds-1`` in order (what ``paired``
-    pairs by position; a ValueError otherwise). Per configuration: ``summarize_runs`` and the runs as given."""
+    """``run_seeds``' result from its runs, with no I/O: ``runs[c][i]`` is configuration ``c``'s run with
+    the ``i``-th of ``seeds``, so every configuration has exactly those seeds in that order (what
+    ``paired`` pairs by position; a ValueError otherwise). Per configuration: ``summarize_runs`` and the
+    runs as given; ``overrides``, the config fields every run had, are recorded as they were given."""
+    chosen = seed_list(seeds)
     for c, rs in runs.items():
-        if [r["seed"] for r in rs] != list(range(seeds)):
-            raise ValueError(
-                f"configuration {c!r} has runs for seeds {[r['seed'] for r in rs]}, not 0..{seeds - 1} in order"
-            )
+        if [r["seed"] for r in rs] != chosen:
+            raise ValueError(f"configuration {c!r} has runs for seeds {[r['seed'] for r in rs]}, not {chosen} in order")
     return {
         "family": family,
         "preset": preset,
@@ -670,8 +687,9 @@ def aggregate_seeds(
         "budget_kind": budget.kind,
         "minutes_per_run": round(budget.amount / 60, 3) if budget.kind == "seconds" else None,
         "steps_per_run": budget.steps,
-        "seeds": list(range(seeds)),
+        "seeds": chosen,
         "episodes_per_evaluation": episodes,
+        "overrides": dict(overrides or {}),
         "heldout_seed": HELDOUT_SEED,
         "interval": "95 % Student t over seeds: mean ± t(0.975, n-1)·sd/√n (sample sd); none for n = 1",
         "seconds_to_0.8": "first evaluation with train success >= 0.8; seconds_to_0.8 averages the runs that "
@@ -684,7 +702,7 @@ def aggregate_seeds(
 async def run_seeds(
     configs: dict[str, Overrides],
     *,
-    seeds: int,
+    seeds: int | Sequence[int],
     budget: Budget,
     eval_every: float,
     episodes: int,
@@ -700,10 +718,14 @@ async def run_seeds(
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
         common = {"env.cache_dir": str(cache_dir or Path(tmp) / "cache"), "env.family": name, **(overrides or {})}
-        for s, c, run in tracked(plan, f"{len(configs)} configurations × {seeds} seeds", unit="runs"):
+        for s, c, run in tracked(
+            plan, f"{len(configs)} configurations × {len(plan) // len(configs)} seeds", unit="runs"
+        ):
             cfg = bench_config(Path(tmp) / f"{c}-s{s}", {**common, **run})
             runs[c].append(await run_budget(cfg, budget, eval_every=eval_every, episodes=episodes))
-    return aggregate_seeds(runs, seeds=seeds, family=name, preset=preset, budget=budget, episodes=episodes)
+    return aggregate_seeds(
+        runs, seeds=seeds, family=name, preset=preset, budget=budget, episodes=episodes, overrides=overrides
+    )
 
 
 def paired(out: dict[str, Any], a: str, b: str) -> Result:
@@ -806,7 +828,7 @@ async def bench_learn(
     episodes: int = 64,
     cache_dir: Path | None = None,
     *,
-    seeds: int = 1,
+    seeds: int | Sequence[int] = 1,
     preset: str = "default",
     family: str = "quickgame",
     overrides: Overrides | None = None,
@@ -841,7 +863,7 @@ async def bench_learn_lora(
     *,
     rank: int = 16,
     lr: float = 5e-3,
-    seeds: int = 1,
+    seeds: int | Sequence[int] = 1,
     preset: str = "default",
     family: str = "quickgame",
     overrides: Overrides | None = None,
@@ -868,7 +890,7 @@ async def bench_ladder(
     episodes: int = 64,
     cache_dir: Path | None = None,
     *,
-    seeds: int = 1,
+    seeds: int | Sequence[int] = 1,
     preset: str = "default",
     family: str = "quickgame",
     overrides: Overrides | None = None,

@@ -87,15 +87,15 @@ def _over_seeds(args: argparse.Namespace) -> dict[str, Any]:
         family_of(args.family, args.preset)
     except ValueError as exc:
         raise SystemExit(f"coevo bench: {exc}") from None
-    if args.seeds < 1:
-        raise SystemExit("coevo bench: --seeds must be >= 1")
+    if args.seeds < 1 or args.first_seed < 0:
+        raise SystemExit("coevo bench: --seeds must be >= 1 and --first-seed >= 0")
     overrides = _run_overrides(args)
     if args.judge_from is not None:
         if not (args.judge_from / "config.json").is_file():
             raise SystemExit(f"coevo bench: --judge-from {args.judge_from}: not a model directory (no config.json)")
         overrides["judge.model"] = str(args.judge_from.resolve())
     return {
-        "seeds": args.seeds,
+        "seeds": range(args.first_seed, args.first_seed + args.seeds),
         "preset": args.preset,
         "family": args.family,
         "cache_dir": args.cache_dir,
@@ -151,6 +151,13 @@ def _seeds_args() -> tuple[Arg, ...]:
             type=int,
             default=1,
             help="runs per configuration (run.seed = env.seed = 0..K-1); means and 95%% t intervals over them",
+        ),
+        arg(
+            "--first-seed",
+            type=int,
+            default=0,
+            metavar="S",
+            help="run seeds S..S+K-1 instead (a later part of a seed range: coevo bench merge joins the parts)",
         ),
         arg(
             "--preset",
@@ -224,6 +231,22 @@ def cmd_bench_table(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"coevo bench table: {args.result}: not a bench learn/ladder result ({exc!r})") from None
     return 0
+
+
+def cmd_bench_merge(args: argparse.Namespace) -> int:
+    from coevo.bench.merge import merge_results
+
+    parts = []
+    for path in args.parts:
+        try:
+            parts.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"coevo bench merge: {path}: {exc}") from None
+    try:
+        merged = merge_results(parts)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"coevo bench merge: {exc}") from None
+    return _emit(merged, args.json)
 
 
 def cmd_bench_parity(args: argparse.Namespace) -> int:
@@ -397,6 +420,17 @@ BENCHES: tuple[Command, ...] = (
         "ladder result",
         cmd_bench_table,
         args=(arg("result", type=Path, help="the JSON bench learn or bench ladder wrote"),),
+    ),
+    Command(
+        "bench merge",
+        "one bench learn or ladder result from parts that ran disjoint seeds (--first-seed) of one setting",
+        cmd_bench_merge,
+        args=(
+            JSON_ARG,
+            arg(
+                "parts", type=Path, nargs="+", help="the parts' JSON results, the same command but --seeds/--first-seed"
+            ),
+        ),
     ),
     Command(
         "bench weights",

@@ -1,0 +1,86 @@
+"""``coevo bench merge``: one ``bench learn``/``ladder`` result from parts that ran disjoint seeds.
+
+Five 30-minute runs on two cores take longer than one sitting: ``--first-seed S`` runs a later part of
+a seed range, and this joins the parts. Invariant: a merge joins only runs that one command would have
+made (the same family, preset, budget, evaluation, configurations and, where the parts record them,
+config fields), each seed once, and its statistics are recomputed from the runs (``summarize_runs``,
+then the kind's paired differences), never averaged from the parts' summaries. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coevo.bench.learn import Result, ladder_result, learn_result, summarize_runs
+
+SAME = (
+    "family",
+    "preset",
+    "budget",
+    "budget_kind",
+    "minutes_per_run",
+    "steps_per_run",
+    "episodes_per_evaluation",
+    "heldout_seed",
+    "lora",
+)
+"""What every part must share (a key a part lacks reads as None)."""
+DERIVED = ("configs", "seeds", "overrides", "paired", "rungs", "headline", "curves", "target")
+"""What a merge computes again rather than copies from the first part."""
+
+
+def result_kind(result: Result) -> str:
+    """``ladder`` or ``learn``: the result's paired differences are the kind's."""
+    if "configs" in result and "rungs" in result:
+        return "ladder"
+    if "configs" in result and "headline" in result:
+        return "learn"
+    raise ValueError("not a bench learn or bench ladder result (no configs with rungs or headline)")
+
+
+def merge_results(parts: list[Result]) -> Result:
+    """The result one command over the parts' seeds would have given (a ValueError naming what differs)."""
+    if len(parts) < 2:
+        raise ValueError(f"a merge takes two or more results, got {len(parts)}")
+    first = parts[0]
+    kind = result_kind(first)
+    for i, part in enumerate(parts[1:], start=2):
+        if result_kind(part) != kind:
+            raise ValueError(f"part {i} is a bench {result_kind(part)} result, part 1 a bench {kind} result")
+        for key in SAME:
+            if part.get(key) != first.get(key):
+                raise ValueError(f"part {i}'s {key} is {part.get(key)!r}, part 1's {first.get(key)!r}")
+        if list(part["configs"]) != list(first["configs"]):
+            raise ValueError(f"part {i} ran {list(part['configs'])}, part 1 {list(first['configs'])}")
+    overrides, unrecorded = _overrides(parts)
+    runs = {
+        c: sorted((r for p in parts for r in p["configs"][c]["runs"]), key=lambda r: r["seed"])
+        for c in first["configs"]
+    }
+    for c, rs in runs.items():
+        seeds = [r["seed"] for r in rs]
+        if twice := sorted({s for s in seeds if seeds.count(s) > 1}):
+            raise ValueError(f"seed(s) {twice} of {c!r} are in more than one part")
+    out: Result = {
+        **{k: v for k, v in first.items() if k not in DERIVED},
+        "seeds": [r["seed"] for r in next(iter(runs.values()))],
+        "merged_from": [{"seeds": p["seeds"], "overrides_recorded": "overrides" in p} for p in parts],
+        "configs": {c: {**summarize_runs(rs), "runs": rs} for c, rs in runs.items()},
+    }
+    if overrides is not None:
+        out["overrides"] = overrides
+    if unrecorded:
+        out["overrides_unrecorded_for_seeds"] = unrecorded
+    return ladder_result(out) if kind == "ladder" else learn_result(out, {c: {} for c in first["configs"]})
+
+
+def _overrides(parts: list[Result]) -> tuple[dict[str, Any] | None, list[int]]:
+    """The config fields the parts record (equal in every part that records them), and the seeds of the
+    parts that record none (results written before the bench recorded them)."""
+    recorded = [p["overrides"] for p in parts if "overrides" in p]
+    for o in recorded[1:]:
+        if o != recorded[0]:
+            differ = sorted(k for k in {*o, *recorded[0]} if o.get(k) != recorded[0].get(k))
+            raise ValueError(f"the parts ran with different config fields: {', '.join(differ)}")
+    unrecorded = sorted(s for p in parts if "overrides" not in p for s in p["seeds"])
+    return (recorded[0] if recorded else None), unrecorded

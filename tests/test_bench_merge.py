@@ -1,0 +1,120 @@
+"""``coevo bench merge``: parts that ran disjoint seeds of one setting give what one command would have."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coevo.bench.learn import LADDER, LEARN, Budget, aggregate_seeds, ladder_result, learn_result
+from coevo.bench.merge import merge_results
+from coevo.cli import main
+
+
+def _run(seed: int, train: float, heldout: float) -> dict[str, Any]:
+    """A run with the fields the aggregation reads (a 60 s budget; base held-out 0.1)."""
+    return {
+        "seed": seed,
+        "train_success": train,
+        "heldout_success": heldout,
+        "train_success_initial": 0.1,
+        "heldout_success_initial": 0.1,
+        "heldout_gain": round(heldout - 0.1, 6),
+        "seconds_to_0.8": None,
+        "seconds_to_0.8_or_budget": 60.0,
+        "curve": [{"seconds": 0.0, "success": 0.1}, {"seconds": 60.0, "success": train}],
+    }
+
+
+RUNS = {  # five seeds per rung, each rung's numbers distinct per seed
+    c: [_run(s, 0.3 + 0.1 * s + 0.05 * i, 0.2 + 0.05 * s + 0.1 * i) for s in range(5)] for i, c in enumerate(LADDER)
+}
+OVER = {"learner.lr": 3e-4, "env.n_heldout": 16}
+
+
+def _ladder(seeds: list[int], overrides: dict[str, Any] | None = OVER, **header: Any) -> dict[str, Any]:
+    runs = {c: [copy.deepcopy(r) for r in rs if r["seed"] in seeds] for c, rs in RUNS.items()}
+    args: dict[str, Any] = {
+        "family": "quickgame",
+        "preset": "default",
+        "budget": Budget("seconds", 1800.0),
+        "episodes": 128,
+    }
+    args |= header
+    out = ladder_result(aggregate_seeds(runs, seeds=seeds, overrides=overrides, **args))
+    if overrides is None:  # a result written before the bench recorded its config fields
+        del out["overrides"]
+    return json.loads(json.dumps(out))
+
+
+def test_two_parts_give_what_one_command_over_all_seeds_gives() -> None:
+    whole = _ladder([0, 1, 2, 3, 4])
+    merged = merge_results([_ladder([3, 4]), _ladder([0, 1, 2])])  # any order of parts
+    assert merged["merged_from"] == [
+        {"seeds": [3, 4], "overrides_recorded": True},
+        {"seeds": [0, 1, 2], "overrides_recorded": True},
+    ]
+    assert {k: v for k, v in merged.items() if k != "merged_from"} == whole
+    assert merged["seeds"] == [0, 1, 2, 3, 4]
+    assert merged["configs"]["full"]["summary"]["heldout_success"]["n"] == 5
+    assert merged["paired"]["full - policy-only"]["heldout_success"]["mean"] == pytest.approx(0.2)
+
+
+def test_a_learn_result_merges_with_its_own_pairing() -> None:
+    runs = {c: [_run(s, 0.5 + 0.1 * s * (c == "integrated"), 0.4) for s in range(3)] for c in LEARN}
+
+    def part(seeds: list[int]) -> dict[str, Any]:
+        chosen = {c: [r for r in rs if r["seed"] in seeds] for c, rs in runs.items()}
+        return learn_result(
+            aggregate_seeds(
+                chosen, seeds=seeds, family="quickgame", preset="default", budget=Budget("seconds", 60.0), episodes=4
+            )
+        )
+
+    merged = merge_results([part([0]), part([1, 2])])
+    assert {k: v for k, v in merged.items() if k != "merged_from"} == part([0, 1, 2])
+    assert merged["paired"]["integrated - outcome_only"]["train_success"]["mean"] == pytest.approx(0.1)
+
+
+def test_parts_of_different_settings_or_the_same_seed_are_refused_by_name() -> None:
+    a = _ladder([0, 1, 2])
+    with pytest.raises(ValueError, match="part 2's budget is"):
+        merge_results([a, _ladder([3, 4], budget=Budget("steps", 24.0))])
+    with pytest.raises(ValueError, match="part 2's episodes_per_evaluation is 64, part 1's 128"):
+        merge_results([a, _ladder([3, 4], episodes=64)])
+    with pytest.raises(ValueError, match=r"different config fields: learner\.lr"):
+        merge_results([a, _ladder([3, 4], {**OVER, "learner.lr": 1e-4})])
+    with pytest.raises(ValueError, match=r"seed\(s\) \[2\] of 'policy-only' are in more than one part"):
+        merge_results([a, _ladder([2, 3])])
+    fewer = _ladder([3, 4])
+    fewer["configs"].pop("full")
+    with pytest.raises(ValueError, match="part 2 ran"):
+        merge_results([a, fewer])
+    with pytest.raises(ValueError, match="two or more"):
+        merge_results([a])
+    with pytest.raises(ValueError, match="not a bench learn or bench ladder result"):
+        merge_results([a, {"configs": {}}])
+
+
+def test_a_part_that_recorded_no_config_fields_is_named_in_the_result() -> None:
+    merged = merge_results([_ladder([0, 1, 2], overrides=None), _ladder([3, 4])])
+    assert merged["overrides"] == OVER  # what the recording part ran with
+    assert merged["overrides_unrecorded_for_seeds"] == [0, 1, 2]
+    assert merged["merged_from"][0] == {"seeds": [0, 1, 2], "overrides_recorded": False}
+
+
+def test_the_command_writes_the_merge_and_names_a_bad_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "merged.json"
+    a.write_text(json.dumps(_ladder([0, 1, 2])))
+    b.write_text(json.dumps(_ladder([3, 4])))
+    assert main(["bench", "merge", str(a), str(b), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["seeds"] == [0, 1, 2, 3, 4]
+    b.write_text(json.dumps(_ladder([2, 3])))
+    with pytest.raises(SystemExit, match=r"coevo bench merge: seed\(s\) \[2\]"):
+        main(["bench", "merge", str(a), str(b)])
+    b.write_text("{not json")
+    with pytest.raises(SystemExit, match=f"coevo bench merge: {b}"):
+        main(["bench", "merge", str(a), str(b)])
