@@ -703,6 +703,15 @@ class LearnerConfig(Section):
     max_batch_tokens: int = Field(default=32768, ge=64, description="tokens of one micro-batch (padded)")
     clip_eps: float = Field(default=0.2, gt=0, description="PPO clip range ε of the ratio")
     kl_beta: float = Field(default=0.01, ge=0, description="weight of the k3 KL penalty against kl_reference")
+    entropy_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="entropy bonus: the loss subtracts this times the entropy (nats per response token) of the "
+        "distributions the batch's tokens were drawn from, under the weights being trained (both lanes). Pushes "
+        "against a policy collapsing onto one answer (every group unanimous: no signal left, "
+        "LearnerStepped.entropy falling to 0). 0: none, no extra cost; > 0: the head's softmax is kept per token "
+        "through the backward pass (recomputed, chunked)",
+    )
     grad_clip: float = Field(default=1.0, gt=0, description="gradient norm clip")
     max_staleness: int = Field(
         default=2,

@@ -109,8 +109,23 @@ def test_entropy_is_that_of_the_distribution_each_response_token_was_drawn_from(
     want = torch.nn.functional.pad(torch.where(resp[:, 1:] > 0, want, torch.zeros_like(want)), (1, 0))
     assert (ent - want).abs().max() < 1e-4 and torch.equal(ent == 0, resp == 0)
     assert 0 < float(ent[1, 9]) <= math.log(3) + 1e-6 < float(ent[0, 5:].min())  # three choices, not 300 tokens
-    with pytest.raises(ValueError, match="no_grad"):
-        token_logprobs_and_entropy(small_model, ids, attn, resp, allowed, entropy=True)
+    # under grad the entropy carries Categorical's gradient (the loss's entropy bonus trains on it)
+    grads = []
+    for ours in (True, False):
+        small_model.zero_grad()
+        if ours:
+            _, h = token_logprobs_and_entropy(
+                small_model, ids, attn, resp, allowed, 0.7, chunk_elements=chunk_elements, entropy=True
+            )
+            assert h is not None and h.requires_grad and (h.detach() - ent).abs().max() < 1e-5
+            h.sum().backward()
+        else:
+            logits = small_model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / 0.7
+            h = torch.distributions.Categorical(logits=logits.masked_fill(~allowed.unsqueeze(1), float("-inf")))
+            (h.entropy() * resp[:, 1:]).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in small_model.parameters() if p.grad is not None]))
+    assert torch.isfinite(grads[0]).all() and float(grads[0].norm()) > 1e-3
+    assert float((grads[0] - grads[1]).abs().max()) < 1e-4
 
 
 def test_a_row_without_response_tokens_still_reaches_every_parameter(small_model) -> None:

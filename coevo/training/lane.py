@@ -429,7 +429,7 @@ class Lane:
         self, t: Tensors, model: torch.nn.Module | None = None, *, entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of ``t``'s tokens under ``model`` (default: the lane's), as the sampler drew them
-        (temperature, truncation, allowed tokens); with ``entropy`` (no gradient), those distributions' entropies."""
+        (temperature, truncation, allowed tokens); with ``entropy``, those distributions' entropies."""
         return token_logprobs_and_entropy(
             model if model is not None else self.model,
             t.input_ids,
@@ -499,7 +499,7 @@ class Lane:
         agg: defaultdict[str, float] = defaultdict(float)
         for t, (px, ref) in zip(micro, fixed, strict=True):
             with self._autocast():
-                new = self._logprobs(t)[0]
+                new, ent = self._logprobs(t, entropy=lc.entropy_coef > 0)
             out = ppo_loss(
                 new,
                 px,
@@ -512,6 +512,8 @@ class Lane:
                 tis_cap=lc.tis_cap,
                 ref_logp=ref,
                 row_cap=self._row_cap(t),
+                entropy=ent,
+                entropy_coef=lc.entropy_coef,
             )
             rows, real = t.input_ids.shape[0], int((t.response_mask.sum(-1) > 0).sum())
             # loss is the mean over rows (padding rows add 0): scaled to this rank's share of the global

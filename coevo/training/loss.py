@@ -7,7 +7,11 @@ Per response token t of a sample with advantage A:
             ``row_cap`` overrides the cap (the lane truncates samples kept beyond ``max_staleness``)
     pg_t  = −w_t · min(r_t·A, clip(r_t, 1−ε, 1+ε)·A)
     kl_t  = exp(−d) − 1 + d,  d = logπ_θ − logπ_ref          (k3, weighted by β)
-loss = mean over samples of (token-mean of pg_t + β·kl_t).
+    H_t   = entropy of the distribution token t was drawn from, under π_θ (with gradient; weighted by η)
+loss = mean over samples of (token-mean of pg_t + β·kl_t − η·H_t).
+
+The entropy bonus η (``learner.entropy_coef``, 0 by default) pushes against a policy collapsing onto
+one answer, which leaves every group unanimous and the learner without signal.
 
 π_prox is taken once per batch (decoupled PPO): with several minibatches or epochs per batch the
 ratio r_t leaves 1 after the first optimiser step and the clip acts. π_ref is the lane's
@@ -58,10 +62,16 @@ def ppo_loss(
     tis_cap: float = 2.0,
     ref_logp: torch.Tensor | None = None,
     row_cap: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> LossOut:
     """All tensors are [batch, tokens] except ``advantages`` and ``row_cap`` [batch]; ``mask`` marks
     response tokens. ``ref_logp``: the KL's reference (default ``prox_logp``); ``row_cap``: the
-    importance weight's cap per row (default: by ``correction``)."""
+    importance weight's cap per row (default: by ``correction``); ``entropy``: the per-token entropy
+    under the current weights (``token_logprobs_and_entropy``, with gradient), required when
+    ``entropy_coef`` > 0."""
+    if entropy_coef > 0 and entropy is None:
+        raise ValueError("an entropy bonus needs the entropy: token_logprobs_and_entropy(..., entropy=True)")
     mask = mask.to(new_logp.dtype)
     adv = advantages.to(new_logp.dtype).unsqueeze(-1)
     ratio = torch.exp(new_logp - prox_logp)
@@ -78,6 +88,8 @@ def ppo_loss(
     d = new_logp - (prox_logp if ref_logp is None else ref_logp)
     kl = torch.exp(-d) - 1 + d
     per_token = pg + kl_beta * kl
+    if entropy_coef > 0 and entropy is not None:
+        per_token = per_token - entropy_coef * entropy
     tokens = mask.sum(-1).clamp(min=1)
     per_sample = (per_token * mask).sum(-1) / tokens
     loss = per_sample.mean()
@@ -144,7 +156,7 @@ def token_logprobs_and_entropy(
     """log π(token_t | prefix) for every position (0 where ``response_mask`` is 0), [batch, tokens],
     and with ``entropy`` the entropy (nats) of the distribution each response token was drawn from
     (the same distribution: temperature, allowed tokens, grammar, truncation; tokens it could not
-    draw count 0), else None. The entropy is a measure, taken without gradient.
+    draw count 0), else None; under grad both carry gradients (the loss's entropy bonus).
 
     Memory-bounded: the model runs without its output head, the head is applied only at the
     positions that predict a response token, in chunks of ``chunk_elements // vocab`` positions
@@ -156,8 +168,6 @@ def token_logprobs_and_entropy(
     """
     from torch.utils.checkpoint import checkpoint
 
-    if entropy and torch.is_grad_enabled():
-        raise ValueError("the entropy is a measure: take it under torch.no_grad()")
     hidden = _shared_hidden(model, input_ids, attention_mask)
     head = _output_head(model)
     rows, cols = response_mask[:, 1:].nonzero(as_tuple=True)  # position cols predicts token cols + 1
@@ -173,15 +183,13 @@ def token_logprobs_and_entropy(
         if positions is not None:
             mask = positions.restrict(rows[s : s + step], cols[s : s + step], mask, vocab)
         args = (h[s : s + step], head.weight, head.bias, targets[s : s + step], mask, temperature, softcap, sampling)
-        if entropy:  # one pass of the head gives both
-            logp_all = torch.log_softmax(_chunk_logits(*args), -1)
-            parts.append(logp_all.gather(-1, targets[s : s + step].unsqueeze(-1)).squeeze(-1))
-            plogp = (logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
-            ents.append((-plogp).clamp(min=0.0))  # not -1e-9 from rounding at a one-hot
-            continue
-        parts.append(
-            checkpoint(_chunk_logprobs, *args, use_reentrant=False) if h.requires_grad else _chunk_logprobs(*args)
-        )
+        fn = _chunk_logprobs_entropy if entropy else _chunk_logprobs
+        out = checkpoint(fn, *args, use_reentrant=False) if h.requires_grad else fn(*args)
+        if entropy:
+            parts.append(out[0])
+            ents.append(out[1])
+        else:
+            parts.append(out)
     logp = _scatter(parts, rows, cols, response_mask, hidden)
     if not parts and hidden.requires_grad:  # no response token (a padding row): every parameter still
         logp = logp + (hidden.sum() + head.weight.sum()) * 0  # gets a (zero) gradient, as every rank must
@@ -209,6 +217,23 @@ def _chunk_logprobs(
 ) -> torch.Tensor:
     logits = _chunk_logits(h, weight, bias, targets, allowed, temperature, softcap, sampling)
     return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _chunk_logprobs_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    allowed: torch.Tensor | None,
+    temperature: float,
+    softcap: float | None,
+    sampling: SamplingConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_chunk_logprobs`` and the entropy of each target's distribution, from one pass of the head."""
+    logp_all = torch.log_softmax(_chunk_logits(h, weight, bias, targets, allowed, temperature, softcap, sampling), -1)
+    plogp = (logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
+    # not -1e-9 from rounding at a one-hot
+    return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), (-plogp).clamp(min=0.0)
 
 
 def _chunk_logits(
