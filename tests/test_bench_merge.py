@@ -12,25 +12,11 @@ import pytest
 from coevo.bench.learn import LADDER, LEARN, Budget, aggregate_seeds, ladder_result, learn_result
 from coevo.bench.merge import merge_results
 from coevo.cli import main
-
-
-def _run(seed: int, train: float, heldout: float) -> dict[str, Any]:
-    """A run with the fields the aggregation reads (a 60 s budget; base held-out 0.1)."""
-    return {
-        "seed": seed,
-        "train_success": train,
-        "heldout_success": heldout,
-        "train_success_initial": 0.1,
-        "heldout_success_initial": 0.1,
-        "heldout_gain": round(heldout - 0.1, 6),
-        "seconds_to_0.8": None,
-        "seconds_to_0.8_or_budget": 60.0,
-        "curve": [{"seconds": 0.0, "success": 0.1}, {"seconds": 60.0, "success": train}],
-    }
-
+from tests.test_bench_learn import _run
 
 RUNS = {  # five seeds per rung, each rung's numbers distinct per seed
-    c: [_run(s, 0.3 + 0.1 * s + 0.05 * i, 0.2 + 0.05 * s + 0.1 * i) for s in range(5)] for i, c in enumerate(LADDER)
+    c: [_run(s, 0.3 + 0.1 * s + 0.05 * i, 0.2 + 0.05 * s + 0.1 * i, None, None) for s in range(5)]
+    for i, c in enumerate(LADDER)
 }
 OVER = {"learner.lr": 3e-4, "env.n_heldout": 16}
 
@@ -64,7 +50,7 @@ def test_two_parts_give_what_one_command_over_all_seeds_gives() -> None:
 
 
 def test_a_learn_result_merges_with_its_own_pairing() -> None:
-    runs = {c: [_run(s, 0.5 + 0.1 * s * (c == "integrated"), 0.4) for s in range(3)] for c in LEARN}
+    runs = {c: [_run(s, 0.5 + 0.1 * s * (c == "integrated"), 0.4, None, None) for s in range(3)] for c in LEARN}
 
     def part(seeds: list[int]) -> dict[str, Any]:
         chosen = {c: [r for r in rs if r["seed"] in seeds] for c, rs in runs.items()}
