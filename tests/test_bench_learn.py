@@ -548,6 +548,38 @@ def test_the_tables_quote_means_intervals_paired_differences_and_each_step() -> 
     assert "step 20" in text and "20 policy steps per run" in text
 
 
+def test_the_tables_of_a_wall_clock_budget_give_each_evaluation_with_its_seconds_and_version() -> None:
+    from coevo.bench.tables import tables
+
+    def run(seed: int, success: list[float], versions: list[int], entropy: tuple[float, float]) -> dict[str, Any]:
+        curve = [
+            {"seconds": 900.0 * i + seed, "success": x, "policy_version": v}
+            for i, (x, v) in enumerate(zip(success, versions, strict=True))
+        ]
+        return {
+            **_run(seed, success[-1], 0.5, None, None),
+            "train_success_initial": success[0],
+            "policy_entropy_start": entropy[0],
+            "policy_entropy": entropy[1],
+            "curve": curve,
+        }
+
+    runs = {
+        "full": [run(0, [0.25, 0.75, 1.0], [0, 70, 80], (0.4, 0.1)), run(1, [0.25, 0.5, 1.0], [0, 90, 120], (0.2, 0.1))]
+    }
+    text = tables(
+        ladder_result(
+            aggregate_seeds(
+                runs, seeds=2, family="quickgame", preset="default", budget=Budget.parse("minutes:30"), episodes=8
+            )
+        )
+    )
+    assert "train success at each evaluation (seconds, policy version):" in text and "per policy step" not in text
+    # evaluation 1: success 0.75 and 0.5 (mean 0.62, half-width 12.706 · 0.177 / √2 = 1.59), 900.5 s, versions 70 and 90
+    assert "| full | 0.25 ± 0.00 (0 ± 6 s, version 0 ± 0) | 0.62 ± 1.59 (900 ± 6 s, version 80 ± 127) |" in text
+    assert "| 0.30 ± 1.27 → 0.10 ± 0.00 |" in text  # the policy's entropy, first and last quarter of the steps
+
+
 def test_bench_runs_take_a_config_file_sets_and_one_base_as_coevo_run_does() -> None:
     """``bench learn|ladder --config F --set K=V --base B --lora-lanes``: every run's overrides, the
     file first, then the sets, then the base (policy and judge), checked before anything runs."""

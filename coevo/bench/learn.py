@@ -607,6 +607,8 @@ METRICS = (
     "policy_kl_rejected",
     "policy_mismatch_kl_max",
     "policy_step_kl_max",
+    "policy_entropy_start",
+    "policy_entropy",
 )
 """Summarised per configuration. ``seconds_to_0.8``: over the runs that reached 0.8 train success
 (``reached_0.8`` counts them); ``seconds_to_0.8_or_budget``: every run, one that never reached it

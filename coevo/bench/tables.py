@@ -18,6 +18,8 @@ COLUMNS = (
     ("train success (start → end)", ("train_success_initial", "train_success")),
     ("best train success", ("best_train_success",)),
     ("held-out success (start → end)", ("heldout_success_initial", "heldout_success")),
+    ("held-out gain", ("heldout_gain",)),
+    ("policy entropy (start → end)", ("policy_entropy_start", "policy_entropy")),
     ("judge process acc.", ("judge_process_accuracy",)),
     ("judge outcome acc.", ("judge_outcome_accuracy",)),
     ("rewrites accepted", ("rewrites_accepted",)),
@@ -83,6 +85,26 @@ def step_table(result: Result) -> str:
     return "\n".join(lines)
 
 
+def time_table(result: Result) -> str:
+    """Under a wall-clock budget: success at each run's i-th evaluation (mean ± interval over seeds), with
+    the seconds and the policy version it was taken at."""
+    runs_of = {c: block["runs"] for c, block in result["configs"].items()}
+    n = max(len(r["curve"]) for runs in runs_of.values() for r in runs)
+    head = "| configuration | " + " | ".join(f"evaluation {i}" for i in range(n)) + " |"
+    lines = [head, "|" + "---|" * (n + 1)]
+    for config, runs in runs_of.items():
+        row = []
+        for i in range(n):
+            points = [r["curve"][i] if i < len(r["curve"]) else None for r in runs]
+            success, seconds, version = (seed_stats([p[k] if p else None for p in points]) for k in CURVE_KEYS)
+            row.append(f"{cell(success)} ({cell(seconds, 0)} s, version {cell(version, 0)})")
+        lines.append(f"| {config} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+CURVE_KEYS = ("success", "seconds", "policy_version")
+
+
 def tables(result: Result) -> str:
     """Everything above, with the run's conditions in one line."""
     seeds = result.get("seeds", [])
@@ -91,6 +113,9 @@ def tables(result: Result) -> str:
         f"{result.get('episodes_per_evaluation')} evaluation episodes"
     )
     parts = [title, summary_table(result), paired_lines(result)]
-    if any(block["runs"] and block["runs"][0].get("curve") for block in result["configs"].values()):
+    curves = [p for block in result["configs"].values() for r in block["runs"] for p in r.get("curve", [])]
+    if curves and all("step" in p for p in curves):
         parts += ["train success per policy step (seconds to reach it):", step_table(result)]
+    elif curves:
+        parts += ["train success at each evaluation (seconds, policy version):", time_table(result)]
     return "\n\n".join(p for p in parts if p) + "\n"
