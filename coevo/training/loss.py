@@ -183,13 +183,14 @@ def token_logprobs_and_entropy(
         if positions is not None:
             mask = positions.restrict(rows[s : s + step], cols[s : s + step], mask, vocab)
         args = (h[s : s + step], head.weight, head.bias, targets[s : s + step], mask, temperature, softcap, sampling)
-        fn = _chunk_logprobs_entropy if entropy else _chunk_logprobs
-        out = checkpoint(fn, *args, use_reentrant=False) if h.requires_grad else fn(*args)
-        if entropy:
-            parts.append(out[0])
-            ents.append(out[1])
-        else:
-            parts.append(out)
+        lp, ent = (
+            checkpoint(_chunk_logprobs, *args, entropy, use_reentrant=False)
+            if h.requires_grad
+            else _chunk_logprobs(*args, entropy)
+        )
+        parts.append(lp)
+        if ent is not None:
+            ents.append(ent)
     logp = _scatter(parts, rows, cols, response_mask, hidden)
     if not parts and hidden.requires_grad:  # no response token (a padding row): every parameter still
         logp = logp + (hidden.sum() + head.weight.sum()) * 0  # gets a (zero) gradient, as every rank must
@@ -214,26 +215,15 @@ def _chunk_logprobs(
     temperature: float,
     softcap: float | None,
     sampling: SamplingConfig | None = None,
-) -> torch.Tensor:
-    logits = _chunk_logits(h, weight, bias, targets, allowed, temperature, softcap, sampling)
-    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def _chunk_logprobs_entropy(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    allowed: torch.Tensor | None,
-    temperature: float,
-    softcap: float | None,
-    sampling: SamplingConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_chunk_logprobs`` and the entropy of each target's distribution, from one pass of the head."""
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each target's log-prob and, with ``entropy``, the entropy of its distribution (one pass of the head)."""
     logp_all = torch.log_softmax(_chunk_logits(h, weight, bias, targets, allowed, temperature, softcap, sampling), -1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return logp, None
     plogp = (logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
-    # not -1e-9 from rounding at a one-hot
-    return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), (-plogp).clamp(min=0.0)
+    return logp, (-plogp).clamp(min=0.0)  # not -1e-9 from rounding at a one-hot
 
 
 def _chunk_logits(
