@@ -20,6 +20,7 @@ from coevo.inference.engine import LocalEngine
 from coevo.inference.gguf import resolve_model
 from coevo.schemas import TrainingSample
 from coevo.training.lane import Lane
+from coevo.training.parity import as_sample
 
 
 async def choice_samples(model: Path, n: int) -> list[TrainingSample]:
@@ -28,20 +29,7 @@ async def choice_samples(model: Path, n: int) -> list[TrainingSample]:
     )
     async with LocalEngine(model, seed=1) as eng:
         done = await asyncio.gather(*(eng.complete(prompt, choices=list(INDEX_LABELS[:3])) for _ in range(n)))
-    return [
-        TrainingSample(
-            sample_id=f"s{i}",
-            role="policy",
-            prompt_token_ids=c.prompt_token_ids,
-            response_token_ids=c.response_token_ids,
-            logprobs=c.logprobs,
-            allowed_token_ids=c.allowed_token_ids,
-            advantage=1.0 if c.choice == 1 else -0.5,
-            model_version=0,
-            step_event_id=f"e{i}",
-        )
-        for i, c in enumerate(done)
-    ]
+    return [as_sample(c, f"s{i}", "policy", advantage=1.0 if c.choice == 1 else -0.5) for i, c in enumerate(done)]
 
 
 def main() -> None:

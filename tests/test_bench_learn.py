@@ -450,14 +450,20 @@ def test_step_milestones_end_on_the_budget() -> None:
     assert Budget("steps", 3).milestones(0.5) == [1, 2, 3]
 
 
-async def test_a_run_the_cap_ends_is_evaluated_at_its_newest_version(tmp_path: Path) -> None:
-    """Milestones 4 and 8; the run reaches version 6 before the cap: 4, then 6 (not 4 again, not the base)."""
+def _watch_published(tmp_path: Path, versions: int) -> tuple[StepWatch, asyncio.Event]:
+    """A StepWatch of milestones 4 and 8 over publications v1..v``versions`` (each file ``w`` holds its version)."""
     published, keep, stop = tmp_path / "published", tmp_path / "kept", asyncio.Event()
     keep.mkdir()
-    watch = StepWatch(published, keep, [4, 8], stop)
-    for v in range(1, 7):
+    for v in range(1, versions + 1):
         (published / f"v{v:06d}-abc").mkdir(parents=True)
         (published / f"v{v:06d}-abc" / "w").write_text(str(v))
+    return StepWatch(published, keep, [4, 8], stop), stop
+
+
+async def test_a_run_the_cap_ends_is_evaluated_at_its_newest_version(tmp_path: Path) -> None:
+    """Milestones 4 and 8; the run reaches version 6 before the cap: 4, then 6 (not 4 again, not the base)."""
+    watch, stop = _watch_published(tmp_path, 6)
+    for v in range(1, 7):
         watch.on_step("policy", StepMetrics.untrained(v, 0))
         watch.on_step("judge", StepMetrics.untrained(v + 10, 0))  # the judge lane's versions are not the policy's
     first = await watch.next(cap_s=60)
@@ -468,11 +474,7 @@ async def test_a_run_the_cap_ends_is_evaluated_at_its_newest_version(tmp_path: P
 
 
 async def test_a_milestone_that_arrives_while_waiting_is_not_evaluated_again_at_the_cap(tmp_path: Path) -> None:
-    published, keep, stop = tmp_path / "published", tmp_path / "kept", asyncio.Event()
-    keep.mkdir()
-    watch = StepWatch(published, keep, [4, 8], stop)
-    for v in range(1, 5):
-        (published / f"v{v:06d}-abc").mkdir(parents=True)
+    watch, stop = _watch_published(tmp_path, 4)
 
     async def learner() -> None:
         await asyncio.sleep(0)  # next() is waiting by now

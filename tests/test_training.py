@@ -19,6 +19,7 @@ from coevo.schemas import TrainingSample
 from coevo.training.batch import pack_by_tokens
 from coevo.training.lane import Lane, latest_checkpoint
 from coevo.training.loss import ppo_loss
+from coevo.training.parity import as_sample
 from tests.conftest import PYTHON, subprocess_env
 
 NEW = torch.tensor([[-1.0, -0.5], [-2.0, -1.0]])
@@ -118,20 +119,7 @@ def choice_samples(tiny: Path, n: int = 16) -> list[TrainingSample]:
         )
         async with LocalEngine(tiny, seed=1) as eng:
             cs = await asyncio.gather(*(eng.complete(prompt, choices=list(INDEX_LABELS[:2])) for _ in range(n)))
-        return [
-            TrainingSample(
-                sample_id=f"s{i}",
-                role="policy",
-                prompt_token_ids=c.prompt_token_ids,
-                response_token_ids=c.response_token_ids,
-                logprobs=c.logprobs,
-                allowed_token_ids=c.allowed_token_ids,
-                advantage=1.0 if c.choice == 1 else -1.0,
-                model_version=0,
-                step_event_id=f"e{i}",
-            )
-            for i, c in enumerate(cs)
-        ]
+        return [as_sample(c, f"s{i}", "policy", advantage=1.0 if c.choice == 1 else -1.0) for i, c in enumerate(cs)]
 
     return asyncio.run(go())
 

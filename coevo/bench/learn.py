@@ -626,6 +626,11 @@ PAIRED = (
 )
 
 
+def summarize_configs(runs: dict[str, list[dict[str, Any]]]) -> Result:
+    """Per configuration: ``summarize_runs`` and the runs as given (a result's ``configs``)."""
+    return {c: {**summarize_runs(rs), "runs": rs} for c, rs in runs.items()}
+
+
 def summarize_runs(runs: list[dict[str, Any]]) -> Result:
     """Per-metric ``seed_stats`` of one configuration's runs (one per seed)."""
     reached = sum(r["seconds_to_0.8"] is not None for r in runs)
@@ -697,7 +702,7 @@ def aggregate_seeds(
         "seconds_to_0.8": "first evaluation with train success >= 0.8; seconds_to_0.8 averages the runs that "
         "reached it (reached_0.8 counts them), seconds_to_0.8_or_budget counts the others "
         "as the budget",
-        "configs": {c: {**summarize_runs(rs), "runs": rs} for c, rs in runs.items()},
+        "configs": summarize_configs(runs),
     }
 
 

@@ -3,7 +3,7 @@
 Five 30-minute runs on two cores take longer than one sitting: ``--first-seed S`` runs a later part of
 a seed range, and this joins the parts. Invariant: a merge joins only runs that one command would have
 made (the same family, preset, budget, evaluation, configurations and, where the parts record them,
-config fields), each seed once, and its statistics are recomputed from the runs (``summarize_runs``,
+config fields), each seed once, and its statistics are recomputed from the runs (``summarize_configs``,
 then the kind's paired differences), never averaged from the parts' summaries. Pure: no I/O.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coevo.bench.learn import Result, ladder_result, learn_result, summarize_runs
+from coevo.bench.learn import Result, ladder_result, learn_result, summarize_configs
 
 SAME = (
     "family",
@@ -65,7 +65,7 @@ def merge_results(parts: list[Result]) -> Result:
         **{k: v for k, v in first.items() if k not in DERIVED},
         "seeds": [r["seed"] for r in next(iter(runs.values()))],
         "merged_from": [{"seeds": p["seeds"], "overrides_recorded": "overrides" in p} for p in parts],
-        "configs": {c: {**summarize_runs(rs), "runs": rs} for c, rs in runs.items()},
+        "configs": summarize_configs(runs),
     }
     if overrides is not None:
         out["overrides"] = overrides

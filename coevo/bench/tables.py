@@ -85,6 +85,9 @@ def step_table(result: Result) -> str:
     return "\n".join(lines)
 
 
+CURVE_KEYS = ("success", "seconds", "policy_version")
+
+
 def time_table(result: Result) -> str:
     """Under a wall-clock budget: success at each run's i-th evaluation (mean ± interval over seeds), with
     the seconds and the policy version it was taken at."""
@@ -100,9 +103,6 @@ def time_table(result: Result) -> str:
             row.append(f"{cell(success)} ({cell(seconds, 0)} s, version {cell(version, 0)})")
         lines.append(f"| {config} | " + " | ".join(row) + " |")
     return "\n".join(lines)
-
-
-CURVE_KEYS = ("success", "seconds", "policy_version")
 
 
 def tables(result: Result) -> str:

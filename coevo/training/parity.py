@@ -41,13 +41,15 @@ def as_sample(
     c: Any, sample_id: str, role: Role, *, grammar: str | None = None, advantage: float = 0.0
 ) -> TrainingSample:
     """A completion as a training sample: its tokens and the sampler's log-probs, at the version that
-    sampled it, drawn under ``grammar`` when it was (structured outputs)."""
+    sampled it, among the tokens it could choose (a constrained choice) and drawn under ``grammar``
+    when it was (structured outputs)."""
     return TrainingSample(
         sample_id=sample_id,
         role=role,
         prompt_token_ids=c.prompt_token_ids,
         response_token_ids=c.response_token_ids,
         logprobs=c.logprobs,
+        allowed_token_ids=c.allowed_token_ids,
         grammar=grammar,
         advantage=advantage,
         model_version=c.model_version,
