@@ -710,8 +710,20 @@ class LearnerConfig(Section):
         "distributions the batch's tokens were drawn from, under the weights being trained (both lanes). Pushes "
         "against a policy collapsing onto one answer (every group unanimous: no signal left, "
         "LearnerStepped.entropy falling to 0). 0: none, no extra cost; > 0: the head's softmax is kept per token "
-        "through the backward pass (recomputed, chunked)",
+        "through the backward pass (recomputed, chunked). With entropy_target: the coefficient's start",
     )
+    entropy_target: float | None = Field(
+        default=None,
+        gt=0,
+        description="adaptive entropy bonus (coevo.training.entropy): a batch whose entropy before its step is below "
+        "this (nats per response token) is trained with the bonus, whose coefficient grows by entropy_coef_step "
+        "for every such batch and shrinks by as much for every batch at or above it (then trained without one); "
+        "per lane. None: entropy_coef on every batch",
+    )
+    entropy_coef_step: float = Field(
+        default=0.05, gt=0, description="how far one batch moves the adaptive coefficient (entropy_target)"
+    )
+    entropy_coef_max: float = Field(default=1.0, gt=0, description="the adaptive coefficient's bound (entropy_target)")
     grad_clip: float = Field(default=1.0, gt=0, description="gradient norm clip")
     max_staleness: int = Field(
         default=2,
@@ -819,6 +831,15 @@ class LearnerConfig(Section):
         "run's checkpoints, runs/<run>/checkpoints, where the learner publishes); a WeightsPublished naming another "
         "path is refused and reported (docs/security.md)",
     )
+
+    @model_validator(mode="after")
+    def _entropy_start_within_bound(self) -> LearnerConfig:
+        if self.entropy_target is not None and self.entropy_coef > self.entropy_coef_max:
+            raise ValueError(
+                f"learner.entropy_coef ({self.entropy_coef:g}) is the adaptive coefficient's start: it must not "
+                f"exceed learner.entropy_coef_max ({self.entropy_coef_max:g})"
+            )
+        return self
 
 
 class LogConfig(Section):

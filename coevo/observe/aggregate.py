@@ -285,6 +285,8 @@ class Aggregator:
         ]
         if e.entropy is not None:
             out.append(self._point("learner_entropy", labels, t, e.entropy, e.ts, step=e.version))
+        if e.entropy_coef is not None:
+            out.append(self._point("learner_entropy_coef", labels, t, e.entropy_coef, e.ts, step=e.version))
         if n:
             mean = sum(_num(k) * v for k, v in e.staleness_histogram.items()) / n
             out.append(self._point("learner_staleness_mean", labels, t, round(mean, 4), e.ts, step=e.version))

@@ -27,6 +27,7 @@ ORDER = (
     "loss",
     "clip",
     "entropy",
+    "entropy_coef",
     "mismatch_kl",
     "tokens",
     "rates",

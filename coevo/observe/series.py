@@ -62,6 +62,13 @@ SPECS: dict[str, Spec] = {
         "nats",
         labels=("role",),
     ),
+    "learner_entropy_coef": Spec(
+        "the entropy bonus's coefficient a step was trained with (learner.entropy_coef, or the adaptive one "
+        "under learner.entropy_target)",
+        "entropy_coef",
+        "coefficient",
+        labels=("role",),
+    ),
     "learner_clip_fraction": Spec(
         "fraction of tokens whose ratio was clipped, one learner step", "clip", "fraction", labels=("role",)
     ),
@@ -154,6 +161,7 @@ CHARTS: dict[str, tuple[str, str]] = {
     "mismatch_kl": ("Mismatch KL (learner vs inference log-probs)", "nats"),
     "clip": ("Clip fraction", "fraction"),
     "entropy": ("Entropy of the sampled distributions (per response token)", "nats"),
+    "entropy_coef": ("Entropy bonus coefficient", "coefficient"),
     "tokens": ("Train tokens/s", "tokens/s"),
     "staleness": ("Staleness of trained samples (mean)", "versions"),
     "staleness_hist": ("Staleness histogram (samples, cumulative)", "samples"),

@@ -321,6 +321,12 @@ class LearnerStepped(Event):
         "allowed tokens, grammar, truncation), under the weights before the step: a policy collapsing to one "
         "answer goes to 0",
     )
+    entropy_coef: float | None = Field(
+        default=None,
+        ge=0,
+        description="the entropy bonus's coefficient this step was trained with: learner.entropy_coef, or the "
+        "adaptive one under learner.entropy_target (0 while the entropy is at or above the target)",
+    )
 
     @property
     def is_step(self) -> bool:

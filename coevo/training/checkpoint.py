@@ -63,6 +63,8 @@ class CheckpointJob:
     base_model: Path
     adapter_config_json: str | None = None
     """a LoRA lane's: ``model_state`` is its adapter, written as a PEFT adapter directory"""
+    entropy_coef: float = 0.0
+    """the entropy bonus's coefficient (an adaptive one resumes from it)"""
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -206,7 +208,13 @@ def model_files(folder: Path, job: CheckpointJob) -> dict[str, tensorfiles.FileI
     files["state.json"] = tensorfiles.write_text(
         folder / "state.json",
         json.dumps(
-            {"version": job.version, "role": job.role, "steps_total": job.steps_total, "consumed_groups": job.consumed}
+            {
+                "version": job.version,
+                "role": job.role,
+                "steps_total": job.steps_total,
+                "consumed_groups": job.consumed,
+                "entropy_coef": job.entropy_coef,
+            }
         ),
     )
     return files

@@ -64,6 +64,7 @@ from coevo.schemas.events import WeightsFormat
 from coevo.training import lora
 from coevo.training.batch import Tensors, minibatches, rank_plan, sample_problem, split_stale, staleness, to_tensors
 from coevo.training.checkpoint import MARKER, Checkpoint, CheckpointJob, CheckpointWriter, latest_checkpoint
+from coevo.training.entropy import EntropyControl
 from coevo.training.loss import DECOUPLED_CAP, mismatch_kl, ppo_loss, token_logprobs_and_entropy
 from coevo.weights.manifest import HELD, manifest_of
 from coevo.weights.publish import (
@@ -105,6 +106,8 @@ class StepMetrics:
     """the batch was undone: its step KL exceeded ``learner.max_step_kl`` (``samples`` 0, version unchanged)"""
     entropy: float | None = None
     """nats per response token of the distributions the batch was drawn from, under the weights before the step"""
+    entropy_coef: float = 0.0
+    """the entropy bonus's coefficient this batch was trained with (``coevo.training.entropy``)"""
 
     @classmethod
     def trained(
@@ -120,6 +123,7 @@ class StepMetrics:
         dropped: int,
         step_kl: float | None,
         entropy: float | None = None,
+        entropy_coef: float = 0.0,
     ) -> StepMetrics:
         """A batch trained in ``steps`` optimiser steps: ``sums`` of their metrics become means."""
         loss, kl, clip, mismatch, grad_norm = (
@@ -141,6 +145,7 @@ class StepMetrics:
             optimizer_steps=steps,
             step_kl=step_kl,
             entropy=entropy,
+            entropy_coef=entropy_coef,
         )
 
     @classmethod
@@ -217,6 +222,9 @@ class Lane:
         self.version = 0
         self.consumed: deque[str] = deque(maxlen=100_000)
         self.steps_total = 0
+        self.entropy_control = EntropyControl(cfg.entropy_target, cfg.entropy_coef_step, cfg.entropy_coef_max)
+        self.entropy_coef = cfg.entropy_coef
+        """the entropy bonus's coefficient now: fixed, or adapted per batch and kept in checkpoints"""
         if resume is not None:
             self._resume(resume)
         self.resumed_from = resume
@@ -284,6 +292,8 @@ class Lane:
         state = json.loads((resume / "state.json").read_text())
         self.version = state["version"]
         self.steps_total = int(state.get("steps_total", 0))
+        if self.cfg.entropy_target is not None:  # an adaptive coefficient goes on where it was
+            self.entropy_coef = float(state.get("entropy_coef", self.entropy_coef))
         self.consumed.extend(state["consumed_groups"])
         shard = resume / f"optimizer.rank{self.rank}.pt"
         self.optimizer.load_state_dict(
@@ -356,6 +366,7 @@ class Lane:
         parts = minibatches(kept, self.cfg.minibatches, self.version)
         plans = [self._rank_tensors(part) for part in parts]
         fixed, entropy = self._fixed_logprobs(plans)
+        eta, coef_after = self.entropy_control.decide(self.entropy_coef, entropy)
         agg: defaultdict[str, float] = defaultdict(float)
         steps = 0
         guard = self.cfg.max_step_kl
@@ -363,7 +374,7 @@ class Lane:
         try:
             for _epoch in range(self.cfg.epochs):
                 for part, micro, fx in zip(parts, plans, fixed, strict=True):
-                    for k, v in self._optimizer_step(micro, fx, len(part)).items():
+                    for k, v in self._optimizer_step(micro, fx, len(part), eta).items():
                         agg[k] += v
                     steps += 1
             # inside the undo scope: a failure of the KL's forward pass undoes the steps taken
@@ -378,6 +389,7 @@ class Lane:
         tokens = sum(int(t.response_mask.sum()) + int(t.attention_mask.sum()) for micro in plans for t in micro)
         hist = Counter(str(staleness(s, self.version)) for s in kept)
         self.version += 1
+        self.entropy_coef = coef_after  # a batch undone or failed leaves the coefficient too
         for g in groups:
             self.consumed.append(g)
             self._consumed_set.add(g)
@@ -392,6 +404,7 @@ class Lane:
             dropped=dropped,
             step_kl=step_kl,
             entropy=entropy,
+            entropy_coef=eta,
         )
 
     def _rank_tensors(self, part: list[TrainingSample]) -> list[Any]:
@@ -491,15 +504,16 @@ class Lane:
         )
 
     def _optimizer_step(
-        self, micro: list[Tensors], fixed: list[tuple[torch.Tensor, torch.Tensor]], total: int
+        self, micro: list[Tensors], fixed: list[tuple[torch.Tensor, torch.Tensor]], total: int, eta: float
     ) -> dict[str, float]:
-        """One optimiser step on one minibatch of ``total`` samples (this rank's micro-batches)."""
+        """One optimiser step on one minibatch of ``total`` samples (this rank's micro-batches), with an
+        entropy bonus of coefficient ``eta``."""
         lc = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         agg: defaultdict[str, float] = defaultdict(float)
         for t, (px, ref) in zip(micro, fixed, strict=True):
             with self._autocast():
-                new, ent = self._logprobs(t, entropy=lc.entropy_coef > 0)
+                new, ent = self._logprobs(t, entropy=eta > 0)
             out = ppo_loss(
                 new,
                 px,
@@ -513,7 +527,7 @@ class Lane:
                 ref_logp=ref,
                 row_cap=self._row_cap(t),
                 entropy=ent,
-                entropy_coef=lc.entropy_coef,
+                entropy_coef=eta,
             )
             rows, real = t.input_ids.shape[0], int((t.response_mask.sum(-1) > 0).sum())
             # loss is the mean over rows (padding rows add 0): scaled to this rank's share of the global
@@ -638,6 +652,7 @@ class Lane:
             self.model.config.to_json_string(),
             self.base_model,
             adapter_config_json=self._adapter_config(),
+            entropy_coef=self.entropy_coef,
         )
         fut = self._writer.start(job)
         fut.add_done_callback(self._durable_now)
@@ -679,6 +694,7 @@ class Lane:
                 self.model.config.to_json_string(),
                 self.base_model,
                 adapter_config_json=self._adapter_config(),
+                entropy_coef=self.entropy_coef,
             )
             out[0] = write_checkpoint(
                 self.root,

@@ -557,6 +557,7 @@ class LearnerAgent(Agent):
                 group_ids=[p.group_id for p in take],
                 step_kl=metrics.step_kl,
                 entropy=metrics.entropy,
+                entropy_coef=metrics.entropy_coef,
                 **self.unreported(q),
             ),
             confirm=True,
