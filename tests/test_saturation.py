@@ -47,6 +47,20 @@ def test_moves_grow_with_the_streak_up_to_the_bound_and_after_zero_turns_it_off(
     assert saturation.weight(streak, after, 0.25) == weight
 
 
+def test_a_move_that_overshot_caps_the_next_ones_below_it() -> None:
+    over = None
+    over = saturation.overshot_after(over, 3, "harder", 0.5)  # rejected for another reason: no cap
+    assert over is None and saturation.capped(3, over) == 3
+    over = saturation.overshot_after(over, 3, "harder", 0.0)  # unsolved: 3 moves went too far
+    assert over == 3 and saturation.capped(3, over) == 2 and saturation.capped(1, over) == 1
+    over = saturation.overshot_after(over, 2, "harder", 1.0)  # still all won (not harder): the cap stays
+    assert over == 3
+    over = saturation.overshot_after(over, 1, "harder", 0.0)  # even one move: never below one
+    assert over == 1 and saturation.capped(3, over) == 1
+    assert saturation.overshot_after(None, 2, "easier", 1.0) == 2  # an easier one every rollout won
+    assert saturation.overshot_after(None, 2, "easier", 0.0) is None  # not easier: undershot
+
+
 def test_stride_with_equal_weights_is_round_robin_in_the_given_order() -> None:
     stride = saturation.Stride()
     picks = [stride.pick({"a": 1.0, "b": 1.0, "c": 1.0}) for _ in range(7)]
@@ -160,3 +174,42 @@ async def test_a_saturated_slot_is_rewritten_with_a_larger_move_and_the_event_sa
     family = make_family(cfg.env)
     assert sum(abs(candidate.knobs.get(k.name, k.low) - parent.knobs.get(k.name, k.low)) for k in family.knobs) == 2
     assert agent.counters["rewrites_proposed_wide"] == 1
+
+
+async def test_an_unsolved_wide_candidate_makes_the_next_rewrite_smaller_until_one_is_accepted(
+    bus: NatsBus, cfg: CoevoConfig
+) -> None:
+    cfg = cfg.model_copy(
+        update={"loop": "full", "tasks": cfg.tasks.model_copy(update={"min_groups_between_rewrites": 3})}
+    )
+    agent = TasksAgent(bus, cfg)
+    await agent.load()
+    slot_id = next(s.slot_id for s in agent.slots.values() if s.split == "train")
+    k = 0
+
+    async def saturate_and_judge(candidate_accuracy: float) -> int:
+        nonlocal k
+        for _ in range(3):  # three all-won groups since the last decision: a rewrite
+            await agent.on_scored(_scored(agent, slot_id, 1.0, k), None)  # type: ignore[arg-type]
+            k += 1
+        candidate = agent.slots[slot_id].candidate
+        assert candidate is not None
+        moves = agent.slots[slot_id].candidate_moves
+        judged = _scored(agent, slot_id, candidate_accuracy, k).model_copy(
+            update={"task_id": candidate.task_id, "purpose": "candidate"}
+        )
+        k += 1
+        await agent.on_scored(judged, None)  # type: ignore[arg-type]
+        assert agent.slots[slot_id].candidate is None  # decided
+        return moves
+
+    assert await saturate_and_judge(0.0) == 2  # streak 3: two moves, and nothing won: too far
+    assert agent.slots[slot_id].overshot_moves == 2
+    assert await saturate_and_judge(0.0) == 1  # streak 6 would move 3: capped below the overshoot
+    assert agent.counters["rewrites_proposed_capped"] == 1
+    assert await saturate_and_judge(0.5) == 1  # in the band: accepted, and the cap is lifted
+    slot = agent.slots[slot_id]
+    assert slot.rewrites_accepted == 1 and slot.overshot_moves is None
+    await bus.flush()
+    rewritten = [e async for _, e, _m in bus.history(["task.rewritten"]) if isinstance(e, TaskRewritten)]
+    assert [e.moves for e in rewritten] == [2, 1, 1]

@@ -71,6 +71,10 @@ class Slot(BaseModel):
     rewrites_accepted: int = 0
     saturated_streak: int = 0
     """consecutive scored train groups of the active task all won or all lost (``coevo.algorithm.saturation``)"""
+    candidate_moves: int = 1
+    """knob moves of the candidate under measurement"""
+    overshot_moves: int | None = None
+    """the fewest moves a rejected candidate of the active task overshot with (``saturation.capped``)"""
 
 
 class InFlight(BaseModel):
@@ -406,7 +410,8 @@ class TasksAgent(Agent):
         ):
             return
         tc = self.cfg.tasks
-        moves = saturation.moves(slot.saturated_streak, tc.saturated_after, tc.saturated_moves)
+        wide = saturation.moves(slot.saturated_streak, tc.saturated_after, tc.saturated_moves)
+        moves = saturation.capped(wide, slot.overshot_moves)
         proposal = await self.rewriter.propose(self.family, slot.active, direction, event.failures, moves)
         ok, why = False, proposal.error
         if proposal.candidate is not None:
@@ -431,8 +436,10 @@ class TasksAgent(Agent):
         self.counters["rewrites_proposed"] += 1
         if moves > 1:
             self.counters["rewrites_proposed_wide"] += 1
+        if moves < wide:
+            self.counters["rewrites_proposed_capped"] += 1
         if ok and proposal.candidate is not None:
-            slot.candidate, slot.candidate_direction = proposal.candidate, direction
+            slot.candidate, slot.candidate_direction, slot.candidate_moves = proposal.candidate, direction, moves
             slot.candidate_scheduled, slot.parent_accuracy = False, event.accuracy
         else:  # rejected before any rollout: the decision says why
             slot.groups_since_rewrite = 0  # back off before trying again
@@ -484,8 +491,12 @@ class TasksAgent(Agent):
             slot.active = slot.candidate
             slot.rewrites_accepted += 1
             slot.last_accuracy = event.accuracy
-            slot.saturated_streak = 0
+            slot.saturated_streak, slot.overshot_moves = 0, None
             self.counters["rewrites_accepted"] += 1
+        elif not event.flagged:
+            slot.overshot_moves = saturation.overshot_after(
+                slot.overshot_moves, slot.candidate_moves, slot.candidate_direction, event.accuracy
+            )
         slot.candidate, slot.candidate_direction, slot.candidate_scheduled, slot.parent_accuracy = (
             None,
             None,

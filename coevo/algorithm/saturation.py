@@ -9,17 +9,22 @@ measured by held-out success (``coevo bench ladder``), neither forbidding any pr
   the rollouts go where there is signal, and no slot is ever starved);
 - its rewrite moves further: ``moves`` knob steps at once instead of one, growing with the streak
   up to ``tasks.saturated_moves``, so one accepted rewrite can leave the saturated region that a
-  one-step candidate (still all won, hence "not harder") would never leave.
+  one-step candidate (still all won, hence "not harder") would never leave;
+- and a move that overshot is not repeated: once a candidate of k moves came back on the far side
+  (a harder one that no rollout won, an easier one that every rollout won), the slot's later
+  candidates move at most k − 1 steps (at least 1), until a rewrite is accepted.
 
 Invariants: a streak counts consecutive scored train groups of the slot's active task and
-restarts at any mixed group or accepted rewrite; with ``saturated_after = 0`` nothing changes
-(weights all 1, one move): the plain round-robin and one-step rewrites.
+restarts at any mixed group or accepted rewrite; the overshoot cap only falls while the active task
+stays, and is lifted by an accepted rewrite; with ``saturated_after = 0`` nothing changes (weights
+all 1, one move): the plain round-robin and one-step rewrites.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 def streak_after(streak: int, accuracy: float) -> int:
@@ -42,6 +47,21 @@ def moves(streak: int, after: int, most: int) -> int:
     if not is_saturated(streak, after):
         return 1
     return max(1, min(most, 1 + streak // after))
+
+
+def capped(moves: int, overshot: int | None) -> int:
+    """``moves`` below the slot's overshoot (the fewest moves a candidate overshot with), at least 1."""
+    return moves if overshot is None else max(1, min(moves, overshot - 1))
+
+
+def overshot_after(
+    overshot: int | None, moves: int, direction: Literal["harder", "easier"], candidate_acc: float
+) -> int | None:
+    """The slot's overshoot once a rejected candidate of ``moves`` moves scored ``candidate_acc``: a
+    harder one no rollout won, or an easier one every rollout won, went too far."""
+    if candidate_acc != (0.0 if direction == "harder" else 1.0):
+        return overshot
+    return moves if overshot is None else min(overshot, moves)
 
 
 @dataclass
