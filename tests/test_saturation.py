@@ -154,15 +154,20 @@ async def test_a_saturated_slot_is_scheduled_a_quarter_as_often_until_a_mixed_gr
     assert saved is not None and b'"saturated_streak":0' in saved
 
 
-async def test_a_saturated_slot_is_rewritten_with_a_larger_move_and_the_event_says_so(
-    bus: NatsBus, cfg: CoevoConfig
-) -> None:
+async def _rewriting_agent(bus: NatsBus, cfg: CoevoConfig) -> tuple[TasksAgent, str]:
+    """The full loop's tasks agent, rewriting after 3 groups, and its first train slot."""
     cfg = cfg.model_copy(
         update={"loop": "full", "tasks": cfg.tasks.model_copy(update={"min_groups_between_rewrites": 3})}
     )
     agent = TasksAgent(bus, cfg)
     await agent.load()
-    slot_id = next(s.slot_id for s in agent.slots.values() if s.split == "train")
+    return agent, next(s.slot_id for s in agent.slots.values() if s.split == "train")
+
+
+async def test_a_saturated_slot_is_rewritten_with_a_larger_move_and_the_event_says_so(
+    bus: NatsBus, cfg: CoevoConfig
+) -> None:
+    agent, slot_id = await _rewriting_agent(bus, cfg)
     parent = agent.slots[slot_id].active
     for k in range(3):  # the third all-won group triggers the rewrite, at a streak of 3
         await agent.on_scored(_scored(agent, slot_id, 1.0, k), None)  # type: ignore[arg-type]
@@ -171,7 +176,7 @@ async def test_a_saturated_slot_is_rewritten_with_a_larger_move_and_the_event_sa
     assert len(rewritten) == 1 and rewritten[0].moves == 2 and rewritten[0].direction == "harder"
     candidate = agent.slots[slot_id].candidate
     assert candidate is not None and candidate == rewritten[0].candidate
-    family = make_family(cfg.env)
+    family = make_family(agent.cfg.env)
     assert sum(abs(candidate.knobs.get(k.name, k.low) - parent.knobs.get(k.name, k.low)) for k in family.knobs) == 2
     assert agent.counters["rewrites_proposed_wide"] == 1
 
@@ -179,12 +184,7 @@ async def test_a_saturated_slot_is_rewritten_with_a_larger_move_and_the_event_sa
 async def test_an_unsolved_wide_candidate_makes_the_next_rewrite_smaller_until_one_is_accepted(
     bus: NatsBus, cfg: CoevoConfig
 ) -> None:
-    cfg = cfg.model_copy(
-        update={"loop": "full", "tasks": cfg.tasks.model_copy(update={"min_groups_between_rewrites": 3})}
-    )
-    agent = TasksAgent(bus, cfg)
-    await agent.load()
-    slot_id = next(s.slot_id for s in agent.slots.values() if s.split == "train")
+    agent, slot_id = await _rewriting_agent(bus, cfg)
     k = 0
 
     async def saturate_and_judge(candidate_accuracy: float) -> int:
