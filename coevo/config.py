@@ -610,7 +610,8 @@ class TasksConfig(Section):
     saturated_moves: int = Field(
         default=3,
         ge=1,
-        description="most knob steps one rewrite of a saturated slot moves (1 + streak // saturated_after)",
+        description="most knob steps one rewrite of a saturated slot moves (1 + streak // saturated_after; "
+        "below the moves of a candidate of the same task that went too far in that direction)",
     )
     inflight_timeout_s: float = Field(
         default=1800.0,

@@ -206,7 +206,9 @@ def test_an_entropy_bonus_keeps_steps_from_collapsing_the_choice(tiny: Path, tmp
     curves = {}
     for coef in (0.0, 1.0):
         lane = _lane(tiny, tmp_path / str(coef), lr=3e-3, kl_beta=0.0, entropy_coef=coef)
-        curves[coef] = [lane.step(samples, [f"g{i}"]).entropy for i in range(8)]
+        steps = [lane.step(samples, [f"g{i}"]) for i in range(8)]
+        assert {m.entropy_coef for m in steps} == ({None} if coef == 0 else {coef})  # what LearnerStepped reports
+        curves[coef] = [m.entropy for m in steps]
     plain, bonus = curves[0.0], curves[1.0]
     assert plain[0] == bonus[0]  # the same weights before the first step
     assert plain[-1] < 0.05, plain
@@ -250,8 +252,10 @@ def test_an_adaptive_bonus_holds_the_choice_near_its_target_and_resumes(tiny: Pa
     assert below, entropy  # the plain steps do push it under the target ...
     first = below[0]
     assert coef[first] == 0.5 and all(c in (0.0, 0.5, 1.0, 1.5, 2.0) for c in coef), coef
-    assert min(e for e in entropy if e is not None) > 0.1, entropy  # ... and the bonus brings it back
-    assert sum(1 for e in entropy[first:] if e is not None and e >= 0.3) >= 1, entropy
+    assert sum(1 for e in entropy[first:] if e is not None and e >= 0.3) >= 1, entropy  # ... and the bonus
+    last = [e for e in entropy[-6:] if e is not None]  # brings it back (plain steps: 0.03 to 0.004 here)
+    assert min(e for e in entropy[first:] if e is not None) > 0.05 and sum(last) / len(last) > 0.1, entropy
+    assert lane.entropy_coef > 0
     lane.checkpoint()
     resumed = _lane(tiny, tmp_path / "adaptive", **kw, entropy_target=0.3, entropy_coef_step=0.5, entropy_coef_max=2.0)
     assert resumed.version == lane.version and resumed.entropy_coef == lane.entropy_coef

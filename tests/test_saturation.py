@@ -47,18 +47,19 @@ def test_moves_grow_with_the_streak_up_to_the_bound_and_after_zero_turns_it_off(
     assert saturation.weight(streak, after, 0.25) == weight
 
 
-def test_a_move_that_overshot_caps_the_next_ones_below_it() -> None:
-    over = None
-    over = saturation.overshot_after(over, 3, "harder", 0.5)  # rejected for another reason: no cap
-    assert over is None and saturation.capped(3, over) == 3
-    over = saturation.overshot_after(over, 3, "harder", 0.0)  # unsolved: 3 moves went too far
-    assert over == 3 and saturation.capped(3, over) == 2 and saturation.capped(1, over) == 1
-    over = saturation.overshot_after(over, 2, "harder", 1.0)  # still all won (not harder): the cap stays
-    assert over == 3
-    over = saturation.overshot_after(over, 1, "harder", 0.0)  # even one move: never below one
-    assert over == 1 and saturation.capped(3, over) == 1
-    assert saturation.overshot_after(None, 2, "easier", 1.0) == 2  # an easier one every rollout won
-    assert saturation.overshot_after(None, 2, "easier", 0.0) is None  # not easier: undershot
+def test_a_move_that_overshot_caps_the_next_ones_below_it_in_its_direction() -> None:
+    over = saturation.overshoot_after(None, 3, "harder", 0.5)  # rejected for another reason: no cap
+    assert over is None and saturation.capped(3, "harder", over) == 3
+    over = saturation.overshoot_after(over, 3, "harder", 0.0)  # unsolved: 3 moves went too far
+    assert over == ("harder", 3) and saturation.capped(3, "harder", over) == 2
+    assert saturation.capped(1, "harder", over) == 1 and saturation.capped(3, "easier", over) == 3
+    assert saturation.overshoot_after(over, 1, "harder", 1.0) == over  # all won below the cap: it stays
+    assert saturation.overshoot_after(over, 2, "harder", 0.875) == over  # not harder, not all won
+    assert saturation.overshoot_after(over, 2, "harder", 1.0) is None  # all won at the cap: too tight, lifted
+    over = saturation.overshoot_after(over, 1, "harder", 0.0)  # even one move went too far: never below one
+    assert over == ("harder", 1) and saturation.capped(3, "harder", over) == 1
+    assert saturation.overshoot_after(over, 2, "easier", 1.0) == ("easier", 2)  # everybody won an easier one
+    assert saturation.overshoot_after(None, 2, "easier", 0.0) is None  # nobody won it: not easier enough
 
 
 def test_stride_with_equal_weights_is_round_robin_in_the_given_order() -> None:
@@ -195,6 +196,7 @@ async def test_an_unsolved_wide_candidate_makes_the_next_rewrite_smaller_until_o
         candidate = agent.slots[slot_id].candidate
         assert candidate is not None
         moves = agent.slots[slot_id].candidate_moves
+        assert moves is not None
         judged = _scored(agent, slot_id, candidate_accuracy, k).model_copy(
             update={"task_id": candidate.task_id, "purpose": "candidate"}
         )
@@ -204,12 +206,12 @@ async def test_an_unsolved_wide_candidate_makes_the_next_rewrite_smaller_until_o
         return moves
 
     assert await saturate_and_judge(0.0) == 2  # streak 3: two moves, and nothing won: too far
-    assert agent.slots[slot_id].overshot_moves == 2
+    assert agent.slots[slot_id].overshoot == ("harder", 2)
     assert await saturate_and_judge(0.0) == 1  # streak 6 would move 3: capped below the overshoot
     assert agent.counters["rewrites_proposed_capped"] == 1
     assert await saturate_and_judge(0.5) == 1  # in the band: accepted, and the cap is lifted
     slot = agent.slots[slot_id]
-    assert slot.rewrites_accepted == 1 and slot.overshot_moves is None
+    assert slot.rewrites_accepted == 1 and slot.overshoot is None and slot.candidate_moves is None
     await bus.flush()
     rewritten = [e async for _, e, _m in bus.history(["task.rewritten"]) if isinstance(e, TaskRewritten)]
     assert [e.moves for e in rewritten] == [2, 1, 1]

@@ -71,10 +71,11 @@ class Slot(BaseModel):
     rewrites_accepted: int = 0
     saturated_streak: int = 0
     """consecutive scored train groups of the active task all won or all lost (``coevo.algorithm.saturation``)"""
-    candidate_moves: int = 1
-    """knob moves of the candidate under measurement"""
-    overshot_moves: int | None = None
-    """the fewest moves a rejected candidate of the active task overshot with (``saturation.capped``)"""
+    candidate_moves: int | None = None
+    """knob moves of the candidate under measurement (None: not known, a slot saved before they were kept)"""
+    overshoot: saturation.Overshoot | None = None
+    """the direction and fewest moves a rejected candidate of the active task overshot with
+    (``saturation.capped``)"""
 
 
 class InFlight(BaseModel):
@@ -411,7 +412,7 @@ class TasksAgent(Agent):
             return
         tc = self.cfg.tasks
         wide = saturation.moves(slot.saturated_streak, tc.saturated_after, tc.saturated_moves)
-        moves = saturation.capped(wide, slot.overshot_moves)
+        moves = saturation.capped(wide, direction, slot.overshoot)
         proposal = await self.rewriter.propose(self.family, slot.active, direction, event.failures, moves)
         ok, why = False, proposal.error
         if proposal.candidate is not None:
@@ -491,16 +492,12 @@ class TasksAgent(Agent):
             slot.active = slot.candidate
             slot.rewrites_accepted += 1
             slot.last_accuracy = event.accuracy
-            slot.saturated_streak, slot.overshot_moves = 0, None
+            slot.saturated_streak, slot.overshoot = 0, None
             self.counters["rewrites_accepted"] += 1
-        elif not event.flagged:
-            slot.overshot_moves = saturation.overshot_after(
-                slot.overshot_moves, slot.candidate_moves, slot.candidate_direction, event.accuracy
+        elif not event.flagged and slot.candidate_moves is not None:
+            slot.overshoot = saturation.overshoot_after(
+                slot.overshoot, slot.candidate_moves, slot.candidate_direction, event.accuracy
             )
-        slot.candidate, slot.candidate_direction, slot.candidate_scheduled, slot.parent_accuracy = (
-            None,
-            None,
-            False,
-            None,
-        )
+        slot.candidate, slot.candidate_direction, slot.candidate_moves = None, None, None
+        slot.candidate_scheduled, slot.parent_accuracy = False, None
         slot.groups_since_rewrite = 0

@@ -12,12 +12,14 @@ measured by held-out success (``coevo bench ladder``), neither forbidding any pr
   one-step candidate (still all won, hence "not harder") would never leave;
 - and a move that overshot is not repeated: once a candidate of k moves came back on the far side
   (a harder one that no rollout won, an easier one that every rollout won), the slot's later
-  candidates move at most k − 1 steps (at least 1), until a rewrite is accepted.
+  candidates in that direction move at most k − 1 steps (at least 1), until a rewrite is accepted or
+  a candidate at the cap comes back at the near extreme (still all won, or all lost), which lifts it.
 
 Invariants: a streak counts consecutive scored train groups of the slot's active task and
-restarts at any mixed group or accepted rewrite; the overshoot cap only falls while the active task
-stays, and is lifted by an accepted rewrite; with ``saturated_after = 0`` nothing changes (weights
-all 1, one move): the plain round-robin and one-step rewrites.
+restarts at any mixed group or accepted rewrite; the overshoot cap acts only in its own direction,
+and is lifted by an accepted rewrite or by a candidate at the cap that did not go far enough; with
+``saturated_after = 0`` nothing changes (weights all 1, one move): the plain round-robin and one-step
+rewrites.
 """
 
 from __future__ import annotations
@@ -49,19 +51,33 @@ def moves(streak: int, after: int, most: int) -> int:
     return max(1, min(most, 1 + streak // after))
 
 
-def capped(moves: int, overshot: int | None) -> int:
-    """``moves`` below the slot's overshoot (the fewest moves a candidate overshot with), at least 1."""
-    return moves if overshot is None else max(1, min(moves, overshot - 1))
+Direction = Literal["harder", "easier"]
+Overshoot = tuple[Direction, int]
+"""a direction, and the fewest moves a rejected candidate in it went too far with"""
 
 
-def overshot_after(
-    overshot: int | None, moves: int, direction: Literal["harder", "easier"], candidate_acc: float
-) -> int | None:
-    """The slot's overshoot once a rejected candidate of ``moves`` moves scored ``candidate_acc``: a
-    harder one no rollout won, or an easier one every rollout won, went too far."""
-    if candidate_acc != (0.0 if direction == "harder" else 1.0):
-        return overshot
-    return moves if overshot is None else min(overshot, moves)
+def capped(moves: int, direction: Direction, overshoot: Overshoot | None) -> int:
+    """``moves`` below the slot's overshoot in ``direction`` (at least 1)."""
+    if overshoot is None or overshoot[0] != direction:
+        return moves
+    return max(1, min(moves, overshoot[1] - 1))
+
+
+def overshoot_after(
+    overshoot: Overshoot | None, moves: int, direction: Direction, candidate_acc: float
+) -> Overshoot | None:
+    """The slot's overshoot once a rejected candidate of ``moves`` moves in ``direction`` scored
+    ``candidate_acc``. On the far side (a harder one no rollout won, an easier one every rollout won) it
+    went too far: the cap falls to it. Still at the near extreme (a harder one every rollout won, an
+    easier one none won) with as many moves as the cap allowed, the cap was too tight (the policy has
+    moved on, or the overshoot was noise): it is lifted. Otherwise it stays."""
+    far = 0.0 if direction == "harder" else 1.0
+    same = overshoot is not None and overshoot[0] == direction
+    if candidate_acc == far:
+        return (direction, min(overshoot[1], moves) if overshoot is not None and same else moves)
+    if candidate_acc == 1.0 - far and overshoot is not None and same and moves >= overshoot[1] - 1:
+        return None
+    return overshoot
 
 
 @dataclass

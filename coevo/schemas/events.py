@@ -65,7 +65,12 @@ class TaskRewritten(Event):
     direction: Direction
     summaries: list[str] = Field(default_factory=list)
     rewriter: str
-    moves: int = Field(default=1, ge=1, description="knob steps asked for (more than 1 for a saturated slot)")
+    moves: int = Field(
+        default=1,
+        ge=1,
+        description="knob steps asked for (more than 1 for a saturated slot; fewer than a candidate of the "
+        "same task that went too far in this direction)",
+    )
     precheck_ok: bool
     precheck_error: str | None = None
 

@@ -63,8 +63,8 @@ class CheckpointJob:
     base_model: Path
     adapter_config_json: str | None = None
     """a LoRA lane's: ``model_state`` is its adapter, written as a PEFT adapter directory"""
-    entropy_coef: float = 0.0
-    """the entropy bonus's coefficient (an adaptive one resumes from it)"""
+    entropy_coef: float | None = None
+    """an adaptive entropy bonus's coefficient (``learner.entropy_target``), which a resumed lane goes on with"""
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -213,7 +213,7 @@ def model_files(folder: Path, job: CheckpointJob) -> dict[str, tensorfiles.FileI
                 "role": job.role,
                 "steps_total": job.steps_total,
                 "consumed_groups": job.consumed,
-                "entropy_coef": job.entropy_coef,
+                **({"entropy_coef": job.entropy_coef} if job.entropy_coef is not None else {}),
             }
         ),
     )

@@ -106,8 +106,9 @@ class StepMetrics:
     """the batch was undone: its step KL exceeded ``learner.max_step_kl`` (``samples`` 0, version unchanged)"""
     entropy: float | None = None
     """nats per response token of the distributions the batch was drawn from, under the weights before the step"""
-    entropy_coef: float = 0.0
-    """the entropy bonus's coefficient this batch was trained with (``coevo.training.entropy``)"""
+    entropy_coef: float | None = None
+    """the entropy bonus's coefficient this batch was trained with (``coevo.training.entropy``); None when
+    the lane has no bonus (``entropy_coef`` 0, no target)"""
 
     @classmethod
     def trained(
@@ -123,7 +124,7 @@ class StepMetrics:
         dropped: int,
         step_kl: float | None,
         entropy: float | None = None,
-        entropy_coef: float = 0.0,
+        entropy_coef: float | None = None,
     ) -> StepMetrics:
         """A batch trained in ``steps`` optimiser steps: ``sums`` of their metrics become means."""
         loss, kl, clip, mismatch, grad_norm = (
@@ -292,8 +293,9 @@ class Lane:
         state = json.loads((resume / "state.json").read_text())
         self.version = state["version"]
         self.steps_total = int(state.get("steps_total", 0))
-        if self.cfg.entropy_target is not None:  # an adaptive coefficient goes on where it was
-            self.entropy_coef = float(state.get("entropy_coef", self.entropy_coef))
+        if self.cfg.entropy_target is not None and state.get("entropy_coef") is not None:
+            # an adaptive coefficient goes on where it was, within today's bound
+            self.entropy_coef = min(self.cfg.entropy_coef_max, max(0.0, float(state["entropy_coef"])))
         self.consumed.extend(state["consumed_groups"])
         shard = resume / f"optimizer.rank{self.rank}.pt"
         self.optimizer.load_state_dict(
@@ -404,7 +406,7 @@ class Lane:
             dropped=dropped,
             step_kl=step_kl,
             entropy=entropy,
-            entropy_coef=eta,
+            entropy_coef=eta if self.cfg.entropy_coef > 0 or self.cfg.entropy_target is not None else None,
         )
 
     def _rank_tensors(self, part: list[TrainingSample]) -> list[Any]:
@@ -652,7 +654,7 @@ class Lane:
             self.model.config.to_json_string(),
             self.base_model,
             adapter_config_json=self._adapter_config(),
-            entropy_coef=self.entropy_coef,
+            entropy_coef=self.entropy_coef if self.cfg.entropy_target is not None else None,
         )
         fut = self._writer.start(job)
         fut.add_done_callback(self._durable_now)
@@ -694,7 +696,7 @@ class Lane:
                 self.model.config.to_json_string(),
                 self.base_model,
                 adapter_config_json=self._adapter_config(),
-                entropy_coef=self.entropy_coef,
+                entropy_coef=self.entropy_coef if self.cfg.entropy_target is not None else None,
             )
             out[0] = write_checkpoint(
                 self.root,
