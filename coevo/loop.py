@@ -160,6 +160,29 @@ def no_learning_reason(summary: dict[str, Any], cfg: CoevoConfig) -> str | None:
     return f"no policy learner step in this run: {why}. Run longer (--minutes) or lower learner.batch_samples."
 
 
+STARVING = 0.95
+"""the share of unanimous train groups at the end of a run above which the closing summary warns"""
+
+
+def starving_warning(summary: dict[str, Any]) -> str | None:
+    """Why the learner got (almost) no samples at the end of a run that did learn (None when it did not starve)."""
+    share, groups = summary.get("train_groups_unanimous_end"), summary["groups_scored"]
+    if share is None or share < STARVING or groups < 50 or not summary["learner_steps"]:
+        return None
+    text = (
+        f"the learner was starving at the end: {share:.0%} of the last {max(1, groups // 5)} train groups "
+        "were all won or all lost, which gives it no sample"
+    )
+    start, end = summary.get("policy_entropy_start"), summary.get("policy_entropy")
+    if start is not None and end is not None and end < start / 2:
+        text += (
+            f". The policy's entropy fell from {start:.2f} to {end:.2f} nats a token (first and last quarter "
+            "of its steps): it is collapsing onto one line per task, which the rewriter cannot move back into "
+            "the band. learner.entropy_target keeps it from collapsing (docs/algorithm.md §3)"
+        )
+    return text + "."
+
+
 def describe(summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str]) -> str:
     """A short human summary of a finished run: what improved, by how much, and where to look."""
     s = summary
@@ -203,8 +226,9 @@ def describe(summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str]) -
             else ""
         )
     )
-    if reason := no_learning_reason(s, cfg):
-        lines.append(f"  warning: {reason}")
+    for reason in (no_learning_reason(s, cfg), starving_warning(s)):
+        if reason:
+            lines.append(f"  warning: {reason}")
     lines += [f"  {name + ':':<12} {where}" for name, where in links.items()]
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from coevo.config import load_config
-from coevo.loop import _HideFromConsole, describe, no_learning_reason
+from coevo.loop import _HideFromConsole, describe, no_learning_reason, starving_warning
 from coevo.observe.aggregate import Aggregator, ConsumerInfo
 from coevo.observe.series import CHARTS, SPECS, Point, Series, tb_tag
 from coevo.observe.tally import SUMMARY_FIELDS, SUMMARY_TABLE, RunTally, summary_table
@@ -355,6 +355,24 @@ def test_the_human_summary_says_what_improved_and_warns_without_a_learner_step()
     assert f"fewer than learner.batch_samples = {cfg.learner.batch_samples}" in describe(few, cfg, {})
     by_groups = load_config(overrides={"learner.batch_groups": 8})
     assert "learner.batch_groups = 8 groups were scored" in (no_learning_reason(few, by_groups) or "")
+
+
+def test_the_human_summary_warns_when_the_learner_starves_at_the_end() -> None:
+    tally = RunTally()
+    for i in range(100):  # the first fifth mixed, then every group won
+        tally.train.append(0.5 if i < 20 else 1.0)
+    tally.entropy.extend([0.4] * 10 + [0.01] * 10)
+    tally.learner_steps = 20
+    summary = tally.summary("r1", 600.0).model_dump()
+    assert summary["train_groups_unanimous_end"] == 1.0 and summary["policy_entropy"] == pytest.approx(0.01)
+    text = describe(summary, load_config(), {})
+    assert "warning: the learner was starving at the end: 100% of the last 20 train groups" in text
+    assert "fell from 0.40 to 0.01 nats" in text and "learner.entropy_target" in text
+    steady = {**summary, "policy_entropy": 0.3}  # starving without a collapse: no advice about the entropy
+    assert "learner.entropy_target" not in (starving_warning(steady) or "") and starving_warning(steady)
+    tally.train[-1] = 0.5  # 19 of 20 unanimous: 95 % still warns; a shorter run does not
+    assert starving_warning(tally.summary("r1", 600.0).model_dump())
+    assert starving_warning({**summary, "groups_scored": 40}) is None
 
 
 def test_counter_dumps_stay_out_of_the_console() -> None:

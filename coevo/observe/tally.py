@@ -151,6 +151,11 @@ class RunSummary(BaseModel):
             "every one lost, has no signal and produces none)"
         )
     )
+    train_groups_unanimous_end: float | None = Field(
+        default=None,
+        description="share of the last fifth of the train groups whose rollouts were all won or all lost (no "
+        "outcome signal: near 1, the learner is starving, as when the policy has collapsed onto one line per task)",
+    )
     events: dict[str, int] = Field(
         description=("number of stored events of each kind (all purposes, all agents, heartbeats included)")
     )
@@ -320,6 +325,7 @@ class RunTally:
             policy_entropy=_mean(_quarter(self.entropy, first=False)),
             policy_samples=self.policy_samples,
             train_groups_with_samples=self.groups_with_samples,
+            train_groups_unanimous_end=_mean([float(a in (0.0, 1.0)) for a in self.train[-k:]]),
             events=dict(sorted(self.counts.items())),
             trajectories_per_second=round(self.counts["trajectory.completed"] / seconds, 3),
             judge_errors=self.judge["errors"],
