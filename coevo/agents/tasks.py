@@ -399,6 +399,15 @@ class TasksAgent(Agent):
             ]
         )
 
+    def rewrite_moves(self, slot: Slot, direction: Literal["harder", "easier"]) -> int:
+        """Knob moves of the slot's next rewrite: more while it is saturated, fewer than an overshoot."""
+        tc = self.cfg.tasks
+        wide = saturation.moves(slot.saturated_streak, tc.saturated_after, tc.saturated_moves)
+        moves = saturation.capped(wide, direction, slot.overshoot)
+        if moves < wide:
+            self.counters["rewrites_proposed_capped"] += 1
+        return moves
+
     async def maybe_rewrite(self, slot: Slot, event: GroupScored) -> None:
         low, high = self.cfg.tasks.band
         direction = scoring.rewrite_direction(event.accuracy, low, high)
@@ -410,9 +419,7 @@ class TasksAgent(Agent):
             or slot.groups_since_rewrite < self.cfg.tasks.min_groups_between_rewrites
         ):
             return
-        tc = self.cfg.tasks
-        wide = saturation.moves(slot.saturated_streak, tc.saturated_after, tc.saturated_moves)
-        moves = saturation.capped(wide, direction, slot.overshoot)
+        moves = self.rewrite_moves(slot, direction)
         proposal = await self.rewriter.propose(self.family, slot.active, direction, event.failures, moves)
         ok, why = False, proposal.error
         if proposal.candidate is not None:
@@ -437,8 +444,6 @@ class TasksAgent(Agent):
         self.counters["rewrites_proposed"] += 1
         if moves > 1:
             self.counters["rewrites_proposed_wide"] += 1
-        if moves < wide:
-            self.counters["rewrites_proposed_capped"] += 1
         if ok and proposal.candidate is not None:
             slot.candidate, slot.candidate_direction, slot.candidate_moves = proposal.candidate, direction, moves
             slot.candidate_scheduled, slot.parent_accuracy = False, event.accuracy

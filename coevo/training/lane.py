@@ -212,12 +212,8 @@ class Lane:
         self.model = self._model(resume, shared)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        if self.fsdp:  # FSDP2: every decoder layer, then the root, sharded over the ranks
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in self.model.model.layers:
-                fully_shard(layer)
-            fully_shard(self.model)
+        if self.fsdp:
+            self._shard()
         self.optimizer = torch.optim.AdamW(self.trainable(), lr=lr or cfg.lr)
         self.reference = self._reference_model() if cfg.kl_reference == "initial" else None
         self.version = 0
@@ -238,6 +234,14 @@ class Lane:
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.vocab = int(self.model.config.vocab_size)
         self._replayed: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    def _shard(self) -> None:
+        """FSDP2: every decoder layer, then the root, sharded over the ranks."""
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.model.model.layers:
+            fully_shard(layer)
+        fully_shard(self.model)
 
     def _model(self, resume: Path | None, shared: lora.SharedBase | None) -> Any:
         """The model to train: the resume checkpoint's, else the base; under ``learner.lora`` the base
@@ -390,11 +394,7 @@ class Lane:
             return StepMetrics.untrained(self.version, dropped, step_kl)
         tokens = sum(int(t.response_mask.sum()) + int(t.attention_mask.sum()) for micro in plans for t in micro)
         hist = Counter(str(staleness(s, self.version)) for s in kept)
-        self.version += 1
-        self.entropy_coef = coef_after  # a batch undone or failed leaves the coefficient too
-        for g in groups:
-            self.consumed.append(g)
-            self._consumed_set.add(g)
+        self._advance(groups, coef_after)
         return StepMetrics.trained(
             self.version,
             len(kept),
@@ -408,6 +408,15 @@ class Lane:
             entropy=entropy,
             entropy_coef=eta if self.cfg.entropy_coef > 0 or self.cfg.entropy_target is not None else None,
         )
+
+    def _advance(self, groups: list[str], entropy_coef: float) -> None:
+        """A batch of ``groups`` is trained: the next version, and the coefficient it left (a batch undone
+        or failed never gets here, so it leaves the coefficient as it was too)."""
+        self.version += 1
+        self.entropy_coef = entropy_coef
+        for g in groups:
+            self.consumed.append(g)
+            self._consumed_set.add(g)
 
     def _rank_tensors(self, part: list[TrainingSample]) -> list[Any]:
         """This rank's micro-batches of one minibatch, as tensors on the lane's device."""
