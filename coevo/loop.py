@@ -177,8 +177,10 @@ def starving_warning(summary: dict[str, Any]) -> str | None:
     if start is not None and end is not None and end < start / 2:
         text += (
             f". The policy's entropy fell from {start:.2f} to {end:.2f} nats a token (first and last quarter "
-            "of its steps): it is collapsing onto one line per task, which the rewriter cannot move back into "
-            "the band. learner.entropy_target keeps it from collapsing (docs/algorithm.md §3)"
+            "of its steps): it is collapsing onto one line per task, which wins a task always or never, so no "
+            "rewrite lands in the band and no batch comes for a remedy to act on. Act before it: a smaller "
+            "learner.lr, learner.entropy_coef or learner.entropy_target (docs/benchmarks.md, 'An entropy bonus "
+            "against the collapse', says what each did on SmolLM2)"
         )
     return text + "."
 
