@@ -399,7 +399,7 @@ class TasksAgent(Agent):
             ]
         )
 
-    def rewrite_moves(self, slot: Slot, direction: Literal["harder", "easier"]) -> int:
+    def rewrite_moves(self, slot: Slot, direction: saturation.Direction) -> int:
         """Knob moves of the slot's next rewrite: more while it is saturated, fewer than an overshoot."""
         tc = self.cfg.tasks
         wide = saturation.moves(slot.saturated_streak, tc.saturated_after, tc.saturated_moves)
