@@ -31,11 +31,19 @@ class EntropyControl:
     step: float
     most: float
 
+    @property
+    def adaptive(self) -> bool:
+        return self.target is not None
+
+    def bounded(self, coef: float) -> float:
+        """``coef`` within [0, c_max] (an adaptive coefficient resumed under a lower bound, or a step)."""
+        return min(self.most, max(0.0, coef))
+
     def decide(self, coef: float, entropy: float) -> tuple[float, float]:
         """(η for this batch, the coefficient after it), for a batch of ``entropy`` nats per token
         trained while the coefficient is ``coef``."""
         if self.target is None:
             return coef, coef
         below = entropy < self.target
-        after = min(self.most, max(0.0, coef + (self.step if below else -self.step)))
+        after = self.bounded(coef + (self.step if below else -self.step))
         return (after if below else 0.0), after

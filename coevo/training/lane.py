@@ -297,9 +297,9 @@ class Lane:
         state = json.loads((resume / "state.json").read_text())
         self.version = state["version"]
         self.steps_total = int(state.get("steps_total", 0))
-        if self.cfg.entropy_target is not None and state.get("entropy_coef") is not None:
+        if self.entropy_control.adaptive and state.get("entropy_coef") is not None:
             # an adaptive coefficient goes on where it was, within today's bound
-            self.entropy_coef = min(self.cfg.entropy_coef_max, max(0.0, float(state["entropy_coef"])))
+            self.entropy_coef = self.entropy_control.bounded(float(state["entropy_coef"]))
         self.consumed.extend(state["consumed_groups"])
         shard = resume / f"optimizer.rank{self.rank}.pt"
         self.optimizer.load_state_dict(
@@ -406,7 +406,7 @@ class Lane:
             dropped=dropped,
             step_kl=step_kl,
             entropy=entropy,
-            entropy_coef=eta if self.cfg.entropy_coef > 0 or self.cfg.entropy_target is not None else None,
+            entropy_coef=eta if self.cfg.entropy_coef > 0 or self.entropy_control.adaptive else None,
         )
 
     def _advance(self, groups: list[str], entropy_coef: float) -> None:
@@ -663,11 +663,15 @@ class Lane:
             self.model.config.to_json_string(),
             self.base_model,
             adapter_config_json=self._adapter_config(),
-            entropy_coef=self.entropy_coef if self.cfg.entropy_target is not None else None,
+            entropy_coef=self._saved_entropy_coef(),
         )
         fut = self._writer.start(job)
         fut.add_done_callback(self._durable_now)
         return fut
+
+    def _saved_entropy_coef(self) -> float | None:
+        """What a checkpoint keeps of the entropy bonus: an adaptive coefficient (a fixed one is the config's)."""
+        return self.entropy_coef if self.entropy_control.adaptive else None
 
     def _durable_now(self, fut: Future[Checkpoint]) -> None:
         if not fut.cancelled() and fut.exception() is None:
@@ -705,7 +709,7 @@ class Lane:
                 self.model.config.to_json_string(),
                 self.base_model,
                 adapter_config_json=self._adapter_config(),
-                entropy_coef=self.entropy_coef if self.cfg.entropy_target is not None else None,
+                entropy_coef=self._saved_entropy_coef(),
             )
             out[0] = write_checkpoint(
                 self.root,
