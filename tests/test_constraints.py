@@ -3,9 +3,11 @@ learn is a violation with a reason, plain programs pass, and what cannot be read
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from coevo.envs.coding import CONSTRAINTS
+from coevo.envs.coding import CONSTRAINTS, humaneval_problems
 from coevo.envs.constraints import CONSTRAINT_NAMES, MAX_PROGRAM_CHARS, violations
 
 ALL = ("no_imports", "no_while", "no_recursion")
@@ -248,6 +250,91 @@ GROWN_ELSEWHERE = {
     "            list(map(list.append, [q], [t - 1]))\n    return q",
     "a comprehension's bound method": "def f(x):\n    q = [x]\n    push = q.append\n"
     "    [push(t - 1) for t in q if t > 0]\n    return q",
+    # a third read: each aliasing construct below passed the check, and fills the list it loops over
+    "a starred target, *r, = [q]": "def f(x):\n    q = [x]\n    *r, = [q]\n    for t in q:\n        if t > 0:\n"
+    "            r[0].append(t - 1)\n    return q",
+    "a starred target, a, *r = 0, q": "def f(x):\n    q = [x]\n    a, *r = 0, q\n    for t in q:\n        if t > 0:\n"
+    "            r[0].append(t - 1)\n    return q",
+    "min's default": "def f(x):\n    q = [x]\n    r = min([], default=q)\n    for t in q:\n        if t > 0:\n"
+    "            r.append(t - 1)\n    return q",
+    "copy.copy of a list holding it": "import copy\ndef f(x):\n    q = [x]\n    r = copy.copy([q])[0]\n    for t in q:\n"
+    "        if t > 0:\n            r.append(t - 1)\n    return q",
+    "dict.get's default": "def f(x):\n    q = [x]\n    r = {}.get('k', q)\n    for t in q:\n        if t > 0:\n"
+    "            r.append(t - 1)\n    return q",
+    "an element of a nested literal": "def f(x):\n    q = [x]\n    box = [[q]]\n    r = box[0]\n    for t in q:\n"
+    "        if t > 0:\n            r[0].append(t - 1)\n    return q",
+    "two levels of named lists": "def f(x):\n    q = [x]\n    inner = [q]\n    box = [inner]\n    for t in q:\n"
+    "        if t > 0:\n            box[0][0].append(t - 1)\n    return q",
+    "random.choice of a list holding it": "import random\ndef f(x):\n    q = [x]\n    r = [q]\n    for t in q:\n"
+    "        if t > 0:\n            random.choice(r).append(t - 1)\n    return q",
+    "heapq.heappush into another list": "import heapq\ndef f(x):\n    q = [x]\n    r = []\n    heapq.heappush(r, q)\n"
+    "    for t in q:\n        if t > 0:\n            r[0].append(t - 1)\n    return q",
+    "list.append(r, q) before the loop": "def f(x):\n    q = [x]\n    r = []\n    list.append(r, q)\n    for t in q:\n"
+    "        if t > 0:\n            r[0].append(t - 1)\n    return q",
+    "operator.setitem": "import operator\ndef f(x):\n    q = [x]\n    r = [0]\n    operator.setitem(r, 0, q)\n"
+    "    for t in q:\n        if t > 0:\n            r[0].append(t - 1)\n    return q",
+    "setattr": "class O:\n    pass\ndef f(x):\n    q = [x]\n    o = O()\n    setattr(o, 'a', q)\n    for t in q:\n"
+    "        if t > 0:\n            o.a.append(t - 1)\n    return q",
+    "a field of a library object": "def f(x):\n    q = [x]\n    s = slice(q)\n    for t in q:\n        if t > 0:\n"
+    "            s.stop.append(t - 1)\n    return q",
+    "a class attribute": "G = []\nclass C:\n    r = G\ndef f(x):\n    G.append(x)\n    for t in G:\n        if t > 0:\n"
+    "            C().r.append(t - 1)\n    return list(G)",
+    "an exception's args": "class E(Exception):\n    pass\ndef f(x):\n    q = [x]\n    e = E(q)\n    for t in q:\n"
+    "        if t > 0:\n            e.args[0].append(t - 1)\n    return q",
+    "a starred argument": "def g(r, t):\n    r.append(t)\ndef f(x):\n    q = [x]\n    for t in q:\n        if t > 0:\n"
+    "            g(*[q, t - 1])\n    return q",
+    "sum of lists": "def f(x):\n    q = [x]\n    r = sum([[q]], [])\n    for t in q:\n        if t > 0:\n"
+    "            r[0].append(t - 1)\n    return q",
+    "a keyword of dict()": "def f(x):\n    q = [x]\n    r = dict(a=q)['a']\n    for t in q:\n        if t > 0:\n"
+    "            r.append(t - 1)\n    return q",
+    "a partial of list.append as a key": "import functools\ndef f(x):\n    q = [x]\n"
+    "    p = functools.partial(list.append, q)\n    for t in q:\n        if t > 0:\n"
+    "            sorted([t - 1], key=p)\n    return q",
+    "a comparison method returning it": "G = []\nclass C:\n    def __eq__(self, o):\n        return G\n"
+    "def f(x):\n    G.append(x)\n    for t in G:\n        if t > 0:\n            (C() == 1).append(t - 1)\n    return list(G)",
+    "a defaultdict's factory": "import collections\nG = []\ndef f(x):\n    G.append(x)\n"
+    "    d = collections.defaultdict(lambda: G)\n    for t in G:\n        if t > 0:\n            d['k'].append(t - 1)\n"
+    "    return list(G)",
+}
+
+# constructs the analysis does not model: refused as such, naming the construct (each program
+# grows the list it loops over through the construct)
+UNMODELLED = {
+    "match q: case r:": (
+        "def f(x):\n    q = [x]\n    match q:\n        case r:\n            pass\n    for t in q:\n        if t > 0:\n"
+        "            r.append(t - 1)\n    return q",
+        "line 3: a `match` statement: the loop check does not model it (not checked)",
+    ),
+    "except ... as e": (
+        "def f(x):\n    q = [x]\n    try:\n        raise ValueError(q)\n    except ValueError as e:\n"
+        "        r = e.args[0]\n    for t in q:\n        if t > 0:\n            r.append(t - 1)\n    return q",
+        "line 5: `except ... as e` (the raised object can be anything)",
+    ),
+    "a property": (
+        "G = []\nclass C:\n    @property\n    def p(self):\n        return G\ndef f(x):\n    G.append(x)\n"
+        "    c = C()\n    for t in G:\n        if t > 0:\n            c.p.append(t - 1)\n    return list(G)",
+        "line 4: the decorator `@property`",
+    ),
+    "a decorator": (
+        "G = []\ndef dec(fn):\n    return lambda: G\n@dec\ndef h():\n    return 0\ndef f(x):\n    G.append(x)\n"
+        "    for t in G:\n        if t > 0:\n            h().append(t - 1)\n    return list(G)",
+        "line 5: the decorator `@dec`",
+    ),
+    "__new__": (
+        "G = []\nclass C:\n    def __new__(cls):\n        return G\ndef f(x):\n    G.append(x)\n    for t in G:\n"
+        "        if t > 0:\n            C().append(t - 1)\n    return list(G)",
+        "line 3: the dunder method `__new__` (Python calls it implicitly)",
+    ),
+    "__iter__": (
+        "G = []\nclass C:\n    def __iter__(self):\n        return iter(G)\ndef f(x):\n    G.append(x)\n"
+        "    for t in C():\n        if t > 0:\n            G.append(t - 1)\n    return list(G)",
+        "line 3: the dunder method `__iter__`",
+    ),
+    "a class based on list": (
+        "class L(list):\n    pass\ndef f(x):\n    q = L([x])\n    for t in q:\n        if t > 0:\n"
+        "            q += [t - 1]\n    return q",
+        "line 1: the class `L` based on `list`",
+    ),
 }
 
 
@@ -263,6 +350,48 @@ def test_a_loop_over_a_list_grown_through_another_name_breaks_no_while(program: 
     assert set(items) == {0, 1, 2, 3}, items
 
 
+@pytest.mark.parametrize("name", list(UNMODELLED))
+def test_what_the_loop_analysis_does_not_model_breaks_no_while(name: str) -> None:
+    program, reason = UNMODELLED[name]
+    found = check(program + "\n", "no_while")["no_while"]
+    assert any(r.startswith(reason) and r.endswith("(not checked)") for r in found), found
+    scope: dict[str, object] = {}
+    exec(program + "\n", scope)  # the test's own program: it does loop over what it grows
+    assert sorted(scope["f"](3)) == [0, 1, 2, 3]  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("program", "reason"),
+    [
+        ("async def g():\n    return 1", "line 3: an `async def`"),
+        ("def g(x):\n    y = yield\n    yield y", "line 4: the value of a `yield` expression"),
+        ("class M(type):\n    pass\nclass C(metaclass=M):\n    pass", "the class keyword `metaclass=`"),
+        ("class C:\n    def __getattr__(self, n):\n        return []", "the dunder method `__getattr__`"),
+        ("x = open('f')", "line 3: a call of the builtin `open` (what it does with its arguments)"),
+        ("import dataclasses\n@dataclasses.dataclass\nclass C:\n    x: int = 0", "the class decorator"),
+        ("try:\n    pass\nexcept* ValueError:\n    pass", "line 3: a `try ... except*`"),
+    ],
+)
+def test_every_construct_off_the_whitelist_is_named(program: str, reason: str) -> None:
+    found = check("def f(x):\n    return x\n" + program + "\n", "no_while")["no_while"]
+    assert any(reason in r and r.endswith("the loop check does not model it (not checked)") for r in found), found
+
+
+def test_the_whitelist_keeps_the_reference_solutions_that_use_for_loops() -> None:
+    """Of the 164 HumanEval reference solutions, no_while refuses exactly those with a while loop
+    (and /160, which uses eval): the whitelist refuses none of the others."""
+    refused = {
+        pid
+        for pid, p in humaneval_problems().items()
+        if violations(p.solution or "", entry_point=p.entry_point, constraints=["no_while"], prompt=p.prompt)[
+            "no_while"
+        ]
+    }
+    with_while = {pid for pid, p in humaneval_problems().items() if re.search(r"^\s*while ", p.solution or "", re.M)}
+    assert len(with_while) == 15
+    assert refused == with_while | {"HumanEval/160"}
+
+
 @pytest.mark.parametrize(
     "program",
     [
@@ -273,6 +402,27 @@ def test_a_loop_over_a_list_grown_through_another_name_breaks_no_while(program: 
         "def f(xs):\n    n = len(xs)\n    for i in range(len(xs)):\n        xs.append(i)\n    return n",
         "def f(s):\n    out = []\n    for w in s.split():\n        out.append(w.upper())\n    return ' '.join(out)",
         "def f(xs):\n    counts = {}\n    for x in xs:\n        counts[x] = counts.get(x, 0) + 1\n    return counts",
+        # honest uses of what the whitelist models: library calls, classes, decorators, generators
+        "import collections\ndef f(xs):\n    c = collections.Counter(xs)\n    out = []\n    for k, v in c.most_common():\n"
+        "        out.append(k)\n    for x in xs:\n        c[x] += 1\n    return out",
+        "import heapq\ndef f(xs):\n    h = []\n    for x in xs:\n        heapq.heappush(h, x)\n    out = []\n"
+        "    for _ in range(len(h)):\n        out.append(heapq.heappop(h))\n    return out",
+        "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n"
+        "    def __len__(self):\n        return len(self.items)\ndef f(xs):\n    s = Stack()\n    for x in xs:\n"
+        "        s.push(x)\n    return len(s)",
+        "def f(xs):\n    d = {}\n    for x in xs:\n        d.setdefault(x % 3, []).append(x)\n    return [sorted(v) for v in d.values()]",
+        "import itertools\ndef f(xs):\n    out = []\n    for a, b in itertools.combinations(xs, 2):\n        out.append(a + b)\n"
+        "    return out",
+        "import functools\n@functools.lru_cache(maxsize=None)\ndef fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+        "def f(n):\n    out = []\n    for i in range(n):\n        out.append(fib(i))\n    return out",
+        "class P:\n    def __init__(self, x):\n        self.x = x\n    def __eq__(self, o):\n        return self.x == o.x\n"
+        "    def __repr__(self):\n        return f'P({self.x})'\ndef f(xs):\n    out = []\n    for p in [P(x) for x in xs]:\n"
+        "        out.append(str(p))\n    return out",
+        "def f(xs):\n    out = []\n    for y in filter(lambda v: v > 0, map(int, xs)):\n        out.append(y)\n    return out",
+        "def gen(xs):\n    for x in xs:\n        yield x * 2\ndef f(xs):\n    out = []\n    for y in gen(xs):\n        out.append(y)\n"
+        "    return out",
+        "def f(xs):\n    out = []\n    for x in xs:\n        try:\n            out.append(int(x))\n        except ValueError:\n"
+        "            pass\n    return out",
     ],
 )
 def test_loops_over_what_the_body_does_not_grow_pass_no_while(program: str) -> None:

@@ -392,6 +392,32 @@ BYPASSES = {
 """,
         {"no_while"},
     ),
+    "starred_alias_worklist": (  # a for loop over a worklist it grows through `*alias, = [todo]`
+        """    todo = [0]
+    *alias, = [todo]
+    for i in todo:
+        if i >= len(numbers):
+            return False
+        if any(i != j and abs(numbers[i] - b) < threshold for j, b in enumerate(numbers)):
+            return True
+        alias[0].append(i + 1)
+""",
+        {"no_while"},
+    ),
+    "match_alias_worklist": (  # the same through a match capture, which the loop check does not model
+        """    todo = [0]
+    match todo:
+        case alias:
+            pass
+    for i in todo:
+        if i >= len(numbers):
+            return False
+        if any(i != j and abs(numbers[i] - b) < threshold for j, b in enumerate(numbers)):
+            return True
+        alias.append(i + 1)
+""",
+        {"no_while"},
+    ),
     "aliased_recursion": (
         """from typing import List
 

@@ -7,6 +7,7 @@ Invariant: every check here only reads (the file system, a TCP connect); a failu
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from urllib.parse import urlsplit
 
 from coevo.errors import BusError, ConfigError
 
+RUN_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}")
+"""a run id: one plain name under ``run.runs_dir`` (as ``run.run_id``): never ``.``, ``..`` or a path"""
 NATS_PROBE_S = 2.0
 """how long a TCP connect to a --nats server may take before the command gives up on it"""
 
@@ -56,8 +59,17 @@ def check_nats(url: str | None, timeout_s: float = NATS_PROBE_S) -> None:
 
 
 def check_resume(runs_dir: Path, run: str | None) -> None:
-    """``--resume RUN`` continues a run that exists: its directory under ``run.runs_dir``."""
-    if run is None or (runs_dir / run).is_dir():
+    """``--resume RUN`` continues a run that exists: its directory under ``run.runs_dir`` (a run id,
+    not ``.``, ``..`` or a path, which would name the runs directory itself or one outside it)."""
+    if run is None:
+        return
+    if not RUN_ID.fullmatch(run):
+        raise ConfigError(
+            f"--resume {run}: not a run id (1-64 characters of A-Z a-z 0-9 _ -: the name of a run's "
+            f"directory under {runs_dir}/, not a path)",
+            field="run.run_id",
+        )
+    if (runs_dir / run).is_dir():
         return
     known = (
         sorted(p.name for p in runs_dir.iterdir() if p.is_dir() and (p / "config.json").exists())

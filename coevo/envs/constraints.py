@@ -171,10 +171,11 @@ def violations(program: str, *, entry_point: str, constraints: Sequence[str], pr
         tree = ast.parse(program)
         facts = _index(tree)
         allowed = _prompt_imports(prompt)
+        escapes = _escapes(facts, allowed)
         found = {
-            "escape": _escapes(facts, allowed),
+            "escape": escapes,
             "no_imports": _imports(facts, allowed),
-            "no_while": _while_loops(facts, allowed),
+            "no_while": _while_loops(facts, allowed, flow=not escapes),
             "no_recursion": _recursion(facts, entry_point),
         }
     except (SyntaxError, ValueError, OverflowError) as exc:
@@ -375,10 +376,11 @@ def _imports(facts: _Tree, allowed: frozenset[str]) -> list[str]:
     ]
 
 
-def _while_loops(facts: _Tree, allowed: frozenset[str]) -> list[str]:
+def _while_loops(facts: _Tree, allowed: frozenset[str], *, flow: bool) -> list[str]:
     """``while``, and what loops like one: ``iter(f, sentinel)``, itertools' unbounded iterators, and
     a ``for`` over a list its own body may grow, under any name (``loopflow``: each runs until a
-    condition, not over a given range)."""
+    condition, not over a given range; with ``flow`` False, as for a program that already fails
+    closed on an escape hatch, that analysis is not run)."""
     out: list[str] = []
     itertools_modules = {k for k, v in _modules(facts).items() if v == "itertools"}
     imported: dict[str, str] = {}  # local name → itertools function
@@ -411,7 +413,7 @@ def _while_loops(facts: _Tree, allowed: frozenset[str]) -> list[str]:
     for node, base, name in _attribute_uses(facts):
         if isinstance(base, ast.Name) and base.id in itertools_modules and name in (*UNBOUNDED, "repeat"):
             out += _unbounded(facts, node, name)
-    return out + grown_loops(facts.nodes[0][0])
+    return out + (grown_loops(facts.nodes[0][0]) if flow else [])
 
 
 def _unbounded(facts: _Tree, node: ast.AST, name: str) -> list[str]:

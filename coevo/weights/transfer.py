@@ -12,6 +12,9 @@ Invariants:
   nor a directory pruned meanwhile;
 - every collective has a timeout; after a failure the group is unusable and is closed (the next
   transfer connects again).
+- rank 0 listens only on the address it serves (``learner.weight_sync.host``): the store and its
+  gloo connections are bound to it, not to every interface. The rendezvous itself is not
+  authenticated: whoever reaches that address and port can join (docs/security.md).
 
 This module imports only torch and safetensors (and vLLM for the NCCL sender): vLLM's workers
 import it through ``coevo.weights.vllm_plugin``.
@@ -19,6 +22,7 @@ import it through ``coevo.weights.vllm_plugin``.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -101,18 +105,40 @@ class GlooCollective:
 
         self.rank = rank
         self.store = store
-        self.pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(STORE_PREFIX, store), rank, world_size, timedelta(seconds=timeout_s)
-        )
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        # rank 0 accepts its peers' connections on the store's address only (a worker, on its default one)
+        device = dist.ProcessGroupGloo.create_device(hostname=store.host) if rank == 0 else None
+        options._devices = [device or dist.ProcessGroupGloo.create_default_device()]
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, world_size, options)
 
     @staticmethod
     def host_store(host: str, world_size: int, timeout_s: float) -> Any:
-        """Rank 0's store on a free port (``store.port``); returns at once, peers join later."""
+        """Rank 0's store on a free port (``store.port``) of ``host`` only (a TCPStore of its own would
+        listen on every interface); returns at once, peers join later."""
         import torch.distributed as dist
 
-        return dist.TCPStore(
-            host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(128)
+            port = listener.getsockname()[1]
+            store = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=True,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+                master_listen_fd=listener.fileno(),
+            )
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store owns the socket now
+        return store
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> GlooCollective:
