@@ -304,6 +304,32 @@ class SamplingConfig(Section):
         return self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0
 
 
+class GrammarConfig(Section):
+    """Budgets of structured outputs (``coevo.inference.grammar``): a client's schema is checked against
+    them before anything compiles it, and a compile runs on a worker thread, never on an event loop or
+    the engine's batch thread; over a budget the request is refused with a 400 naming the field."""
+
+    max_schema_bytes: int = Field(
+        default=64 << 10, ge=256, description="largest JSON schema (or tools' parameter schemas) of a request, in bytes"
+    )
+    max_enum_values: int = Field(
+        default=1024, ge=1, description="most enum and const values in one request's schemas, all counted together"
+    )
+    max_schema_depth: int = Field(default=32, ge=1, description="deepest nesting of subschemas in one schema")
+    max_grammar_bytes: int = Field(
+        default=256 << 10, ge=1024, description="largest grammar (EBNF text) compiled, the learner's replay included"
+    )
+    compile_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="a grammar's compile that takes longer is refused (the request freed at once; the compile ends "
+        "on its worker and is discarded, and the same grammar is refused again without compiling)",
+    )
+    cache_bytes: int = Field(
+        default=256 << 20, ge=1 << 20, description="compiled grammars kept per process, by their size in memory"
+    )
+
+
 class PolicyConfig(Section):
     model: Path | None = Field(default=None, description="transformers model dir (default: tiny built locally)")
     url: str | None = Field(default=None, description="vLLM server (http://host:port/v1) serving the policy")
@@ -320,6 +346,7 @@ class PolicyConfig(Section):
         description="sampling temperature (the learner computes log-probs at it: what is trained is what was sampled)",
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    grammar: GrammarConfig = Field(default_factory=GrammarConfig)
     max_tokens: int = Field(default=64, ge=1, description="most tokens of one action")
     max_concurrent_trajectories: int = Field(default=64, ge=1, description="rollouts played at once")
     serve_port: int | None = Field(

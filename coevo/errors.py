@@ -3,6 +3,7 @@
 
     CoevoError                      every error coevo raises on purpose
     ├── ConfigError                 .field: the dotted name of the bad config value
+    │   └── SchemaMismatch          .run_version, .code_version: a run of another event schema major
     ├── BusError                    the message bus failed
     │   ├── NoResponders            a request found nobody serving its subject
     │   ├── PayloadUnavailable      a claimed object cannot be read now (read again on a later delivery)
@@ -24,12 +25,16 @@
     │   ├── VLLMError               .status, .param: the HTTP answer (None: no answer at all)
     │   ├── ExternalCallFailed      .model: a LiteLLM call failed after its retries and fallbacks
     │   │   └── OverBudget          api.max_usd is spent: no further call is made
-    │   └── InvalidTokens           (also a ValueError) .token_id, .vocab_size: prompt ids outside the vocabulary
+    │   ├── InvalidTokens           (also a ValueError) .token_id, .vocab_size: prompt ids outside the vocabulary
+    │   └── GrammarError            (also a ValueError) a constraint that cannot be compiled, a sequence it refuses
+    │       ├── SchemaUnsupported   .keywords: JSON-schema keywords the grammar engine cannot enforce
+    │       └── GrammarOverBudget   .limit, .value, .bound: over a size or compile-time budget (config field)
     ├── NonFiniteStep               .loss, .grad_norm: a learner step that would put inf/NaN into the weights
     ├── LoadFailed                  a weights version was not loaded (the server serves the one before)
     ├── TransferRefused             the learner refused a server's weight-transfer connect or push
     ├── ApiError                    .status, .type, .code, .param, .retry_after: the policy endpoint's answer
-    └── HostsUnavailable            network namespaces cannot be made here (bench hosts)
+    ├── HostsUnavailable            network namespaces cannot be made here (bench hosts)
+    └── HarnessError                (also a RuntimeError) a bench could not set an attack up
 
 Callers branch on types and on the attributes after the dots, never on messages. Handler outcomes
 map to acknowledgements explicitly: returning normally acks; ``Retry`` naks with a delay; ``Reject``
@@ -65,6 +70,16 @@ class ConfigError(CoevoError):
             )
         first = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
         return cls("invalid config: " + "; ".join(lines), field=first)
+
+
+class SchemaMismatch(ConfigError):
+    """This code's event schema major is not the run's (``coevo.schemas.versions``): the process
+    refuses to connect rather than write events the run's other processes cannot read."""
+
+    def __init__(self, message: str, run_version: str, code_version: str) -> None:
+        super().__init__(message, field=None)
+        self.run_version = run_version
+        self.code_version = code_version
 
 
 class BusError(CoevoError):
@@ -187,6 +202,34 @@ class InvalidTokens(InferenceError, ValueError):
         self.token_id, self.vocab_size = token_id, vocab_size
 
 
+class GrammarError(InferenceError, ValueError):
+    """A constraint that cannot be compiled, or a sequence its grammar refuses."""
+
+
+class SchemaUnsupported(GrammarError):
+    """A JSON schema holding keywords the grammar engine cannot enforce (``keywords``, each with the
+    path where it stands): refused, never compiled with them silently dropped."""
+
+    def __init__(self, keywords: list[str]) -> None:
+        super().__init__(
+            f"JSON schema keywords the grammar cannot enforce (refused rather than ignored): {', '.join(keywords[:8])}"
+        )
+        self.keywords = keywords
+
+
+class GrammarOverBudget(GrammarError):
+    """A schema or grammar over one of its budgets: ``limit`` names the config field, ``value`` what was
+    asked (bytes, values, seconds), ``bound`` the field's value."""
+
+    def __init__(self, limit: str, value: float, bound: float, what: str) -> None:
+        super().__init__(f"{what} ({_number(value)}) is over {limit} = {_number(bound)}")
+        self.limit, self.value, self.bound = limit, value, bound
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.3g}"
+
+
 class NonFiniteStep(CoevoError):
     """A learner step whose loss or gradient norm is not finite: refused before ``optimizer.step``,
     so the weights and the optimiser state stay as they were (the learner retries its groups alone,
@@ -231,3 +274,7 @@ class ApiError(CoevoError):
 
 class HostsUnavailable(CoevoError):
     """Network namespaces cannot be made here (not root, no ``ip``)."""
+
+
+class HarnessError(CoevoError, RuntimeError):
+    """A bench could not set an attack up (reported; the other attacks go on)."""

@@ -25,6 +25,32 @@ def test_a_volley_is_judged_by_what_a_sound_endpoint_answers() -> None:
     assert "exactly 1" in (attack_verdict("one_accepted", [409, 409]) or "")
 
 
+def test_structured_output_attacks_are_refused_before_compiling_and_the_cotenant_is_timed() -> None:
+    """The bench's schema attacks: each over a budget or holding a keyword no grammar enforces (the pure
+    check refuses it, so the endpoint answers 400 before any compile); the heavy one is within budget."""
+    from coevo.bench.hostile import latency_report
+    from coevo.bench.hostile_clients import HEAVY_SCHEMA, OVER_BUDGET_SCHEMAS
+    from coevo.errors import GrammarError
+    from coevo.inference.grammar import json_grammar
+
+    assert ATTACKS["structured_output_schemas"][0] == "refused"
+    for name, schema in OVER_BUDGET_SCHEMAS:
+        with pytest.raises(GrammarError):
+            json_grammar(schema)
+        assert name
+    assert json_grammar(HEAVY_SCHEMA)
+    report = latency_report({"before": [10.0, 30.0, 20.0], "during": [float("nan"), 50.0]})
+    assert report["before"] == {"calls": 3, "not_answered": 0, "median_ms": 20.0, "max_ms": 30.0}
+    assert report["during"] == {"calls": 2, "not_answered": 1, "median_ms": 50.0, "max_ms": 50.0}
+
+
+def test_the_harness_error_lives_with_the_others() -> None:
+    from coevo import errors
+    from coevo.bench import hostile_clients
+
+    assert hostile_clients.HarnessError is errors.HarnessError and issubclass(errors.HarnessError, errors.CoevoError)
+
+
 def _step(trajectory: str, index: int, reward: float | None = None) -> StepTaken:
     return StepTaken(
         run_id="r",

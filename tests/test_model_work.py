@@ -91,6 +91,8 @@ async def test_generating_requests_run_as_one_batch_and_each_row_is_what_the_lea
     grammar = json_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     lane = Lane("policy", tiny, tmp_path / "lane", LearnerConfig(), temperature=0.9, device="cpu")
     async with LocalEngine(tiny, seed=5) as engine:
+        # compiled first: a request whose grammar is still compiling joins a later batch (the others do not wait)
+        await engine.grammars.compiled_async(grammar)
         done = await asyncio.gather(
             *(
                 engine.complete(

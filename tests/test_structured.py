@@ -142,6 +142,56 @@ async def test_structured_output_requests_that_cannot_be_held_are_refused_naming
                 "not supported",
             ),
             ("/v1/responses", {"input": "a", "text": {"format": {"type": "json_schema"}}}, "text.format", "schema"),
+            # keywords the grammar cannot enforce: refused naming them, never compiled with them dropped
+            (
+                "/v1/chat/completions",
+                {**chat, "response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}}},
+                "response_format",
+                "not (at #)",
+            ),
+            (
+                "/v1/responses",
+                {
+                    "input": "a",
+                    "text": {"format": {"type": "json_schema", "schema": {"type": "array", "uniqueItems": True}}},
+                },
+                "text.format",
+                "uniqueItems",
+            ),
+            (
+                "/v1/chat/completions",
+                {
+                    **chat,
+                    "tools": [{"type": "function", "function": {"name": "g", "parameters": {"contains": {}}}}],
+                    "tool_choice": "required",
+                },
+                "tool_choice",
+                "contains",
+            ),
+            # over a budget: refused naming the limit, before anything compiles it
+            (
+                "/v1/chat/completions",
+                {
+                    **chat,
+                    "response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": list(range(5000))}}},
+                },
+                "response_format",
+                "policy.grammar.max_enum_values",
+            ),
+            # accepted and ignored before: the legacy function calling, and response_format on Completions
+            (
+                "/v1/chat/completions",
+                {**chat, "functions": [{"name": "go", "parameters": ANSWER}]},
+                "functions",
+                "tools",
+            ),
+            ("/v1/chat/completions", {**chat, "function_call": "auto"}, "function_call", "tool_choice"),
+            (
+                "/v1/completions",
+                {"prompt": "a", "max_tokens": 2, "response_format": {"type": "json_object"}},
+                "response_format",
+                "/v1/completions",
+            ),
             (
                 "/v1/responses",
                 {"input": "a", "tool_choice": {"type": "function", "name": "x"}},

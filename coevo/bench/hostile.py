@@ -7,8 +7,10 @@ finish them with outcomes that carry a learning signal. Meanwhile two hostile cl
 an episode key (``ek-…``) and one an agent key (``ak-…``), send every attack of ``ATTACKS``
 (``coevo.bench.hostile_clients``): malformed bodies, rewards that are huge, NaN, Infinity, ``1e39``
 (finite in float64, infinite in float32) or ``1e999`` (JSON that parses to infinity), out-of-vocabulary
-prompt token ids, oversized bodies, floods of opens, concurrent finishes of one episode and requests
-for another episode.
+prompt token ids, oversized bodies, floods of opens, concurrent finishes of one episode, requests
+for another episode, and structured-output schemas that are huge, deep, wide or hold keywords no grammar
+enforces (refused before any compile) or as costly as the budgets allow (served, never a 5xx), while an
+honest co-tenant's call is timed (``cotenant_latency_ms``: before and during those attacks).
 
 What is reported, per attack: the requests sent, the status codes seen and whether they are what a
 sound endpoint answers (``Expect``: refused with a 4xx; exactly one accepted; never a 5xx); and for
@@ -271,6 +273,7 @@ async def bench_hostile(plan: HostilePlan, *, cache: Path | None = None, workdir
         **verdict,
         "steps_recorded_not_stored": max(0, counters.get("endpoint.calls.recorded", 0) - verdict["steps_stored"]),
         "legitimate_requests_refused_after_attacks": dict(c.setup_refused),
+        "cotenant_latency_ms": latency_report(c.cotenant_ms),
         "victims_touched": c.victims_touched,
         "flood_orphans": c.orphans,
         "honest": {
@@ -321,6 +324,20 @@ def sound(r: dict[str, Any]) -> bool:
         and r["attacks_complete"]
         and r["honest"]["groups_trained"] > 0
     )
+
+
+def latency_report(samples: dict[str, list[float]]) -> dict[str, Any]:
+    """Per phase: the calls timed, those not answered 200, and the median and worst latency of the others."""
+    out: dict[str, Any] = {}
+    for when, ms in samples.items():
+        ok = sorted(x for x in ms if not math.isnan(x))
+        out[when] = {
+            "calls": len(ms),
+            "not_answered": len(ms) - len(ok),
+            "median_ms": round(ok[len(ok) // 2], 1) if ok else None,
+            "max_ms": round(ok[-1], 1) if ok else None,
+        }
+    return out
 
 
 def honest_groups_trained(events: list[Event], groups: set[str]) -> int:

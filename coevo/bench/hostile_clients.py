@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from coevo.errors import HarnessError
+
 Expect = Literal["refused", "one_accepted", "no_5xx"]
 """refused: every answer a 4xx; one_accepted: exactly one 2xx, the others 4xx; no_5xx: 2xx or 4xx"""
 NO_ANSWER = 0
@@ -186,6 +188,8 @@ class Ctx:
     orphans: int = 0
     ids: Iterator[int] = field(default_factory=itertools.count)
     """episodes a flood of rotations opened that the agent key does not hold (nobody can finish them)"""
+    cotenant_ms: dict[str, list[float]] = field(default_factory=dict)
+    """an honest co-tenant's call latency (ms; NaN: not answered 200) before and during the schema attacks"""
 
     async def open(self, body: dict[str, Any], key: str, path: str = "/coevo/v1/episodes") -> Reply:
         """Open (or rotate) until the endpoint takes it, as a client honouring Retry-After does."""
@@ -239,10 +243,6 @@ class Ctx:
             await self.http.call(
                 f"/coevo/v1/episodes/{r.body['episode_id']}/finish", r.body["key"], {"outcome": outcome}
             )
-
-
-class HarnessError(RuntimeError):
-    """The bench could not set an attack up (reported, the other attacks go on)."""
 
 
 def _message(r: Reply) -> str:
@@ -442,6 +442,56 @@ async def stale_call_id(c: Ctx, h: Holder) -> list[Reply]:
     return [await c.http.call(_ep(h, "reward"), h.key, {"reward": 0.1, "call_id": info.get("call_id", "call-x")})]
 
 
+def _schema(schema: Any) -> dict[str, Any]:
+    return chat_body(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+
+
+def _deep(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+OVER_BUDGET_SCHEMAS: tuple[tuple[str, Any], ...] = (
+    ("huge enum", {"enum": [f"value-{i}" for i in range(100_000)]}),  # ~1.3 MB: over the bytes
+    ("many enum values", {"enum": list(range(5000))}),  # ~30 KB: over the values
+    ("deep", _deep(200)),
+    ("wide", {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 9} for i in range(3000)}}),
+    ("not enforceable", {"type": "array", "items": {"not": {"type": "null"}}, "uniqueItems": True}),
+)
+"""structured-output schemas a sound endpoint refuses before compiling (a budget, or a keyword it cannot hold)"""
+HEAVY_SCHEMA = {
+    "type": "object",
+    "properties": {f"p{i}": {"enum": [f"v{i}-{k}" for k in range(4)]} for i in range(250)},
+}
+"""within every budget, as costly as they allow: served, or refused by the compile's time budget"""
+
+
+async def _cotenant(c: Ctx, when: str) -> None:
+    """One honest call outside episodes (with the run's key), its latency kept under ``when``."""
+    t0 = time.monotonic()
+    r = await c.http.call(CHAT, c.run_key, chat_body("co-tenant: say yes"))
+    c.cotenant_ms.setdefault(when, []).append((time.monotonic() - t0) * 1e3 if r.status == 200 else math.nan)
+
+
+async def schema_attacks(c: Ctx, h: Holder) -> list[Reply]:
+    """Schemas over a budget (huge, deep, wide) or with keywords a grammar cannot hold, sent at once
+    while an honest co-tenant calls: each refused, and the co-tenant's latency reported."""
+    await _cotenant(c, "before_schema_attacks")
+    replies = await asyncio.gather(
+        *(c.http.call(CHAT, h.key, _schema(s)) for _, s in OVER_BUDGET_SCHEMAS), _cotenant(c, "during_schema_attacks")
+    )
+    return [r for r in replies if isinstance(r, Reply)]
+
+
+async def heavy_schema(c: Ctx, h: Holder) -> list[Reply]:
+    """The costliest schema within the budgets, several at once, while an honest co-tenant calls."""
+    bodies = [_schema({**HEAVY_SCHEMA, "title": f"heavy {next(c.ids)}"}) for _ in range(3)]  # distinct: no cache
+    replies = await asyncio.gather(*(c.http.call(CHAT, h.key, b) for b in bodies), _cotenant(c, "during_heavy_schemas"))
+    return [r for r in replies if isinstance(r, Reply)]
+
+
 ATTACKS: dict[str, tuple[Expect, Attack]] = {
     "malformed_json": ("refused", bad_json),
     "wrong_types": ("refused", wrong_types),
@@ -457,6 +507,8 @@ ATTACKS: dict[str, tuple[Expect, Attack]] = {
     "flood_opens": ("no_5xx", flood_opens),
     "concurrent_finishes": ("one_accepted", concurrent_finishes),
     "finish_races_call": ("no_5xx", finish_race),
+    "structured_output_schemas": ("refused", schema_attacks),
+    "structured_output_heavy_schema": ("no_5xx", heavy_schema),
 }
 
 

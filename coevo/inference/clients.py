@@ -61,6 +61,7 @@ def make_client(cfg: CoevoConfig, role: Literal["policy", "judge", "rewriter"], 
         device=cfg.learner.device,
         seed=seed,
         sampling=cfg.policy.sampling if role == "policy" else cfg.judge.sampling,
+        grammar=cfg.policy.grammar,
     )
 
 

@@ -20,10 +20,10 @@ from typing import Any, Protocol, cast, runtime_checkable
 
 import structlog
 
-from coevo.config import SamplingConfig
+from coevo.config import GrammarConfig, SamplingConfig
 from coevo.errors import InvalidTokens
 from coevo.inference import adapters
-from coevo.inference.grammar import GrammarError, Grammars
+from coevo.inference.grammar import GrammarError, Grammars, Matcher
 from coevo.inference.sampling import truncate
 
 log = structlog.get_logger("coevo.inference")
@@ -162,6 +162,8 @@ class _Request:
     """token-in: the exact prompt tokens (``prompt`` is not encoded)"""
     stop: list[str] | None = None
     grammar: str | None = None
+    compiled: Any = None
+    """the grammar compiled (before the request is queued: the batch thread never compiles)"""
 
 
 class LocalEngine:
@@ -178,6 +180,7 @@ class LocalEngine:
         seed: int = 0,
         version: int = 0,
         sampling: SamplingConfig | None = None,
+        grammar: GrammarConfig | None = None,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -195,6 +198,7 @@ class LocalEngine:
             self.model = self.model.to(torch.bfloat16)  # serve in bf16 on CUDA (log-probs still in fp32)
         self.max_batch = max_batch
         self.sampling = sampling or SamplingConfig()
+        self.grammar_cfg = grammar or GrammarConfig()
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._version = version
         self._queue: asyncio.Queue[_Request | _Swap] = asyncio.Queue()
@@ -217,8 +221,9 @@ class LocalEngine:
 
     @functools.cached_property
     def grammars(self) -> Grammars:
-        """Grammar masks over this model's logits (built on first use: most engines never need one)."""
-        return Grammars(self.tokenizer, int(self.model.config.vocab_size))
+        """Grammar masks over this model's logits (built on first use: most engines never need one).
+        Grammars compile on its worker, awaited by ``complete`` before the request is queued."""
+        return Grammars(self.tokenizer, int(self.model.config.vocab_size), self.grammar_cfg)
 
     @property
     def version(self) -> int:
@@ -236,6 +241,8 @@ class LocalEngine:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if "grammars" in self.__dict__:
+            self.grammars.close()
         if self._server is not None:
             self._server.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -263,6 +270,8 @@ class LocalEngine:
             self.check_ids(prompt_ids)
         if grammar is not None and choices:
             raise ValueError("a grammar and choices: one constraint at a time")
+        # compiled on the grammars' worker, within policy.grammar's budget: the batch thread never compiles
+        compiled = None if grammar is None else await self.grammars.compiled_async(grammar)
         req = _Request(
             prompt,
             choices,
@@ -272,6 +281,7 @@ class LocalEngine:
             prompt_ids=prompt_ids,
             stop=stop,
             grammar=grammar,
+            compiled=compiled,
         )
         self._queue.put_nowait(req)
         return await req.future
@@ -522,7 +532,9 @@ class LocalEngine:
         prompts = [self._prompt_ids(r) for r in batch]
         n, pad = len(batch), self.tokenizer.pad_token_id or 0
         ids, mask, positions = self._left_padded(prompts)
-        matchers = [None if r.grammar is None else self.grammars.matcher(r.grammar) for r in batch]
+        matchers = [
+            None if r.compiled is None else Matcher(r.compiled, int(self.model.config.vocab_size)) for r in batch
+        ]
         out_ids: list[list[int]] = [[] for _ in batch]
         out_lp: list[list[float]] = [[] for _ in batch]
         finish = ["length"] * n

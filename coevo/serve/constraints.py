@@ -7,7 +7,8 @@ Pure functions, no I/O: each API's spelling in, one grammar out (``coevo.inferen
 - JSON output (``response_format`` / ``text.format`` of type ``json_schema`` or ``json_object``):
   JSON text satisfying the schema; with tools offered and ``tool_choice`` auto, that JSON or a tool call;
 - refused with a 400 naming the parameter: a forced tool without tools, a name not offered, a
-  schema the grammar engine cannot hold, a tool choice or format of another kind.
+  schema the grammar engine cannot hold (a keyword it cannot enforce, named: ``schema_rules``), a
+  schema over ``policy.grammar``'s budgets (the limit named), a tool choice or format of another kind.
 
 Sampling parameters the learner would not reproduce (``ignored_knobs``) are another matter: the
 policy samples at its own temperature and truncation, so a request's own are served without and
@@ -21,6 +22,7 @@ from typing import Any
 from coevo.config import SamplingConfig
 from coevo.errors import ApiError
 from coevo.inference.grammar import GrammarError, either, json_grammar, tool_call_grammar
+from coevo.inference.schema_rules import SchemaBudget
 
 Forced = tuple[bool, str | None]
 """(a tool call is forced, the tool it must call: None for any offered)"""
@@ -91,25 +93,28 @@ def grammar_for(
     tools_off: bool = False,
     tool_param: str = "tool_choice",
     format_param: str = "response_format",
+    budget: SchemaBudget | None = None,
 ) -> str | None:
-    """The grammar of a call (``tools``: chat tool definitions; ``tools_off``: tool choice "none")."""
+    """The grammar of a call (``tools``: chat tool definitions; ``tools_off``: tool choice "none"),
+    its schemas within ``budget`` (default: ``policy.grammar``'s defaults)."""
+    budget = budget or SchemaBudget()
     must, name = forced
     if must:
         if not tools:
             raise ApiError(400, "tool_choice forces a tool call, but no tools are offered", param=tool_param)
         try:
-            return tool_call_grammar(tools, name)
+            return tool_call_grammar(tools, name, budget)
         except GrammarError as exc:
             raise ApiError(400, f"tool_choice: {exc}", param=tool_param) from exc
     if schema is None:
         return None
     try:
-        answer = json_grammar(schema)
+        answer = json_grammar(schema, budget)
     except GrammarError as exc:
         raise ApiError(400, f"{format_param}: {exc}", param=format_param) from exc
     if tools and not tools_off:  # the model may still call a tool instead
         try:
-            return either(tool_call_grammar(tools), answer)
+            return either(tool_call_grammar(tools, None, budget), answer)
         except GrammarError as exc:
             raise ApiError(400, f"tools: {exc}", param="tools") from exc
     return answer

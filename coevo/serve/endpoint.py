@@ -47,20 +47,22 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import math
 import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from coevo.algorithm.admission import Backlog, behind
 from coevo.config import CoevoConfig
-from coevo.errors import ApiError, ConfigError, InvalidTokens
+from coevo.errors import ApiError, ConfigError, GrammarOverBudget, InvalidTokens
 from coevo.inference.chat import Turn, normalize
+from coevo.inference.schema_rules import SchemaBudget
 from coevo.schemas import TaskScheduled, TaskSpec, new_id
 from coevo.schemas.events import Outcome
 from coevo.serve import constraints as cs
@@ -71,6 +73,16 @@ from coevo.serve.episodes import Book, Episode, OwnGroups, Pool
 from coevo.serve.sampler import Answer, ChatCall, Sampled, Sampler
 
 _IDENT = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+def wait_seconds(body: dict[str, Any]) -> float:
+    """The pool request's ``wait_s`` (default 30), clamped to 0-300 s; anything but a finite number is a 400."""
+    value = body.get("wait_s", 30.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(400, f"wait_s must be a number of seconds (0-300), not {json.dumps(value)[:40]}", param="wait_s")
+    return min(max(float(value), 0.0), 300.0)
+
+
 OUTCOMES = ("won", "lost", "truncated", "aborted")
 BOUND: web.RequestKey[Any] = web.RequestKey("coevo_episode", object)
 """the episode a request's key binds it to (None: the run's key, or an agent key between episodes)"""
@@ -243,6 +255,8 @@ class Endpoint:
             return self._error(request, exc)
         except InvalidTokens as exc:  # the engine's own guard (ids the endpoint's check let through)
             return self._error(request, ApiError(400, str(exc), param="prompt", code="invalid_token_id"))
+        except GrammarOverBudget as exc:  # the engine's compile budget (policy.grammar.compile_timeout_s)
+            return self._error(request, ApiError(400, str(exc), code="grammar_over_budget"))
         except ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
@@ -459,13 +473,19 @@ class Endpoint:
             yield
         self.counters["endpoint.calls.unrecorded"] += 1
 
+    async def _grammar(self, *args: Any, **kw: Any) -> str | None:
+        """``constraints.grammar_for`` within ``policy.grammar``'s budgets, in a worker thread (a schema's
+        conversion never runs on the loop); the engine compiles it on its own worker (``Grammars``)."""
+        budget = SchemaBudget.of(self.pc.grammar)
+        return cast("str | None", await asyncio.to_thread(cs.grammar_for, *args, budget=budget, **kw))
+
     # ---- Chat Completions and Completions ----------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = oa.ChatRequest.model_validate(await self._sampling_request(request))
         req.check()
         ep = self._episode_of(request, req.user)
-        grammar = cs.grammar_for(
+        grammar = await self._grammar(
             req.tools,
             cs.chat_tool_choice(req.tool_choice),
             cs.json_schema_of(req.response_format, "response_format", nested=True),
@@ -536,7 +556,7 @@ class Endpoint:
         conversation = normalize([*history, *ra.to_messages(req.input)])
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         tools = ra.chat_tools(req.tools)
-        grammar = cs.grammar_for(
+        grammar = await self._grammar(
             tools,
             cs.responses_tool_choice(req.tool_choice),
             cs.json_schema_of((req.text or {}).get("format"), "text.format", nested=False),
@@ -574,7 +594,7 @@ class Endpoint:
         req.check()
         ep = self._episode_of(request, req.user)
         tools = ma.chat_tools(req.tools)
-        grammar = cs.grammar_for(
+        grammar = await self._grammar(
             tools,
             cs.messages_tool_choice(req.tool_choice),
             None,
@@ -811,7 +831,7 @@ class Endpoint:
                 'this run has no task pool (env.tasks_from is not set): send your own {"task_id", "goal"}',
                 code="no_pool",
             )
-        wait_s = min(max(float(body.get("wait_s", 30.0)), 0.0), 300.0)
+        wait_s = wait_seconds(body)
         rollout = await self.pool.take(wait_s)
         if rollout is None:
             raise ApiError(

@@ -8,7 +8,9 @@ completions: ``0``: the sampled tokens' log-probs), ``tools`` (rendered by the m
 ``<tool_call>{json}</tool_call>`` in the output becomes ``tool_calls``), ``tool_choice`` (``"auto"``,
 ``"none"``, and ``"required"`` or a named function, held by a grammar: ``coevo.serve.constraints``),
 ``response_format`` (``json_schema``, ``json_object``: held by a grammar), ``user``. Refused with a
-400 naming the parameter: log-prob alternatives (``top_logprobs`` > 0, completions ``logprobs`` > 0). Accepted without changing
+400 naming the parameter: log-prob alternatives (``top_logprobs`` > 0, completions ``logprobs`` > 0),
+the legacy ``functions`` / ``function_call`` (send ``tools`` / ``tool_choice``), and ``response_format``
+on Completions (structured outputs are held on Chat Completions and Responses). Accepted without changing
 sampling: its knobs (``temperature``, ``top_p``, penalties, ``seed``): the policy samples at
 ``policy.temperature``, the temperature the learner computes log-probs at, so what is trained is
 what was sampled (each one asked for is counted, ``endpoint.knobs_ignored.<name>``, and refused with a
@@ -55,6 +57,13 @@ class ChatRequest(_Request):
 
     def check(self) -> None:
         """Refuse what would be accepted and ignored (a 400 naming the parameter)."""
+        legacy = next((k for k in ("functions", "function_call") if (self.model_extra or {}).get(k) is not None), None)
+        if legacy is not None:
+            raise ApiError(
+                400,
+                f"{legacy}: the legacy function-calling parameters are not served (send tools and tool_choice)",
+                param=legacy,
+            )
         if self.top_logprobs:
             raise ApiError(
                 400,
@@ -70,6 +79,12 @@ class CompletionRequest(_Request):
     echo: bool = False
 
     def check(self) -> None:
+        if (self.model_extra or {}).get("response_format") is not None:
+            raise ApiError(
+                400,
+                "response_format is not held on /v1/completions (use /v1/chat/completions or /v1/responses)",
+                param="response_format",
+            )
         if self.logprobs:
             raise ApiError(
                 400,

@@ -54,7 +54,7 @@ from typing import Any, Literal, cast
 
 import torch
 
-from coevo.config import LearnerConfig, SamplingConfig
+from coevo.config import GrammarConfig, LearnerConfig, SamplingConfig
 from coevo.errors import ConfigError, NonFiniteStep
 from coevo.inference import adapters
 from coevo.inference.grammar import GrammarError, Grammars
@@ -187,6 +187,7 @@ class Lane:
         lr: float | None = None,
         device: str | None = None,
         shared: lora.SharedBase | None = None,
+        grammar: GrammarConfig | None = None,
     ) -> None:
         from coevo.inference.engine import quiet_transformers
 
@@ -201,6 +202,7 @@ class Lane:
         clear_partial(self.published_root)
         self.temperature = temperature
         self.sampling = sampling or SamplingConfig()
+        self.grammar_cfg = grammar or GrammarConfig()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.publish_dtype = serving_dtype(cfg.publish_dtype, self.device)
         resume = latest_checkpoint(self.root)
@@ -314,7 +316,23 @@ class Lane:
         """Trained into the weights of a complete resume checkpoint (safe to acknowledge)."""
         return group_id in self._durable
 
+    async def sample_problems(self, samples: list[TrainingSample]) -> list[str | None]:
+        """``sample_problem`` of each sample, for an event loop: a grammar sample's replay (and its
+        grammar's compile) runs in a worker thread, so the loop goes on meanwhile.
+
+        The learner compiles a sample's grammar itself (a compiled grammar lives in the process that
+        compiled it: the engine's is not shared across processes), on ``Grammars``' worker within the
+        same budget as the engine (``policy.grammar``: grammar bytes, compile seconds); a grammar
+        over it is a problem of the sample, which is then not trained."""
+        import asyncio
+
+        if not any(s.grammar is not None for s in samples):
+            return [self.sample_problem(s) for s in samples]
+        return await asyncio.to_thread(lambda: [self.sample_problem(s) for s in samples])
+
     def sample_problem(self, s: TrainingSample) -> str | None:
+        """Why ``s`` cannot be trained (None: it can). Replays a grammar sample's masks: call it off
+        the event loop for those (``sample_problems``)."""
         problem = sample_problem(s, self.vocab, int(getattr(self.model.config, "max_position_embeddings", 1 << 30)))
         if problem is None and s.grammar is not None:
             try:
@@ -329,7 +347,7 @@ class Lane:
         from transformers import AutoTokenizer
 
         base = adapters.base_of(self.base_model) if adapters.is_adapter(self.base_model) else self.base_model
-        return Grammars(AutoTokenizer.from_pretrained(base), self.vocab)
+        return Grammars(AutoTokenizer.from_pretrained(base), self.vocab, self.grammar_cfg)
 
     def grammar_masks(self, s: TrainingSample) -> torch.Tensor:
         """A grammar sample's packed per-position masks, replayed over its response tokens (the last
@@ -731,8 +749,10 @@ class Lane:
         return lora.adapter_config_json(self.model, self.base_model, self.adapter)
 
     def close(self) -> None:
-        """Wait for a checkpoint in flight and stop the writer's thread."""
+        """Wait for a checkpoint in flight and stop the writer's thread (and the grammars' worker)."""
         self._writer.close()
+        if "grammars" in self.__dict__:
+            self.grammars.close()
 
 
 @dataclass

@@ -86,6 +86,7 @@ def build_lane(cfg: CoevoConfig, role: Role, ckpt_root: Path, shared: SharedBase
         lr=lr,
         device=cfg.learner.device,
         shared=shared,
+        grammar=cfg.policy.grammar,
     )
 
 
@@ -321,6 +322,7 @@ class LearnerAgent(Agent):
             samples = event.policy_samples if role == "policy" else event.judge_samples
             if not samples:
                 continue
+            problems = await q.lane.sample_problems(samples)  # grammar replays off the loop, before the checks
             if q.lane.is_durable(event.group_id):
                 signal |= role == "policy"
                 continue
@@ -328,7 +330,7 @@ class LearnerAgent(Agent):
                 waits.append(q.undurable.setdefault(event.group_id, asyncio.get_running_loop().create_future()))
                 signal |= role == "policy"
                 continue
-            queued = self.enqueue(role, q, event.group_id, samples)
+            queued = self.enqueue(role, q, event.group_id, samples, problems)
             waits.append(queued)
             signal |= role == "policy" and not queued.done()  # done at once: every sample refused
         self.count_scored()  # after its samples are queued: the wave they complete includes them
@@ -383,15 +385,24 @@ class LearnerAgent(Agent):
             q.scored += 1
             q.arrived.set()
 
-    def enqueue(self, role: Role, q: LaneQueue, group_id: str, samples: list[TrainingSample]) -> asyncio.Future[None]:
+    def enqueue(
+        self,
+        role: Role,
+        q: LaneQueue,
+        group_id: str,
+        samples: list[TrainingSample],
+        problems: list[str | None] | None = None,
+    ) -> asyncio.Future[None]:
         """Queue a group's trainable samples; a group already queued or in the running step (a
-        redelivery) joins that entry. The future ends when the group is trained and durable."""
+        redelivery) joins that entry. The future ends when the group is trained and durable.
+        ``problems``: each sample's ``Lane.sample_problem``, found off the loop (``sample_problems``)."""
         for queued in (*q.queued, *q.training):
             if queued.group_id == group_id:
                 return queued.done
         fine = []
-        for s in samples:
-            problem = q.lane.sample_problem(s)
+        if problems is None:
+            problems = [q.lane.sample_problem(s) for s in samples]
+        for s, problem in zip(samples, problems, strict=True):
             if problem is None:
                 fine.append(s)
             else:
