@@ -260,7 +260,7 @@ async def test_a_push_consumer_cannot_deliver_a_forged_command(run_bus: NatsBus,
     await js.add_consumer(
         run_bus.stream,
         api.ConsumerConfig(
-            name="forger",
+            name="policy_5",  # one of its own consumer names: another name is refused
             deliver_subject=control_subject(run_bus.run_id, "victim"),
             ack_policy=api.AckPolicy.NONE,
             filter_subject=subject_for(run_bus.run_id, "agent.status", "policy"),

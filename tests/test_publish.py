@@ -104,7 +104,9 @@ def test_entropy_is_that_of_the_distribution_each_response_token_was_drawn_from(
             small_model, ids, attn, resp, allowed, 0.7, chunk_elements=chunk_elements, entropy=True
         )
         logits = small_model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / 0.7
-    assert ent is not None and torch.equal(logp, token_logprobs(small_model, ids, attn, resp, allowed, 0.7).detach())
+    # the same log-probs as the plain path (not bit for bit: with and without grad the CPU may pick other kernels)
+    plain = token_logprobs(small_model, ids, attn, resp, allowed, 0.7).detach()
+    assert ent is not None and (logp - plain).abs().max() < 1e-5 and torch.equal(logp == 0, plain == 0)
     want = torch.distributions.Categorical(logits=logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))).entropy()
     want = torch.nn.functional.pad(torch.where(resp[:, 1:] > 0, want, torch.zeros_like(want)), (1, 0))
     assert (ent - want).abs().max() < 1e-4 and torch.equal(ent == 0, resp == 0)

@@ -113,7 +113,13 @@ async def open_bus(
         max_payload=max(cfg.stream.max_msg_size, 1024 * 1024),
     ) as endpoint:
         bus = await NatsBus.connect(
-            endpoint.url, run_id, nats_cfg=endpoint.nats_config(cfg.nats), bus=cfg.bus, stream=cfg.stream, name=name
+            endpoint.url,
+            run_id,
+            nats_cfg=endpoint.nats_config(cfg.nats),
+            bus=cfg.bus,
+            stream=cfg.stream,
+            name=name,
+            reading=existing,  # a tool reading a run's history: older schema majors are upcast
         )
         try:
             if bus.manages and not existing:  # reading a run creates nothing

@@ -4,7 +4,10 @@ Invariants:
 - publishing: see ``coevo.runtime.publishing`` (stored once per event id, bounded in flight, flushed);
 - a consumed message is acked only after its handler returned and everything it published was
   stored (``coevo.runtime.outbox``); a payload that is not a valid event is terminated *after* a
-  ``DeadLettered`` event holding its bytes and the reason was stored.
+  ``DeadLettered`` event holding its bytes and the reason was stored;
+- a connection joins a run only when the run's recorded event schema major is this code's (reading
+  history: not older), checked before it changes anything (``coevo.schemas.versions``); the stream
+  records the schema of the process that created it, kept across later updates of its limits.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import ssl
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,8 +31,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from coevo.config import BusConfig, NatsConfig, StreamConfig
-from coevo.errors import BusError, ClaimError, PayloadUnavailable, PublishError
-from coevo.runtime import claims
+from coevo.errors import BusError, ClaimError, PayloadUnavailable, PublishError, SchemaMismatch
+from coevo.runtime import claims, slots
 from coevo.runtime.aio import drain
 from coevo.runtime.credentials import ADMIN, KV_BUCKETS, inbox_prefix, payload_buckets, read_credential
 from coevo.runtime.history import History
@@ -37,7 +41,21 @@ from coevo.runtime.publishing import MSG_ID, Publisher
 from coevo.runtime.pull import Puller
 from coevo.runtime.rpc import Rpc
 from coevo.runtime.stats import BusStats
-from coevo.schemas import Event, decode, events_prefix, kind_of, new_id, parse_subject, refusal, subject_filters
+from coevo.schemas import (
+    RUN_SCHEMA_KEY,
+    SCHEMA_VERSION,
+    Event,
+    SchemaVersion,
+    decode,
+    events_prefix,
+    join_refusal,
+    kind_of,
+    new_id,
+    parse_subject,
+    refusal,
+    run_version,
+    subject_filters,
+)
 
 log = structlog.get_logger("coevo.bus")
 
@@ -149,6 +167,12 @@ class NatsBus(Publisher, History, Rpc):
         """whether this connection may create and change the run's stream and buckets (not a role's)"""
         self.user = ADMIN
         """whose large events this bus stores (its object store): a role's, or the run's admin"""
+        self.reading = False
+        """a reader of the run's history (tools): may connect to a run of an older schema major"""
+        self.run_schema = SCHEMA_VERSION
+        """the event schema the run's stream records (``coevo.schemas.versions``)"""
+        self.unknown_fields: Counter[str] = Counter()
+        """``<kind>.<field>`` -> events of a newer schema minor read with that field ignored (each logged once)"""
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -162,10 +186,13 @@ class NatsBus(Publisher, History, Rpc):
         bus: BusConfig | None = None,
         stream: StreamConfig | None = None,
         name: str = "coevo",
+        reading: bool = False,
     ) -> NatsBus:
+        """``reading``: to read the run's history only (a tool), not to join it (``SchemaMismatch``)."""
         nats_cfg = nats_cfg or NatsConfig()
         nc = await connect_nats(nats_cfg, url, name=name)
         self = cls(nc, run_id, bus or BusConfig(), stream)
+        self.reading = reading
         if nats_cfg.credentials_file is not None:  # a role's connection may not create or change the stream
             self.user = nc.options["user"]  # as connect_nats read it from the file
             self.manages = self.user == ADMIN
@@ -189,6 +216,7 @@ class NatsBus(Publisher, History, Rpc):
             max_msg_size=s.max_msg_size,
             duplicate_window=s.duplicate_window_s,
             num_replicas=s.replicas,
+            metadata={RUN_SCHEMA_KEY: str(SCHEMA_VERSION)},
         )
         try:
             info = await self.js.stream_info(self.stream)
@@ -199,6 +227,10 @@ class NatsBus(Publisher, History, Rpc):
                     f"first (coevo run, or coevo server --run-id {self.run_id})"
                 ) from None
             return await self.js.add_stream(config)
+        self.run_schema = self._admit_schema(info.config.metadata)
+        # the version recorded at creation stays (none on a stream older than versions)
+        recorded = (info.config.metadata or {}).get(RUN_SCHEMA_KEY)
+        config.metadata = {RUN_SCHEMA_KEY: recorded} if recorded is not None else None
         if (
             info.config.subjects != config.subjects
             or info.config.max_age != config.max_age
@@ -216,6 +248,18 @@ class NatsBus(Publisher, History, Rpc):
                 return info
             return await self.js.update_stream(config)
         return info
+
+    def _admit_schema(self, metadata: dict[str, str] | None) -> SchemaVersion:
+        """The run's recorded schema, or ``SchemaMismatch`` when this process may not connect to it."""
+        try:
+            run = run_version(metadata)
+        except ValueError as exc:
+            raise SchemaMismatch(
+                f"run {self.run_id}'s stream records no valid event schema: {exc}", "?", str(SCHEMA_VERSION)
+            ) from None
+        if (why := join_refusal(self.run_id, run, SCHEMA_VERSION, reading=self.reading)) is not None:
+            raise SchemaMismatch(why, str(run), str(SCHEMA_VERSION))
+        return run
 
     def connected(self) -> bool:
         """Connected to a server that answers: a connection to a node cut off from its cluster (a
@@ -271,27 +315,34 @@ class NatsBus(Publisher, History, Rpc):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def decode_msg(self, msg: Msg) -> Event:
-        """The event a stored message holds, following a claim to the object store it names.
+    async def decode_msg(self, msg: Msg, ignored: list[tuple[str, str]] | None = None) -> Event:
+        """The event a stored message holds, following a claim to the object store it names; the
+        fields of a newer schema minor it ignored are counted (``unknown_fields``, each logged once)
+        and appended to ``ignored``.
 
         ``ValueError`` subclasses for anything that is not a valid event of the message's subject (an
         event whose kind is not its subject's is not valid: a role may publish only its own
         subjects); ``PayloadUnavailable`` when a claimed object cannot be read now, after a few tries
         (a leader change, a timeout): the message is intact, try again later."""
+        dropped: list[tuple[str, str]] = []
         if claims.is_claim(msg.headers):
             claim = claims.Claim.parse(msg.data)
             if claim.bucket not in payload_buckets(self.run_id):
                 raise ClaimError(f"claim on {claim.bucket}, not an object store of run {self.run_id}")
             for attempt in range(CLAIM_READS):
                 try:
-                    event = decode(await claims.fetch(self.js, claim))
+                    event = decode(await claims.fetch(self.js, claim), dropped)
                     break
                 except PayloadUnavailable:
                     if attempt == CLAIM_READS - 1:
                         raise
                     await asyncio.sleep(0.1 * 2**attempt)
         else:
-            event = decode(msg.data)
+            event = decode(msg.data, dropped)
+        if dropped:
+            self._count_unknown(event, dropped)
+            if ignored is not None:
+                ignored.extend(dropped)
         parsed = parse_subject(msg.subject or "")
         if parsed is not None:
             kind, scope = parsed
@@ -300,6 +351,20 @@ class NatsBus(Publisher, History, Rpc):
             if (why := refusal(scope, event)) is not None:  # a role is its subjects (coevo.schemas.registry)
                 raise ValueError(why)
         return event
+
+    def _count_unknown(self, event: Event, dropped: list[tuple[str, str]]) -> None:
+        for kind, field in dropped:
+            key = f"{kind}.{field}"
+            if not self.unknown_fields[key]:
+                log.warning(
+                    "bus.unknown_field",
+                    kind=kind,
+                    field=field,
+                    writer_schema=event.schema_version,
+                    reader_schema=str(SCHEMA_VERSION),
+                    detail="an event of a newer schema minor: the field is ignored (upgrade this process to read it)",
+                )
+            self.unknown_fields[key] += 1
 
     # ---- consume -----------------------------------------------------------------------------
 
@@ -334,8 +399,27 @@ class NatsBus(Publisher, History, Rpc):
         self, durable: str, kinds: Iterable[str], *, deliver: str = "all", ephemeral: bool = False
     ) -> Puller:
         """Create or update the durable consumer, then a ``Puller`` that fetches its batches."""
+        name = await self.open_consumer(durable, kinds, deliver=deliver, ephemeral=ephemeral)
+        return await Puller(self.nc, self.stream, name).start()
+
+    async def open_consumer(
+        self,
+        durable: str,
+        kinds: Iterable[str],
+        *,
+        deliver: str = "all",
+        ephemeral: bool = False,
+        owner: str | None = None,
+        held: str | None = None,
+    ) -> str:
+        """Create or update the consumer; its name. A role's ephemeral one (an agent instance's own)
+        takes one of the role's numbered names for ``owner`` (``coevo.runtime.slots``): ``held``
+        again if it is still free or its own (a supervised restart), else the first free one."""
+        if ephemeral and self.user != ADMIN:
+            config = self.consumer_config(durable, kinds, deliver=deliver, ephemeral=ephemeral)
+            return await slots.open_own(self, config, owner or new_id(), held)
         await self._ensure_consumer(durable, kinds, deliver=deliver, ephemeral=ephemeral)
-        return await Puller(self.nc, self.stream, durable).start()
+        return durable
 
     async def _ensure_consumer(self, durable: str, kinds: Iterable[str], *, deliver: str, ephemeral: bool) -> None:
         config = self.consumer_config(durable, kinds, deliver=deliver, ephemeral=ephemeral)

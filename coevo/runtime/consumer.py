@@ -11,7 +11,8 @@ Invariants:
   ``DeadLettered`` event (invalid payload, ``Reject``, or the last allowed crash);
 - a fetched message is kept with ``in_progress`` every ``in_progress_every_s`` from its fetch until its
   outcome, whether its handler runs or it waits behind its batch-mates (none passes ``ack_wait``);
-- a consumer deleted under it (by a role, or as inactive) is created again where it left off, and
+- a consumer deleted under it (by the admin, or as inactive), or re-pointed (the admin), is created again
+  where it left off (a role's own under one of its numbered names, ``coevo.runtime.slots``), and
   what it redelivers that was settled here is acked without its handler (``coevo.runtime.revival``).
 """
 
@@ -35,10 +36,11 @@ from coevo.errors import ConsumerGone, PayloadUnavailable, PublishError, Reject,
 from coevo.runtime import faults
 from coevo.runtime.aio import cancel_all, drain, first_completed, unless_set
 from coevo.runtime.bus import NatsBus
+from coevo.runtime.credentials import ADMIN
 from coevo.runtime.outbox import Outbox, staging
 from coevo.runtime.pull import Puller, stream_seq
 from coevo.runtime.revival import Revival
-from coevo.schemas import Event, Source, kind_of
+from coevo.schemas import Event, Source, kind_of, new_id
 
 
 class Delivery:
@@ -85,6 +87,8 @@ class ConsumerStats:
     """times its consumer was found deleted and created again"""
     settled_before: int = 0
     """deliveries of a message settled here already (a recreated consumer's, a lost ack's): acked unhandled"""
+    unknown_fields: int = 0
+    """fields of events of a newer schema minor ignored (handled, never dead-lettered: ``bus.unknown_field``)"""
 
 
 @dataclass
@@ -142,7 +146,8 @@ class Consumer:
         self._parked: dict[int, list[Msg]] = {}  # second deliveries of held sequences (``_take``)
         self._unstarted: list[Msg] = []  # fetched, not started when the stop came: given back at the end
         self.name = sub.durable if sub.shared else f"{sub.durable}-{source.agent_id}"
-        self.revival = Revival(bus, self.name, sub.kinds, sub.deliver, not sub.shared)
+        own = not sub.shared and bus.user != ADMIN  # a role's: one of its numbered names (coevo.runtime.slots)
+        self.revival = Revival(bus, self.name, sub.kinds, sub.deliver, not sub.shared, owner=new_id() if own else None)
         """where the consumer resumes if it is deleted, kept across runs (a supervised restart)"""
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -153,15 +158,22 @@ class Consumer:
         their own subscription to the shared durable, so a message is never handed between tasks.
         """
         per_worker = self.sub.batch or max(1, -(-self.cfg.fetch_batch // self.concurrency))
-        name = self.name
         subs: list[Puller] = []
+        rv = self.revival
 
         async def open_pullers() -> None:
+            name = await self.bus.open_consumer(
+                self.name,
+                self.sub.kinds,
+                deliver=self.sub.deliver,
+                ephemeral=not self.sub.shared,
+                owner=rv.owner,
+                held=rv.name if rv.owner is not None and rv.name != self.name else None,
+            )
+            rv.name = name
             for _ in range(self.concurrency):
-                subs.append(
-                    await self.bus.puller(name, self.sub.kinds, deliver=self.sub.deliver, ephemeral=not self.sub.shared)
-                )
-            await self.revival.read_ack_floor()
+                subs.append(await Puller(self.bus.nc, self.bus.stream, name).start())
+            await rv.read_ack_floor()
 
         try:
             # a stop while the consumer is created ends it at once (the request can take its full
@@ -191,6 +203,8 @@ class Consumer:
             if not self.resumed.is_set():
                 await first_completed(self.resumed.wait(), stop.wait())
                 continue
+            if psub.durable != self.revival.name:  # recreated under another of the role's names
+                psub.retarget(self.revival.name)
             try:
                 msgs = await psub.fetch(batch, self.cfg.fetch_timeout_s)
             except (nats.errors.TimeoutError, TimeoutError):
@@ -291,6 +305,7 @@ class Consumer:
             if time.monotonic() - floor_read > ACK_FLOOR_EVERY_S:
                 floor_read = time.monotonic()
                 await self.revival.read_ack_floor()
+                self.stats.recreated = self.revival.recreated
             limit = time.monotonic() - every / 2
             for msg, since in list(self._held.values()):
                 if since < limit:
@@ -303,7 +318,7 @@ class Consumer:
         and read again until ``bus.payload_wait_s``, so an outage of the object store (a partition,
         a leader change) longer than the redeliveries loses nothing; only then dead-lettered."""
         try:  # the common case first, without parsing the message's metadata (its reply subject into a
-            return await self.bus.decode_msg(msg)  # dataclass and a datetime: ~15 % of a small event's time)
+            return await self._read(msg)  # dataclass and a datetime: ~15 % of a small event's time)
         except PayloadUnavailable as first:
             exc = first
         delivered = msg.metadata.num_delivered
@@ -327,9 +342,15 @@ class Consumer:
             await asyncio.sleep(pause)
             pause = min(pause * 2, 10.0)
             try:
-                return await self.bus.decode_msg(msg)
+                return await self._read(msg)
             except PayloadUnavailable as again:
                 exc = again
+
+    async def _read(self, msg: Msg) -> Event:
+        ignored: list[tuple[str, str]] = []
+        event = await self.bus.decode_msg(msg, ignored)
+        self.stats.unknown_fields += len(ignored)
+        return event
 
     async def _admitted(self, msg: Msg) -> Event | None:
         """The message's event, or None when it is not one of this run's (dead-lettered with the

@@ -15,7 +15,12 @@ Each role's permissions (``role_permissions``, a pure function of the run and th
   endpoint opens), each lane's server its own ``weights.applied.<lane>``, each role its own
   ``agent.status.<role>`` and ``dead.lettered.<role>``; no role publishes a scoped kind's bare subject;
 - the JetStream API only to read the run's streams (``run_streams``: events, buckets, object
-  stores) and to run consumers on them (create, read, pull, ack): no stream or bucket is created,
+  stores) and to run consumers on them (create, read, pull, ack); on the run's events only its own
+  consumers (``consumer_names``: its shared durable, named as the role, and ``CONSUMER_SLOTS``
+  numbered names ``<role>_<k>`` claimed by ``coevo.runtime.slots``): create, update, read, pull,
+  ack and delete are each granted by name, so no role drains, acks, re-points or deletes another's
+  consumer (the unnamed ephemeral create, ``$JS.API.CONSUMER.CREATE.<stream>``, which takes any name
+  in its body, is not granted there); no stream or bucket is created,
   changed, deleted or purged by a role (the retention keeper purges old events); a role writes
   objects only to its own object store (``payload_bucket(run, role)``, its large events), and
   never purges it (``claims.put`` needs no purge);
@@ -68,6 +73,19 @@ KV_WRITERS: dict[str, tuple[str, ...]] = {
 REQUESTS: dict[str, tuple[str, ...]] = {"policy": ("weights", "env"), "judge": ("weights",)}
 SERVES: dict[str, tuple[str, ...]] = {"learner": ("weights",), "env": ("env",)}
 PURGES_STREAM = ("retention",)
+CONSUMER_SLOTS = 32
+"""numbered consumer names per role on the run's events: each unshared consumer of one of its agent
+instances, each history or tail reader, holds one while it exists (``coevo.runtime.slots``)"""
+
+
+def slot_name(role: str, k: int) -> str:
+    return f"{role}_{k}"
+
+
+def consumer_names(role: str) -> tuple[str, ...]:
+    """Every consumer of the run's events that ``role`` may create, read, pull, ack or delete: its
+    shared durable (named as the role) and its numbered names."""
+    return (role, *(slot_name(role, k) for k in range(CONSUMER_SLOTS)))
 
 
 def inbox_prefix(user: str) -> str:
@@ -141,8 +159,28 @@ def role_permissions(run_id: str, role: str) -> Permissions:
         raise ConfigError(f"no NATS permissions for role {role!r} (known: {', '.join(sorted(EMITS))})", field=None)
     stream, own = f"COEVO_{run_id}", payload_bucket(run_id, role)
     publish = role_subjects(run_id, role)
-    publish += ["$JS.API.INFO", f"$JS.ACK.{stream}.>", f"$O.{own}.>"]
+    publish += ["$JS.API.INFO", f"$O.{own}.>"]
+    for name in consumer_names(role):  # the run's events: only its own consumers, by name
+        publish += [
+            f"$JS.API.CONSUMER.CREATE.{stream}.{name}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.{name}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}",
+            f"$JS.API.CONSUMER.INFO.{stream}.{name}",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{name}",
+            f"$JS.API.CONSUMER.DELETE.{stream}.{name}",
+            f"$JS.ACK.{stream}.{name}.>",
+        ]
     for s in run_streams(run_id):  # read them, and run consumers on them (pull, ordered, ephemeral)
+        if s == stream:
+            publish += [
+                f"$JS.API.STREAM.INFO.{s}",
+                f"$JS.API.STREAM.MSG.GET.{s}",
+                f"$JS.API.DIRECT.GET.{s}",
+                f"$JS.API.DIRECT.GET.{s}.>",
+                f"$JS.API.CONSUMER.LIST.{s}",
+                f"$JS.API.CONSUMER.NAMES.{s}",
+            ]
+            continue
         publish += [
             f"$JS.API.STREAM.INFO.{s}",
             f"$JS.API.STREAM.MSG.GET.{s}",

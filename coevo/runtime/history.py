@@ -26,6 +26,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from coevo.errors import BusError
+from coevo.runtime import slots
+from coevo.runtime.credentials import ADMIN
 from coevo.runtime.pull import Puller, delivered_seq, read_all
 from coevo.schemas import Event, events_prefix, kind_from_subject, new_id, subject_filters
 
@@ -42,6 +44,7 @@ class History:
     js: JetStreamContext
     run_id: str
     stream: str
+    user: str
 
     async def decode_msg(self, msg: Msg) -> Event:
         raise NotImplementedError  # the bus's: it follows claims to the object store
@@ -77,8 +80,7 @@ class History:
         end = end_seq if end_seq is not None else await self.last_sequence()
         if end < start_seq:
             return
-        name = f"history_{new_id()[:16]}"
-        await self.js.add_consumer(self.stream, self._reader_config(name, kinds, start_seq))
+        name = await self._add_reader(self._reader_config(f"history_{new_id()[:16]}", kinds, start_seq))
         sub = await Puller(self.nc, self.stream, name).start()
         try:
             if (await self.js.consumer_info(self.stream, name)).num_pending == 0:
@@ -114,6 +116,15 @@ class History:
             await sub.unsubscribe()
             with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
                 await self.js.delete_consumer(self.stream, name)
+
+    async def _add_reader(self, config: api.ConsumerConfig) -> str:
+        """Create a reader; its name. A role's takes one of its numbered names (``coevo.runtime.slots``:
+        a role may touch only its own consumers)."""
+        if self.user == ADMIN:
+            await self.js.add_consumer(self.stream, config)
+            return str(config.name)
+        info = await slots.claim(self.nc, self.stream, config, self.user, new_id(), 5.0)
+        return str(info.name)
 
     def _reader_config(self, name: str, kinds: Iterable[str] | None, start_seq: int) -> api.ConsumerConfig:
         """An ephemeral consumer that acknowledges nothing, from ``start_seq``, of ``kinds`` (default: all)."""
@@ -167,7 +178,7 @@ class History:
             inactive_threshold=60.0,
             max_ack_pending=-1,
         )
-        await self.js.add_consumer(self.stream, config)
+        name = await self._add_reader(config)
         sub = await Puller(self.nc, self.stream, name).start()
         try:
             caught_up = False

@@ -37,6 +37,17 @@ class UnackedPublish:
     future: asyncio.Future[bool] | None = None
     """Resolves True once JetStream stored the message (``duplicate`` or not); fails when the stream
     refused it or nobody answered. Set by ``publish_raw``, resolved by the ack subscription."""
+    tries: int = 0
+    """times it failed (refused, unanswered for an ack timeout, or lost to an injected fault)"""
+    strikes: int = 0
+    """failures counted against ``bus.publish_retries``: those after the stream stored another publish
+    since this one first failed (the stream takes publishes; it refuses this one)"""
+    acks_at_first_failure: int = -1
+    """the bus's acknowledgement count when it first failed (-1: it has not)"""
+    retry_at: float = 0.0
+    """``time.perf_counter()`` before which it is not sent again (its backoff)"""
+    error: str = ""
+    """why it last failed"""
 
 
 class Republisher(Protocol):

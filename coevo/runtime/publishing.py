@@ -6,8 +6,16 @@ Invariants:
 - at most ``bus.max_inflight_publishes`` publishes await their acknowledgement; one unanswered for
   ``bus.publish_ack_timeout_s`` is sent again (same id) by the next publish, and ``flush()``
   returns only when every publish was acknowledged (failed ones are retried with the same id);
-- a failed publish is never dropped: it stays queued (``_failed``) and is sent again under its id
-  until it is acknowledged or the bus closes, which reports what is left (``BusStats.unstored``);
+- a failed publish is never dropped silently: it stays queued (``_failed``) and is sent again under
+  its id, backing off, without waiting (no other publish waits on it: each is answered on its own),
+  until it is acknowledged, or until it failed ``bus.publish_retries`` + 1 times after the stream
+  stored another publish since its first failure (a subject no stream stores, one this connection may
+  not publish to: it can never succeed): then it is dead-lettered (a ``DeadLettered`` event with its
+  bytes and the reason) and dropped from the queue; what is left when the bus closes is reported
+  (``BusStats.unstored``). An outage strikes nothing (no publish is stored meanwhile), nor does an
+  injected fault;
+- the in-flight bound counts the failed ones too: an outage holds publishers back, it does not grow
+  the queue;
 - a payload above ``inline_limit`` goes to the run's object store first; the stream holds its claim;
 - a publish made while a handler runs is staged in that delivery's outbox (``coevo.runtime.outbox``).
 """
@@ -15,12 +23,14 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
 
 import nats.errors
 import nats.js.errors
+import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
@@ -34,6 +44,9 @@ from coevo.runtime.stats import BusStats
 from coevo.schemas import Event, encode, subject_of
 
 MSG_ID = "Nats-Msg-Id"
+UNSTORED_PREFIX = "unstored-"
+"""the event id of a publish's dead letter: ``unstored-<its id>`` (stored once, however often it fails)"""
+log = structlog.get_logger("coevo.bus")
 
 
 class Publisher:
@@ -63,6 +76,8 @@ class Publisher:
         self._acks_lock = asyncio.Lock()
         self._tokens = 0
         self._stores: dict[str, Any] = {}
+        self._acks = 0
+        """publishes acknowledged so far (a failure after another was stored counts against its retries)"""
 
     async def publish(self, event: Event) -> asyncio.Future[bool]:
         """Publish without waiting for the ack (bounded in-flight). Returns the ack future."""
@@ -84,12 +99,21 @@ class Publisher:
                 await self._expire(time.perf_counter() - self.cfg.publish_ack_timeout_s)
         if self._failed:
             await self._retry_failed()
-        while len(self._unacked) >= self.cfg.max_inflight_publishes:
+        while not self._has_room():
             await self._wait_for_room()
         if len(payload) > self.inline_limit:
             pending = await self._unacked_publish(subject, payload, msg_id)
         else:
             pending = _UnackedPublish(subject, payload, msg_id, time.perf_counter(), {MSG_ID: msg_id})
+        fut = await self._send(pending)
+        box = outbox.current()
+        if box is not None:
+            box.staged.append((fut, pending))
+        return fut
+
+    async def _send(self, pending: _UnackedPublish) -> asyncio.Future[bool]:
+        """Send ``pending`` with a fresh reply token and return its ack future at once."""
+        subject = pending.subject
         if not self._acks_prefix:
             await self._start_acks()
         self._tokens += 1
@@ -112,10 +136,10 @@ class Publisher:
                 self._forget(token)
                 fut.cancel()
                 raise
-        box = outbox.current()
-        if box is not None:
-            box.staged.append((fut, pending))
         return fut
+
+    def _has_room(self) -> bool:
+        return len(self._unacked) + len(self._failed) < self.cfg.max_inflight_publishes
 
     async def _start_acks(self) -> None:
         """Subscribe to this bus's ack subjects (``<inbox>.<token>``), once."""
@@ -137,6 +161,7 @@ class Publisher:
             return
         # an acknowledgement: the server answers (a refusal does not count: it is retried)
         self._unanswered_since = None if not self._unacked and not self._failed else time.perf_counter()
+        self._acks += 1
         self.stats.published += 1
         if b'"duplicate"' in data and json.loads(data).get("duplicate"):
             self.stats.duplicates += 1
@@ -144,24 +169,35 @@ class Publisher:
             self.stats.latencies_ms.append((time.perf_counter() - pending.t0) * 1e3)
         pending.future.set_result(True)
 
-    def _fail(self, pending: _UnackedPublish, error: str) -> None:
-        """Queue a refused publish to be sent again and fail its future (retrieved: nobody need await
-        a publish that is retried anyway)."""
+    def _fail(self, pending: _UnackedPublish, error: str, *, strikes: bool = True) -> None:
+        """Queue a refused publish to be sent again after its backoff and fail its future (retrieved:
+        nobody need await a publish that is retried anyway). ``strikes``: False for a fault injected
+        on purpose (transient by definition)."""
+        self._note_failure(pending, error, strikes=strikes)
         self._failed.append(pending)
         if pending.future is not None and not pending.future.done():
             pending.future.set_exception(PublishError(pending.subject, pending.event_id, error))
             pending.future.exception()
 
+    def _note_failure(self, pending: _UnackedPublish, error: str, *, strikes: bool = True) -> None:
+        pending.error = error
+        if strikes and pending.acks_at_first_failure >= 0 and self._acks > pending.acks_at_first_failure:
+            pending.strikes += 1  # the stream stored another publish since this one first failed
+        if pending.acks_at_first_failure < 0:
+            pending.acks_at_first_failure = self._acks
+        pending.retry_at = time.perf_counter() + retry_delay(pending.tries)
+        pending.tries += 1
+
     def _refused(self, token: str, error: str) -> None:
         pending = self._forget(token)
         if pending is not None:
-            self._fail(pending, error)
+            self._fail(pending, error, strikes=False)
 
     def _forget(self, token: str) -> _UnackedPublish | None:
         pending = self._unacked.pop(token, None)
         if not self._unacked:
             self._idle.set()
-        if len(self._unacked) < self.cfg.max_inflight_publishes:
+        if self._has_room():
             self._room.set()
         return pending
 
@@ -222,23 +258,74 @@ class Publisher:
         for token, pending in list(self._unacked.items()):
             if pending.t0 < sent_before:
                 self._forget(token)
+                self._note_failure(pending, f"not acknowledged within {self.cfg.publish_ack_timeout_s:g} s")
+                pending.retry_at = 0.0  # it waited a whole ack timeout already: sent again at once
                 self._failed.append(pending)
                 if pending.future is not None:
                     pending.future.cancel()
         await self._retry_failed()
 
     async def _retry_failed(self) -> None:
-        """Publish the failed ones again, in order; when one cannot be stored (``PublishError``, to the
-        caller) it stays queued, behind those not tried yet (one no stream ever takes holds up no
-        other for ever): none is dropped."""
-        failed, self._failed = self._failed, []
-        for i, pending in enumerate(failed):
-            self.stats.publish_retries += 1
+        """Send again, under their ids, the failed publishes whose backoff is over, without waiting for
+        their answers (each comes on its own: none waits on another); dead-letter those that failed
+        ``bus.publish_retries`` + 1 times while the stream stored others (``_note_failure``)."""
+        now = time.perf_counter()
+        if not any(p.retry_at <= now for p in self._failed):
+            return
+        due = [p for p in self._failed if p.retry_at <= now]
+        self._failed = [p for p in self._failed if p.retry_at > now]
+        for i, pending in enumerate(due):
             try:
-                await self.republish(pending)
+                if pending.strikes > self.cfg.publish_retries:
+                    await self._dead_letter_unstorable(pending)
+                    continue
+                if pending.tries == 1:
+                    self.stats.publish_retries += 1  # publishes sent again (each counted once)
+                pending.t0 = time.perf_counter()
+                await self._send(pending)
             except BaseException:
-                self._failed[:0] = [*failed[i + 1 :], pending]
+                self._failed[:0] = due[i:]
                 raise
+        if self._has_room():
+            self._room.set()
+
+    async def _dead_letter_unstorable(self, pending: _UnackedPublish) -> None:
+        """``pending`` can never be stored: a ``DeadLettered`` event says so, with its bytes and why
+        (sent as any publish: retried, and struck, in turn; a dead letter that cannot be stored either
+        is reported and dropped, ``BusStats.unstored``)."""
+        from coevo.schemas import DeadLettered, Source
+
+        reason = (
+            f"publish never stored: failed {pending.tries} times, {pending.strikes} of them while the "
+            f"stream stored others (a subject no stream stores, or one this connection may not publish "
+            f"to); last: {pending.error}"
+        )
+        log.error("bus.publish_dead_lettered", subject=pending.subject, event_id=pending.event_id, reason=reason)
+        if pending.event_id.startswith(UNSTORED_PREFIX):
+            self.stats.unstored += 1
+            return
+        role = self.user
+        event = DeadLettered(
+            event_id=f"{UNSTORED_PREFIX}{pending.event_id}"[:64],
+            run_id=self.run_id,
+            source=Source(agent_id=f"{role}-bus", role=role),
+            original_subject=pending.subject,
+            consumer="publish",
+            reason=reason[:4000],
+            raw=pending.payload,
+            delivery_count=pending.tries,
+            headers=dict(pending.headers),
+        )
+        self.stats.dead_lettered += 1
+        await self._send(
+            _UnackedPublish(
+                subject_of(self.run_id, event),
+                encode(event),
+                event.event_id,
+                time.perf_counter(),
+                {MSG_ID: event.event_id},
+            )
+        )
 
     async def republish(self, p: _UnackedPublish) -> api.PubAck:
         """Publish ``p`` again under its id and wait for the ack (stored once whatever came before)."""
@@ -268,17 +355,38 @@ class Publisher:
         raise PublishError(p.subject, p.event_id, repr(last))
 
     async def flush(self, timeout_s: float | None = None) -> None:
-        """Wait until every publish so far is acknowledged (retrying failures)."""
+        """Wait until every publish so far is acknowledged or dead-lettered (retrying failures after
+        their backoff); ``PublishError`` (the first left, and why) when that did not happen within
+        ``timeout_s`` (default: ``bus.publish_ack_timeout_s``)."""
         timeout_s = timeout_s or self.cfg.publish_ack_timeout_s
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            await self._expire(float("inf"))
-        await self._retry_failed()
+        end = time.perf_counter() + timeout_s
+        ack_timeout = self.cfg.publish_ack_timeout_s
+        while self._unacked or self._failed:
+            now = time.perf_counter()
+            if now >= end:
+                left = [*self._failed, *self._unacked.values()][0]
+                raise PublishError(
+                    left.subject, left.event_id, left.error or f"not acknowledged within {timeout_s:g} s"
+                )
+            wake = end
+            if self._failed:
+                wake = min(wake, min(p.retry_at for p in self._failed))
+            if self._unacked:
+                wake = min(wake, min(p.t0 for p in self._unacked.values()) + ack_timeout)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._idle.wait(), max(0.0, wake - now))
+            else:
+                await asyncio.sleep(max(0.0, wake - now))  # a retry's backoff: nothing else to wait for
+            await self._expire(time.perf_counter() - ack_timeout)
 
     @property
     def inflight(self) -> int:
         return len(self._unacked)
+
+
+def retry_delay(tries: int) -> float:
+    """The backoff before a failed publish is sent again, after its ``tries``-th failure (0-based)."""
+    return min(0.1 * 2.0**tries, 2.0)
 
 
 def _ack_error(data: bytes) -> str | None:

@@ -82,6 +82,12 @@ class Puller:
         self._late: list[Msg] = []
         self._conflict = False
 
+    def retarget(self, durable: str) -> None:
+        """Fetch from ``durable`` from now on (a role's own consumer recreated under another of its
+        names, ``coevo.runtime.slots``); between fetches only."""
+        self.durable = durable
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{durable}"
+
     async def start(self) -> Puller:
         self._inbox = self.nc.new_inbox()
         self._sub = await self.nc.subscribe(self._inbox, cb=self._on_msg)

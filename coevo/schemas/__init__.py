@@ -57,12 +57,14 @@ from coevo.schemas.registry import (
     subject_of,
     transfer_subject,
 )
+from coevo.schemas.versions import RUN_SCHEMA_KEY, SchemaVersion, join_refusal, run_version
 
 __all__ = [
     "BY_ROLE",
     "ENDPOINT_GROUPS",
     "EVENT_TYPES",
     "KIND_TO_MODEL",
+    "RUN_SCHEMA_KEY",
     "SCHEMA_VERSION",
     "SCOPES",
     "AgentStatus",
@@ -80,6 +82,7 @@ __all__ = [
     "IntArray",
     "LearnerStepped",
     "RunFinished",
+    "SchemaVersion",
     "Source",
     "StepJudged",
     "StepTaken",
@@ -103,6 +106,7 @@ __all__ = [
     "encode_json",
     "envelope",
     "events_prefix",
+    "join_refusal",
     "json_schemas",
     "kind_from_subject",
     "kind_of",
@@ -111,6 +115,7 @@ __all__ = [
     "producer_of",
     "readable",
     "refusal",
+    "run_version",
     "scope_of",
     "selector_keys",
     "subject_filters",

@@ -2,7 +2,9 @@
 
 Invariant: an event is immutable once built, rejects unknown fields and wrong types (strict mode),
 and carries enough identity (event id, run id, source, causation and correlation ids) to be traced
-back to what caused it. This module imports only pydantic and the standard library.
+back to what caused it, and the schema version it was written with (``coevo.schemas.versions``:
+decoding tolerates a newer minor's unknown fields, ``coevo.schemas.registry.decode``; building one
+in code never does). This module imports only pydantic and the standard library.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = 1
+from coevo.schemas.versions import SchemaVersion
+
+SCHEMA_VERSION = SchemaVersion(2, 0)
+"""The event schema this code writes and reads. Bump the minor for added optional fields (or kinds),
+the major for anything else, then refresh the snapshot: ``python -m coevo.schemas.snapshot --write``.
+2.0: the first with a minor; 1 (an integer on the wire) was every release before, whose readers
+refused any field they did not know."""
 
 Identifier = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 """Ids used in subjects, durable names and stream names: no spaces, no wildcards."""
@@ -51,10 +59,19 @@ class Event(Frozen):
 
     event_id: str = Field(default_factory=new_id, min_length=1, max_length=64)
     run_id: RunId
-    schema_version: int = Field(default=SCHEMA_VERSION, ge=1)
+    schema_version: str = Field(
+        default=str(SCHEMA_VERSION),
+        pattern=SCHEMA_VERSION.wire_pattern(),
+        description="MAJOR.MINOR of the schema the writer used (other majors are upcast or refused by decode)",
+    )
     ts: float = Field(default_factory=now, description="Unix time (seconds) at creation.")
     source: Source
     causation_id: str | None = Field(default=None, description="event_id of the event that caused this one")
     correlation_id: str | None = Field(
         default=None, description="id shared by every event of one unit of work (e.g. a task's group)"
     )
+
+    @property
+    def writer_schema(self) -> SchemaVersion:
+        """The schema version the event was written with."""
+        return SchemaVersion.parse(self.schema_version)

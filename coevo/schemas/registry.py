@@ -1,8 +1,11 @@
 """One registry: event kind <-> model <-> subject, and the wire codec.
 
 Invariant: ``decode(encode(e)) == e`` for every registered event; raw bytes that are not a valid
-event raise ``ValidationError`` (never a half-built event). Old schema versions pass through an
-upcaster before validation.
+event raise ``ValidationError`` (never a half-built event). Versions (``coevo.schemas.versions``):
+an event of this code's major decodes whatever its minor (a newer minor's fields this code does not
+know are dropped and reported, its known fields as strict as ever; an unknown field in an event of
+this minor or an older one is invalid); an older major passes through its upcasters
+(``UPCASTERS``: one per kind and major) before validation; a newer major is refused.
 
 Subjects (a role is its subjects). An event of a kind one role produces is published on
 ``coevo.<run>.ev.<kind>``. A kind that two producers share, or that is read per lane, has one more
@@ -24,7 +27,7 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any, Union
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, ValidationError
 
 from coevo.schemas.base import SCHEMA_VERSION, Event
 from coevo.schemas.events import (
@@ -44,6 +47,7 @@ from coevo.schemas.events import (
     WeightsPublished,
 )
 from coevo.schemas.packed import Arrays, Blob, frame, unframe
+from coevo.schemas.versions import LEGACY_MAJOR, SchemaVersion
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     TaskScheduled,
@@ -70,8 +74,20 @@ MODEL_TO_KIND: dict[type[Event], str] = {m: k for k, m in KIND_TO_MODEL.items()}
 
 SUBJECT_ROOT = "coevo"
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
-UPCASTERS: dict[tuple[str, int], Upcaster] = {}
-"""(kind, old schema_version) -> function that rewrites the payload to the next version."""
+
+
+def _from_legacy(data: dict[str, Any]) -> dict[str, Any]:
+    """Schema 1 -> 2.0: every field added while the version stayed 1 has a default, and a
+    ``LearnerStepped`` of 0 samples was a disposal report from the release that wrote one; only a
+    ``TaskRewritten.attempt`` (written for an hour, then reverted) is gone."""
+    if data.get("kind") == "task.rewritten":
+        data.pop("attempt", None)
+    return data
+
+
+UPCASTERS: dict[tuple[str, int], Upcaster] = {(kind, LEGACY_MAJOR): _from_legacy for kind in KIND_TO_MODEL}
+"""(kind, old major) -> function that rewrites a payload of that major to the next one (a minor
+needs none: it only adds fields with defaults)."""
 
 
 def kind_of(model: type[Event] | Event) -> str:
@@ -243,28 +259,65 @@ def readable(event: Event) -> dict[str, Any]:
     return event.model_dump(mode="json", context={"lists": True})
 
 
-def decode(raw: bytes | str | memoryview) -> Event:
+def decode(raw: bytes | str | memoryview, ignored: list[tuple[str, str]] | None = None) -> Event:
     """Validate raw bytes (a frame or JSON) into the registered event they encode.
 
-    Fast path: current-version payloads go straight through the Rust JSON validator; a frame's
-    arrays are views of ``raw``. Older versions are parsed, upcast step by step, then validated.
-    Anything that is not a valid event raises ``ValueError`` (pydantic's ``ValidationError`` is one).
+    Fast path: payloads of this code's major with no field it does not know go straight through the
+    Rust JSON validator; a frame's arrays are views of ``raw``. A newer minor's unknown fields are
+    dropped (each ``(kind, dotted field)`` appended to ``ignored``) and the rest validated as strictly;
+    older majors are parsed, upcast step by step, then validated. Anything that is not a valid event
+    raises ``ValueError`` (pydantic's ``ValidationError`` is one), a newer major included.
     """
     parts = unframe(raw) if not isinstance(raw, str) else None
     head = bytes(parts[0]) if parts else bytes(raw) if isinstance(raw, memoryview) else raw
     try:
         return EVENT_ADAPTER.validate_json(head, context=_frame_context(parts))
-    except Exception:
-        data = _json(head)
-        version = data.get("schema_version") if isinstance(data, dict) else None
-        if type(version) is not int or version >= SCHEMA_VERSION:
-            raise
-        try:
-            upcasted = upcast(data)
-        except (TypeError, KeyError, AttributeError) as exc:  # an upcaster met a shape it does not know
-            raise ValueError(f"cannot upcast {data.get('kind')!r} from schema_version {version}: {exc!r}") from exc
-        # back through the JSON validator: arrays in the head (references, base64) read as on the fast path
-        return EVENT_ADAPTER.validate_json(_json_bytes(upcasted), context=_frame_context(parts), strict=False)
+    except Exception as exc:
+        first = exc
+    data = _json(head)
+    try:
+        version = SchemaVersion.parse(data.get("schema_version") if isinstance(data, dict) else None)
+    except ValueError:
+        raise first from None  # the validator's own errors say what is wrong
+    if version.major > SCHEMA_VERSION.major:
+        raise ValueError(
+            f"a {data.get('kind')!r} event of schema {version}: this code ({SCHEMA_VERSION}) reads major "
+            f"{SCHEMA_VERSION.major} and older; upgrade this process"
+        ) from None
+    if version.major == SCHEMA_VERSION.major:
+        unknown = _unknown_fields(first) if version.minor > SCHEMA_VERSION.minor else None
+        if unknown is None:
+            raise first
+        for loc in unknown:
+            _drop(data, loc)
+        event = EVENT_ADAPTER.validate_json(_json_bytes(data), context=_frame_context(parts))
+        if ignored is not None:
+            ignored.extend((str(loc[0]), ".".join(str(p) for p in loc[1:] if isinstance(p, str))) for loc in unknown)
+        return event
+    try:
+        upcasted = upcast(data)
+    except (TypeError, KeyError, AttributeError) as exc:  # an upcaster met a shape it does not know
+        raise ValueError(f"cannot upcast {data.get('kind')!r} from schema_version {version}: {exc!r}") from exc
+    # back through the JSON validator: arrays in the head (references, base64) read as on the fast path
+    return EVENT_ADAPTER.validate_json(_json_bytes(upcasted), context=_frame_context(parts), strict=False)
+
+
+def _unknown_fields(exc: Exception) -> list[tuple[str | int, ...]] | None:
+    """Where a validation failed only on fields the model does not know (None: on anything else)."""
+    if not isinstance(exc, ValidationError):
+        return None
+    errors = exc.errors()
+    if not errors or any(e["type"] != "extra_forbidden" or len(e["loc"]) < 2 for e in errors):
+        return None
+    return [tuple(e["loc"]) for e in errors]
+
+
+def _drop(data: dict[str, Any], loc: tuple[str | int, ...]) -> None:
+    """Remove the field at ``loc`` (the kind first, as a discriminated union reports it)."""
+    node: Any = data
+    for step in loc[1:-1]:
+        node = node[step]
+    del node[loc[-1]]
 
 
 def _frame_context(parts: tuple[memoryview, memoryview] | None) -> dict[str, Any] | None:
@@ -295,15 +348,17 @@ def envelope(raw: bytes | memoryview) -> dict[str, Any] | None:
 
 
 def upcast(data: dict[str, Any]) -> dict[str, Any]:
+    """A payload of an older major rewritten, one major at a time, into this code's version."""
     kind = data.get("kind")
-    version = int(data.get("schema_version", SCHEMA_VERSION))
-    while version < SCHEMA_VERSION:
-        step = UPCASTERS.get((str(kind), version))
+    major = SchemaVersion.parse(data.get("schema_version", str(SCHEMA_VERSION))).major
+    while major < SCHEMA_VERSION.major:
+        step = UPCASTERS.get((str(kind), major))
         if step is None:
-            raise ValueError(f"no upcaster for {kind} schema_version {version}")
+            raise ValueError(f"no upcaster for {kind} schema_version {major}")
         data = step(data)
-        version += 1
-        data["schema_version"] = version
+        major += 1
+        data["schema_version"] = str(SchemaVersion(major, 0))
+    data["schema_version"] = str(SCHEMA_VERSION)
     return data
 
 

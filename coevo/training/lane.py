@@ -198,8 +198,8 @@ class Lane:
         self.root = Path(ckpt_root) / role
         self.published_root = self.root / "published"
         self.published_root.mkdir(parents=True, exist_ok=True)
-        clear_partial(self.root)
-        clear_partial(self.published_root)
+        for root in (self.root, self.published_root):
+            clear_partial(root)
         self.temperature = temperature
         self.sampling = sampling or SamplingConfig()
         self.grammar_cfg = grammar or GrammarConfig()
@@ -218,9 +218,8 @@ class Lane:
             self._shard()
         self.optimizer = torch.optim.AdamW(self.trainable(), lr=lr or cfg.lr)
         self.reference = self._reference_model() if cfg.kl_reference == "initial" else None
-        self.version = 0
+        self.version = self.steps_total = 0
         self.consumed: deque[str] = deque(maxlen=100_000)
-        self.steps_total = 0
         self.entropy_control = EntropyControl(cfg.entropy_target, cfg.entropy_coef_step, cfg.entropy_coef_max)
         self.entropy_coef = cfg.entropy_coef
         """the entropy bonus's coefficient now: fixed, or adapted per batch and kept in checkpoints"""
