@@ -53,6 +53,8 @@ def sample_events(run_id: str) -> list[Event]:
             direction="harder",
             summaries=["went the wrong way"],
             rewriter="builtin",
+            moves=1,
+            moves_wanted=2,
             precheck_ok=True,
         ),
         TaskDecided(

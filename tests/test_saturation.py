@@ -12,6 +12,7 @@ from coevo.algorithm import saturation
 from coevo.algorithm.rewriter import BuiltinRewriter
 from coevo.config import CoevoConfig
 from coevo.envs import make_family
+from coevo.observe.tally import RunTally
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import GroupScored, Source, TaskRewritten
 
@@ -215,3 +216,9 @@ async def test_an_unsolved_wide_candidate_makes_the_next_rewrite_smaller_until_o
     await bus.flush()
     rewritten = [e async for _, e, _m in bus.history(["task.rewritten"]) if isinstance(e, TaskRewritten)]
     assert [e.moves for e in rewritten] == [2, 1, 1]
+    wanted = [e.moves_wanted for e in rewritten]
+    assert wanted[:2] == [2, 3] and wanted[2] is not None and wanted[2] >= 1, wanted  # the second was capped
+    tally = RunTally()
+    for e in rewritten:
+        tally.add(e)
+    assert tally.capped == 1  # counted from the events alone (summary: rewrites_proposed_capped)

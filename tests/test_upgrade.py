@@ -50,7 +50,7 @@ SRC = Source(agent_id="test", role="test")
 RELEASE_FILE = REPO / "tests" / "data" / "previous_release.txt"
 ACTOR = REPO / "tests" / "upgrade_actor.py"
 NEWER_MINOR = str(SchemaVersion(SCHEMA_VERSION.major, SCHEMA_VERSION.minor + 1))
-KINDS = "task.scheduled,step.taken,step.judged,group.scored,learner.stepped,weights.published"
+KINDS = "task.scheduled,task.rewritten,step.taken,step.judged,group.scored,learner.stepped,weights.published"
 
 
 async def _connect(url: str, run_id: str, cfg: CoevoConfig, **kw: Any) -> NatsBus:

@@ -399,14 +399,15 @@ class TasksAgent(Agent):
             ]
         )
 
-    def rewrite_moves(self, slot: Slot, direction: saturation.Direction) -> int:
-        """Knob moves of the slot's next rewrite: more while it is saturated, fewer than an overshoot."""
+    def rewrite_moves(self, slot: Slot, direction: saturation.Direction) -> tuple[int, int]:
+        """Knob moves of the slot's next rewrite, and how many its saturation wanted before an overshoot
+        capped them: more while it is saturated, fewer than an overshoot."""
         tc = self.cfg.tasks
         wide = saturation.moves(slot.saturated_streak, tc.saturated_after, tc.saturated_moves)
         moves = saturation.capped(wide, direction, slot.overshoot)
         if moves < wide:
             self.counters["rewrites_proposed_capped"] += 1
-        return moves
+        return moves, wide
 
     async def maybe_rewrite(self, slot: Slot, event: GroupScored) -> None:
         low, high = self.cfg.tasks.band
@@ -419,7 +420,7 @@ class TasksAgent(Agent):
             or slot.groups_since_rewrite < self.cfg.tasks.min_groups_between_rewrites
         ):
             return
-        moves = self.rewrite_moves(slot, direction)
+        moves, wanted = self.rewrite_moves(slot, direction)
         proposal = await self.rewriter.propose(self.family, slot.active, direction, event.failures, moves)
         ok, why = False, proposal.error
         if proposal.candidate is not None:
@@ -437,6 +438,7 @@ class TasksAgent(Agent):
                 summaries=proposal.summaries,
                 rewriter=proposal.rewriter,
                 moves=moves,
+                moves_wanted=wanted,
                 precheck_ok=ok,
                 precheck_error=why,
             )

@@ -119,6 +119,11 @@ class RunSummary(BaseModel):
     rewrites_proposed_wide: int = Field(
         description=("of the rewrites proposed, those of a saturated slot (more than one knob step, tasks.saturated_*)")
     )
+    rewrites_proposed_capped: int = Field(
+        default=0,
+        description="of the rewrites proposed, those an earlier overshoot capped below the knob steps their slot's "
+        "saturation asked for (saturation.capped; counted from events of schema 2.1 on)",
+    )
     learner_steps: int = Field(description="optimiser steps of the policy lane (= the last policy weights version)")
     judge_learner_steps: int = Field(description="optimiser steps of the judge lane")
     policy_kl_rejected: int = Field(
@@ -223,6 +228,7 @@ class RunTally:
     entropy: list[float] = field(default_factory=list)
     accepted: int = 0
     wide: int = 0
+    capped: int = 0
     judge: Counter[str] = field(default_factory=Counter)
     judge_cost: float = 0.0
 
@@ -249,6 +255,7 @@ class RunTally:
             self.accepted += event.accepted
         elif isinstance(event, TaskRewritten):
             self.wide += event.moves > 1
+            self.capped += event.moves_wanted is not None and event.moves < event.moves_wanted
         elif isinstance(event, TaskScheduled) and event.purpose == "eval":
             self.eval_scheduled[event.group_id.split("-")[0]] += 1
         elif isinstance(event, StepJudged):
@@ -315,6 +322,7 @@ class RunTally:
             rewrites_proposed=self.counts["task.rewritten"],
             rewrites_accepted=self.accepted,
             rewrites_proposed_wide=self.wide,
+            rewrites_proposed_capped=self.capped,
             learner_steps=self.learner_steps,
             judge_learner_steps=self.judge_steps,
             policy_kl_rejected=self.kl_rejected,

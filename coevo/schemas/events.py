@@ -71,6 +71,12 @@ class TaskRewritten(Event):
         description="knob steps asked for (more than 1 for a saturated slot; fewer than a candidate of the "
         "same task that went too far in this direction)",
     )
+    moves_wanted: int | None = Field(
+        default=None,
+        ge=1,
+        description="knob steps the slot's saturation asked for before an overshoot capped them to ``moves`` "
+        "(None: written by a release before this field)",
+    )
     precheck_ok: bool
     precheck_error: str | None = None
 
