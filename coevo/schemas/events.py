@@ -1,8 +1,10 @@
 """Every event of the closed loop (see docs/algorithm.md). Facts are named in the past tense.
 
 Invariant: these models are the only contract between agents; each has a unique ``kind`` literal,
-which the registry maps to a subject. Adding a field needs a default (old events stay decodable);
-changing a field's meaning bumps ``SCHEMA_VERSION`` and adds an upcaster in the registry.
+which the registry maps to a subject. Adding a field needs a default (old events stay decodable) and
+bumps ``SCHEMA_VERSION``'s minor; removing, retyping or changing a field's meaning bumps its major and
+adds an upcaster in the registry (``coevo.schemas.versions``; ``python -m coevo.schemas.snapshot``
+checks the bump against the committed snapshot).
 Token ids and log-probs are ``TokenIds`` / ``Floats``: ``IntArray`` / ``FloatArray`` in Python (built
 from lists, equal to lists), raw arrays in a frame on the wire (``coevo.schemas.packed``).
 """
