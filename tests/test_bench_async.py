@@ -309,6 +309,7 @@ def test_measure_rates_staleness_and_time_to_target() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # pins the run to cores 0 and 1: a neighbour test on them starves it
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to")
 async def test_sync_waits_for_weights_and_async_overlaps(model_cache: Path, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from tests.conftest import run_until
 LOAD_S = 1.0
 
 
+@pytest.mark.alone  # a loop gap measured while other tests load the cores is theirs, not the agents'
 async def test_agents_load_their_models_off_the_event_loop(
     bus: NatsBus, loop_cfg: CoevoConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -202,7 +202,9 @@ async def test_learner_pushes_weights_into_vllm_over_gloo(vllm_server, bus, tmp_
             expected = local_choice_logprobs(model, client)
             assert again.model_version == version + 1
             assert again.logprobs[0] == pytest.approx(expected[again.choice], abs=1e-4)
-            assert server.sent == {"vllm-test": version + 1}
+            async with asyncio.timeout(10):  # the sender records the version once its side of the send returns
+                while server.sent != {"vllm-test": version + 1}:
+                    await asyncio.sleep(0.01)
     finally:
         await server.aclose()
 
