@@ -12,7 +12,7 @@ workers=${COEVO_TEST_WORKERS:-3}
 mark=${COEVO_TEST_MARK:-}
 both() { if [ -n "$mark" ]; then echo "($1) and ($mark)"; else echo "$1"; fi; }
 if [ "$workers" = 0 ]; then
-  exec .venv/bin/python -m pytest -q -m "$(both "alone or not alone")" "$@"
+  exec .venv/bin/python -m pytest -q ${mark:+-m "$mark"} "$@"
 fi
 rc=0
 .venv/bin/python -m pytest -q -n "$workers" --dist loadfile -m "$(both "not alone")" "$@" || rc=$?
