@@ -9,6 +9,7 @@ come from the environment at the point of use.
 from __future__ import annotations
 
 import contextvars
+import difflib
 import re
 import tomllib
 import types
@@ -16,7 +17,16 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from coevo.errors import ConfigError
@@ -199,7 +209,8 @@ class EnvConfig(Section):
     family: str = Field(
         default="quickgame",
         description="task family: quickgame | quickgame-hard (its hard preset) | "
-        "textworld | coding | external "
+        "textworld | tw-coin_collector | tw-treasure_hunter | tw-cooking (TextWorld's challenge games) | "
+        "arithmetic | coding | external "
         "(the environment is an outside program talking to the policy endpoint) | "
         "gym:<module>:<EnvClass or id> (a Gymnasium env with text observations and actions) | "
         "a plugin's name (entry-point group coevo.families)",
@@ -277,6 +288,8 @@ class EnvConfig(Section):
 
 
 Band = tuple[float, float]
+PromptFormat = Literal["auto", "chat", "raw"]
+ComputeDtype = Literal["auto", "bfloat16", "float32"]
 
 
 def _check_band(band: Band, name: str) -> Band:
@@ -347,6 +360,17 @@ class PolicyConfig(Section):
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     grammar: GrammarConfig = Field(default_factory=GrammarConfig)
+    prompt_format: PromptFormat = Field(
+        default="auto",
+        description="how the built-in families' prompts reach the model: chat (its chat template: an "
+        "instruction, then the observation and the labelled actions as the user turn), raw (the text after "
+        "BOS, for base models), auto (chat when the tokenizer ships a chat template of its own)",
+    )
+    shuffle_choices: bool = Field(
+        default=True,
+        description="show the candidates in an order drawn per step from the episode's seed, so an "
+        "answer's label carries no information (the trajectory records the action itself)",
+    )
     max_tokens: int = Field(default=64, ge=1, description="most tokens of one action")
     max_concurrent_trajectories: int = Field(default=64, ge=1, description="rollouts played at once")
     serve_port: int | None = Field(
@@ -475,6 +499,12 @@ class JudgeBase(Section):
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_tokens: int = Field(default=256, ge=1, description="most tokens of a reasoned vote")
+    prompt_format: PromptFormat = Field(
+        default="auto",
+        description="how a vote's prompt reaches a local or vLLM judge: chat (the model's chat template: an "
+        "instruction, then the step as the user turn), raw (the text after BOS, for base models), auto (chat "
+        "when the tokenizer ships a chat template of its own, as instruct models do)",
+    )
     max_concurrent_steps: int = Field(default=32, ge=1, description="steps judged at once")
 
     @property
@@ -730,6 +760,13 @@ class LearnerConfig(Section):
     )
     max_batch_tokens: int = Field(default=32768, ge=64, description="tokens of one micro-batch (padded)")
     clip_eps: float = Field(default=0.2, gt=0, description="PPO clip range ε of the ratio")
+    clip_eps_high: float | None = Field(
+        default=None,
+        gt=0,
+        description="upper clip of the ratio, 1 + this (clip-higher, DAPO: 0.28 lets unlikely tokens of a good "
+        "answer gain more than likely ones lose, against entropy collapse); None: clip_eps on both sides. The "
+        "clip acts only when a batch takes more than one optimiser step (epochs or minibatches > 1)",
+    )
     kl_beta: float = Field(default=0.01, ge=0, description="weight of the k3 KL penalty against kl_reference")
     entropy_coef: float = Field(
         default=0.0,
@@ -763,14 +800,15 @@ class LearnerConfig(Section):
     stale: Literal["drop", "correct"] = Field(
         default="correct",
         description="samples beyond max_staleness at the learner: keep them with truncated "
-        "importance sampling (weight capped at tis_cap, whatever `correction` says; the default: a fast learner "
+        "importance sampling (weight capped at tis_cap whatever `correction` says, masked above it under 'mis'; "
+        "the default: a fast learner "
         "ahead of its samplers loses no data) or drop them (counted, LearnerStepped.stale_dropped)",
     )
     kl_reference: Literal["behavior", "initial"] = Field(
         default="behavior",
         description="the KL penalty's reference: the sampling log-probs recorded in the "
-        "samples (behavior), or a frozen copy of the starting weights (initial: one more model in memory, bf16 on "
-        "CUDA, fp32 on CPU)",
+        "samples (behavior), or a frozen copy of the starting weights (initial: one more model in memory, in "
+        "learner.dtype)",
     )
     minibatches: int = Field(
         default=1,
@@ -810,13 +848,27 @@ class LearnerConfig(Section):
         "None: no guard. When set, every batch costs one more forward pass and a full copy of the trainable weights "
         "and of the optimiser state (Adam: two more tensors per weight) on the learner's device while it trains",
     )
-    correction: Literal["tis", "decoupled"] = Field(default="tis", description="off-policy correction")
+    correction: Literal["tis", "mis", "decoupled"] = Field(
+        default="tis",
+        description="off-policy correction, per token, of the sampler's log-probs against the learner's: tis "
+        "(the importance weight truncated at tis_cap), mis (masked: a token whose weight exceeds tis_cap counts "
+        "0, the rest their weight; for samplers whose numerics differ, e.g. bf16 kernels), decoupled (PPO with "
+        "the proximal policy, weight capped far out)",
+    )
     tis_cap: float = Field(default=2.0, ge=1.0, description="truncated importance sampling cap c")
     device: str | None = Field(default=None, description="torch device (default: cuda if available)")
     parallel: Literal["fsdp", "ddp"] = Field(
         default="fsdp", description="under torchrun: FSDP2 sharding or replicated data parallel"
     )
-    bf16: bool = Field(default=True, description="bf16 autocast on CUDA (ignored on CPU)")
+    dtype: ComputeDtype = Field(
+        default="auto",
+        description="compute dtype of the local models, engines and lanes alike: the engines serve their "
+        "weights in it, a LoRA lane holds its frozen base in it (the adapter and its optimiser state stay float32), "
+        "full fine-tuning runs its passes under autocast to it (master weights float32); log-softmax is float32 "
+        "everywhere. auto: bfloat16 on GPUs of compute capability 8 or more and on CPUs with AMX or AVX512-BF16, for "
+        "models of hidden size 512 or more, "
+        "float32 elsewhere (the built-in tiny models: latency-bound, exact in float32)",
+    )
     gradient_checkpointing: bool = Field(
         default=False, description="recompute activations in the backward pass (less memory, more time)"
     )
@@ -833,7 +885,7 @@ class LearnerConfig(Section):
     publish_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto",
         description="dtype of the published weights (what servers load, pushes send and "
-        "WeightsPublished points at): auto = bfloat16 on CUDA, float32 on CPU",
+        "WeightsPublished points at): auto = the lane's compute dtype (learner.dtype)",
     )
     publish_every: int = Field(default=1, ge=1, description="publish weights every N optimiser steps")
     checkpoint_every_steps: int = Field(
@@ -859,6 +911,20 @@ class LearnerConfig(Section):
         "run's checkpoints, runs/<run>/checkpoints, where the learner publishes); a WeightsPublished naming another "
         "path is refused and reported (docs/security.md)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bf16_is_dtype(cls, data: Any) -> Any:
+        """``learner.bf16`` (before ``learner.dtype``): false is float32, true is auto; a ``dtype`` given
+        beside it wins."""
+        if isinstance(data, dict) and "bf16" in data:
+            data = dict(data)
+            try:
+                bf16 = TypeAdapter(bool).validate_python(data.pop("bf16"))  # "false" from --set or the environment
+            except ValidationError as exc:
+                raise ValueError(f"learner.bf16: {exc.errors()[0]['msg']} (it is learner.dtype now)") from None
+            data.setdefault("dtype", "auto" if bf16 else "float32")
+        return data
 
     @model_validator(mode="after")
     def _entropy_start_within_bound(self) -> LearnerConfig:
@@ -1005,9 +1071,16 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
     try:
         return CoevoConfig(**nested)
     except ValidationError as exc:
-        raise ConfigError.from_validation(exc) from None
+        raise ConfigError.from_validation(exc, known=closest_field) from None
     finally:
         _CONFIG_FILE.reset(token)
+
+
+def closest_field(name: str) -> str | None:
+    """The config field or section whose dotted name is closest to ``name`` (a typo's likely meaning)."""
+    names = {".".join(leaf.split(".")[: i + 1]) for leaf in leaf_fields() for i in range(leaf.count(".") + 1)}
+    close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def leaf_fields(model: type[BaseModel] = CoevoConfig, prefix: str = "") -> dict[str, Any]:

@@ -44,6 +44,7 @@ with backoff, counted, dead-lettered after ``bus.max_deliver`` tries.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -59,13 +60,17 @@ class ConfigError(CoevoError):
         self.field = field
 
     @classmethod
-    def from_validation(cls, exc: Any) -> ConfigError:
+    def from_validation(cls, exc: Any, known: Callable[[str], str | None] | None = None) -> ConfigError:
+        """One line per error; ``known``: the closest real field to a name that is not one (a "did you
+        mean" for an extra field)."""
         errors = exc.errors()
         lines = []
         for err in errors:
             loc = ".".join(str(p) for p in err["loc"])
+            close = known(loc) if known is not None and err["type"] == "extra_forbidden" else None
             lines.append(
                 f"{loc}: {err['msg']}"
+                + (f" (did you mean {close}?)" if close else "")
                 + (f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else "")
             )
         first = ".".join(str(p) for p in errors[0]["loc"]) if errors else None

@@ -15,6 +15,7 @@ import logging
 import signal
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,9 @@ from coevo.schemas import RunFinished
 __all__ = ["Progress", "RunTally", "build_agents", "describe", "run_main", "summarize"]
 
 log = structlog.get_logger("coevo.loop")
+
+Baselines = Callable[[CoevoConfig], Awaitable[dict[str, float]]]
+"""Measures habits and the base on a run's held-out tasks, by name (``coevo.bench.heldout.run_baselines``)."""
 
 
 def build_agents(bus: NatsBus, cfg: CoevoConfig, on_step: Any = None) -> list[Agent]:
@@ -120,6 +124,17 @@ def _change(label: str, start: float | None, end: float | None, how: str, missin
     return f"  {label}: {start:.2f} -> {end:.2f} ({change.words()}; {how})"
 
 
+def _beside(s: dict[str, Any], cfg: CoevoConfig, baselines: dict[str, float] | None) -> list[str]:
+    """The held-out line's baselines: habits and the base greedy on the same tasks, and whether the last
+    round clears them (none: not measured, or no round)."""
+    from coevo.observe.claims import run_verdict
+
+    if not baselines or s["heldout_success_end"] is None:
+        return []
+    episodes = cfg.env.n_heldout * cfg.policy.n
+    return [f"    {run_verdict(s['heldout_success_end'], episodes, baselines)}"]
+
+
 def _rounds(rounds: list[float]) -> str:
     """``; rounds 0.12 0.87 0.48``: the held-out curve between its first and last round."""
     if len(rounds) < 3:
@@ -160,6 +175,37 @@ def no_learning_reason(summary: dict[str, Any], cfg: CoevoConfig) -> str | None:
     return f"no policy learner step in this run: {why}. Run longer (--minutes) or lower learner.batch_samples."
 
 
+ENTROPY_FLOOR = 0.05
+"""nats per response token under which the closing summary calls the policy collapsed: at 0.05 a policy
+choosing between two actions puts 0.99 on one, and a group of 8 rollouts agrees on that step 93 % of the
+time, so a group rarely carries an outcome signal"""
+
+STEP_GAP_LIMIT_S = 120.0
+"""the longest the policy lane may go without a step before the closing summary says so"""
+
+
+def health_warnings(summary: dict[str, Any]) -> list[str]:
+    """What broke in a run that learned (pure): the policy's entropy under ``ENTROPY_FLOOR`` at the end, and
+    the policy lane waiting longer than ``STEP_GAP_LIMIT_S`` for a batch; each names what it measured."""
+    if not summary["learner_steps"]:
+        return []  # no_learning_reason says why
+    out = []
+    end, low = summary.get("policy_entropy"), summary.get("policy_entropy_min")
+    if end is not None and end < ENTROPY_FLOOR:
+        out.append(
+            f"the policy collapsed: its entropy ended at {end:.3f} nats a token (last quarter of its steps; lowest "
+            f"batch {low:.3f}), under the floor of {ENTROPY_FLOOR}, where a group of 8 agrees on a two-way step 93 % "
+            "of the time and carries no outcome signal"
+        )
+    gap, where = summary.get("policy_step_gap_max_s"), summary.get("policy_step_gap_where")
+    if gap is not None and gap > STEP_GAP_LIMIT_S:
+        out.append(
+            f"the policy lane went {gap:.0f} s without a step ({where}), over {STEP_GAP_LIMIT_S:.0f} s: no batch of "
+            "samples came (train groups all won or all lost, or the samplers slower than the learner)"
+        )
+    return out
+
+
 STARVING = 0.95
 """the share of unanimous train groups at the end of a run above which the closing summary warns"""
 
@@ -185,8 +231,11 @@ def starving_warning(summary: dict[str, Any]) -> str | None:
     return text + "."
 
 
-def describe(summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str]) -> str:
-    """A short human summary of a finished run: what improved, by how much, and where to look."""
+def describe(
+    summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str], baselines: dict[str, float] | None = None
+) -> str:
+    """A short human summary of a finished run: what improved, by how much, and where to look;
+    ``baselines``: what habits and the base greedy score on the held-out tasks (``run_baselines``)."""
     s = summary
     lines = [
         f"Run {s['run_id']} finished: {s['learner_steps']} policy and {s['judge_learner_steps']} judge learner "
@@ -210,6 +259,7 @@ def describe(summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str]) -
             f"no evaluation round was scored: one runs after every {cfg.tasks.eval_every} train groups",
             s.get("heldout_success_change"),
         ),
+        *_beside(s, cfg, baselines),
         _change(
             "judge process accuracy",
             s["judge_process_accuracy_start"],
@@ -228,7 +278,7 @@ def describe(summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str]) -
             else ""
         )
     )
-    for reason in (no_learning_reason(s, cfg), starving_warning(s)):
+    for reason in (no_learning_reason(s, cfg), starving_warning(s), *health_warnings(s)):
         if reason:
             lines.append(f"  warning: {reason}")
     lines += [f"  {name + ':':<12} {where}" for name, where in links.items()]
@@ -254,7 +304,10 @@ def _quiet_console() -> None:
 # ---- coevo run -----------------------------------------------------------------------------------
 
 
-async def run_main(cfg: CoevoConfig, opts: ObserveOptions | None = None) -> int:
+async def run_main(cfg: CoevoConfig, opts: ObserveOptions | None = None, baselines: Baselines | None = None) -> int:
+    """Run the loop until its budget or a signal, then print its summary; ``baselines`` measures what habits
+    and the base score on the run's held-out tasks, to set beside its last round (the CLI passes
+    ``coevo.bench.heldout.run_baselines``)."""
     from coevo.inference.clients import model_dir
 
     opts = opts or ObserveOptions()
@@ -281,8 +334,22 @@ async def run_main(cfg: CoevoConfig, opts: ObserveOptions | None = None) -> int:
             summary = await _finish(rt, agents, started)
             await live.drain()
             links = await _links(rt, live, summary, opts)
-    print(describe(summary, cfg, links), flush=True)
+        bars = await _baselines(cfg, summary, baselines) if baselines else {}
+    print(describe(summary, cfg, links, bars), flush=True)
     return 0
+
+
+async def _baselines(cfg: CoevoConfig, summary: dict[str, Any], measure: Baselines) -> dict[str, float]:
+    """Habits and the base greedy on the run's held-out tasks, when a round was scored (best effort: a
+    failure is logged, the summary prints without them)."""
+    if summary["heldout_success_end"] is None:
+        return {}
+    log.info("run.measuring_baselines", what="habits and the base greedy on the held-out tasks")
+    try:
+        return await measure(cfg)
+    except Exception as exc:
+        log.warning("run.baselines_failed", error=repr(exc)[:300])
+        return {}
 
 
 def _loading(seconds: float) -> None:

@@ -23,6 +23,7 @@ from coevo.bench.learn import (
     RUNG_KEYS,
     RUNGS,
     Budget,
+    Protocol,
     StepWatch,
     aggregate_seeds,
     bench_config,
@@ -100,7 +101,8 @@ def _random_success(tasks: list[TaskSpec], episodes: int = 200) -> float:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 async def test_hard_preset_is_harder_by_construction(seed: int) -> None:
-    easy, hard = QuickGame().initial_tasks(8, 8, seed), QuickGameHard().initial_tasks(8, 8, seed)
+    # the train pools differ (the held-out region is shared but for its slack: tests/test_heldout_protocol.py)
+    easy, hard = QuickGame().initial_tasks(16, 0, seed), QuickGameHard().initial_tasks(16, 0, seed)
     easy_checks = [await QuickGame().precheck(t) for t in easy]
     hard_checks = [await QuickGameHard().precheck(t) for t in hard]
     assert all(c.ok for c in easy_checks + hard_checks)
@@ -113,13 +115,15 @@ async def test_hard_preset_is_harder_by_construction(seed: int) -> None:
     assert _random_success(hard) < _random_success(easy) / 3  # outcome rewards are sparse
 
 
-def test_default_pool_is_unchanged() -> None:
-    """The presets refactor keeps the default pool the one earlier benchmark results were measured on."""
+def test_default_train_pool_is_unchanged() -> None:
+    """The train pool is the one earlier benchmark results were measured on; the held-out tasks come from
+    their own region (6..7 steps, held-out words) since the held-out protocol."""
     pool = QuickGame().initial_tasks(8, 8, 0)
-    assert [(t.task_id, t.params, t.knobs) for t in (pool[0], pool[-1])] == [
+    assert [(t.task_id, t.params, t.knobs) for t in (pool[0], pool[7])] == [
         ("qg-t0", {"seed": 42450}, {"steps": 3, "distractors": 1, "slack": 1, "hints": 0}),
-        ("qg-h15", {"seed": 65304}, {"steps": 4, "distractors": 1, "slack": 1, "hints": 0}),
+        ("qg-t7", {"seed": 739426}, {"steps": 3, "distractors": 2, "slack": 1, "hints": 0}),
     ]
+    assert pool[-1].task_id == "qg-h7" and pool[-1].params["words"] == "heldout" and pool[-1].knobs["steps"] >= 6
 
 
 def test_presets_select_families() -> None:
@@ -137,8 +141,9 @@ def test_presets_select_families() -> None:
 # ---- a tiny run: two seeds, every configuration (about 35 s on a busy 2-core machine) ----------
 
 
-async def test_bench_learn_two_seeds_smoke(model_cache: Path) -> None:
+async def test_bench_learn_two_seeds_smoke(model_cache: Path, tmp_path: Path) -> None:
     t0 = time.monotonic()
+    progress = tmp_path / "learn.partial.json"
     out = await bench_learn(
         0.04,
         eval_every=1.0,
@@ -146,7 +151,12 @@ async def test_bench_learn_two_seeds_smoke(model_cache: Path) -> None:
         cache_dir=model_cache,
         seeds=2,
         overrides={"env.n_train": 2, "env.n_heldout": 2, "policy.n": 4},
+        protocol=Protocol(tasks=2, seeds=2),
+        progress=progress,
     )
+    # every run was written as it finished: the last write holds all four, as the result has them
+    finished = json.loads(progress.read_text())["finished_runs"]
+    assert {c: [r["seed"] for r in rs] for c, rs in finished.items()} == {"integrated": [0, 1], "outcome_only": [0, 1]}
     assert out["seeds"] == [0, 1]
     assert out["family"] == "quickgame"
     assert set(out["configs"]) == {"integrated", "outcome_only"}
@@ -162,6 +172,17 @@ async def test_bench_learn_two_seeds_smoke(model_cache: Path) -> None:
         assert c["reached_0.8"].endswith("/2")
     assert out["paired"]["integrated - outcome_only"]["heldout_success"]["n"] == 2
     assert len(out["curves"]) == 4
+    # the held-out protocol: habits and the base on the same 2 tasks x 2 evaluation seeds, a verdict per arm
+    table = out["heldout_protocol"]
+    assert table["rows"]["reader"]["mean"] == 1.0 and table["rows"]["reader"]["tasks"] == 2
+    assert table["rows"]["base greedy"]["runs"] == 2 and table["rows"]["base sampled"]["seeds"] == 2
+    for c in ("integrated", "outcome_only"):
+        runs = out["configs"][c]["runs"]
+        assert table["trained"][c]["mean"] == pytest.approx(
+            statistics.mean(r["heldout_success"] for r in runs), abs=1e-4
+        )
+        assert table["trained"][c]["verdict"] == "gain" or table["trained"][c]["verdict"].startswith("no gain")
+    assert set(table["paired"]) == {"outcome_only - integrated"}
     assert time.monotonic() - t0 < 300
 
 
@@ -406,7 +427,7 @@ async def test_evaluator_plays_textworld_and_its_heldout_games(model_cache: Path
             "log.console": "off",
         }
     )
-    ev = await eval_set(cfg, episodes=2)
+    ev = await eval_set(cfg, episodes=2, heldout=1, seeds=1)
     assert isinstance(ev.family, TextWorld)
     assert [t.task_id for t in ev.heldout] == [t.task_id for t in TextWorld().initial_tasks(0, 1, HELDOUT_SEED)]
     assert all(ev.family.game_path(t).exists() for t in [*ev.train, *ev.heldout])  # compiled up front
@@ -434,13 +455,17 @@ def test_a_budget_parses_steps_minutes_and_seconds_and_names_what_is_wrong() -> 
             Budget.parse(bad)
 
 
-def test_per_task_success_counts_each_task_over_its_own_episodes() -> None:
-    from coevo.bench.learn import per_task
+def test_per_task_success_is_each_task_over_the_evaluation_seeds() -> None:
+    from coevo.bench.learn import by_task, mean_of
 
     a, b, c = (TaskSpec(task_id=t, family="quick", params={}) for t in "abc")
-    # episode i plays task i % 3: a gets episodes 0, 3, 6; b gets 1, 4; c gets 2, 5
-    won = [True, False, False, True, True, False, False]
-    assert per_task([a, b, c], won) == {"a": pytest.approx(2 / 3, abs=1e-6), "b": 0.5, "c": 0.0}
+    won = [[1, 1, 0], [0, 1, 0], [0, 0, 0]]  # task x evaluation seed
+    assert by_task([a, b, c], won) == {
+        "a": pytest.approx(2 / 3, abs=1e-6),
+        "b": pytest.approx(1 / 3, abs=1e-6),
+        "c": 0.0,
+    }
+    assert mean_of(won) == pytest.approx(3 / 9, abs=1e-6) and mean_of([]) is None
 
 
 def test_step_milestones_end_on_the_budget() -> None:
@@ -496,6 +521,7 @@ async def test_a_step_budget_ends_each_run_at_that_policy_version_and_evaluates_
         episodes=4,
         cache_dir=model_cache,
         overrides={"env.n_train": 2, "env.n_heldout": 2, "policy.n": 4, "learner.batch_samples": 8},
+        protocol=Protocol(tasks=2, seeds=2),
     )
     assert out["budget"] == "3 policy steps" and out["steps_per_run"] == 3 and out["minutes_per_run"] is None
     for c in ("integrated", "outcome_only"):
@@ -504,7 +530,7 @@ async def test_a_step_budget_ends_each_run_at_that_policy_version_and_evaluates_
         # step 0 is the base model; then each milestone's own version, copied when it was published
         assert [(p["step"], p["policy_version"]) for p in run["curve"]] == [(0, 0), (2, 2), (3, 3)]
         assert run["learner_steps"] >= 3 and run["heldout_success"] is not None
-        # 4 episodes over 2 held-out tasks: each task's rate is over its 2 episodes, their mean the whole
+        # 2 held-out tasks x 2 evaluation seeds: each task's rate is over its 2 episodes, their mean the whole
         by_task = run["heldout_by_task"]
         assert len(by_task) == run["heldout_tasks"] == 2
         for when, whole in (("final", "heldout_success"), ("initial", "heldout_success_initial")):

@@ -398,6 +398,26 @@ def test_a_template_that_drops_earlier_reasoning_makes_a_prefix_break(model_cach
     assert how == "diverged" and ids2 == chat.encode(rendered)
 
 
+def test_a_sampled_special_token_the_text_leaves_out_is_kept(model_cache: Any) -> None:
+    """A model may sample a special token (pad) that the returned text leaves out: the next turn still
+    builds on the exact sampled ids (a mismatch, counted), not on a fresh tokenisation without it."""
+    from transformers import AutoTokenizer
+
+    from coevo.inference.models import ensure_default_model
+
+    chat = ChatTokens(AutoTokenizer.from_pretrained(ensure_default_model("policy", model_cache)))
+    first = normalize([{"role": "user", "content": "room 0"}])
+    ids, _ = chat.prompt(first)
+    sampled = [*chat.encode("go north"), chat.tokenizer.pad_token_id]
+    shown = chat.tokenizer.decode(sampled, skip_special_tokens=True)
+    assert shown == "go north"
+    turn = Turn(first, normalize([{"role": "assistant", "content": shown}])[0], ids, sampled)
+    again = [*first, turn.assistant, *normalize([{"role": "user", "content": "room 1"}])]
+    ids2, how = chat.prompt(again, previous=turn)
+    assert how == "mismatch" and ids2[: len(ids) + len(sampled)] == ids + sampled
+    assert ids2[len(ids) + len(sampled) :] == chat.encode(chat.render(again)[len(chat.render(first)) + len(shown) :])
+
+
 def test_a_stop_string_cut_inside_the_sampled_tokens_makes_a_prefix_break(model_cache: Any) -> None:
     """/v1/completions: the sampled ids hold the start of a multi-token stop string the client never
     saw; the next prompt that extends the shown text is tokenised afresh, not glued to those ids."""

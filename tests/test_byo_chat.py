@@ -72,7 +72,7 @@ async def test_chat_mode_plays_the_quick_game_as_one_conversation(bus: NatsBus, 
     tok = agent.client.tokenizer  # type: ignore[attr-defined]
     check_token_in_token_out(steps, tok.bos_token_id)
     first = next(s for s in steps if s.step_index == 0)
-    assert tok.decode(first.prompt_token_ids).startswith("<|bos|>user: goal: take the coin.")
+    assert tok.decode(first.prompt_token_ids).startswith("<|bos|>user: goal: take the coin in the ")
     c = agent.counters
     assert c["chat.tokens.fresh"] == 2 and c["chat.tokens.reused"] + c["chat.tokens.mismatch"] == len(steps) - 2
     model = ensure_default_model("policy", Path(cfg.env.cache_dir))

@@ -44,7 +44,11 @@ def test_coevo_s_own_families_are_entry_points_like_a_plugin_s(tmp_path: Path, m
     from importlib.metadata import distribution
 
     own = {ep.name: ep.value for ep in distribution("coevo").entry_points if ep.group == "coevo.families"}
-    assert set(own) == {"quickgame", "quickgame-hard", "textworld", "coding", "arithmetic"}
+    assert set(own) == {"quickgame", "quickgame-hard", "textworld", "coding", "arithmetic"} | {
+        "tw-coin_collector",
+        "tw-treasure_hunter",
+        "tw-cooking",
+    }
     for name in own:
         assert make_family(load_config(overrides={"env.family": name}).env).name == name
     # a second distribution registering one of those names: refused, naming both, not a silent pick

@@ -230,6 +230,27 @@ def test_a_dead_nats_server_is_one_line_in_seconds(home: Path, args: tuple[str, 
     assert list(home.iterdir()) == []
 
 
+def test_an_external_judge_without_its_key_is_one_line_at_start(home: Path) -> None:
+    env = {k: v for k, v in subprocess_env().items() if k not in ("OPENAI_API_KEY", "MY_JUDGE_KEY")}
+
+    def run(*extra: str, **more: str) -> subprocess.CompletedProcess[str]:
+        argv = [COEVO, "run", "--judge", "litellm:openai/gpt-4.1-mini", "--minutes", "0.5", *extra]
+        return subprocess.run(argv, cwd=home, capture_output=True, text=True, env={**env, **more}, timeout=60)
+
+    one_line(run(), "judge litellm:openai/gpt-4.1-mini", "OPENAI_API_KEY is not set", "judge.api.api_key_env", rc=2)
+    named = run("--set", "judge.api.api_key_env=MY_JUDGE_KEY")
+    one_line(named, "MY_JUDGE_KEY is not set", rc=2)
+    assert list(home.iterdir()) == []  # nothing was started
+    assert run("--set", "judge.api.api_key_env=MY_JUDGE_KEY", "--dry-run", MY_JUDGE_KEY="k").returncode == 0
+    assert run("--dry-run", OPENAI_API_KEY="k").returncode == 0
+    rewriter = run(
+        *("--set", "judge.api.api_key_env=MY_JUDGE_KEY", "--set", "tasks.rewriter.backend=litellm"),
+        *("--set", "tasks.rewriter.model=openai/x"),
+        MY_JUDGE_KEY="k",
+    )
+    one_line(rewriter, "tasks.rewriter litellm:openai/x", "OPENAI_API_KEY is not set", "tasks.rewriter.api.api_key_env")
+
+
 def test_debug_keeps_the_traceback(home: Path) -> None:
     out = coevo("--debug", "events", "import", "nosuch.jsonl", cwd=home, timeout=20)
     assert out.returncode == 1 and "Traceback" in out.stderr and "FileNotFoundError" in out.stderr

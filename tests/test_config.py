@@ -192,3 +192,19 @@ def test_every_field_of_the_tree_says_what_it_means() -> None:
     from coevo.config import leaf_fields
 
     assert [name for name, info in leaf_fields().items() if not info.description] == []
+
+
+def test_a_misspelt_field_or_section_names_the_one_meant() -> None:
+    cases = (
+        ("polcy.n", "polcy", "policy"),  # an unknown section is the error's field
+        ("policy.nn", "policy.nn", "policy.n"),
+        ("learner.clip_eps_hihg", "learner.clip_eps_hihg", "learner.clip_eps_high"),
+    )
+    for given, field, meant in cases:
+        with pytest.raises(ConfigError) as err:
+            load_config(overrides={given: 4})
+        assert f"{field}: Extra inputs are not permitted (did you mean {meant}?)" in str(err.value)
+        assert err.value.field == field
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"zzz": 1})
+    assert "did you mean" not in str(err.value) and err.value.field == "zzz"

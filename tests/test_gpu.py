@@ -52,7 +52,7 @@ def test_lane_steps_in_bf16_autocast_on_cuda_like_fp32_on_cpu(model_cache: Path,
 
     model = ensure_default_model("policy", model_cache)
     cpu = Lane("policy", model, tmp_path / "cpu", LearnerConfig(lr=1e-3), device="cpu")
-    gpu = Lane("policy", model, tmp_path / "gpu", LearnerConfig(lr=1e-3, bf16=True), device="cuda")
+    gpu = Lane("policy", model, tmp_path / "gpu", LearnerConfig(lr=1e-3, dtype="bfloat16"), device="cuda")
     m_cpu, m_gpu = cpu.step(samples(), ["g"]), gpu.step(samples(), ["g"])
     assert m_gpu.version == m_cpu.version == 1 and m_gpu.samples == m_cpu.samples
     assert abs(m_gpu.loss - m_cpu.loss) < 2e-2 and abs(m_gpu.mismatch_kl - m_cpu.mismatch_kl) < 2e-2

@@ -12,6 +12,7 @@ import nats
 import pytest
 
 from coevo.bench.hosts import Hosts
+from coevo.runtime.placement import placed
 from coevo.runtime.server import EmbeddedCluster
 
 pytestmark = pytest.mark.skipif(
@@ -40,7 +41,7 @@ async def test_a_cluster_across_hosts_loses_a_cut_off_node_and_gets_it_back(tmp_
             assert url.split(",") == [f"nats://198.18.0.{i + 1}:{n.port}" for i, n in enumerate(cluster.nodes)]
             only0 = await nats.connect(cluster.urls[0], allow_reconnect=False)  # a client of node 0 only
             rest = await nats.connect(cluster.urls[1:])
-            await rest.jetstream().add_stream(name="S", subjects=["s.>"], num_replicas=3)
+            await placed(lambda: rest.jetstream().add_stream(name="S", subjects=["s.>"], num_replicas=3))
             # node 0 learns of the stream created through the others a moment later (CI: no responders)
             assert (await _published(only0, b"1", "first")).seq == 1  # replicated across the three hosts
             hosts.cut(0)

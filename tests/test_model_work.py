@@ -109,7 +109,7 @@ async def test_generating_requests_run_as_one_batch_and_each_row_is_what_the_lea
     *done, empty = done
     assert empty.response_token_ids == [] and empty.finish_reason == "length" and empty.prompt_token_ids
     lengths = [len(c.response_token_ids) for c in done]
-    assert len({len(c.prompt_token_ids) for c in done}) >= 4 and sum(lengths) > 100
+    assert len({len(c.prompt_token_ids) for c in done}) >= 3 and sum(lengths) > 100  # left-padded together
     assert all(n <= 6 + 4 * i for i, n in enumerate(lengths))
     assert engine.generate_passes == max(lengths) < sum(lengths)  # together, not one request after another
     samples = [

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import re
-import time
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from coevo.config import load_config
-from coevo.loop import _HideFromConsole, describe, no_learning_reason, starving_warning
+from coevo.loop import _HideFromConsole, describe, health_warnings, no_learning_reason, starving_warning
 from coevo.observe.aggregate import Aggregator, ConsumerInfo
 from coevo.observe.series import CHARTS, SPECS, Point, Series, tb_tag
 from coevo.observe.tally import SUMMARY_FIELDS, SUMMARY_TABLE, RunTally, summary_table
@@ -375,6 +377,55 @@ def test_the_human_summary_warns_when_the_learner_starves_at_the_end() -> None:
     assert starving_warning({**summary, "groups_scored": 40}) is None
 
 
+def _policy_step(version: int, ts: float, entropy: float) -> LearnerStepped:
+    """tests.samples' policy step (16 samples, 100 tokens) at 100 tokens a second: 1 s of its own."""
+    from tests.samples import sample_events
+
+    step = next(e for e in sample_events("r1") if isinstance(e, LearnerStepped))
+    return step.model_copy(update={"version": version, "ts": ts, "entropy": entropy, "tokens_per_second": 100.0})
+
+
+def _other(ts: float) -> LearnerStepped:
+    return _policy_step(0, ts, 0.5).model_copy(update={"samples": 0, "role": "judge"})  # no policy step
+
+
+def test_the_summary_names_a_collapse_and_the_longest_wait_for_a_batch() -> None:
+    tally = RunTally()
+    tally.add(_other(1000.0))  # the run's first event
+    # steps at 60, 90, 120 s, then none for 250 s, then two more; each step took 1 s (100 tokens at 100/s),
+    # and the entropy falls under the floor
+    times, entropies = [60.0, 90.0, 120.0, 370.0, 400.0], [0.4, 0.3, 0.2, 0.03, 0.02]
+    for v, (ts, h) in enumerate(zip(times, entropies, strict=True), 1):
+        tally.add(_policy_step(v, 1000.0 + ts, h))
+    tally.add(_other(1450.0))  # the last
+    summary = tally.summary("r1", 450.0).model_dump()
+    assert summary["policy_step_gap_max_s"] == 249.0 and summary["policy_step_gap_where"] == "after version 3"
+    assert summary["policy_entropy_min"] == 0.02
+    warned = health_warnings(summary)
+    assert len(warned) == 2
+    assert "entropy ended at 0.020" in warned[0] and "lowest batch 0.020" in warned[0]
+    assert "went 249 s without a step (after version 3)" in warned[1]
+    assert "the policy collapsed" in describe(summary, load_config(), {})
+    steady = {**summary, "policy_entropy": 0.3, "policy_step_gap_max_s": 119.0}
+    assert health_warnings(steady) == []
+    assert health_warnings({**summary, "learner_steps": 0}) == []  # no step at all: no_learning_reason's case
+    first = RunTally()
+    first.add(_other(0.0))
+    first.add(_policy_step(1, 201.0, 0.5))
+    assert first.summary("r", 201.0).policy_step_gap_max_s == 200.0
+    assert first.summary("r", 201.0).policy_step_gap_where == "before the first step"
+    # a resumed run: the hours between its sessions are no wait; the second session's own waits count
+    first.add(RunFinished(run_id="r", source=SRC, ts=230.0))
+    first.add(_other(9000.0))
+    first.add(_policy_step(2, 9031.0, 0.5))
+    first.add(_other(9100.0))
+    resumed = first.summary("r", 100.0)
+    assert resumed.policy_step_gap_max_s == 200.0 and resumed.policy_step_gap_where == "before the first step"
+    first.add(_other(9400.0))  # the second session's open wait: 369 s after its last step
+    assert first.summary("r", 400.0).policy_step_gap_where == "after the last step"
+    assert first.summary("r", 400.0).policy_step_gap_max_s == 369.0
+
+
 def test_counter_dumps_stay_out_of_the_console() -> None:
     import logging
 
@@ -409,26 +460,35 @@ def test_tensorboard_files_read_back(tmp_path: Path) -> None:
     )
 
 
+WANDB_CHILD = """
+import json, sys
+from pathlib import Path
+from coevo.observe import sinks
+from coevo.observe.series import Point
+points = [Point(n, tuple(map(tuple, labels)), t, v, step, wall) for n, labels, t, v, step, wall in json.loads(sys.argv[2])]
+for s in sinks.make_sinks(Path(sys.argv[1]), "r1", tensorboard=False, wandb=True, project="p"):
+    s.write(points)
+    s.close()
+"""
+
+
 def test_wandb_sink_logs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real wandb, offline (no network): the run's files hold what was logged."""
+    """The real wandb, offline (no network): once the sink is closed, the run's files hold what was logged.
+    In a process of its own, as a run is: wandb keeps process-wide state (its service, console hooks)."""
     pytest.importorskip("wandb", reason="wandb is an optional extra (coevo[wandb]); the dev extra installs it")
     from coevo.observe import sinks
 
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    made = sinks.make_sinks(tmp_path, "r1", tensorboard=False, wandb=True, project="p")
     _, points = fold(a_run())
-    for s in made:
-        s.write(points[:3])
-        s.close()
+    shown = [[p.name, p.labels, p.t, p.value, p.step, p.wall] for p in points[:3]]
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    done = subprocess.run(
+        [sys.executable, "-c", WANDB_CHILD, str(tmp_path), json.dumps(shown)], env=env, capture_output=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
     (log,) = (tmp_path / "wandb").glob("offline-run-*-r1/run-r1.wandb")  # the offline log `wandb sync` uploads
-    wanted = [(sinks.tb_tag(p.name, p.labels).encode(), json.dumps(p.value).encode()) for p in points[:3]]
-    deadline = time.monotonic() + 60  # wandb's service process writes the log; on a busy machine, later
-    while True:
-        data = log.read_bytes()  # its history records hold each logged key and value (protobuf, as text)
-        if all(tag in data and value in data for tag, value in wanted) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    for tag, value in wanted:
+    data = log.read_bytes()  # its history records hold each logged key and value (protobuf, as text)
+    for p in points[:3]:
+        tag, value = sinks.tb_tag(p.name, p.labels).encode(), json.dumps(p.value).encode()
         assert tag in data and value in data, (tag, value, len(data))
     monkeypatch.setattr(sinks, "wandb_available", lambda: False)
     assert sinks.make_sinks(tmp_path, "r1", tensorboard=False, wandb=True) == []  # warned, not required

@@ -13,7 +13,9 @@ from coevo.inference.gguf import resolve_model
 from coevo.training.lane import Lane
 from tests.conftest import HEAVY
 
-LORA = LearnerConfig(lora=LoraConfig(rank=16, alpha=32.0), lr=2e-3)
+LORA = LearnerConfig(lora=LoraConfig(rank=16, alpha=32.0), lr=2e-3, dtype="float32")
+"""fp32 as the server serves it (``server_command``): bf16's mismatch (``coevo bench precision``) would be
+above the 1e-3 by which the adapter must show"""
 
 
 @pytest.fixture(scope="module")

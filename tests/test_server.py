@@ -18,13 +18,16 @@ from pathlib import Path
 
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from coevo.config import BusConfig, NatsConfig, StreamConfig
 from coevo.errors import ConfigError, ServerError
 from coevo.runtime.bus import NatsBus
 from coevo.runtime.credentials import read_credential
+from coevo.runtime.placement import NO_SUITABLE_PEERS, placed
 from coevo.runtime.server import EmbeddedCluster, EmbeddedServer, ServerAuth, ServerTls, server_security
 from coevo.schemas import Source, TaskScheduled, TaskSpec, new_id, subject_for
 from tests.conftest import PYTHON, subprocess_env
@@ -381,22 +384,30 @@ async def _caught_up(js: JetStreamContext, stream: str, name: str, timeout_s: fl
             await asyncio.sleep(0.2)
 
 
+async def _put_until_stored(kv: KeyValue, key: str, value: bytes, timeout_s: float) -> None:
+    """``kv.put`` retried until the bucket stores it (a client failing over, a leader being elected)."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            try:
+                await kv.put(key, value)
+                return
+            except (nats.errors.Error, TimeoutError):
+                await asyncio.sleep(0.2)
+
+
 @pytest.mark.slow
 async def test_cluster_holds_an_r3_key_value_bucket(tmp_path: Path) -> None:
     async with EmbeddedCluster(tmp_path, nodes=3) as cluster:
         nc = await nats.connect(cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         try:
-            kv = await nc.jetstream(timeout=5).create_key_value(bucket="state", replicas=3, history=1)
-            await kv.put("slot.a", b"1")
+            js = nc.jetstream(timeout=5)
+            kv = await placed(lambda: js.create_key_value(bucket="state", replicas=3, history=1))
+            # the node this client is on may learn of the new bucket's subjects a moment later
+            await _put_until_stored(kv, "slot.a", b"1", timeout_s=30)
             victim = next(i for i, n in enumerate(cluster.nodes) if n.port == nc.connected_url.port)
             cluster.kill_node(victim)
-            async with asyncio.timeout(60):  # the client fails over and the bucket elects a new leader
-                while True:
-                    try:
-                        await kv.put("slot.b", b"2")
-                        break
-                    except (nats.errors.Error, TimeoutError):
-                        await asyncio.sleep(0.2)
+            # the client fails over and the bucket elects a new leader
+            await _put_until_stored(kv, "slot.b", b"2", timeout_s=60)
             assert (await kv.get("slot.a")).value == b"1"
             await asyncio.to_thread(cluster.restart_node, victim)
             # a listing may be served by the restarted node: complete once it caught up
@@ -410,6 +421,22 @@ async def test_cluster_holds_an_r3_key_value_bucket(tmp_path: Path) -> None:
                         await asyncio.sleep(0.2)
             assert keys == ["slot.a", "slot.b"]
             assert (await kv.get("slot.b")).value == b"2"
+        finally:
+            await nc.close()
+
+
+@pytest.mark.slow
+async def test_a_cluster_too_small_for_the_replicas_still_refuses_them_in_the_servers_words(tmp_path: Path) -> None:
+    async with EmbeddedCluster(tmp_path, nodes=2) as cluster:
+        nc = await nats.connect(cluster.urls)
+        try:
+            js = nc.jetstream(timeout=5)
+            kv = await placed(lambda: js.create_key_value(bucket="two", replicas=2, history=1))  # it fits
+            await kv.put("k", b"v")
+            t0 = time.monotonic()
+            with pytest.raises(nats.js.errors.BadRequestError) as refused:
+                await placed(lambda: js.create_key_value(bucket="three", replicas=3, history=1), timeout_s=1.0)
+            assert refused.value.err_code == NO_SUITABLE_PEERS and time.monotonic() - t0 >= 1.0
         finally:
             await nc.close()
 

@@ -8,6 +8,7 @@ import asyncio
 import io
 import logging
 import types
+from pathlib import Path
 
 from rich.console import Console
 
@@ -34,6 +35,21 @@ def test_a_log_line_prints_above_the_status_line_with_its_newline() -> None:
     out = terminal.getvalue()
     assert "a log line while the status line is drawn\n" in out  # through the console: a line of its own
     assert plain.getvalue() == ""  # nothing written past the status line
+
+
+def test_a_handler_left_with_a_closed_stream_is_left_alone(tmp_path: Path) -> None:
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    closed = (tmp_path / "gone.log").open("w")  # a file another test's handler wrote to, then closed
+    stale = logging.StreamHandler(closed)
+    closed.close()
+    root = logging.getLogger()
+    root.addHandler(stale)
+    try:
+        with console.status("1s"), logs_above(console):
+            pass
+        assert stale.stream is closed
+    finally:
+        root.removeHandler(stale)
 
 
 async def test_show_status_off_a_terminal_logs_progress_until_stopped() -> None:

@@ -67,6 +67,21 @@ def test_ratio_clipping_on_both_sides_only_when_it_lowers_the_objective() -> Non
     assert float(out.loss.detach()) == pytest.approx(0.8) and float(new.grad) == 0.0
 
 
+def test_clip_higher_lets_a_good_token_rise_further_and_clips_the_low_side_as_before() -> None:
+    prox, adv, mask = torch.tensor([[-1.0]]), torch.tensor([1.0]), torch.ones(1, 1)
+    for ratio, high, loss, moves in ((1.25, 0.28, -1.25, True), (1.35, 0.28, -1.28, False), (1.25, None, -1.2, False)):
+        new = torch.tensor([[-1.0 + math.log(ratio)]], requires_grad=True)
+        out = ppo_loss(new, prox, prox, adv, mask, kl_beta=0.0, clip_eps_high=high)
+        out.loss.backward()
+        assert float(out.loss.detach()) == pytest.approx(loss) and (float(new.grad) != 0) is moves
+        assert out.clip_fraction == (0.0 if moves else 1.0)
+    # a bad token: the low side stays at 1 - clip_eps whatever the high side is
+    new = torch.tensor([[-1.0 + math.log(0.7)]], requires_grad=True)
+    out = ppo_loss(new, prox, prox, torch.tensor([-1.0]), mask, kl_beta=0.0, clip_eps_high=0.28)
+    out.loss.backward()
+    assert float(out.loss.detach()) == pytest.approx(0.8) and float(new.grad) == 0.0
+
+
 def test_off_policy_weights_truncated_and_decoupled() -> None:
     behav = PROX.clone()
     behav[0, 0] = PROX[0, 0] - math.log(3.0)  # the sampler gave this token a third of the learner's prob
@@ -77,10 +92,16 @@ def test_off_policy_weights_truncated_and_decoupled() -> None:
     assert float(tis.loss.detach()) - float(plain.loss.detach()) == pytest.approx((-1.2 * 2 + 1.2) / 2 / 2)
     assert float(dec.loss.detach()) - float(plain.loss.detach()) == pytest.approx((-1.2 * 3 + 1.2) / 2 / 2)
     assert tis.mismatch_kl == pytest.approx((3 - 1 - math.log(3.0)) / 4)  # k3 with ratio 3 on 1 of 4 tokens
+    mis = ppo_loss(NEW, PROX, behav, ADV, MASK, kl_beta=0.0, correction="mis", tis_cap=2.0)
+    # masked: the weight 3 is past the cap, so the token counts 0 (its -1.2 leaves the sample's mean)
+    assert float(mis.loss.detach()) - float(plain.loss.detach()) == pytest.approx((0 + 1.2) / 2 / 2)
+    assert mis.mean_is_weight == pytest.approx(3 / 4)
+    wide = ppo_loss(NEW, PROX, behav, ADV, MASK, kl_beta=0.0, correction="mis", tis_cap=4.0)
+    assert float(wide.loss.detach()) == pytest.approx(float(dec.loss.detach()))  # within the cap: the full weight
 
 
 def test_correction_is_a_no_op_with_identical_logprobs() -> None:
-    for correction in ("tis", "decoupled"):
+    for correction in ("tis", "mis", "decoupled"):
         a = ppo_loss(NEW, PROX, PROX, ADV, MASK, correction=correction)
         b = ppo_loss(NEW, PROX, PROX, ADV, MASK, correction="none")
         assert float(a.loss.detach()) == float(b.loss.detach())

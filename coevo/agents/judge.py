@@ -13,9 +13,10 @@ import json
 import re
 from typing import Any, Literal
 
-from coevo.algorithm.prompts import VERDICT_LABELS, judge_prompt, parse_vote
+from coevo.algorithm.prompts import VERDICT_LABELS, Messages, judge_messages, judge_prompt, parse_vote
 from coevo.config import JudgeBase, LitellmEndpoint
 from coevo.errors import OverBudget
+from coevo.inference.chat import PromptForm
 from coevo.inference.clients import make_client
 from coevo.inference.engine import CachesCalls, Completion, Metered
 from coevo.runtime.agent import Agent
@@ -42,15 +43,26 @@ def step_prompt(step: StepTaken, mode: Literal["verdict", "reasoned"]) -> str:
     return judge_prompt(step.objective, step.observation, step.action_text, step.next_observation, mode)
 
 
+def step_messages(step: StepTaken, mode: Literal["verdict", "reasoned"]) -> Messages:
+    return judge_messages(step.objective, step.observation, step.action_text, step.next_observation, mode)
+
+
+def step_prompt_ids(form: PromptForm, step: StepTaken, mode: Literal["verdict", "reasoned"]) -> list[int] | None:
+    """The step's prompt through the judge's chat template, or None where the raw text is sent."""
+    return form.ids(step_messages(step, mode)) if form.chat else None
+
+
 async def ask(
-    client: Any, cfg: JudgeBase, prompt: str, index: int
+    client: Any, cfg: JudgeBase, prompt: str, index: int, prompt_ids: list[int] | None = None
 ) -> tuple[Completion, Literal[1, -1] | None, Literal["ok", "unparseable"]]:
-    """One vote: (completion, value, ``ok`` or ``unparseable``). A failed call raises.
+    """One vote: (completion, value, ``ok`` or ``unparseable``). A failed call raises. ``prompt_ids``:
+    the prompt rendered with the chat template (``step_prompt_ids``; None: ``prompt`` as raw text).
     Used by the judge agent, and by replay and re-judge with other clients."""
+    ids = {"prompt_ids": prompt_ids} if prompt_ids is not None else {}
     if cfg.effective_mode == "verdict":
-        c = await client.complete(prompt, choices=list(VERDICT_LABELS), temperature=cfg.temperature, index=index)
+        c = await client.complete(prompt, choices=list(VERDICT_LABELS), temperature=cfg.temperature, index=index, **ids)
         return c, (1 if c.choice == 0 else -1), "ok"
-    c = await client.complete(prompt, max_tokens=cfg.max_tokens, temperature=cfg.temperature, index=index)
+    c = await client.complete(prompt, max_tokens=cfg.max_tokens, temperature=cfg.temperature, index=index, **ids)
     parsed = parse_vote(c.text)
     return c, parsed, ("ok" if parsed is not None else "unparseable")
 
@@ -66,6 +78,7 @@ class JudgeAgent(Agent):
         self.weights = WeightsFollower.of(
             self.cfg, self.bus, self.lane, self.client, server=self.agent_id, counters=self.counters
         )
+        self.form = PromptForm.of(self.client, self.cfg.judge.prompt_format)
         self._tests: dict[str, list[dict[str, Any]]] = {}
         self._test_locks: dict[str, asyncio.Lock] = {}
 
@@ -85,11 +98,11 @@ class JudgeAgent(Agent):
         async with self.client:  # type: ignore[attr-defined]
             await super().run()
 
-    async def vote(self, prompt: str, index: int) -> Vote:
+    async def vote(self, prompt: str, index: int, prompt_ids: list[int] | None = None) -> Vote:
         cfg = self.cfg.judge
         external = cfg.backend == "litellm"
         try:
-            c, value, status = await ask(self.client, cfg, prompt, index)
+            c, value, status = await ask(self.client, cfg, prompt, index, prompt_ids)
         except OverBudget as exc:
             await self.report_budget(exc)
             return Vote(index=index, value=None, status="error", rationale=str(exc)[:500])
@@ -139,8 +152,9 @@ class JudgeAgent(Agent):
         if self.cfg.env.family == "coding":
             await self.on_program(step)
             return
-        prompt = step_prompt(step, self.cfg.judge.effective_mode)
-        votes = await asyncio.gather(*(self.vote(prompt, j) for j in range(self.cfg.judge.m)))
+        mode = self.cfg.judge.effective_mode
+        prompt, ids = step_prompt(step, mode), step_prompt_ids(self.form, step, mode)
+        votes = await asyncio.gather(*(self.vote(prompt, j, ids) for j in range(self.cfg.judge.m)))
         versions = [v.model_version for v in votes if v.model_version is not None]
         await self.emit(
             self.event(

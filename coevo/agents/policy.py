@@ -24,11 +24,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from coevo.algorithm.prompts import INDEX_LABELS, parse_action, policy_prompt
+from coevo.algorithm.prompts import (
+    CHAT_LABELS,
+    INDEX_LABELS,
+    episode_seed,
+    parse_action,
+    policy_messages,
+    policy_prompt,
+    shown_order,
+)
 from coevo.envs import make_family
 from coevo.envs.base import Environment, Observation, StepResult
 from coevo.errors import EnvError
-from coevo.inference.chat import ChatTokens, Conversation
+from coevo.inference.chat import ChatTokens, Conversation, PromptForm
 from coevo.inference.clients import make_client
 from coevo.inference.engine import Completion
 from coevo.runtime import faults
@@ -56,31 +64,51 @@ if TYPE_CHECKING:
 
 
 async def choose(
-    client: Any, cfg: PolicyConfig, obs: Observation, cands: list[str], conversation: Conversation | None
+    client: Any,
+    cfg: PolicyConfig,
+    obs: Observation,
+    cands: list[str],
+    conversation: Conversation | None,
+    *,
+    order: list[int] | None = None,
+    form: PromptForm | None = None,
 ) -> tuple[Completion, int | None, str | None]:
     """How the policy acts on ``obs`` (the agent, and evaluators that must act exactly like it): one
-    model call; the completion, the index of the candidate it names (None: none parsed, or no
-    candidates) and, in chat mode, how the conversation's tokens were reused."""
+    model call; the completion, the index in ``cands`` of the candidate it names (None: none parsed,
+    or no candidates) and, in chat mode, how the conversation's tokens were reused. ``order``: the
+    order the candidates are shown in (``shown_order``; default as given); ``form``: raw text or the
+    model's chat template (default raw)."""
+    order = order if order is not None else list(range(min(len(cands), len(INDEX_LABELS))))
+    shown = [cands[i] for i in order]
+
+    def named(label: int | None) -> int | None:
+        return None if label is None else order[label]
+
     if conversation is not None:  # chat: the whole episode is one conversation, token-in/token-out
         c, how = await conversation.ask(
-            client,
-            policy_prompt(obs.text, obs.candidates, "generate"),
-            max_tokens=cfg.max_tokens,
-            temperature=cfg.temperature,
+            client, policy_prompt(obs.text, shown, "generate"), max_tokens=cfg.max_tokens, temperature=cfg.temperature
         )
-        return c, (parse_action(c.text, len(cands)) if cands else None), how
-    if cands and cfg.mode == "choice":
-        c = await client.complete(
-            policy_prompt(obs.text, obs.candidates, cfg.mode),
-            choices=list(INDEX_LABELS[: len(cands)]),
-            temperature=cfg.temperature,
-        )
-        return c, c.choice, None
-    mode: Literal["choice", "generate"] = "choice" if cfg.mode == "choice" else "generate"  # chat has a conversation
-    c = await client.complete(
-        policy_prompt(obs.text, obs.candidates, mode), max_tokens=cfg.max_tokens, temperature=cfg.temperature
-    )
-    return c, (parse_action(c.text, len(cands)) if cands else None), None
+        return c, (named(parse_action(c.text, len(shown))) if shown else None), how
+    mode: Literal["choice", "generate"] = "choice" if cfg.mode == "choice" and shown else "generate"
+    chat = form is not None and form.chat
+    labels = CHAT_LABELS if chat else INDEX_LABELS
+    text = policy_prompt(obs.text, shown, mode)
+    ids = form.ids(policy_messages(obs.text, shown, mode)) if form is not None and chat else None
+    if mode == "choice":
+        c = await client.complete(text, choices=list(labels[: len(shown)]), temperature=cfg.temperature, prompt_ids=ids)
+        return c, named(c.choice), None
+    c = await client.complete(text, max_tokens=cfg.max_tokens, temperature=cfg.temperature, prompt_ids=ids)
+    return c, (named(parse_action(c.text, len(shown), labels)) if shown else None), None
+
+
+def step_order(cfg: PolicyConfig, key: str, step: int, n: int) -> list[int]:
+    """Which of its ``n`` candidates step ``step`` of the episode ``key`` shows, in order: position ``j``
+    shows candidate ``order[j]``. At most ``len(INDEX_LABELS)`` (a label each): with more candidates (a
+    TextWorld kitchen), a different draw of them at every step, so no admissible command is out of reach
+    for good; shuffled from the episode's key with ``policy.shuffle_choices``, else the first ones as given."""
+    if cfg.shuffle_choices and n > 1:
+        return shown_order(n, episode_seed(key), step)[: len(INDEX_LABELS)]
+    return list(range(min(n, len(INDEX_LABELS))))
 
 
 def endpoint_key(cfg: CoevoConfig, run_id: str) -> tuple[str | None, Path | None]:
@@ -112,6 +140,7 @@ class PolicyAgent(Agent):
         )
         self.rollout_permits = asyncio.Semaphore(self.cfg.policy.max_concurrent_trajectories)
         self._chat_tokens: ChatTokens | None = None
+        self.form = PromptForm.of(self.client, self.cfg.policy.prompt_format)
         self.endpoint: Any = None
         self.weights_changed = asyncio.Event()
         if self.cfg.endpoint_port is not None:
@@ -215,10 +244,12 @@ class PolicyAgent(Agent):
         return Conversation(self._chat_tokens)
 
     async def choose(
-        self, obs: Observation, cands: list[str], conversation: Conversation | None
+        self, obs: Observation, cands: list[str], conversation: Conversation | None, order: list[int] | None
     ) -> tuple[Completion, int | None]:
         """One model call for ``obs``: the completion and the candidate it names (None: none)."""
-        c, index, how = await choose(self.client, self.cfg.policy, obs, cands, conversation)
+        c, index, how = await choose(
+            self.client, self.cfg.policy, obs, cands, conversation, order=order, form=self.form
+        )
         if how is not None:
             self.counters[f"chat.tokens.{how}"] += 1
         return c, index
@@ -235,14 +266,15 @@ class PolicyAgent(Agent):
             try:
                 obs = await env.reset(task_event.task)
                 for k in range(self.family.max_steps_cap):
-                    cands = obs.candidates[: len(INDEX_LABELS)]
-                    c, index_ = await self.choose(obs, cands, conversation)
+                    cands = list(obs.candidates)
+                    order = step_order(cfg, f"{task_event.group_id}-r{index}", k, len(cands))
+                    c, index_ = await self.choose(obs, cands, conversation, order)
                     parse_ok = index_ is not None or not cands
                     if not parse_ok:
                         self.counters["action_parse_failures"] += 1
                     action = cands[index_] if index_ is not None else (c.text if not cands else "")
                     result = await env.step(action)
-                    step = self.step_event(task_event, traj_id, k, obs, c, index_, action, parse_ok, result)
+                    step = self.step_event(task_event, traj_id, k, obs, c, index_, action, parse_ok, result, order)
                     await self.emit(step)
                     step_ids.append(step.event_id)
                     versions.append(c.model_version)
@@ -288,6 +320,7 @@ class PolicyAgent(Agent):
         action: str,
         parse_ok: bool,
         result: StepResult,
+        order: list[int] | None = None,
     ) -> StepTaken:
         """The ``StepTaken`` of step ``k``: what was seen, sampled (tokens, log-probs) and done, and its result."""
         return self.event(
@@ -307,6 +340,7 @@ class PolicyAgent(Agent):
             allowed_token_ids=c.allowed_token_ids,
             response_text=c.text,
             action_index=index,
+            shown_order=order,
             action_text=action,
             parse_ok=parse_ok,
             next_observation=result.observation.text,

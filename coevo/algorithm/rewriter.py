@@ -147,7 +147,7 @@ class LLMRewriter:
         failures: list[FailureDigest] | None = None,
         moves: int = 1,
     ) -> str:
-        bounds = {k.name: [k.low, k.high] for k in family.knobs}
+        bounds = {k.name: list(family.bounds(k.name, task.split)) for k in family.knobs}
         wide = (
             (f"Every recent attempt ended the same way: move the knobs by about {moves} steps in total, not one.\n")
             if moves > 1
@@ -166,7 +166,7 @@ class LLMRewriter:
         summaries = [critic_summary(f) for f in failures]
         prompt = self.prompt(family, task, direction, summaries, failures, moves)
         error = "no answer"
-        schema = proposal_schema(family)
+        schema = proposal_schema(family, task.split)
         for _ in range(self.retries + 1):
             kwargs = {"response_format": schema} if isinstance(self.client, StructuredOutput) else {}
             completion = await self.client.complete(prompt, max_tokens=self.max_tokens, **kwargs)  # type: ignore[attr-defined]
@@ -180,10 +180,14 @@ class LLMRewriter:
         return Proposal(None, summaries, self.name, f"invalid rewriter output after {self.retries + 1} tries: {error}")
 
 
-def proposal_schema(family: Family) -> type[BaseModel]:
-    """The JSON the LLM rewriter must return, as a pydantic model (``response_format`` where the
-    provider supports structured output; validated by ``parse_llm_proposal`` in every case)."""
-    fields: dict[str, Any] = {k.name: (int | None, Field(default=None, ge=k.low, le=k.high)) for k in family.knobs}
+def proposal_schema(family: Family, split: str = "train") -> type[BaseModel]:
+    """The JSON the LLM rewriter must return for a task of ``split``, as a pydantic model
+    (``response_format`` where the provider supports structured output; validated by
+    ``parse_llm_proposal`` in every case)."""
+    fields: dict[str, Any] = {}
+    for k in family.knobs:
+        lo, hi = family.bounds(k.name, split)
+        fields[k.name] = (int | None, Field(default=None, ge=lo, le=hi))
     knobs = create_model(f"{family.name.title()}Knobs", **fields)
     return create_model("Rewrite", knobs=(knobs, ...), reason=(str, ""))
 
@@ -205,8 +209,9 @@ def parse_llm_proposal(family: Family, task: TaskSpec, direction: Direction, tex
         knob = next((k for k in family.knobs if k.name == name), None)
         if knob is None:
             raise ValueError(f"unknown knob {name!r}")
-        if not isinstance(value, int) or isinstance(value, bool) or not knob.low <= value <= knob.high:
-            raise ValueError(f"knob {name}={value!r} outside [{knob.low}, {knob.high}]")
+        lo, hi = family.bounds(name, task.split)
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise ValueError(f"knob {name}={value!r} outside [{lo}, {hi}]")
         new[name] = value
     candidate = family.derive(task, new)
     moved = family.difficulty(candidate) - family.difficulty(task)

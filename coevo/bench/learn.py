@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from coevo.config import CoevoConfig, EnvConfig, PolicyConfig, load_config, registered_families
+import numpy as np
+
+from coevo.bench.heldout import EVAL_SEEDS, HELDOUT_TASKS, Matrix, bootstrap, greedy, habit_table, model_matrix, verdict
+from coevo.config import CoevoConfig, ComputeDtype, EnvConfig, PolicyConfig, load_config, registered_families
 from coevo.errors import ConfigError
 from coevo.observe.progress import progress_bar, tracked
 from coevo.schemas import TaskSpec
@@ -42,8 +46,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
     from coevo.agents.tasks import Slot
-    from coevo.envs.base import Environment, Family, Observation
-    from coevo.inference.chat import Conversation
+    from coevo.envs.base import Environment, Family
     from coevo.inference.engine import LocalEngine
     from coevo.observe.progress import Bar
     from coevo.training.lane import StepMetrics
@@ -191,39 +194,27 @@ def paired_stats(a: list[float | None], b: list[float | None]) -> Result:
 # ---- the evaluator -----------------------------------------------------------------------------
 
 
-async def _act(engine: LocalEngine, policy: PolicyConfig, obs: Observation, conversation: Conversation | None) -> str:
-    """The action the policy agent would take on ``obs``: a candidate, the generated text when there
-    are no candidates, "" when no candidate index parsed."""
-    from coevo.agents.policy import choose
-    from coevo.algorithm.prompts import INDEX_LABELS
-
-    cands = obs.candidates[: len(INDEX_LABELS)]
-    c, index, _ = await choose(engine, policy, obs, cands, conversation)
-    if not cands:
-        return str(c.text)
-    return cands[index] if index is not None else ""
-
-
-async def _play(engine: LocalEngine, family: Family, env: Environment, task: TaskSpec, policy: PolicyConfig) -> bool:
-    """One episode of ``task``, acting as the policy agent does; True iff it is won."""
-    from coevo.inference.chat import ChatTokens, Conversation
+async def _play(
+    engine: LocalEngine, family: Family, env: Environment, task: TaskSpec, policy: PolicyConfig, key: str
+) -> bool:
+    """One episode of ``task``, acting as the policy agent does (its prompt form, the candidates shown in
+    the order episode ``key`` draws); True iff it is won."""
+    from coevo.agents.policy import choose, step_order
+    from coevo.inference.chat import ChatTokens, Conversation, PromptForm
 
     conversation = Conversation(ChatTokens(engine.tokenizer)) if policy.mode == "chat" else None
+    form = PromptForm.of(engine, policy.prompt_format)
     obs = await env.reset(task)
-    for _ in range(family.max_steps_cap):
-        r = await env.step(await _act(engine, policy, obs, conversation))
+    for k in range(family.max_steps_cap):
+        cands = list(obs.candidates)
+        order = step_order(policy, key, k, len(cands))
+        c, index, _ = await choose(engine, policy, obs, cands, conversation, order=order, form=form)
+        action = str(c.text) if not cands else (cands[index] if index is not None else "")
+        r = await env.step(action)
         if r.done:
             return r.outcome == "won"
         obs = r.observation
     return False
-
-
-def per_task(tasks: list[TaskSpec], won: list[bool]) -> dict[str, float]:
-    """Each task's success rate over the episodes ``play_episodes`` gave it (pure)."""
-    games: dict[str, list[bool]] = {}
-    for i, w in enumerate(won):
-        games.setdefault(tasks[i % len(tasks)].task_id, []).append(w)
-    return {t: round(sum(g) / len(g), 6) for t, g in games.items()}
 
 
 async def play_episodes(
@@ -235,42 +226,50 @@ async def play_episodes(
     family: Family | None = None,
     policy: PolicyConfig | None = None,
     concurrency: int = 32,
+    dtype: ComputeDtype = "auto",
 ) -> list[bool]:
     """Whether each of ``episodes`` episodes of the policy at ``model_dir`` was won, sampling as the
-    policy agent does (``policy``: its mode and temperature; default config when None). Episode ``i``
-    plays ``tasks[i % len(tasks)]``, so every task gets its share; ``family`` (default: built from the
-    tasks' family name) makes the environments."""
+    policy agent does (``policy``: its mode and temperature; default config when None), served in
+    ``dtype`` (``learner.dtype``). Episode ``i`` plays ``tasks[i % len(tasks)]``, so every task gets its
+    share; ``family`` (default: built from the tasks' family name) makes the environments."""
     from coevo.envs import make_family
     from coevo.inference.engine import LocalEngine
 
     family = family or make_family(EnvConfig(family=tasks[0].family))
     policy = policy or PolicyConfig()
     permits = asyncio.Semaphore(concurrency)  # environments open at once (TextWorld: one emulator each)
-    async with LocalEngine(model_dir, seed=seed) as engine:
+    async with LocalEngine(model_dir, seed=seed, dtype=dtype) as engine:
 
-        async def one(task: TaskSpec) -> bool:
+        async def one(i: int) -> bool:
+            task = tasks[i % len(tasks)]
             async with permits:
                 env = family.make_env()
                 try:
-                    return await _play(engine, family, env, task, policy)
+                    return await _play(engine, family, env, task, policy, f"{task.task_id}/{seed}/{i}")
                 finally:
                     await env.close()
 
-        return list(await asyncio.gather(*(one(tasks[i % len(tasks)]) for i in range(episodes))))
+        return list(await asyncio.gather(*(one(i) for i in range(episodes))))
 
 
 @dataclass
 class EvalSet:
-    """What the evaluator plays: the run's initial training tasks and the fixed held-out tasks."""
+    """What the evaluator plays: the run's initial training tasks and the fixed held-out tasks, these
+    once per evaluation seed (``coevo.bench.heldout``: the same tasks and shuffles every habit plays)."""
 
     family: Family
     train: list[TaskSpec]
     heldout: list[TaskSpec]
     policy: PolicyConfig
     episodes: int
+    seeds: tuple[int, ...] = EVAL_SEEDS
+    dtype: ComputeDtype = "auto"
+    """what the evaluated models are served in (the run's ``learner.dtype``)"""
 
     async def _won(self, model: Path, tasks: list[TaskSpec], seed: int) -> list[bool]:
-        return await play_episodes(model, tasks, self.episodes, seed, family=self.family, policy=self.policy)
+        return await play_episodes(
+            model, tasks, self.episodes, seed, family=self.family, policy=self.policy, dtype=self.dtype
+        )
 
     async def success(self, model: Path, split: Literal["train", "heldout"], seed: int) -> float | None:
         tasks = self.train if split == "train" else self.heldout
@@ -279,32 +278,48 @@ class EvalSet:
         won = await self._won(model, tasks, seed)
         return sum(won) / len(won)
 
-    async def heldout_per_task(self, model: Path, seed: int) -> tuple[float | None, dict[str, float]]:
-        """Held-out success of ``model`` and each held-out task's success rate (the mean alone hides
-        whether a gain is many tasks a little better or a few flipping from never to always won)."""
-        if not self.heldout:
-            return None, {}
-        won = await self._won(model, self.heldout, seed)
-        return sum(won) / len(won), per_task(self.heldout, won)
+    async def heldout_wins(self, model: Path, policy: PolicyConfig | None = None) -> Matrix:
+        """``model``'s held-out matrix (task × evaluation seed), acting as ``policy`` (default: the run's)."""
+        return await model_matrix(model, self.family, self.heldout, self.seeds, policy or self.policy, self.dtype)
 
 
-async def eval_set(cfg: CoevoConfig, episodes: int) -> EvalSet:
-    """The evaluation tasks of a run. Prechecks the run's initial pool and the held-out tasks first, which
-    compiles TextWorld games before the clock starts; a task that fails its precheck is not evaluated."""
+def mean_of(won: Matrix) -> float | None:
+    return round(sum(map(sum, won)) / (len(won) * len(won[0])), 6) if won and won[0] else None
+
+
+def by_task(tasks: list[TaskSpec], won: Matrix) -> dict[str, float]:
+    """Each task's success over the evaluation seeds (the mean alone hides whether a gain is many tasks a
+    little better or a few flipping from never to always won)."""
+    return {t.task_id: round(sum(row) / len(row), 6) for t, row in zip(tasks, won, strict=True)}
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How many held-out tasks a bench evaluates on, each once per how many evaluation seeds."""
+
+    tasks: int = HELDOUT_TASKS
+    seeds: int = len(EVAL_SEEDS)
+
+
+async def eval_set(
+    cfg: CoevoConfig, episodes: int, heldout: int = HELDOUT_TASKS, seeds: int = len(EVAL_SEEDS)
+) -> EvalSet:
+    """The evaluation tasks of a run: its initial train tasks, and ``heldout`` held-out tasks played once per
+    each of ``seeds`` evaluation seeds. Prechecks them first, which compiles TextWorld games before the
+    clock starts; a task that fails its precheck is not evaluated."""
     from coevo.envs import make_family
 
     family = make_family(cfg.env)
-    pool = [
-        (t, (await family.precheck(t)).ok)
-        for t in family.initial_tasks(cfg.env.n_train, cfg.env.n_heldout, cfg.env.seed)
-    ]
-    heldout = family.initial_tasks(0, cfg.env.n_heldout, HELDOUT_SEED) if cfg.env.n_heldout else []
+    pool = [(t, (await family.precheck(t)).ok) for t in family.initial_tasks(cfg.env.n_train, 0, cfg.env.seed)]
+    held = family.initial_tasks(0, heldout, HELDOUT_SEED) if heldout else []
     return EvalSet(
         family,
         [t for t, ok in pool if ok and t.split == "train"],
-        [t for t in heldout if (await family.precheck(t)).ok],
+        [t for t in held if (await family.precheck(t)).ok],
         cfg.policy,
         episodes,
+        EVAL_SEEDS[:seeds],
+        cfg.learner.dtype,
     )
 
 
@@ -458,10 +473,13 @@ async def _step_curve(
     return curve, last
 
 
-async def run_budget(cfg: CoevoConfig, budget: Budget, *, eval_every: float, episodes: int) -> Result:
+async def run_budget(
+    cfg: CoevoConfig, budget: Budget, *, eval_every: float, episodes: int, protocol: Protocol | None = None
+) -> Result:
     """Run the loop for ``budget``; evaluate on the run's initial train tasks during the run (every
     ``eval_every`` seconds, or steps under a step budget), and on the fixed held-out tasks before (base
-    model) and after (the newest checkpoint; under a step budget the budget's own version)."""
+    model, sampled and greedy) and after (the newest checkpoint; under a step budget the budget's own
+    version), each held-out task once per evaluation seed."""
     from coevo.agents.tasks import TasksAgent
     from coevo.inference.clients import model_dir
     from coevo.loop import build_agents, summarize
@@ -474,7 +492,8 @@ async def run_budget(cfg: CoevoConfig, budget: Budget, *, eval_every: float, epi
             "a step budget evaluates every milestone version: learner.publish_every must be 1",
             field="learner.publish_every",
         )
-    ev = await eval_set(cfg, episodes)
+    protocol = protocol or Protocol()
+    ev = await eval_set(cfg, episodes, protocol.tasks, protocol.seeds)
     base = await asyncio.to_thread(model_dir, cfg, "policy")
     await asyncio.to_thread(model_dir, cfg, "judge")
     async with open_runtime(cfg, name="coevo-bench") as rt:
@@ -506,11 +525,22 @@ async def run_budget(cfg: CoevoConfig, budget: Budget, *, eval_every: float, epi
                     _step_curve(ev, base, watch, budget, eval_every, bar, pool),
                 )
         elapsed = time.monotonic() - t0
-        held, held_tasks = await ev.heldout_per_task(final, seed=999)
-        held0, held0_tasks = await ev.heldout_per_task(base, seed=999)
+        won, won0 = await ev.heldout_wins(final), await ev.heldout_wins(base)
+        greedy0 = await ev.heldout_wins(base, greedy(cfg.policy))
         summary = await summarize(rt.bus, 0.0, elapsed)
-    by_task = {t: {"initial": held0_tasks[t], "final": held_tasks[t]} for t in held_tasks}
-    return run_result(cfg, budget, curve, summary, ev, held0, held, elapsed) | pool() | {"heldout_by_task": by_task}
+    result = run_result(cfg, budget, curve, summary, ev, mean_of(won0), mean_of(won), elapsed)
+    return result | pool() | heldout_fields(ev, won, won0, greedy0)
+
+
+def heldout_fields(ev: EvalSet, won: Matrix, won0: Matrix, greedy0: Matrix) -> Result:
+    """A run's held-out wins per task and evaluation seed: trained, base sampled, base greedy."""
+    final, initial = by_task(ev.heldout, won), by_task(ev.heldout, won0)
+    return {
+        "heldout_by_task": {t: {"initial": initial[t], "final": final[t]} for t in final},
+        "heldout_wins": won,
+        "heldout_wins_initial": won0,
+        "heldout_wins_base_greedy": greedy0,
+    }
 
 
 def run_result(
@@ -565,6 +595,8 @@ def run_result(
                 "policy_step_kl_max",
                 "policy_entropy_start",
                 "policy_entropy",
+                "policy_entropy_min",
+                "policy_step_gap_max_s",
             )
         },
         "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / max(elapsed, 1e-9), 2),
@@ -609,6 +641,8 @@ METRICS = (
     "policy_step_kl_max",
     "policy_entropy_start",
     "policy_entropy",
+    "policy_entropy_min",
+    "policy_step_gap_max_s",
 )
 """Summarised per configuration. ``seconds_to_0.8``: over the runs that reached 0.8 train success
 (``reached_0.8`` counts them); ``seconds_to_0.8_or_budget``: every run, one that never reached it
@@ -717,9 +751,14 @@ async def run_seeds(
     preset: str,
     cache_dir: Path | None,
     overrides: Overrides | None = None,
+    protocol: Protocol | None = None,
+    progress: Path | None = None,
 ) -> Result:
     """Every configuration once per seed (``plan_runs``' seed-major order) and the statistics over seeds
-    (``aggregate_seeds``); ``overrides`` (config fields) apply to every run."""
+    (``aggregate_seeds``), with the held-out protocol's table (``heldout_protocol``: the habits on the
+    same tasks and evaluation seeds, the base, each configuration's interval and verdict);
+    ``overrides`` (config fields) apply to every run. ``progress``: a JSON file rewritten after every
+    run with the runs finished so far (a long bench stopped or killed keeps them)."""
     plan = plan_runs(configs, seeds)
     name = family_of(family, preset)
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
@@ -729,10 +768,44 @@ async def run_seeds(
             plan, f"{len(configs)} configurations × {len(plan) // len(configs)} seeds", unit="runs"
         ):
             cfg = bench_config(Path(tmp) / f"{c}-s{s}", {**common, **run})
-            runs[c].append(await run_budget(cfg, budget, eval_every=eval_every, episodes=episodes))
-    return aggregate_seeds(
+            runs[c].append(await run_budget(cfg, budget, eval_every=eval_every, episodes=episodes, protocol=protocol))
+            if progress is not None:
+                _write_progress(progress, runs)
+        ev = await eval_set(cfg, 0, *astuple(protocol or Protocol()))
+        habits = await habit_table(ev.family, ev.heldout, ev.seeds, cfg.policy)
+    out = aggregate_seeds(
         runs, seeds=seeds, family=name, preset=preset, budget=budget, episodes=episodes, overrides=overrides
     )
+    return {**out, "heldout_protocol": heldout_protocol(runs, habits)}
+
+
+def _write_progress(path: Path, runs: dict[str, list[dict[str, Any]]]) -> None:
+    """``runs`` so far into ``path``, whole or not at all (written beside it, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"finished_runs": runs}, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def heldout_protocol(runs: dict[str, list[dict[str, Any]]], habits: dict[str, Any]) -> Result:
+    """The held-out table of ``run_seeds``' runs (pure): every habit's row, the base sampled and greedy
+    (over every run's base), each configuration's final success with its verdict (``verdict``: a gain
+    only where the interval clears the base's greedy score and every habit's), and the paired
+    differences of every configuration against the first, all by bootstrap over runs, tasks and seeds."""
+    first, *rest = runs
+    arms = {c: np.asarray([r["heldout_wins"] for r in rs]) for c, rs in runs.items()}
+    rows = {
+        **habits,
+        "base greedy": bootstrap([r["heldout_wins_base_greedy"] for r in runs[first]]),
+        "base sampled": bootstrap([r["heldout_wins_initial"] for r in runs[first]]),
+    }
+    trained = {c: bootstrap(a) for c, a in arms.items()}
+    return {
+        "rows": rows,
+        "trained": {c: {**t, "verdict": verdict(t, rows)} for c, t in trained.items()},
+        "paired": {f"{c} - {first}": bootstrap(arms[c] - arms[first]) for c in rest},
+        "interval": "95 % bootstrap percentile over runs, tasks and evaluation seeds together (paired: same ones)",
+    }
 
 
 def paired(out: dict[str, Any], a: str, b: str) -> Result:
@@ -839,6 +912,8 @@ async def bench_learn(
     preset: str = "default",
     family: str = "quickgame",
     overrides: Overrides | None = None,
+    protocol: Protocol | None = None,
+    progress: Path | None = None,
 ) -> Result:
     """Integrated reward vs outcome-only, ``seeds`` runs each, ``budget`` each (minutes when a number)."""
     return learn_result(
@@ -852,6 +927,8 @@ async def bench_learn(
             preset=preset,
             cache_dir=cache_dir,
             overrides=overrides,
+            protocol=protocol,
+            progress=progress,
         )
     )
 
@@ -874,6 +951,8 @@ async def bench_learn_lora(
     preset: str = "default",
     family: str = "quickgame",
     overrides: Overrides | None = None,
+    protocol: Protocol | None = None,
+    progress: Path | None = None,
 ) -> Result:
     """LoRA lanes against full fine-tuning at an equal budget, ``seeds`` runs each (paired by seed)."""
     configs = lora_configs(rank, lr)
@@ -887,6 +966,8 @@ async def bench_learn_lora(
         preset=preset,
         cache_dir=cache_dir,
         overrides=overrides,
+        protocol=protocol,
+        progress=progress,
     )
     return {**learn_result(out, configs), "lora": configs["lora"]}
 
@@ -902,6 +983,8 @@ async def bench_ladder(
     family: str = "quickgame",
     overrides: Overrides | None = None,
     rungs: dict[str, Overrides] | None = None,
+    protocol: Protocol | None = None,
+    progress: Path | None = None,
 ) -> Result:
     """The paper's ladder (policy-only, + judge training, + environment adaptation), ``seeds`` runs each."""
     return ladder_result(
@@ -915,5 +998,7 @@ async def bench_ladder(
             preset=preset,
             cache_dir=cache_dir,
             overrides=overrides,
+            protocol=protocol,
+            progress=progress,
         )
     )

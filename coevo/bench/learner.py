@@ -152,6 +152,7 @@ def _lora_comparison(tmp: Path, lc: Any, device: str, adapter_bytes: int, batch:
     judge as two full models or as two adapters of one base (parameters and optimiser state, after a
     step of each: bytes of distinct tensor storage)."""
     from coevo.config import LearnerConfig
+    from coevo.inference.precision import model_dtype
     from coevo.schemas.events import Role
     from coevo.training.lane import Lane
     from coevo.training.lora import SharedBase
@@ -161,7 +162,7 @@ def _lora_comparison(tmp: Path, lc: Any, device: str, adapter_bytes: int, batch:
     full_bytes = full.publish_alone()[2]
     two_full = 2 * _held_bytes([full])
     full.close()
-    shared = SharedBase(tmp / "model", lc.lora)
+    shared = SharedBase(tmp / "model", lc.lora, model_dtype(lc.dtype, device, tmp / "model"))
     roles: tuple[Role, ...] = ("policy", "judge")
     lanes = [Lane(role, tmp / "model", tmp / "one-base", lc, device=device, shared=shared) for role in roles]
     for lane in lanes:

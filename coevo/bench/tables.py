@@ -18,7 +18,7 @@ COLUMNS = (
     ("train success (start → end)", ("train_success_initial", "train_success")),
     ("best train success", ("best_train_success",)),
     ("held-out success (start → end)", ("heldout_success_initial", "heldout_success")),
-    ("held-out gain", ("heldout_gain",)),
+    ("held-out change", ("heldout_gain",)),
     ("policy entropy (start → end)", ("policy_entropy_start", "policy_entropy")),
     ("judge process acc.", ("judge_process_accuracy",)),
     ("judge outcome acc.", ("judge_outcome_accuracy",)),
@@ -105,6 +105,24 @@ def time_table(result: Result) -> str:
     return "\n".join(lines)
 
 
+def protocol_table(result: Result) -> str:
+    """The held-out protocol's table: every habit and the base beside each configuration, on the same
+    tasks and evaluation seeds, with the words ``verdict`` allows (a gain clears the base's greedy score
+    and every habit)."""
+    table = result.get("heldout_protocol")
+    if not table:
+        return ""
+    lines = ["| held-out (same tasks and seeds) | success [95 % interval] | verdict |", "|---|---|---|"]
+    for name, row in table["rows"].items():
+        rule = f" ({row['rule']})" if "rule" in row else ""
+        lines.append(f"| {name}{rule} | {row['mean']:.2f} [{row['low']:.2f}, {row['high']:.2f}] | |")
+    for config, row in table["trained"].items():
+        lines.append(f"| {config} | {row['mean']:.2f} [{row['low']:.2f}, {row['high']:.2f}] | {row['verdict']} |")
+    for comparison, row in table["paired"].items():
+        lines.append(f"| paired {comparison} | {row['mean']:+.2f} [{row['low']:+.2f}, {row['high']:+.2f}] | |")
+    return "\n".join(lines)
+
+
 def tables(result: Result) -> str:
     """Everything above, with the run's conditions in one line."""
     seeds = result.get("seeds", [])
@@ -112,7 +130,7 @@ def tables(result: Result) -> str:
         f"{result.get('family')}, {result.get('budget')} per run, seeds {seeds}, "
         f"{result.get('episodes_per_evaluation')} evaluation episodes"
     )
-    parts = [title, summary_table(result), paired_lines(result)]
+    parts = [title, summary_table(result), paired_lines(result), protocol_table(result)]
     curves = [p for block in result["configs"].values() for r in block["runs"] for p in r.get("curve", [])]
     if curves and all("step" in p for p in curves):
         parts += ["train success per policy step (seconds to reach it):", step_table(result)]

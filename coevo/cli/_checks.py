@@ -7,6 +7,7 @@ Invariant: every check here only reads (the file system, a TCP connect); a failu
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from pathlib import Path
@@ -107,3 +108,38 @@ def check_credentials_run(cfg: Any) -> None:
             "was started for (coevo server --run-id RUN); its credentials allow no other",
             field="run.run_id",
         )
+
+
+def missing_api_keys(model: str, api_key_env: str | None, api_base: str | None) -> list[str]:
+    """The environment variables an external model needs and does not have: ``api_key_env`` when it
+    is set, else what LiteLLM itself reads for the provider (any one of several will do; an api_base
+    variable does not count when ``url`` gives the base)."""
+    if api_key_env is not None:
+        return [] if os.environ.get(api_key_env) else [api_key_env]
+    from coevo.inference.litellm_client import provider_keys_missing
+
+    return provider_keys_missing(model, api_base)
+
+
+API_ROLES = {"judge": ("judge",), "tasks": ("tasks.rewriter",)}
+"""agent role -> the config sections (dotted) of external models it calls"""
+
+
+def check_api_keys(cfg: Any, sections: tuple[str, ...] = ("judge", "tasks.rewriter")) -> None:
+    """Every external judge or rewriter in ``sections`` has its key in the environment: a missing key
+    fails at start in one line naming the variable, not as every call's error once the run is under
+    way. Sections with ``api.mock_response`` (offline tests) call nothing and need none."""
+    for role in sections:
+        section = cfg
+        for part in role.split("."):
+            section = getattr(section, part)
+        if getattr(section, "backend", None) != "litellm" or section.api.mock_response is not None:
+            continue
+        missing = missing_api_keys(section.model, section.api.api_key_env, section.url)
+        if missing:
+            names = f"{missing[0]} is not set" if len(missing) == 1 else f"none of {', '.join(missing)} is set"
+            raise ConfigError(
+                f"{role} litellm:{section.model}: {names} in the environment (LiteLLM reads the key "
+                f"from it): export it, or name the variable that holds it with --set {role}.api.api_key_env=NAME",
+                field=f"{role}.api.api_key_env",
+            )

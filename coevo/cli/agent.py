@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from coevo.cli._checks import check_credentials_run, check_models, check_nats
+from coevo.cli._checks import API_ROLES, check_api_keys, check_credentials_run, check_models, check_nats
 from coevo.cli._config import dry_run, resolve_config
 from coevo.cli._leftovers import removed_on_failure
 from coevo.cli._table import Command, arg
@@ -27,6 +27,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     check_credentials_run(cfg)
     check_models(cfg, args)
+    check_api_keys(cfg, API_ROLES.get(args.role, ()))
     if dry_run(args, cfg):
         return 0
     from coevo.agents import resolve_role

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +95,20 @@ def _over_seeds(args: argparse.Namespace) -> dict[str, Any]:
         if not (args.judge_from / "config.json").is_file():
             raise SystemExit(f"coevo bench: --judge-from {args.judge_from}: not a model directory (no config.json)")
         overrides["judge.model"] = str(args.judge_from.resolve())
+    from coevo.bench.heldout import EVAL_SEEDS
+    from coevo.bench.learn import Protocol
+
+    if args.heldout_tasks < 1 or not 1 <= args.eval_seeds <= len(EVAL_SEEDS):
+        raise SystemExit(f"coevo bench: --heldout-tasks must be >= 1 and --eval-seeds 1..{len(EVAL_SEEDS)}")
     return {
         "seeds": range(args.first_seed, args.first_seed + args.seeds),
         "preset": args.preset,
         "family": args.family,
         "cache_dir": args.cache_dir,
         "overrides": overrides,
+        "protocol": Protocol(args.heldout_tasks, args.eval_seeds),
+        # every finished run beside the final JSON, as it finishes: a long bench killed keeps its runs
+        "progress": args.json.with_name(args.json.stem + ".partial.json") if args.json else None,
     }
 
 
@@ -144,8 +153,16 @@ def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _heldout_args() -> tuple[Arg, ...]:
+    return (
+        arg("--heldout-tasks", type=int, default=64, help="held-out tasks evaluated (from the held-out region)"),
+        arg("--eval-seeds", type=int, default=5, help="evaluation seeds: each held-out task is played once per seed"),
+    )
+
+
 def _seeds_args() -> tuple[Arg, ...]:
     return (
+        *_heldout_args(),
         arg(
             "--seeds",
             type=int,
@@ -168,7 +185,8 @@ def _seeds_args() -> tuple[Arg, ...]:
         arg(
             "--family",
             default="quickgame",
-            help="an environment family: quickgame, textworld, arithmetic (word problems), coding, or a plugin's",
+            help="an environment family: quickgame, textworld, tw-coin_collector, tw-treasure_hunter, tw-cooking "
+            "(TextWorld's challenge games), arithmetic (word problems), coding, or a plugin's",
         ),
         arg("--cache-dir", type=Path, help="models and compiled games (default: a temporary directory)"),
         arg(
@@ -255,6 +273,17 @@ def cmd_bench_parity(args: argparse.Namespace) -> int:
     return _emit(run_stoppable(bench_parity(args.vllm_python, rollouts=args.rollouts)), args.json)
 
 
+def cmd_bench_precision(args: argparse.Namespace) -> int:
+    from coevo.bench.precision import bench_precision
+    from coevo.config import load_config
+    from coevo.inference.clients import model_dir
+
+    cfg = load_config(overrides=_run_overrides(args))
+    base = model_dir(cfg, "policy")
+    bench = bench_precision(base, rollouts=args.rollouts, max_tokens=args.max_tokens, vllm_python=args.vllm_python)
+    return _emit(run_stoppable(bench), args.json)
+
+
 def cmd_bench_learner(args: argparse.Namespace) -> int:
     from coevo.bench.learner import bench_learner
 
@@ -299,6 +328,24 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
     result = run_stoppable(bench_chaos(plan, baseline=not args.no_baseline, workdir=args.workdir))
     _emit(result, args.json)
     return 0 if result["ok"] else 1
+
+
+def cmd_bench_heldout(args: argparse.Namespace) -> int:
+    from coevo.bench.heldout import EVAL_SEEDS, bench_heldout, heldout_table
+    from coevo.config import load_config
+
+    if args.heldout_tasks < 1 or not 1 <= args.eval_seeds <= len(EVAL_SEEDS):
+        raise SystemExit(f"coevo bench: --heldout-tasks must be >= 1 and --eval-seeds 1..{len(EVAL_SEEDS)}")
+    overrides = {**_run_overrides(args), "env.family": args.family}
+    if args.cache_dir is not None:
+        overrides["env.cache_dir"] = str(args.cache_dir)
+    cfg = load_config(overrides=overrides)
+    result = run_stoppable(
+        bench_heldout(cfg, EVAL_SEEDS[: args.eval_seeds], args.heldout_tasks, both_forms=not args.used_form_only)
+    )
+    _emit(result, args.json)
+    print(heldout_table(result), end="", file=sys.stderr)
+    return 0
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
@@ -349,6 +396,24 @@ def _emit(result: dict[str, Any], path: Path | None) -> int:
 
 
 BENCHES: tuple[Command, ...] = (
+    Command(
+        "bench heldout",
+        "the held-out table of a base model: habits (random, constant labels, best position rule), the "
+        "scripted reader, the base greedy and sampled, raw and chat prompts, label mass",
+        cmd_bench_heldout,
+        args=(
+            JSON_ARG,
+            arg("--family", default="quickgame", help="a family with held-out tasks"),
+            arg("--cache-dir", type=Path, help="models and compiled games (default: ~/.cache/coevo)"),
+            arg(
+                "--used-form-only",
+                action="store_true",
+                help="measure the base in the prompt form the policy uses only, not raw and chat both",
+            ),
+            *_heldout_args(),
+            *_model_args(),
+        ),
+    ),
     Command(
         "bench bus",
         "typed bus vs plain nats-py: throughput and publish-to-ack latency",
@@ -451,6 +516,19 @@ BENCHES: tuple[Command, ...] = (
             JSON_ARG,
             arg("--vllm-python", required=True, help="python of a venv with vllm"),
             arg("--rollouts", type=int, default=40, help="fresh completions per setting"),
+        ),
+    ),
+    Command(
+        "bench precision",
+        "fp32 against bf16 on one model: matmul peak, engine prefill and sampling, a LoRA learner step, an "
+        "adapter version applied, and the mismatch KL of every sampler and learner dtype pair",
+        cmd_bench_precision,
+        args=(
+            JSON_ARG,
+            arg("--rollouts", type=int, default=32, help="free completions sampled per measurement"),
+            arg("--max-tokens", type=int, default=16, help="tokens per completion"),
+            arg("--vllm-python", help="python of a venv with vllm: measure vLLM's CPU build in each dtype too"),
+            *_model_args(),
         ),
     ),
     Command(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from coevo.cli._checks import check_models, check_nats, check_resume
+from coevo.cli._checks import check_api_keys, check_models, check_nats, check_resume
 from coevo.cli._config import dry_run, resolve_config
 from coevo.cli._leftovers import removed_on_failure
 from coevo.cli._table import Command, arg
@@ -15,9 +15,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     check_resume(cfg.run.runs_dir, args.resume)  # before anything is created: never a new run by that name
     check_models(cfg, args)
+    check_api_keys(cfg)
     if dry_run(args, cfg):
         return 0
     check_nats(cfg.nats.url)
+    from coevo.bench.heldout import run_baselines
     from coevo.loop import run_main
     from coevo.observe.live import ObserveOptions
     from coevo.tools.trace import trace
@@ -30,7 +32,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         trace=trace,
     )
     with removed_on_failure(cfg.run.runs_dir):  # failed before it ran: no run directory of logs alone
-        return asyncio.run(run_main(cfg, opts))
+        return asyncio.run(run_main(cfg, opts, baselines=run_baselines))
 
 
 COMMANDS: tuple[Command, ...] = (

@@ -4,8 +4,9 @@ Invariants:
 - ``reset(task)`` then ``step(action)`` until ``done``; a step after ``done`` raises ``EnvError``;
 - an episode's outcome is ``won``, ``lost``, ``truncated`` (step budget spent) or ``aborted``
   (the environment itself failed; never counted as a failure, never trained on);
-- a family's rewrite operators only move knobs within the family's declared bounds, and
-  ``precheck`` proves a task builds and is solvable before anyone rolls it out.
+- a family's rewrite operators only move knobs within the family's declared bounds (a train task's
+  within ``train_limits`` too, so no rewrite reaches the held-out region), and ``precheck`` proves a
+  task builds and is solvable before anyone rolls it out.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class Family(abc.ABC):
     name: ClassVar[str]
     knobs: ClassVar[tuple[Knob, ...]] = ()
     max_steps_cap: ClassVar[int] = 50
+    train_limits: ClassVar[dict[str, tuple[int, int]]] = {}
+    """Knob ranges a train task and every rewrite of one stay within (a knob not named: its bounds).
+    A family whose held-out tasks lie outside them measures on tasks no training task reaches."""
 
     @abc.abstractmethod
     def make_env(self) -> Environment: ...
@@ -125,6 +129,20 @@ class Family(abc.ABC):
                 return k
         raise KeyError(f"{self.name} has no knob {name!r}")
 
+    readable: ClassVar[bool] = False
+    """Whether ``read`` is a scripted reader that wins every task (the held-out protocol's ceiling)."""
+
+    def read(self, observation: str, shown: list[str]) -> int | None:
+        """The scripted reader's choice: an index in ``shown`` from the observation alone (no learning,
+        no memory); None where the family has no reader."""
+        return None
+
+    def bounds(self, name: str, split: str) -> tuple[int, int]:
+        """The range knob ``name`` may take in a task of ``split`` (train: within ``train_limits``)."""
+        k = self.knob(name)
+        lo, hi = self.train_limits.get(name, (k.low, k.high)) if split == "train" else (k.low, k.high)
+        return max(k.low, lo), min(k.high, hi)
+
     def operators(self, direction: Direction) -> list[str]:
         """Names of the edits that move ``task`` in ``direction`` (one per knob)."""
         return [f"{k.name}{'+' if (k.harder == 1) == (direction == 'harder') else '-'}" for k in self.knobs]
@@ -133,18 +151,20 @@ class Family(abc.ABC):
         """Apply ``knob+`` / ``knob-``; None when the knob is already at its bound."""
         name, sign = operator[:-1], operator[-1]
         knob = self.knob(name)
+        lo, hi = self.bounds(name, task.split)
         current = task.knobs.get(name, knob.low)
-        new = knob.clamp(current + (1 if sign == "+" else -1))
-        if new == current:
+        new = max(lo, min(hi, current + (1 if sign == "+" else -1)))
+        if new == current or not lo <= current <= hi:
             return None
         return self.derive(task, {**task.knobs, name: new})
 
     def derive(self, task: TaskSpec, knobs: dict[str, int], params: dict[str, Any] | None = None) -> TaskSpec:
         """A rewritten child of ``task`` (lineage kept: parent id, version + 1)."""
         for name, value in knobs.items():
-            k = self.knob(name)
-            if not k.low <= value <= k.high:
-                raise EnvError(f"{self.name}: knob {name}={value} outside [{k.low}, {k.high}]")
+            lo, hi = self.bounds(name, task.split)
+            if not lo <= value <= hi:
+                where = " (a train task's limits)" if (lo, hi) != (self.knob(name).low, self.knob(name).high) else ""
+                raise EnvError(f"{self.name}: knob {name}={value} outside [{lo}, {hi}]{where}")
         root = task.task_id.split("__v")[0]
         version = task.version + 1
         merged = {**task.params, **(params or {})}

@@ -1,22 +1,32 @@
 """The quick game: a tiny procedural text game that a model trained from scratch can learn on CPU.
 
 A chain of rooms joined by doors, some locked (their key lies in the room before the door); the
-goal is always to take the coin in the last room. Knobs: ``steps`` (shortest solution, 1..6),
+goal is always to take the coin in the last room. Knobs: ``steps`` (shortest solution, 1..7),
 ``distractors`` (wrong keys and side rooms, some of them pits that lose the game), ``slack``
 (extra steps allowed beyond the shortest solution) and ``hints`` (the next good action is shown).
 
-Invariants: a task (seed + knobs) always builds the same world; the shortest solution has
-exactly ``steps`` actions; candidates come in a stable order (verb, direction, colour); the
-reference label of an action is +1 iff it starts a shortest path to the goal from that state.
+The observation holds what a reading policy needs and nothing that names the answer: the way to the
+coin room (its rooms in order), each exit's room and, when locked, the colour of its lock. ``read``
+is a few lines that parse it and win every task: the ceiling of the held-out protocol.
+
+Held-out protocol: train tasks (and every rewrite of one) stay within ``train_limits`` (at most 5
+steps, 3 distractors) and use the train words (``ROOMS``, ``COLORS``); held-out tasks are longer (6..7
+steps, up to 4 distractors) and use words training never shows (``HELDOUT_ROOMS``, ``HELDOUT_COLORS``).
+
+Invariants: a task (seed + knobs + words) always builds the same world; the shortest solution has
+exactly ``steps`` actions; candidates come in a stable order (verb, direction, colour): the policy
+shuffles what it shows (``coevo.algorithm.prompts.shown_order``); the reference label of an action
+is +1 iff it starts a shortest path to the goal from that state.
 
 Two presets, registered as two families: ``quickgame`` (initial pool: 2..4 steps, 0..2 distractors,
 one step of slack) and ``quickgame-hard`` (4..5 steps, 2..3 distractors, no slack), where outcome
-rewards are sparse. They differ only in the initial pool: same game, knobs, precheck and rewrites.
+rewards are sparse. They differ only in the pools: same game, knobs, precheck and rewrites.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -29,6 +39,10 @@ DIRS = ("north", "south", "east", "west")
 OPPOSITE = {"north": "south", "south": "north", "east": "west", "west": "east"}
 COLORS = ("red", "blue", "green", "gold", "white")
 ROOMS = ("hall", "kitchen", "cellar", "attic", "garden", "library", "study", "pantry", "tower", "yard")
+HELDOUT_COLORS = ("black", "silver", "purple", "orange", "pink")
+HELDOUT_ROOMS = ("vault", "gallery", "chapel", "forge", "cave", "loft", "porch", "den", "mill", "barn")
+"""Words only held-out tasks use (``params.words = "heldout"``): no train task, rewrite or prompt shows them."""
+WORDS = {"train": (ROOMS, COLORS), "heldout": (HELDOUT_ROOMS, HELDOUT_COLORS)}
 VERBS = ("go", "take", "unlock")
 
 
@@ -49,6 +63,8 @@ class World:
     pits: set[int]
     max_steps: int
     solution: list[str] = field(default_factory=list)
+    colors: tuple[str, ...] = COLORS
+    """the palette its keys are drawn from, in its order (held colours are listed in it)"""
 
     def exits(self, room: int) -> list[Door]:
         return sorted((d for d in self.doors if d.room == room), key=lambda d: DIRS.index(d.direction))
@@ -82,11 +98,14 @@ def _segments(total: int, rng: random.Random) -> list[int]:
     return rng.choice(options)
 
 
-def build_world(seed: int, steps: int, distractors: int, slack: int) -> World:
+def build_world(seed: int, steps: int, distractors: int, slack: int, words: str = "train") -> World:
+    if words not in WORDS:
+        raise EnvError(f"quickgame: words {words!r} is not one of {sorted(WORDS)}")
+    room_words, palette = WORDS[words]
     rng = random.Random(seed * 1_000_003 + steps * 101 + distractors * 7)
     segs = _segments(steps - 1, rng)
-    names = rng.sample(ROOMS, len(ROOMS))
-    colors = rng.sample(COLORS, len(COLORS))
+    names = rng.sample(room_words, len(room_words))
+    colors = rng.sample(palette, len(palette))
     rooms = [names[0]]
     doors: list[Door] = []
     keys: dict[int, list[str]] = {}
@@ -133,8 +152,8 @@ def build_world(seed: int, steps: int, distractors: int, slack: int) -> World:
         if i % 4 == 0:  # the first and fifth side rooms are pits: entering them loses
             pits.add(side)
     for r in keys:
-        keys[r].sort(key=COLORS.index)
-    return World(rooms, doors, keys, coin_room, pits, steps + slack, solution)
+        keys[r].sort(key=palette.index)
+    return World(rooms, doors, keys, coin_room, pits, steps + slack, solution, palette)
 
 
 def candidates(world: World, s: State) -> list[str]:
@@ -144,7 +163,7 @@ def candidates(world: World, s: State) -> list[str]:
         out.append("take coin")
     for d in world.exits(s.room):
         if d.key is not None and (s.room, d.direction) not in s.unlocked:
-            out += [f"unlock {d.direction} door with {c} key" for c in sorted(s.held, key=COLORS.index)]
+            out += [f"unlock {d.direction} door with {c} key" for c in sorted(s.held, key=world.colors.index)]
     return out
 
 
@@ -209,15 +228,49 @@ def describe(world: World, s: State, steps_left: int, hint: str | None) -> str:
     exits = []
     for d in world.exits(s.room):
         locked = d.key is not None and (s.room, d.direction) not in s.unlocked
-        exits.append(f"{d.direction} {world.rooms[d.to]}{' locked' if locked else ''}")
-    held = ", ".join(f"{c} key" for c in sorted(s.held, key=COLORS.index)) or "nothing"
+        exits.append(f"{d.direction} {world.rooms[d.to]}{f' locked {d.key}' if locked else ''}")
+    held = ", ".join(f"{c} key" for c in sorted(s.held, key=world.colors.index)) or "nothing"
+    way = ", ".join(world.rooms[: world.coin_room + 1])  # the main path's rooms are the first ones built
     text = (
-        f"goal: take the coin. room: {world.rooms[s.room]}. items: {', '.join(items) or 'none'}. "
+        f"goal: take the coin in the {world.rooms[world.coin_room]}; the way: {way}. "
+        f"room: {world.rooms[s.room]}. items: {', '.join(items) or 'none'}. "
         f"carry: {held}. exits: {', '.join(exits) or 'none'}. steps left: {steps_left}."
     )
     if hint:
         text += f" hint: {hint}."
     return text
+
+
+_WAY = re.compile(r"the way: ([^.]*)\.")
+_ROOM = re.compile(r"room: (\w+)\.")
+_CARRY = re.compile(r"carry: ([^.]*)\.")
+_EXITS = re.compile(r"exits: ([^.]*)\.")
+
+
+def read(observation: str, shown: list[str]) -> int | None:
+    """The scripted reader: the index in ``shown`` of the action a policy that reads ``observation``
+    takes (no learning, no memory): take the coin when it lies here; else head for the next room of
+    the way (back onto the way from a side room), unlocking its door with the key of the lock's
+    colour, taking that key first. None when the text is not a quick-game observation."""
+    way, room, carry, exits = (p.search(observation) for p in (_WAY, _ROOM, _CARRY, _EXITS))
+    if way is None or room is None or carry is None or exits is None:
+        return None
+    if "take coin" in shown:
+        return shown.index("take coin")
+    rooms = way.group(1).split(", ")
+    here = room.group(1)
+    target = rooms[rooms.index(here) + 1] if here in rooms[:-1] else None
+    for exit_ in exits.group(1).split(", "):
+        words = exit_.split()
+        if len(words) < 2 or not (words[1] == target or (target is None and words[1] in rooms)):
+            continue
+        action = f"go {words[0]}"
+        if len(words) == 4:  # "<direction> <room> locked <colour>"
+            key = words[3]
+            held = f"{key} key" in carry.group(1)
+            action = f"unlock {words[0]} door with {key} key" if held else f"take {key} key"
+        return shown.index(action) if action in shown else None
+    return None
 
 
 class QuickGameEnv(Environment):
@@ -229,11 +282,10 @@ class QuickGameEnv(Environment):
         self.done = True
 
     async def reset(self, task: TaskSpec) -> Observation:
-        k = QuickGame().knobs_of(task)
-        self.world = build_world(int(task.params.get("seed", 0)), k["steps"], k["distractors"], k["slack"])
+        self.world = world_of(task)
         self.state = State()
         self.steps = 0
-        self.hints = bool(k["hints"])
+        self.hints = bool(QuickGame().knobs_of(task)["hints"])
         self.done = False
         return self._observe("")
 
@@ -280,15 +332,23 @@ class QuickGameEnv(Environment):
         return StepResult(obs, self.done, outcome, label, {"feedback": feedback})
 
 
+def world_of(task: TaskSpec) -> World:
+    k = QuickGame().knobs_of(task)
+    seed, words = int(task.params.get("seed", 0)), str(task.params.get("words", "train"))
+    return build_world(seed, k["steps"], k["distractors"], k["slack"], words)
+
+
 class QuickGame(Family):
     name = "quickgame"
     knobs = (
-        Knob("steps", 1, 6, harder=1),
-        Knob("distractors", 0, 4, harder=1),
+        Knob("steps", 1, 7, harder=1),
+        Knob("distractors", 0, 5, harder=1),
         Knob("slack", 0, 3, harder=-1),
         Knob("hints", 0, 1, harder=-1),
     )
-    max_steps_cap = 9
+    max_steps_cap = 10
+    train_limits: ClassVar[dict[str, tuple[int, int]]] = {"steps": (1, 5), "distractors": (0, 3)}
+    """No train task nor rewrite reaches the held-out region (6..7 steps)."""
 
     def make_env(self) -> QuickGameEnv:
         return QuickGameEnv()
@@ -299,16 +359,32 @@ class QuickGame(Family):
         "slack": (1, 1),
         "hints": (0, 0),
     }
-    """The initial pool draws each knob uniformly from this range (the rewriter then moves train tasks)."""
+    """The initial train pool draws each knob uniformly from this range (the rewriter then moves train tasks)."""
+    heldout_knobs: ClassVar[dict[str, tuple[int, int]]] = {
+        "steps": (6, 7),
+        "distractors": (2, 4),
+        "slack": (2, 2),
+        "hints": (0, 0),
+    }
+    """Held-out tasks: longer than any train task can become (and up to 4 distractors), in the held-out
+    words; two steps of slack, so that a reading policy's one slip is not the end (random play: ~0.02)."""
     id_prefix: ClassVar[str] = "qg"
+    readable: ClassVar[bool] = True
+
+    def read(self, observation: str, shown: list[str]) -> int | None:
+        return read(observation, shown)
 
     def initial_tasks(self, n_train: int, n_heldout: int, seed: int) -> list[TaskSpec]:
-        return self.drawn_pool(self.initial_knobs, self.id_prefix, n_train, n_heldout, seed)
+        train = self.drawn_pool(self.initial_knobs, self.id_prefix, n_train, 0, seed)
+        heldout = self.drawn_pool(self.heldout_knobs, self.id_prefix, 0, n_heldout, seed + 1_000_003)
+        return train + [
+            t.model_copy(update={"task_id": f"{self.id_prefix}-h{i}", "params": {**t.params, "words": "heldout"}})
+            for i, t in enumerate(heldout)
+        ]
 
     async def precheck(self, task: TaskSpec) -> PrecheckResult:
         try:
-            k = self.knobs_of(task)
-            world = build_world(int(task.params.get("seed", 0)), k["steps"], k["distractors"], k["slack"])
+            world = world_of(task)
         except (EnvError, ValueError, TypeError) as exc:
             return PrecheckResult(False, f"does not build: {exc}")
         d = distance_to_win(world, State())
@@ -317,8 +393,7 @@ class QuickGame(Family):
         return PrecheckResult(True, "", d)
 
     def walkthrough(self, task: TaskSpec) -> list[str]:
-        k = self.knobs_of(task)
-        return build_world(int(task.params.get("seed", 0)), k["steps"], k["distractors"], k["slack"]).solution
+        return world_of(task).solution
 
 
 class QuickGameHard(QuickGame):
@@ -334,4 +409,5 @@ class QuickGameHard(QuickGame):
         "slack": (0, 0),
         "hints": (0, 0),
     }
+    heldout_knobs: ClassVar[dict[str, tuple[int, int]]] = {**QuickGame.heldout_knobs, "slack": (1, 1)}
     id_prefix: ClassVar[str] = "qgh"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 TokenPath = Literal["fresh", "reused", "mismatch", "diverged"]
 
@@ -125,6 +125,8 @@ class ChatTokens:
             return None
         turn_text = with_turn[len(before) :]  # the assistant turn as the template writes it
         sampled = self.decode(prev.response_ids)
+        if not turn_text.startswith(sampled):  # a special token sampled (pad, EOS) is not in the text shown
+            sampled = str(self.tokenizer.decode(prev.response_ids, skip_special_tokens=True))
         if not turn_text.startswith(sampled):  # the template rewrites the turn (e.g. tool calls): no reuse
             return None
         closing = turn_text[len(sampled) :]  # what the template adds after the sampled tokens (EOS, newline)
@@ -172,3 +174,44 @@ class Conversation:
         self.turn = Turn(messages, normalize([assistant])[0], list(c.prompt_token_ids), list(c.response_token_ids))
         self.messages.append(assistant)
         return c, how
+
+
+def has_own_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` ships a chat template of its own (an instruct model's), not coevo's tiny
+    models' fallback."""
+    from coevo.inference.models import CHAT_TEMPLATE
+
+    template = getattr(tokenizer, "chat_template", None)
+    return bool(template) and template != CHAT_TEMPLATE
+
+
+class PromptForm:
+    """How a role's built-in prompts reach its model: through the chat template (``chat``), or as raw
+    text after BOS (``raw``: ``ids`` is None and the client encodes the text). ``auto`` is chat when the
+    tokenizer has a template of its own. A client without a tokenizer (an external API) gets the text."""
+
+    def __init__(self, tokenizer: Any | None, form: Literal["auto", "chat", "raw"]) -> None:
+        chat = tokenizer is not None and (form == "chat" or (form == "auto" and has_own_template(tokenizer)))
+        self.tokens = ChatTokens(tokenizer) if chat else None
+
+    @property
+    def chat(self) -> bool:
+        return self.tokens is not None
+
+    def ids(self, messages: list[dict[str, str]]) -> list[int] | None:
+        """The prompt ids of ``messages`` rendered with the generation prompt, or None (raw)."""
+        if self.tokens is None:
+            return None
+        return self.tokens.encode(self.tokens.render(messages))
+
+    @classmethod
+    def of(cls, client: Any, form: Literal["auto", "chat", "raw"]) -> PromptForm:
+        """The form for ``client``'s model: a client without its tokenizer at hand gets raw prompts."""
+        return cls(client.tokenizer if isinstance(client, HoldsTokenizer) else None, form)
+
+
+@runtime_checkable
+class HoldsTokenizer(Protocol):
+    """A client that serves from its own tokenizer (the local engine), so prompts can use its chat template."""
+
+    tokenizer: Any

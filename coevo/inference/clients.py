@@ -7,6 +7,7 @@ from typing import Literal
 
 from coevo.config import (
     CoevoConfig,
+    ComputeDtype,
     LitellmEndpoint,
     LLMRewriterConfig,
     LocalJudge,
@@ -41,7 +42,7 @@ def make_client(cfg: CoevoConfig, role: Literal["policy", "judge", "rewriter"], 
         rewriter = cfg.tasks.rewriter
         if not isinstance(rewriter, LLMRewriterConfig):
             raise ValueError(f"tasks.rewriter.backend = {rewriter.backend!r} uses no model")
-        return endpoint_client(rewriter, "rewriter")
+        return endpoint_client(rewriter, "rewriter", dtype=cfg.learner.dtype)
     if role == "policy" and cfg.policy.url:
         from coevo.inference.vllm_client import VLLMClient
 
@@ -62,13 +63,18 @@ def make_client(cfg: CoevoConfig, role: Literal["policy", "judge", "rewriter"], 
         seed=seed,
         sampling=cfg.policy.sampling if role == "policy" else cfg.judge.sampling,
         grammar=cfg.policy.grammar,
+        dtype=cfg.learner.dtype,
     )
 
 
 def endpoint_client(
-    ep: LitellmEndpoint | VllmEndpoint | LocalRewriter, name: str, sampling: SamplingConfig | None = None
+    ep: LitellmEndpoint | VllmEndpoint | LocalRewriter,
+    name: str,
+    sampling: SamplingConfig | None = None,
+    dtype: ComputeDtype = "auto",
 ) -> InferenceClient:
-    """The client of a judge's or rewriter's endpoint section, by its ``backend`` tag."""
+    """The client of a judge's or rewriter's endpoint section, by its ``backend`` tag (a local model
+    served in ``dtype``, ``learner.dtype``)."""
     if isinstance(ep, LitellmEndpoint):
         from coevo.inference.litellm_client import LiteLLMClient
 
@@ -77,4 +83,4 @@ def endpoint_client(
         from coevo.inference.vllm_client import VLLMClient
 
         return VLLMClient(ep.url, ep.model or name, name=name, sampling=sampling)
-    return LocalEngine(Path(ep.model), name=name)
+    return LocalEngine(Path(ep.model), name=name, dtype=dtype)

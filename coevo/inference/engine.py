@@ -20,10 +20,11 @@ from typing import Any, Protocol, cast, runtime_checkable
 
 import structlog
 
-from coevo.config import GrammarConfig, SamplingConfig
+from coevo.config import ComputeDtype, GrammarConfig, SamplingConfig
 from coevo.errors import InvalidTokens
 from coevo.inference import adapters
 from coevo.inference.grammar import GrammarError, Grammars, Matcher
+from coevo.inference.precision import default_device, model_dtype
 from coevo.inference.sampling import truncate
 
 log = structlog.get_logger("coevo.inference")
@@ -181,6 +182,7 @@ class LocalEngine:
         version: int = 0,
         sampling: SamplingConfig | None = None,
         grammar: GrammarConfig | None = None,
+        dtype: ComputeDtype = "auto",
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -188,14 +190,13 @@ class LocalEngine:
         quiet_transformers()
         self.name = name
         self.model_dir = Path(model_dir)
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device or default_device()
         adapter = self.model_dir if adapters.is_adapter(self.model_dir) else None
         base = adapters.base_of(adapter) if adapter is not None else self.model_dir  # a LoRA lane's checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(base)
-        # transformers' @wraps(Module.to) is not a bound method to mypy: it wants the model as first argument
-        self.model = AutoModelForCausalLM.from_pretrained(base).to(self.device).eval()
-        if str(self.device).startswith("cuda"):
-            self.model = self.model.to(torch.bfloat16)  # serve in bf16 on CUDA (log-probs still in fp32)
+        self.dtype = model_dtype(dtype, self.device, base)
+        # the weights in the compute dtype (learner.dtype); logits are cast to fp32 before any softmax
+        self.model = AutoModelForCausalLM.from_pretrained(base, dtype=self.dtype).to(self.device).eval()
         self.max_batch = max_batch
         self.sampling = sampling or SamplingConfig()
         self.grammar_cfg = grammar or GrammarConfig()

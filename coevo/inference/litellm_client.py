@@ -35,6 +35,17 @@ RETRYABLE = (
 )
 
 
+def provider_keys_missing(model: str, api_base: str | None = None) -> list[str]:
+    """The environment variables LiteLLM reads for ``model``'s provider when none of them is set (any
+    one of several will do); an ``*_API_BASE`` variable does not count when ``api_base`` is given."""
+    import litellm
+
+    found = litellm.validate_environment(model=model)
+    if found.get("keys_in_environment"):
+        return []
+    return [k for k in found.get("missing_keys", []) if not (api_base and k.endswith("_API_BASE"))]
+
+
 class LiteLLMClient:
     """One model (with fallbacks) behind a LiteLLM Router; no token ids, version 0 (not trained)."""
 

@@ -43,7 +43,7 @@ CHAT_TEMPLATE = (
 """The tiny models' chat template (also the fallback of a model without one, ``coevo.inference.chat``):
 ``role: content`` lines after BOS; an assistant turn is ``assistant:`` + its content + EOS, so the
 tokens a model generated (ending with EOS) are exactly the turn's tokens in the next prompt."""
-VERSION = 3  # bump when the recipe changes: the cache key includes it
+VERSION = 4  # bump when the recipe changes: the cache key includes it
 
 
 def _corpus(seed: int = 0, n: int = 400) -> list[str]:

@@ -80,3 +80,24 @@ def bootstrap_interval(
     low = diffs[int(tail * (RESAMPLES - 1))]
     high = diffs[round((1 - tail) * (RESAMPLES - 1))]
     return round(low, 4), round(high, 4)
+
+
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a success rate over ``n`` episodes (pure)."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre, spread = p + z * z / (2 * n), z * ((p * (1 - p) + z * z / (4 * n)) / n) ** 0.5
+    scale = 1 + z * z / n
+    return max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale)
+
+
+def run_verdict(end: float, episodes: int, bars: dict[str, float]) -> str:
+    """The closing summary's words for the last held-out round against ``bars`` (pure): above them only
+    where the round's 95 % interval (Wilson, over its ``episodes``) clears each."""
+    low, _ = wilson(end * episodes, episodes)
+    shown = ", ".join(f"{name} {value:.2f}" for name, value in bars.items())
+    under = [name for name, value in bars.items() if name != "reader" and low <= value]
+    # three decimals: a low end of 0.004 clears a bar of 0.00, and "from 0.00" would not say why
+    said = "clears base and habits" if not under else f"does not clear {', '.join(under)}"
+    return f"beside it on the same tasks: {shown}; the last round's interval (from {low:.3f}) {said}"

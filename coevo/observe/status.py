@@ -41,8 +41,13 @@ class _Above:
 
 @contextmanager
 def logs_above(console: Any) -> Iterator[None]:
-    """The console log handlers (plain ``StreamHandler``s of the root logger) print through ``console``."""
-    handlers = [h for h in logging.getLogger().handlers if type(h) is logging.StreamHandler]
+    """The console log handlers (plain ``StreamHandler``s of the root logger) print through ``console``;
+    a handler whose stream is already closed (left behind by whoever set it up) is left alone."""
+    handlers = [
+        h
+        for h in logging.getLogger().handlers
+        if type(h) is logging.StreamHandler and not getattr(h.stream, "closed", False)
+    ]
     streams = [h.stream for h in handlers]
     for h in handlers:
         h.setStream(_Above(console))

@@ -10,10 +10,20 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from coevo.schemas import Event, GroupScored, LearnerStepped, StepJudged, TaskDecided, TaskRewritten, TaskScheduled
+from coevo.schemas import (
+    Event,
+    GroupScored,
+    LearnerStepped,
+    RunFinished,
+    StepJudged,
+    TaskDecided,
+    TaskRewritten,
+    TaskScheduled,
+)
 
 
 class Interval(BaseModel):
@@ -147,6 +157,19 @@ class RunSummary(BaseModel):
         "one answer per prompt goes to 0)",
     )
     policy_entropy: float | None = Field(default=None, description="the same over the last quarter")
+    policy_entropy_min: float | None = Field(
+        default=None, description="the lowest entropy of any policy batch (nats per response token)"
+    )
+    policy_step_gap_max_s: float | None = Field(
+        default=None,
+        description="the longest the policy lane waited for a batch, in seconds of event time: from a session's "
+        "first event to its first step, between two steps (less the later step's own time), or from its last step "
+        "to its end (a resumed run's sessions apart; the learner starving or the samplers stalled)",
+    )
+    policy_step_gap_where: str | None = Field(
+        default=None,
+        description="where that wait was: 'before the first step', 'after version N' or 'after the last step'",
+    )
     policy_samples: int = Field(
         description=("policy training samples the scorer produced (one per step of a trainable group)")
     )
@@ -191,6 +214,11 @@ def summary_table() -> str:
     return f"{SUMMARY_TABLE[0]}\n| field | meaning |\n|---|---|\n{rows}{SUMMARY_TABLE[1]}"
 
 
+def _where(after: int | None, *, last: bool) -> str:
+    """Where a wait for a policy batch was: before any step, after the session's last, or after version ``after``."""
+    return "before the first step" if after is None else "after the last step" if last else f"after version {after}"
+
+
 def _mean(xs: list[float]) -> float | None:
     return round(statistics.fmean(xs), 4) if xs else None
 
@@ -226,6 +254,9 @@ class RunTally:
     step_kl_max: float | None = None
     mismatch_kl_max: float | None = None
     entropy: list[float] = field(default_factory=list)
+    gap: tuple[float, str] | None = None  # the longest wait for a policy batch so far, and where
+    mark: tuple[float, int | None] | None = None  # this session's last step (or start): time, version
+    last_ts: float | None = None
     accepted: int = 0
     wide: int = 0
     capped: int = 0
@@ -237,6 +268,7 @@ class RunTally:
             self.counts["undecodable"] += 1
             return
         self.counts[event.kind] += 1  # type: ignore[attr-defined]
+        self._wait(event)
         if isinstance(event, GroupScored):
             self._scored(event)
         elif isinstance(event, LearnerStepped):
@@ -264,6 +296,35 @@ class RunTally:
                 self.judge["cache_hits"] += v.cached
                 self.judge["calls"] += v.status != "error" and not v.cached
                 self.judge_cost += v.cost_usd
+
+    def _wait(self, event: Event) -> None:
+        """The waits for a policy batch, in the stream's order: a session starts at its first event and ends
+        at its ``RunFinished`` (a resumed run's downtime is no wait); a step ends a wait, less its own time."""
+        ts = event.ts
+        if self.mark is None:  # a session's first event
+            self.mark = (ts, None)
+        if isinstance(event, LearnerStepped) and event.role == "policy" and event.is_step:
+            busy = event.tokens / event.tokens_per_second if event.tokens_per_second > 0 else 0.0
+            self._waited(ts - self.mark[0] - busy, self.mark[1])
+            self.mark = (ts, event.version)
+        elif isinstance(event, RunFinished):
+            self._waited(ts - self.mark[0], self.mark[1], last=True)
+            self.mark = None
+        self.last_ts = ts
+
+    def _waited(self, seconds: float, after: int | None, *, last: bool = False) -> None:
+        if self.gap is None or seconds > self.gap[0]:
+            self.gap = (max(seconds, 0.0), _where(after, last=last))
+
+    def _longest_gap(self) -> dict[str, Any]:
+        """``policy_step_gap_max_s`` and ``policy_step_gap_where``: the longest wait, this session's open one
+        (from its last step to the last event) included; none without events."""
+        gap = self.gap
+        if self.mark is not None and self.last_ts is not None:
+            open_s = self.last_ts - self.mark[0]
+            if gap is None or open_s > gap[0]:
+                gap = (open_s, _where(self.mark[1], last=True))
+        return {} if gap is None else {"policy_step_gap_max_s": round(gap[0], 1), "policy_step_gap_where": gap[1]}
 
     def _scored(self, event: GroupScored) -> None:
         heldout = event.purpose == "eval"
@@ -331,6 +392,8 @@ class RunTally:
             policy_mismatch_kl_max=None if self.mismatch_kl_max is None else round(self.mismatch_kl_max, 4),
             policy_entropy_start=_mean(_quarter(self.entropy, first=True)),
             policy_entropy=_mean(_quarter(self.entropy, first=False)),
+            policy_entropy_min=round(min(self.entropy), 4) if self.entropy else None,
+            **self._longest_gap(),
             policy_samples=self.policy_samples,
             train_groups_with_samples=self.groups_with_samples,
             train_groups_unanimous_end=_mean([float(a in (0.0, 1.0)) for a in self.train[-k:]]),

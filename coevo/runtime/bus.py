@@ -37,6 +37,7 @@ from coevo.runtime.aio import drain
 from coevo.runtime.credentials import ADMIN, KV_BUCKETS, inbox_prefix, payload_buckets, read_credential
 from coevo.runtime.history import History
 from coevo.runtime.kv import Bucket
+from coevo.runtime.placement import placed
 from coevo.runtime.publishing import MSG_ID, Publisher
 from coevo.runtime.pull import Puller
 from coevo.runtime.rpc import Rpc
@@ -226,7 +227,7 @@ class NatsBus(Publisher, History, Rpc):
                     f"run {self.run_id} has no stream yet, and a role may not create one: start the run "
                     f"first (coevo run, or coevo server --run-id {self.run_id})"
                 ) from None
-            return await self.js.add_stream(config)
+            return await placed(lambda: self.js.add_stream(config))
         self.run_schema = self._admit_schema(info.config.metadata)
         # the version recorded at creation stays (none on a stream older than versions)
         recorded = (info.config.metadata or {}).get(RUN_SCHEMA_KEY)
@@ -523,8 +524,10 @@ class NatsBus(Publisher, History, Rpc):
             return Bucket(await self.js.key_value(bucket), bucket)
         except nats.js.errors.BucketNotFoundError:
             return Bucket(
-                await self.js.create_key_value(
-                    bucket=bucket, storage=api.StorageType.FILE, history=1, replicas=self.stream_cfg.replicas
+                await placed(
+                    lambda: self.js.create_key_value(
+                        bucket=bucket, storage=api.StorageType.FILE, history=1, replicas=self.stream_cfg.replicas
+                    )
                 ),
                 bucket,
             )

@@ -40,6 +40,7 @@ from coevo.errors import BusError, InjectedFault, PublishError
 from coevo.runtime import claims, faults, outbox
 from coevo.runtime.credentials import payload_bucket
 from coevo.runtime.outbox import UnackedPublish as _UnackedPublish
+from coevo.runtime.placement import placed
 from coevo.runtime.stats import BusStats
 from coevo.schemas import Event, encode, subject_of
 
@@ -243,14 +244,12 @@ class Publisher:
             except nats.js.errors.BucketNotFoundError:
                 if not self.manages:
                     raise
-                self._stores[name] = await self.js.create_object_store(
-                    name,
-                    api.ObjectStoreConfig(
-                        ttl=self.stream_cfg.max_age_s,
-                        replicas=self.stream_cfg.replicas,
-                        storage=api.StorageType.FILE if self.stream_cfg.storage == "file" else api.StorageType.MEMORY,
-                    ),
+                config = api.ObjectStoreConfig(
+                    ttl=self.stream_cfg.max_age_s,
+                    replicas=self.stream_cfg.replicas,
+                    storage=api.StorageType.FILE if self.stream_cfg.storage == "file" else api.StorageType.MEMORY,
                 )
+                self._stores[name] = await placed(lambda: self.js.create_object_store(name, config))
         return self._stores[name]
 
     async def _expire(self, sent_before: float) -> None:

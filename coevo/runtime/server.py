@@ -375,7 +375,8 @@ class EmbeddedCluster(_Lifecycle):
 
     Node ``i`` keeps its store ``store_dir/n<i>``, name ``n<i>`` and ports across ``kill_node`` /
     ``restart_node``, so clients reconnect to it and it catches up from its peers. ``start()``
-    returns once JetStream has elected a metadata leader, so streams can be created at once.
+    returns once JetStream has elected a metadata leader; the leader may not have heard from every peer
+    yet, so replicated assets are created through ``coevo.runtime.placement.placed`` (as the bus does).
     """
 
     def __init__(

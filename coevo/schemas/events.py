@@ -130,6 +130,10 @@ class StepTaken(Event):
     )
     response_text: str = ""
     action_index: int | None = None
+    """the chosen candidate's index in ``candidates`` (the environment's order)"""
+    shown_order: list[int] | None = None
+    """the order the prompt showed the candidates in (position j showed ``candidates[order[j]]``;
+    None: as listed): shuffled per step from the episode's seed, so a label carries no information"""
     action_text: str = ""
     parse_ok: bool = True
     next_observation: str = ""

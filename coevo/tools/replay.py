@@ -172,13 +172,16 @@ def _h(text: str) -> str:
 
 async def judge_votes(client: Any, cfg: CoevoConfig, step: StepTaken) -> list[dict[str, Any]]:
     """The judge agent's voting, as a function of a client (used by replay and re-judge)."""
-    from coevo.agents.judge import ask, step_prompt
+    from coevo.agents.judge import ask, step_prompt, step_prompt_ids
+    from coevo.inference.chat import PromptForm
 
-    prompt = step_prompt(step, cfg.judge.effective_mode)
+    mode = cfg.judge.effective_mode
+    prompt = step_prompt(step, mode)
+    ids = step_prompt_ids(PromptForm.of(client, cfg.judge.prompt_format), step, mode)
     out: list[dict[str, Any]] = []
     for j in range(cfg.judge.m):
         try:
-            _, value, status = await ask(client, cfg.judge, prompt, j)
+            _, value, status = await ask(client, cfg.judge, prompt, j, ids)
             out.append({"index": j, "value": value, "status": status})
         except LookupError:
             out.append({"index": j, "value": None, "status": "missing"})

@@ -57,6 +57,7 @@ from typing import Any
 from coevo.config import CoevoConfig, PushSync, checkpoint_root
 from coevo.errors import NonFiniteStep, Reject, Retry
 from coevo.inference.clients import model_dir
+from coevo.inference.precision import model_dtype
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import outlast, wait_event
 from coevo.runtime.consumer import Delivery, Subscription
@@ -104,7 +105,10 @@ def one_base(cfg: CoevoConfig, roles: list[Role]) -> SharedBase | None:
     if lc is None or len(roles) < 2:
         return None
     dirs = {model_dir(cfg, role).resolve() for role in roles}
-    return SharedBase(dirs.pop(), lc) if len(dirs) == 1 else None
+    if len(dirs) != 1:
+        return None
+    base = dirs.pop()
+    return SharedBase(base, lc, model_dtype(cfg.learner.dtype, cfg.learner.device, base))
 
 
 @dataclass
@@ -270,6 +274,9 @@ class LearnerAgent(Agent):
                 if lane.world > 1:
                     lane = RankZeroLane(lane)
                 self.lanes[role] = LaneQueue(lane)
+                self.log.info(
+                    "learner.lane", role=role, dtype=str(lane.dtype).removeprefix("torch."), device=str(lane.device)
+                )
                 if lane.resumed_from is not None:
                     self.log.info("learner.resumed", role=role, version=lane.version)
                 await self.publish_weights(lane)  # every server starts from this run's current weights

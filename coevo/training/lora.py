@@ -95,9 +95,11 @@ class SharedBase:
     base is held once, each lane adds its adapter. The lanes share ``lock``, so one lane's step,
     publication or checkpoint never runs while another lane's adapter is the active one."""
 
-    def __init__(self, base_model: Path, cfg: LoraConfig) -> None:
+    def __init__(self, base_model: Path, cfg: LoraConfig, dtype: torch.dtype = torch.float32) -> None:
         self.base_model = Path(base_model)
         self.cfg = cfg
+        self.dtype = dtype
+        """the frozen base's dtype (the adapters stay float32: PEFT upcasts them)"""
         self.lock = threading.RLock()
         self.model: Any = None
 
@@ -107,7 +109,8 @@ class SharedBase:
 
         with self.lock:
             if self.model is None:
-                self.model = wrap(AutoModelForCausalLM.from_pretrained(self.base_model), self.cfg, adapter)
+                base = AutoModelForCausalLM.from_pretrained(self.base_model, dtype=self.dtype)
+                self.model = wrap(base, self.cfg, adapter)
             else:
                 self.model.add_adapter(adapter, _peft_config(self.cfg))
             self.model.to(device)

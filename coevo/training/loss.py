@@ -57,8 +57,9 @@ def ppo_loss(
     mask: torch.Tensor,
     *,
     clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
     kl_beta: float = 0.01,
-    correction: Literal["tis", "decoupled", "none"] = "tis",
+    correction: Literal["tis", "mis", "decoupled", "none"] = "tis",
     tis_cap: float = 2.0,
     ref_logp: torch.Tensor | None = None,
     row_cap: torch.Tensor | None = None,
@@ -69,7 +70,7 @@ def ppo_loss(
     response tokens. ``ref_logp``: the KL's reference (default ``prox_logp``); ``row_cap``: the
     importance weight's cap per row (default: by ``correction``); ``entropy``: the per-token entropy
     under the current weights (``token_logprobs_and_entropy``, with gradient), required when
-    ``entropy_coef`` > 0."""
+    ``entropy_coef`` > 0; ``clip_eps_high``: the ratio's upper clip is 1 + this (default ``clip_eps``)."""
     if entropy_coef > 0 and entropy is None:
         raise ValueError("an entropy bonus needs the entropy: token_logprobs_and_entropy(..., entropy=True)")
     mask = mask.to(new_logp.dtype)
@@ -78,12 +79,15 @@ def ppo_loss(
     if correction == "none" and row_cap is None:
         weight = torch.ones_like(ratio)
     else:
-        cap: float | torch.Tensor = tis_cap if correction == "tis" else DECOUPLED_CAP
+        cap: float | torch.Tensor = DECOUPLED_CAP if correction == "decoupled" else tis_cap
         if row_cap is not None:
             cap = row_cap.to(new_logp.dtype).unsqueeze(-1)
-        weight = torch.exp(prox_logp - behav_logp).clamp(max=cap).detach()
+        raw = torch.exp(prox_logp - behav_logp).detach()
+        # masked: a token the sampler and the learner disagree on by more than the cap teaches nothing
+        weight = torch.where(raw <= cap, raw, torch.zeros_like(raw)) if correction == "mis" else raw.clamp(max=cap)
     unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
+    high = 1 + (clip_eps if clip_eps_high is None else clip_eps_high)
+    clipped = ratio.clamp(1 - clip_eps, high) * adv
     pg = -weight * torch.minimum(unclipped, clipped)
     d = new_logp - (prox_logp if ref_logp is None else ref_logp)
     kl = torch.exp(-d) - 1 + d
@@ -95,7 +99,7 @@ def ppo_loss(
     loss = per_sample.mean()
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
-        clipped_tokens = ((ratio < 1 - clip_eps) | (ratio > 1 + clip_eps)).to(mask.dtype) * mask
+        clipped_tokens = ((ratio < 1 - clip_eps) | (ratio > high)).to(mask.dtype) * mask
         return LossOut(
             loss=loss,
             kl=float((kl * mask).sum() / n),

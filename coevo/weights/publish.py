@@ -29,10 +29,10 @@ from coevo.weights import lease, tensorfiles
 KEEP_PUBLISHED = 4
 
 
-def serving_dtype(name: str, device: str) -> torch.dtype:
-    """``learner.publish_dtype`` as a torch dtype (auto: bf16 on CUDA, fp32 elsewhere)."""
+def serving_dtype(name: str, compute: torch.dtype) -> torch.dtype:
+    """``learner.publish_dtype`` as a torch dtype (auto: the lane's compute dtype, ``learner.dtype``)."""
     if name == "auto":
-        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+        return compute
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 

@@ -1,0 +1,300 @@
+"""The held-out protocol: what every habit scores beside what a model scores, on the same tasks and seeds.
+
+A score is a matrix ``won[task][seed]``: one episode of each held-out task per evaluation seed, the
+candidates shown in the order the episode's key ``"<task>/<seed>/<i>"`` draws (``shown_order``), played
+by a model acting as the policy agent does (``coevo.bench.learn.play_episodes``) or by a habit: uniform
+random, each constant label, the best of those (the best position rule), and the family's scripted
+reader (the ceiling: a few lines that parse the observation, ``Family.reader``). Intervals come from a
+bootstrap over tasks and seeds together (and runs, given several), paired where two arms met the same
+tasks and seeds. ``verdict`` names a change a gain only where its interval clears the base's greedy
+score and every habit's.
+
+``coevo bench heldout`` measures the table for a base model: the habits, the base greedy and sampled,
+and the probability mass the base puts on the answer labels with raw prompts and through its chat
+template.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from coevo.config import ComputeDtype
+from coevo.inference.precision import model_dtype
+
+if TYPE_CHECKING:
+    from coevo.config import CoevoConfig, PolicyConfig
+    from coevo.envs.base import Family
+    from coevo.schemas import TaskSpec
+
+EVAL_SEEDS = (999, 1000, 1001, 1002, 1003)
+"""The evaluation seeds: each held-out task is played once per seed (its shuffles, the model's draws)."""
+HELDOUT_TASKS = 64
+"""Held-out tasks every bench evaluates on (the loop's own rounds play ``env.n_heldout``)."""
+GREEDY = 1e-5
+"""The temperature of greedy decoding (engines divide by at least this: the argmax)."""
+CONSTANTS = 4
+"""Constant-label habits measured: always 0, 1, 2, 3 (a label past the last candidate: the last one)."""
+RESAMPLES = 2000
+
+Habit = Callable[[str, list[str], random.Random], int | None]
+"""(observation text, candidates as shown, the episode's rng) -> index in the shown list."""
+Matrix = list[list[int]]
+"""won[task][seed] (1 won, 0 not)."""
+
+
+def greedy(policy: PolicyConfig) -> PolicyConfig:
+    """``policy`` decoding greedily."""
+    return policy.model_copy(update={"temperature": GREEDY})
+
+
+def episode_key(task_id: str, seed: int, i: int) -> str:
+    return f"{task_id}/{seed}/{i}"
+
+
+def constant(label: int) -> Habit:
+    return lambda _obs, shown, _rng: min(label, len(shown) - 1)
+
+
+def uniform(_obs: str, shown: list[str], rng: random.Random) -> int:
+    return rng.randrange(len(shown))
+
+
+async def play_habit(
+    family: Family, tasks: Sequence[TaskSpec], seeds: Sequence[int], habit: Habit, policy: PolicyConfig
+) -> Matrix:
+    """``habit``'s matrix on ``tasks`` × ``seeds``, each episode shown as the policy agent would show it."""
+    from coevo.agents.policy import step_order
+    from coevo.algorithm.prompts import episode_seed
+
+    won: Matrix = []
+    for i, task in enumerate(tasks):
+        row = []
+        for seed in seeds:
+            key = episode_key(task.task_id, seed, i)
+            rng, env = random.Random(episode_seed(key)), family.make_env()
+            try:
+                obs, outcome = await env.reset(task), None
+                for k in range(family.max_steps_cap):
+                    shown = [obs.candidates[j] for j in step_order(policy, key, k, len(obs.candidates))]
+                    pick = habit(obs.text, shown, rng) if shown else None
+                    r = await env.step(shown[pick] if pick is not None else "")
+                    if r.done:
+                        outcome = r.outcome
+                        break
+                    obs = r.observation
+            finally:
+                await env.close()
+            row.append(int(outcome == "won"))
+        won.append(row)
+    return won
+
+
+def bootstrap(
+    arms: Matrix | Sequence[Matrix] | np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0
+) -> dict[str, Any]:
+    """Mean and 95 % percentile interval of ``arms`` (runs × tasks × seeds; a single matrix is one run),
+    resampling runs, tasks and seeds together (pure). Pass the difference of two arms met on the same
+    runs, tasks and seeds for a paired interval."""
+    a = np.asarray(arms, dtype=float)
+    if a.ndim == 2:
+        a = a[None]
+    runs, tasks, seeds = a.shape
+    rng = np.random.default_rng(seed)
+    r = rng.integers(0, runs, (resamples, runs))
+    t = rng.integers(0, tasks, (resamples, tasks))
+    s = rng.integers(0, seeds, (resamples, seeds))
+    means = np.array([a[r[b]][:, t[b]][:, :, s[b]].mean() for b in range(resamples)])
+    low, high = np.percentile(means, [2.5, 97.5])
+    return {
+        "mean": round(float(a.mean()), 4),
+        "low": round(float(low), 4),
+        "high": round(float(high), 4),
+        "runs": runs,
+        "tasks": tasks,
+        "seeds": seeds,
+    }
+
+
+def habits_of(family: Family) -> dict[str, Habit]:
+    out: dict[str, Habit] = {"random": uniform}
+    out |= {f"always {j}": constant(j) for j in range(CONSTANTS)}
+    if family.readable:
+        out["reader"] = lambda obs, shown, _rng: family.read(obs, shown)
+    return out
+
+
+async def habit_table(
+    family: Family, tasks: Sequence[TaskSpec], seeds: Sequence[int], policy: PolicyConfig
+) -> dict[str, Any]:
+    """Every habit's score (mean, interval), and ``best position rule``: the best constant label."""
+    rows = {name: bootstrap(await play_habit(family, tasks, seeds, h, policy)) for name, h in habits_of(family).items()}
+    best = max((f"always {j}" for j in range(CONSTANTS)), key=lambda n: rows[n]["mean"])
+    rows["best position rule"] = {**rows[best], "rule": best}
+    return rows
+
+
+HABITS = ("random", "best position rule")
+"""The rows a gain must clear besides the base's greedy score (the best position rule is the best constant)."""
+
+
+def verdict(interval: dict[str, Any], rows: dict[str, dict[str, Any]]) -> str:
+    """``gain`` where ``interval``'s low end clears the base's greedy score and every habit's (pure); else
+    what it does not clear."""
+    bars = {name: rows[name]["mean"] for name in ("base greedy", *HABITS) if name in rows}
+    under = [f"{name} {value:.2f}" for name, value in bars.items() if interval["low"] <= value]
+    return "gain" if not under else "no gain: interval does not clear " + ", ".join(under)
+
+
+_MEASURED: dict[tuple[str, ...], Matrix] = {}
+"""Matrices already measured in this process, by model directory, policy, family, tasks and seeds: a model
+directory is never rewritten (each checkpoint is its own), so the base of every run of a bench is
+measured once."""
+
+
+async def model_matrix(
+    model: Path,
+    family: Family,
+    tasks: Sequence[TaskSpec],
+    seeds: Sequence[int],
+    policy: PolicyConfig,
+    dtype: ComputeDtype = "auto",
+) -> Matrix:
+    """The model's matrix: per seed, one episode of each task (``play_episodes``: the same keys as
+    habits), the model served in ``dtype``."""
+    from coevo.bench.learn import play_episodes
+
+    key = (
+        str(Path(model).resolve()),
+        policy.model_dump_json(),
+        family.name,
+        *(t.model_dump_json() for t in tasks),
+        repr(seeds),
+        dtype,
+    )
+    if key not in _MEASURED:
+        by_seed = [
+            await play_episodes(model, list(tasks), len(tasks), s, family=family, policy=policy, dtype=dtype)
+            for s in seeds
+        ]
+        _MEASURED[key] = [[int(by_seed[j][i]) for j in range(len(seeds))] for i in range(len(tasks))]
+    return [list(row) for row in _MEASURED[key]]
+
+
+async def label_mass(model: Path, family: Family, tasks: Sequence[TaskSpec], policy: PolicyConfig) -> dict[str, float]:
+    """The base's next-token probability on the answer labels at each task's first step, averaged over
+    the tasks, with the raw prompt and through the chat template (pure inference, no sampling)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from coevo.agents.policy import step_order
+    from coevo.algorithm.prompts import CHAT_LABELS, INDEX_LABELS, policy_messages, policy_prompt
+    from coevo.inference.chat import PromptForm
+    from coevo.inference.engine import choice_token_ids, encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(model)
+    lm = AutoModelForCausalLM.from_pretrained(model).eval()
+    chat, cache = PromptForm(tok, "chat"), dict[tuple[str, ...], list[int]]()
+    out: dict[str, list[float]] = {"raw": [], "chat": []}
+    for i, task in enumerate(tasks):
+        env = family.make_env()
+        try:
+            obs = await env.reset(task)
+        finally:
+            await env.close()
+        key = episode_key(task.task_id, EVAL_SEEDS[0], i)
+        shown = [obs.candidates[j] for j in step_order(policy, key, 0, len(obs.candidates))]
+        prompts = {
+            "raw": (encode_prompt(tok, policy_prompt(obs.text, shown)), INDEX_LABELS),
+            "chat": (chat.ids(policy_messages(obs.text, shown)) or [], CHAT_LABELS),
+        }
+        for form, (ids, names) in prompts.items():
+            labels = choice_token_ids(tok, list(names[: len(shown)]), cache)
+            with torch.no_grad():
+                logits = lm(torch.tensor([ids])).logits[0, -1].float()
+            out[form].append(float(torch.softmax(logits, -1)[labels].sum()))
+    return {form: round(sum(v) / len(v), 4) for form, v in out.items() if v}
+
+
+async def bench_heldout(
+    cfg: CoevoConfig, seeds: Sequence[int] = EVAL_SEEDS, n_tasks: int = HELDOUT_TASKS, *, both_forms: bool = True
+) -> dict[str, Any]:
+    """The held-out table of ``cfg``'s family and policy base: habits, the scripted reader, the base
+    greedy and at the policy's temperature, each prompt form's label mass and sampled score
+    (``both_forms=False``: the form the policy uses only, for families whose episodes are long)."""
+    from transformers import AutoTokenizer
+
+    from coevo.bench.learn import HELDOUT_SEED
+    from coevo.envs import make_family
+    from coevo.inference.chat import PromptForm
+    from coevo.inference.clients import model_dir
+
+    family = make_family(cfg.env)
+    tasks = [t for t in family.initial_tasks(0, n_tasks, HELDOUT_SEED) if (await family.precheck(t)).ok]
+    base = model_dir(cfg, "policy")
+    policy = cfg.policy
+    rows = await habit_table(family, tasks, seeds, policy)
+    used = "chat" if PromptForm(AutoTokenizer.from_pretrained(base), policy.prompt_format).chat else "raw"
+    forms = {}
+    for form in ("raw", "chat") if both_forms else (used,):
+        p = policy.model_copy(update={"prompt_format": form})
+        forms[form] = {
+            "greedy": bootstrap(await model_matrix(base, family, tasks, seeds, greedy(p), cfg.learner.dtype)),
+            "sampled": bootstrap(await model_matrix(base, family, tasks, seeds, p, cfg.learner.dtype)),
+        }
+    rows["base greedy"], rows["base sampled"] = forms[used]["greedy"], forms[used]["sampled"]
+    return {
+        "family": family.name,
+        "base": str(cfg.policy.model or "tiny"),
+        "tasks": len(tasks),
+        "seeds": list(seeds),
+        "temperature": policy.temperature,
+        "prompt_format": f"{policy.prompt_format} ({used})",
+        "dtype": str(model_dtype(cfg.learner.dtype, None, base)).removeprefix("torch."),  # as play_episodes serves
+        "shuffle_choices": policy.shuffle_choices,
+        "rows": rows,
+        "prompt_forms": forms,
+        "label_mass": await label_mass(base, family, tasks, policy),
+        "interval": "95 % bootstrap percentile over tasks and seeds together",
+    }
+
+
+def heldout_table(result: dict[str, Any]) -> str:
+    """``bench heldout``'s result as a text table."""
+    lines = [
+        f"held-out success, {result['family']}: {result['tasks']} tasks x {len(result['seeds'])} seeds "
+        f"(base {result['base']}, temperature {result['temperature']})"
+    ]
+    for name, row in result["rows"].items():
+        rule = f" ({row['rule']})" if "rule" in row else ""
+        lines.append(f"  {name + rule:<32} {row['mean']:.2f}  [{row['low']:.2f}, {row['high']:.2f}]")
+    for form, r in result.get("prompt_forms", {}).items():
+        mass = result.get("label_mass", {}).get(form)
+        lines.append(
+            f"  base, {form} prompts: greedy {r['greedy']['mean']:.2f}, sampled {r['sampled']['mean']:.2f}, "
+            f"label mass {mass if mass is not None else '-'}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+async def run_baselines(cfg: CoevoConfig, seeds: Sequence[int] = EVAL_SEEDS[:2]) -> dict[str, float]:
+    """What the habits and the base greedy score on the held-out tasks of ``cfg``'s loop (its own rounds'
+    tasks), for ``coevo run``'s closing summary. Base greedy only for a local policy model (a vLLM-served
+    policy is measured with ``coevo bench heldout``); empty for a family without held-out tasks."""
+    from coevo.envs import make_family
+    from coevo.inference.clients import model_dir
+
+    if cfg.env.family == "external" or cfg.env.n_heldout == 0:
+        return {}
+    family = make_family(cfg.env)
+    tasks = [t for t in family.initial_tasks(cfg.env.n_train, cfg.env.n_heldout, cfg.env.seed) if t.split == "heldout"]
+    rows = await habit_table(family, tasks, seeds, cfg.policy)
+    out = {name: rows[name]["mean"] for name in ("random", "best position rule", "reader") if name in rows}
+    if cfg.policy.url is None:
+        won = await model_matrix(model_dir(cfg, "policy"), family, tasks, seeds, greedy(cfg.policy), cfg.learner.dtype)
+        out["base greedy"] = round(float(np.mean(won)), 4)
+    return out
