@@ -135,8 +135,22 @@ def _beside(s: dict[str, Any], cfg: CoevoConfig, baselines: dict[str, float] | N
     return [f"    {run_verdict(s['heldout_success_end'], episodes, baselines)}"]
 
 
+def _no_heldout(s: dict[str, Any], cfg: CoevoConfig) -> str:
+    """Why held-out success was not measured: a family without held-out tasks, or no round yet (and
+    what to change)."""
+    if cfg.env.family == "external" and cfg.env.tasks_from is None:
+        return "agents outside coevo bring their own tasks, so there are no held-out tasks; --env.tasks_from FAMILY has some"
+    return (
+        f"no evaluation round was scored: one runs after every {cfg.tasks.eval_every} train groups and this run "
+        f"scored {s['groups_scored']}; --set tasks.eval_every=N for rounds sooner"
+    )
+
+
 def _rounds(rounds: list[float]) -> str:
-    """``; rounds 0.12 0.87 0.48``: the held-out curve between its first and last round."""
+    """``; rounds 0.12 0.87 0.48``: the held-out curve between its first and last round (with one
+    round only, how to get more)."""
+    if len(rounds) == 1:
+        return "; one round only: --set tasks.eval_every=N (train groups between rounds) for more"
     if len(rounds) < 3:
         return ""
     shown = rounds if len(rounds) <= 8 else [*rounds[:4], *rounds[-4:]]
@@ -232,13 +246,19 @@ def starving_warning(summary: dict[str, Any]) -> str | None:
 
 
 def describe(
-    summary: dict[str, Any], cfg: CoevoConfig, links: dict[str, str], baselines: dict[str, float] | None = None
+    summary: dict[str, Any],
+    cfg: CoevoConfig,
+    links: dict[str, str],
+    baselines: dict[str, float] | None = None,
+    interrupted: str | None = None,
 ) -> str:
     """A short human summary of a finished run: what improved, by how much, and where to look;
-    ``baselines``: what habits and the base greedy score on the held-out tasks (``run_baselines``)."""
+    ``baselines``: what habits and the base greedy score on the held-out tasks (``run_baselines``);
+    ``interrupted``: the signal that stopped the run before its budget (``links`` then says how to resume)."""
     s = summary
+    how = f"was interrupted ({interrupted}) before its budget" if interrupted else "finished"
     lines = [
-        f"Run {s['run_id']} finished: {s['learner_steps']} policy and {s['judge_learner_steps']} judge learner "
+        f"Run {s['run_id']} {how}: {s['learner_steps']} policy and {s['judge_learner_steps']} judge learner "
         f"steps, {s['events'].get('trajectory.completed', 0)} trajectories, {s['groups_scored']} train groups "
         f"scored in all (this process ran {s['seconds'] / 60:.1f} min of it)."
     ]
@@ -256,7 +276,7 @@ def describe(
             s["heldout_success_start"],
             s["heldout_success_end"],
             "first vs last evaluation round, fixed tasks" + _rounds(s.get("heldout_success_rounds") or []),
-            f"no evaluation round was scored: one runs after every {cfg.tasks.eval_every} train groups",
+            _no_heldout(s, cfg),
             s.get("heldout_success_change"),
         ),
         *_beside(s, cfg, baselines),
@@ -304,10 +324,16 @@ def _quiet_console() -> None:
 # ---- coevo run -----------------------------------------------------------------------------------
 
 
-async def run_main(cfg: CoevoConfig, opts: ObserveOptions | None = None, baselines: Baselines | None = None) -> int:
+async def run_main(
+    cfg: CoevoConfig,
+    opts: ObserveOptions | None = None,
+    baselines: Baselines | None = None,
+    resume: Callable[[str], str] | None = None,
+) -> int:
     """Run the loop until its budget or a signal, then print its summary; ``baselines`` measures what habits
     and the base score on the run's held-out tasks, to set beside its last round (the CLI passes
-    ``coevo.bench.heldout.run_baselines``)."""
+    ``coevo.bench.heldout.run_baselines``); ``resume``: run id -> the command that continues the run,
+    printed when a signal stopped it."""
     from coevo.inference.clients import model_dir
 
     opts = opts or ObserveOptions()
@@ -330,12 +356,14 @@ async def run_main(cfg: CoevoConfig, opts: ObserveOptions | None = None, baselin
         async with _observe(rt, cfg, opts, agents) as live:
             started = time.time()
             _announce(rt, cfg, live)
-            await _run_until_stopped(agents, stop, cfg, live)
+            interrupted = await _run_until_stopped(agents, stop, cfg, live)
             summary = await _finish(rt, agents, started)
             await live.drain()
             links = await _links(rt, live, summary, opts)
+        if interrupted and resume is not None:
+            links["resume"] = resume(rt.run_id)
         bars = await _baselines(cfg, summary, baselines) if baselines else {}
-    print(describe(summary, cfg, links, bars), flush=True)
+    print(describe(summary, cfg, links, bars, interrupted=interrupted), flush=True)
     return 0
 
 
@@ -396,10 +424,18 @@ def _announce(rt: Runtime, cfg: CoevoConfig, live: LiveRun) -> None:
         print(f"coevo run {rt.run_id}: Prometheus metrics at {live.metrics_url}", flush=True)
 
 
-async def _run_until_stopped(agents: list[Agent], stop: asyncio.Event, cfg: CoevoConfig, live: LiveRun) -> None:
+async def _run_until_stopped(agents: list[Agent], stop: asyncio.Event, cfg: CoevoConfig, live: LiveRun) -> str | None:
+    """Run until the budget or a signal; the signal's name if one stopped it first (None: the budget)."""
     loop = asyncio.get_running_loop()
+    by: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            by.append(sig.name)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(run_agents(agents, handle_signals=False, until=stop), name="agents")
@@ -410,6 +446,7 @@ async def _run_until_stopped(agents: list[Agent], stop: asyncio.Event, cfg: Coev
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+    return by[0] if by else None
 
 
 async def _finish(rt: Runtime, agents: list[Agent], started: float) -> dict[str, Any]:

@@ -95,7 +95,8 @@ def coevo_root(base_url: str) -> str:
 
 
 def post(url: str, body: dict, key: str) -> dict:
-    """POST JSON with a bearer key; a 429 or 503 (coevo's learner is behind) is retried after its Retry-After."""
+    """POST JSON with a bearer key; a 429 (coevo's learner is behind, or too many episodes are open) is
+    retried after its Retry-After. A 503 (``endpoint_stopping``: the run stopped) is raised: time to stop."""
     request = urllib.request.Request(
         url,
         data=json.dumps(body).encode(),
@@ -107,7 +108,7 @@ def post(url: str, body: dict, key: str) -> dict:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            if exc.code not in (429, 503):
+            if exc.code != 429:
                 raise
             time.sleep(float(exc.headers.get("Retry-After") or 1.0))
 
@@ -167,7 +168,12 @@ async def train(
     connection and refused-key errors)."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=4, help="corridors (task ids) to cycle through")
-    parser.add_argument("--group", type=int, default=4, help="episodes per corridor in a row (coevo's policy.n)")
+    parser.add_argument(
+        "--group",
+        type=int,
+        default=4,
+        help="episodes per corridor at once (coevo fills groups of policy.n across them)",
+    )
     parser.add_argument("--rounds", type=int, default=0, help="passes over the corridors (0: until coevo stops)")
     parser.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the endpoint to come up")
     parser.add_argument("--prefix", default=prefix, help="task ids are PREFIX-SEED (agents sharing a run differ)")

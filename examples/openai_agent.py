@@ -11,101 +11,45 @@ for each move with the official ``openai`` SDK. Pointing ``OPENAI_BASE_URL`` at 
 
 (the key is the one ``coevo run`` prints the file of: without it every call is refused, 401)
 
-Two extra calls tell coevo where episodes start and end (plain HTTP, next to the OpenAI routes):
-``POST /coevo/v1/episodes {"task_id", "goal"}`` returns an ``episode_id``, which every completion
-of the episode carries as the OpenAI ``user`` field; ``POST /coevo/v1/episodes/{id}/finish
-{"outcome": "won" | "lost"}`` ends it. coevo groups the episodes of one task id, has its judge vote
-on every call, scores, trains, and the next calls are served by the new weights.
+One key scheme: the run's key opens an episode, ``POST /coevo/v1/episodes {"task_id", "goal"}``,
+which answers the episode's id and its own ``key``; every model call made with that key belongs to
+the episode, and ``POST /coevo/v1/episodes/{id}/finish {"outcome": "won" | "lost"}`` ends it (and
+the key with it). While coevo's learner is behind, opening an episode answers 429 with
+``Retry-After``, which ``corridor.post`` waits out; once the run stops, every request answers 503
+``endpoint_stopping`` and the agent stops. coevo groups the episodes of one task id (``policy.n``
+of them, gathered across rounds of ``--group``), has its judge vote on every call, scores, trains,
+and the next calls are served by the new weights.
 
-A reply that names no action is still a move: the agent then picks one at random (an untrained
+A reply that names no action is still a move: the game then picks one at random (an untrained
 model rarely answers well; its reply is what gets trained either way).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
-import random
 import sys
-import time
-import urllib.error
 from pathlib import Path
 
-from openai import APIConnectionError, AsyncOpenAI
+from openai import APIConnectionError, AsyncOpenAI, AuthenticationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # corridor.py lies next to this file (also under python -I)
-from corridor import Corridor, coevo_root, post
+from corridor import Corridor, train
 
 SYSTEM = "You play a text adventure. Answer with the number of one action."
 
 
-async def play(client: AsyncOpenAI, root: str, key: str, seed: int, rng: random.Random) -> str:
-    """One episode of the corridor built from ``seed``; returns its outcome."""
-    game = Corridor(seed, length=2 + seed % 2)
-    goal = "take the coin at the end of the corridor"
-    episode = await asyncio.to_thread(
-        post, f"{root}/coevo/v1/episodes", {"task_id": f"corridor-{seed}", "goal": goal}, key
-    )
-    messages = [{"role": "system", "content": SYSTEM}]
-    feedback, outcome = "", None
-    while outcome is None:
-        actions = game.actions()
-        messages.append({"role": "user", "content": game.observation(feedback)})
-        reply = await client.chat.completions.create(
-            model="policy", messages=messages, max_tokens=3, user=episode["episode_id"]
-        )
-        text = reply.choices[0].message.content or ""
-        messages.append({"role": "assistant", "content": text})  # the reply as given: coevo reuses its tokens
-        digits = [int(c) for c in text if c.isdigit() and int(c) < len(actions)]
-        action = actions[digits[0]] if digits else rng.choice(actions)
-        feedback, outcome = game.step(action)
-    await asyncio.to_thread(
-        post,
-        f"{root}/coevo/v1/episodes/{episode['episode_id']}/finish",
-        {"outcome": outcome, "observation": feedback},
-        key,
-    )
-    return outcome
-
-
-async def wait_for_endpoint(client: AsyncOpenAI, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            await client.models.list()
-            return
-        except APIConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(1.0)
-
-
-async def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", type=int, default=4, help="corridors (task ids) to cycle through")
-    parser.add_argument("--group", type=int, default=4, help="episodes per corridor in a row (coevo's policy.n)")
-    parser.add_argument("--rounds", type=int, default=0, help="passes over the corridors (0: until coevo stops)")
-    parser.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the endpoint to come up")
-    args = parser.parse_args()
-    key = os.environ.get("OPENAI_API_KEY", "unused")  # the key coevo printed (runs/<run>/policy-endpoint.key)
-    client = AsyncOpenAI(api_key=key, max_retries=0)  # OPENAI_BASE_URL points it at coevo
-    root = coevo_root(str(client.base_url))
-    rng = random.Random(0)
-    await wait_for_endpoint(client, args.wait)
-    done = 0
-    try:
-        while args.rounds == 0 or done < args.rounds * args.tasks:
-            seed = done % args.tasks
-            outcomes = await asyncio.gather(*(play(client, root, key, seed, rng) for _ in range(args.group)))
-            print(f"corridor-{seed}: {' '.join(outcomes)}", flush=True)
-            done += 1
-    except (APIConnectionError, urllib.error.URLError, ConnectionError) as exc:
-        print(f"coevo went away ({exc!r}): stopping", flush=True)
-    finally:
-        await client.close()
-    return 0
+async def play(root: str, episode: dict, game: Corridor) -> None:
+    """One episode: each move is one Chat Completions call made with the episode's own key."""
+    async with AsyncOpenAI(base_url=f"{root}/v1", api_key=episode["key"], max_retries=0) as client:
+        messages = [{"role": "system", "content": SYSTEM}]
+        while game.outcome is None:
+            messages.append({"role": "user", "content": game.observation()})
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
+            text = reply.choices[0].message.content or ""
+            messages.append({"role": "assistant", "content": text})  # the reply as given: coevo reuses its tokens
+            digits = [int(c) for c in text if c.isdigit()]
+            game.take(digits[0] if digits else None, told=False)
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(asyncio.run(train(play, __doc__, "corridor", gone=(APIConnectionError, AuthenticationError))))

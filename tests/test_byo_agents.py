@@ -149,6 +149,10 @@ def test_four_framework_agents_are_trained_in_one_run(tmp_path: Path, model_cach
         events = asyncio.run(watch(run_id, runs, nats_url, port, procs))
         procs["coevo"].send_signal(signal.SIGINT)
         assert procs["coevo"].wait(timeout=90) == 0
+        said = logs["coevo"].read_text()  # Ctrl-C before the budget: the run says so and how to go on
+        assert f"Run {run_id} was interrupted (SIGINT) before its budget" in said, said[-2000:]
+        assert re.search(rf"^  resume: +coevo run --family external .* --resume {run_id}$", said, re.MULTILINE)
+        assert f"--run-id {run_id}" not in said
         gone = time.monotonic()
         for prefix in AGENTS:  # coevo went away: each agent stops by itself
             assert procs[prefix].wait(timeout=max(1.0, gone + 60 - time.monotonic())) == 0, prefix

@@ -55,8 +55,9 @@ def home(tmp_path: Path) -> Path:
 # ---- 1. the command a server prints runs as printed ----------------------------------------------
 
 
-def _line_with(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
-    """The first line of ``proc``'s stdout holding ``marker`` (waits on the pipe, at most ``timeout``)."""
+def _line_with(proc: subprocess.Popen[str], marker: str, timeout: float, before: list[str] | None = None) -> str:
+    """The first line of ``proc``'s stdout holding ``marker`` (waits on the pipe, at most ``timeout``);
+    ``before`` gets the lines printed before it."""
     assert proc.stdout is not None
     lines: queue.Queue[str] = queue.Queue()
 
@@ -76,6 +77,8 @@ def _line_with(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
             return line
         if not line:
             break
+        if before is not None:
+            before.append(line)
     raise AssertionError(f"no line with {marker!r} within {timeout} s")
 
 
@@ -90,7 +93,9 @@ def served(home: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
         env=subprocess_env(),
     )
     try:
-        printed = _line_with(server, "agents connect with:", 60).split("agents connect with:", 1)[1].strip()
+        said: list[str] = []
+        printed = _line_with(server, "agents connect with:", 60, said).split("agents connect with:", 1)[1].strip()
+        assert said[0].startswith("nats-server ready at") and not any("debug" in line for line in said), said
         yield printed, server
     finally:
         server.send_signal(signal.SIGINT)
@@ -366,8 +371,8 @@ def test_the_one_error_path() -> None:
 def test_the_readme_activates_the_venv_before_its_first_coevo_command() -> None:
     readme = (REPO / "README.md").read_text()
     activate = readme.index("source .venv/bin/activate")
-    first = min(readme.index(f"\n{c}") for c in ("coevo run", "coevo agent", "coevo trace"))
-    assert activate < first
+    at = [readme.find(f"\n{c}") for c in ("coevo run", "coevo agent", "coevo trace", "coevo bench")]
+    assert max(at) > 0 and activate < min(i for i in at if i >= 0)
 
 
 def test_the_external_agent_example_says_which_key_to_send() -> None:

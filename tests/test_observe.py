@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from coevo.cli.run import resume_command
 from coevo.config import load_config
 from coevo.loop import _HideFromConsole, describe, health_warnings, no_learning_reason, starving_warning
 from coevo.observe.aggregate import Aggregator, ConsumerInfo
@@ -346,6 +347,21 @@ def test_the_human_summary_says_what_improved_and_warns_without_a_learner_step()
     text = describe(summary, cfg, {"report": "runs/r1/report/index.html"})
     assert "policy success on train groups: 0.25 -> 0.75 (improved, +0.50" in text
     assert "report:" in text and "warning" not in text
+    assert text.startswith("Run r1 finished: 3 policy") and "interrupted" not in text
+    resume = resume_command(["run", "--minutes", "5", "--run-id", "r1", "--set", "policy.n=4"])("r1")
+    stopped = describe(summary, cfg, {"resume": resume}, interrupted="SIGINT")
+    assert stopped.startswith("Run r1 was interrupted (SIGINT) before its budget: 3 policy")
+    assert "\n  resume:      coevo run --minutes 5 --set policy.n=4 --resume r1" in stopped
+    assert resume_command(["run", "--resume=r1", "--base", "m b"])("r1") == "coevo run --base 'm b' --resume r1"
+    # why held-out success is missing, and what to change
+    assert f"one runs after every {cfg.tasks.eval_every} train groups and this run scored 30; --set" in text
+    external = load_config(overrides={"env.family": "external"})
+    assert "there are no held-out tasks; --env.tasks_from FAMILY" in describe(summary, external, {})
+    one = {**summary, "heldout_success_start": 0.19, "heldout_success_end": 0.19, "heldout_success_rounds": [0.19]}
+    assert (
+        "0.19 -> 0.19 (+0.00, one window: nothing to compare; first vs last evaluation round, fixed tasks; one "
+        "round only: --set tasks.eval_every=N" in describe(one, cfg, {})
+    )
     idle = {
         **RunTally().summary("r1", 30.0).model_dump(),
         "groups_scored": 4,

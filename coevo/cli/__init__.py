@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bound_malloc_arenas()  # before any thread starts
     args = parse(build_parser(), argv)
-    if args.command not in ("run", "agent", "server"):  # tools: quiet logs, results on stdout
+    if args.command not in ("run", "agent"):  # tools and the server: quiet logs, results on stdout
         from coevo.runtime.logging import configure_logging
 
         configure_logging(None, level="warning", console="pretty")

@@ -13,6 +13,7 @@ from typing import Any
 
 from coevo.cli._config import parse_value
 from coevo.cli._table import JSON_ARG, Arg, Command, arg
+from coevo.config import registered_families
 from coevo.runtime.proc import run_stoppable
 
 
@@ -185,8 +186,8 @@ def _seeds_args() -> tuple[Arg, ...]:
         arg(
             "--family",
             default="quickgame",
-            help="an environment family: quickgame, textworld, tw-coin_collector, tw-treasure_hunter, tw-cooking "
-            "(TextWorld's challenge games), arithmetic (word problems), coding, or a plugin's",
+            help="a registered environment family: " + ", ".join(registered_families()) + " (tw-*: TextWorld's "
+            "challenge games; arithmetic: word problems; a plugin's too)",
         ),
         arg("--cache-dir", type=Path, help="models and compiled games (default: a temporary directory)"),
         arg(

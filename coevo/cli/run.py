@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
+import sys
+from collections.abc import Callable
 
 from coevo.cli._checks import check_api_keys, check_models, check_nats, check_resume
 from coevo.cli._config import dry_run, resolve_config
 from coevo.cli._leftovers import removed_on_failure
 from coevo.cli._table import Command, arg
+from coevo.config import registered_families
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -32,7 +36,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         trace=trace,
     )
     with removed_on_failure(cfg.run.runs_dir):  # failed before it ran: no run directory of logs alone
-        return asyncio.run(run_main(cfg, opts, baselines=run_baselines))
+        return asyncio.run(run_main(cfg, opts, baselines=run_baselines, resume=resume_command(sys.argv[1:])))
+
+
+RUN_ID_FLAGS = ("--resume", "--run-id", "--run.run_id")
+
+
+def resume_command(argv: list[str]) -> Callable[[str], str]:
+    """run id -> this command line (``argv`` after the program) continuing that run: ``--resume RUN``
+    in place of any run id it named."""
+    kept: list[str] = []
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in RUN_ID_FLAGS:
+            skip = True
+        elif not word.startswith(tuple(f"{f}=" for f in RUN_ID_FLAGS)):
+            kept.append(word)
+    return lambda run_id: shlex.join(["coevo", *kept, "--resume", run_id])
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -46,7 +68,8 @@ COMMANDS: tuple[Command, ...] = (
             arg("--steps", type=int, help="stop after this many policy learner steps [run.steps]"),
             arg(
                 "--family",
-                help="quickgame | textworld | coding | external | gym:MODULE:ENV | a plugin's name [env.family]",
+                help=" | ".join([*registered_families(), "external", "gym:MODULE:ENV"])
+                + " (every registered family, a plugin's included) [env.family]",
             ),
             arg(
                 "--serve-policy",

@@ -1,0 +1,73 @@
+"""The documentation a user reads: the site builds in strict mode (a broken link, a missing anchor or
+a page left out of the navigation fails it), and every relative link of the README leads to a file."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from tests.conftest import REPO
+
+MKDOCS = Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv")) / "bin" / "mkdocs"
+
+
+def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [str(MKDOCS), "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for page in ("index.html", "guides/byo-agent/index.html", "benchmarks/index.html"):
+        assert (tmp_path / "site" / page).is_file(), page
+
+
+def test_a_broken_link_fails_the_site(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text("# x\n\n[gone](nosuch.md)\n")
+    (tmp_path / "mkdocs.yml").write_text((REPO / "mkdocs.yml").read_text().split("\nnav:")[0] + "\n")
+    out = subprocess.run(
+        [str(MKDOCS), "build", "--strict"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=120,
+    )
+    assert out.returncode != 0 and "nosuch.md" in out.stderr
+
+
+def readme_links(text: str) -> list[str]:
+    """The relative targets of the Markdown links and images in ``text`` (no URLs, no anchors alone)."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [t.split("#")[0] for t in targets if not re.match(r"[a-z]+:", t) and not t.startswith("#")]
+
+
+def test_every_relative_link_of_the_readme_leads_to_a_file() -> None:
+    links = readme_links((REPO / "README.md").read_text())
+    assert "docs/guides/byo-agent.md" in links and "docs/img/dashboard.png" in links
+    missing = [t for t in links if not (REPO / t).exists()]
+    assert missing == []
+    assert readme_links("[a](x.md#y) [b](https://e.org) [c](#here) ![d](img/p.png)") == ["x.md", "img/p.png"]
+
+
+def test_the_bring_your_own_agent_snippet_defines_what_it_calls() -> None:
+    import ast
+
+    text = (REPO / "docs" / "guides" / "byo-agent.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S)
+    assert code is not None
+    tree = ast.parse(code.group(1))  # top-level awaits parse as expressions
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    defined |= {
+        a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names
+    }
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert {"post", "AsyncOpenAI", "AsyncAnthropic"} <= called
+    assert called - defined <= {"float", "open"}, called - defined
