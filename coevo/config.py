@@ -745,8 +745,19 @@ class LoraConfig(Section):
     )
 
 
+LORA_PRETRAINED_LR = 1e-4
+"""``learner.lr`` of LoRA lanes on a pretrained model when none is given (chosen by the sweep in
+docs/benchmarks.md, "Learning rate of LoRA lanes on a pretrained model")"""
+
+
 class LearnerConfig(Section):
-    lr: float = Field(default=1e-3, gt=0, description="AdamW lr (1e-3 for tiny models; ~1e-6 for 7B)")
+    lr: float = Field(
+        default=1e-3,
+        gt=0,
+        description="AdamW lr. Not given: 1e-3 for the built-in tiny models (random weights), "
+        "LORA_PRETRAINED_LR for LoRA lanes of a model you name (policy.model), where 1e-3 collapses the policy "
+        "within minutes (docs/benchmarks.md, the learning-rate sweep); ~1e-6 for full fine-tuning of a 7B",
+    )
     judge_lr: float | None = Field(default=None, description="judge lane lr (default: lr)")
     batch_samples: int = Field(
         default=64, ge=1, description="samples per batch: one model version, minibatches × epochs optimiser steps"
@@ -980,6 +991,15 @@ class CoevoConfig(BaseSettings):
         default="full", description="ablation: fixed judge and tasks / + judge training / + rewriting"
     )
     log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _pretrained_lora_lr(self) -> CoevoConfig:
+        """``learner.lr`` not given, LoRA lanes of a named model: LORA_PRETRAINED_LR, not the tiny
+        models' 1e-3 (given anywhere, in a file, the environment or a flag, it stays as given)."""
+        lc = self.learner
+        if "lr" not in lc.model_fields_set and lc.lora is not None and self.policy.model is not None:
+            object.__setattr__(self, "learner", lc.model_copy(update={"lr": LORA_PRETRAINED_LR}))
+        return self
 
     @model_validator(mode="after")
     def _retention_outlives_timeouts(self) -> CoevoConfig:

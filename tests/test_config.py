@@ -208,3 +208,21 @@ def test_a_misspelt_field_or_section_names_the_one_meant() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(overrides={"zzz": 1})
     assert "did you mean" not in str(err.value) and err.value.field == "zzz"
+
+
+def test_lora_lanes_of_a_named_model_get_the_pretrained_lr_unless_one_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from coevo.config import LORA_PRETRAINED_LR
+
+    named = {"learner.lora": {}, "policy.model": "m"}
+    assert LORA_PRETRAINED_LR < 1e-3
+    assert load_config(overrides=named).learner.lr == LORA_PRETRAINED_LR
+    assert load_config(overrides={"learner.lora": {}}).learner.lr == 1e-3  # the tiny models: random weights
+    assert load_config(overrides={"policy.model": "m"}).learner.lr == 1e-3  # full fine-tuning: as before
+    assert load_config(overrides={**named, "learner.lr": 3e-4}).learner.lr == 3e-4  # a flag
+    file = tmp_path / "c.toml"
+    file.write_text("[learner]\nlr = 2e-4\n")
+    assert load_config(file, overrides=named).learner.lr == 2e-4  # a file
+    monkeypatch.setenv("COEVO_LEARNER__LR", "5e-5")
+    assert load_config(overrides=named).learner.lr == 5e-5  # the environment
