@@ -12,6 +12,7 @@ from coevo.envs.textworld_env import _tw
 from coevo.envs.tw_challenges import SEED_STRIDE, ChallengeFamily
 from coevo.errors import EnvError
 from coevo.schemas import TaskSpec
+from tests.test_envs import play
 
 FAMILIES = ("tw-coin_collector", "tw-treasure_hunter", "tw-cooking")
 SMALL = {
@@ -34,20 +35,6 @@ def family(name: str, cache: Path) -> ChallengeFamily:
 
 def small(name: str, seed: int = 4, split: str = "train") -> TaskSpec:
     return TaskSpec(task_id=f"s{seed}", family=name, params={"seed": seed}, knobs=dict(SMALL[name]), split=split)
-
-
-async def play(env, task: TaskSpec, actions: list[str]):
-    obs = await env.reset(task)
-    results = []
-    for a in actions:
-        assert a in obs.candidates, (a, obs.candidates)
-        r = await env.step(a)
-        results.append(r)
-        obs = r.observation
-        if r.done:
-            break
-    await env.close()
-    return results
 
 
 def outside(fam: ChallengeFamily, knobs: dict[str, int]) -> bool:
@@ -98,7 +85,9 @@ async def test_walkthrough_wins_and_other_actions_are_labelled_minus_one(name: s
     t = small(name)
     walk = await _tw(fam.walkthrough, t)
     assert walk
-    results = await play(fam.make_env(), t, walk)
+    played = fam.make_env()
+    results = await play(played, t, walk)
+    await played.close()
     assert len(results) == len(walk) and results[-1].outcome == "won"
     assert all(r.reference_label == 1 for r in results)
     env = fam.make_env()

@@ -54,6 +54,24 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("COEVO_CACHE_DIR", Path.home() / ".cache" / "coevo"))
 
 
+async def walkthrough_wins(family: Any, task: TaskSpec) -> PrecheckResult:
+    """A TextWorld family's precheck: compile ``task``'s game and replay its walkthrough (the family's
+    ``walkthrough``) in the family's environment (``make_env``) to a win within its step budget."""
+    try:
+        walkthrough = await _tw(family.walkthrough, task)
+        env = family.make_env()
+        await env.reset(task)
+        result = None
+        for cmd in walkthrough:
+            result = await env.step(cmd)
+        await env.close()
+    except EnvError as exc:
+        return PrecheckResult(False, str(exc))
+    if result is None or result.outcome != "won":
+        return PrecheckResult(False, "walkthrough does not win", len(walkthrough))
+    return PrecheckResult(True, "", len(walkthrough))
+
+
 class TextWorld(Family):
     name = "textworld"
     knobs = (
@@ -151,19 +169,7 @@ class TextWorld(Family):
 
     async def precheck(self, task: TaskSpec) -> PrecheckResult:
         """Compile the game and replay its walkthrough to a win."""
-        try:
-            walkthrough = await _tw(self.walkthrough, task)
-            env = self.make_env()
-            await env.reset(task)
-            result = None
-            for cmd in walkthrough:
-                result = await env.step(cmd)
-            await env.close()
-        except EnvError as exc:
-            return PrecheckResult(False, str(exc))
-        if result is None or result.outcome != "won":
-            return PrecheckResult(False, "walkthrough does not win", len(walkthrough))
-        return PrecheckResult(True, "", len(walkthrough))
+        return await walkthrough_wins(self, task)
 
     def walkthrough(self, task: TaskSpec) -> list[str]:
         import textworld

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from coevo.envs.base import EnvError, Family, Knob, PrecheckResult, spec_hash
-from coevo.envs.textworld_env import _COMPILE_LOCK, TextWorldEnv, _tw, default_cache_dir
+from coevo.envs.textworld_env import _COMPILE_LOCK, TextWorldEnv, default_cache_dir, walkthrough_wins
 from coevo.schemas import TaskSpec
 
 if TYPE_CHECKING:
@@ -167,19 +167,7 @@ class ChallengeFamily(Family):
 
     async def precheck(self, task: TaskSpec) -> PrecheckResult:
         """Compile the game and replay its walkthrough to a win within the step budget."""
-        try:
-            walkthrough = await _tw(self.walkthrough, task)
-            env = self.make_env()
-            await env.reset(task)
-            result = None
-            for cmd in walkthrough:
-                result = await env.step(cmd)
-            await env.close()
-        except EnvError as exc:
-            return PrecheckResult(False, str(exc))
-        if result is None or result.outcome != "won":
-            return PrecheckResult(False, "walkthrough does not win", len(walkthrough))
-        return PrecheckResult(True, "", len(walkthrough))
+        return await walkthrough_wins(self, task)
 
 
 class ChallengeEnv(TextWorldEnv):
