@@ -426,6 +426,26 @@ async def test_cluster_holds_an_r3_key_value_bucket(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+async def test_a_cluster_whose_route_port_was_taken_starts_again_on_fresh_ports(tmp_path: Path) -> None:
+    import socket
+
+    cluster = EmbeddedCluster(tmp_path, nodes=3)
+    assert cluster.nodes[1].cluster is not None
+    taken = int(cluster.nodes[1].cluster.listen.rsplit(":", 1)[1])
+    with socket.socket() as squatter:  # another process took the port between its pick and the bind
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        async with cluster:
+            assert all(n.cluster is not None and not n.cluster.listen.endswith(f":{taken}") for n in cluster.nodes)
+            nc = await nats.connect(cluster.urls)
+            try:
+                js = nc.jetstream(timeout=5)
+                await placed(lambda: js.add_stream(name="S", subjects=["s.>"], num_replicas=3))
+            finally:
+                await nc.close()
+
+
+@pytest.mark.slow
 async def test_a_cluster_too_small_for_the_replicas_still_refuses_them_in_the_servers_words(tmp_path: Path) -> None:
     async with EmbeddedCluster(tmp_path, nodes=2) as cluster:
         nc = await nats.connect(cluster.urls)

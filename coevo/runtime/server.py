@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import os
@@ -47,6 +48,9 @@ from coevo.runtime.credentials import (
 
 _L = TypeVar("_L", bound="_Lifecycle")
 _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+):(\d+)")
+PORT_ATTEMPTS = 3
+"""times a cluster starts on fresh ports when one it picked was taken before a node bound it"""
+_PORT_TAKEN = "address already in use"
 _META_LEADER = re.compile(r"Self is new JetStream cluster metadata leader|JetStream cluster new metadata leader")
 
 # Runs as ``python -I -S -c _WATCHDOG FD CMD...``: starts CMD, stops it when FD reads end of file.
@@ -400,31 +404,35 @@ class EmbeddedCluster(_Lifecycle):
             raise ConfigError(f"a cluster needs at least 2 nodes (3 to survive losing one), got {nodes}", field=None)
         self.store_dir = Path(store_dir)
         self.ready_timeout_s = ready_timeout_s
-        client_ports = free_ports(nodes) if port == -1 else [port + i for i in range(nodes)]
-        route_ports = free_ports(nodes)
-        where = list(hosts) if hosts is not None else [(host, "")] * nodes
-        if len(where) != nodes:
-            raise ConfigError(f"{nodes} nodes need {nodes} hosts, got {len(where)}", field=None)
+        self._port = port
+        self._where = list(hosts) if hosts is not None else [(host, "")] * nodes
+        if len(self._where) != nodes:
+            raise ConfigError(f"{nodes} nodes need {nodes} hosts, got {len(self._where)}", field=None)
         # routes listen on loopback (or, across hosts, each host's own address): never on every interface
-        route_host = [h if hosts is not None else "127.0.0.1" for h, _ in where]
-        routes = tuple(f"{route_host[i]}:{p}" for i, p in enumerate(route_ports))
+        self._route_host = [h if hosts is not None else "127.0.0.1" for h, _ in self._where]
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        secret = route_credential(self.store_dir)
-        self.nodes = [
-            EmbeddedServer(
+        self._node = functools.partial(
+            EmbeddedServer, binary=binary, max_payload=max_payload, ready_timeout_s=ready_timeout_s, auth=auth, tls=tls
+        )
+        self._name, self._secret = name, route_credential(self.store_dir)
+        self.nodes = self._make_nodes()
+
+    def _make_nodes(self) -> list[EmbeddedServer]:
+        """The nodes, on ports free right now (the client ports from ``port`` when one was given)."""
+        n = len(self._where)
+        client_ports = free_ports(n) if self._port == -1 else [self._port + i for i in range(n)]
+        routes = tuple(f"{self._route_host[i]}:{p}" for i, p in enumerate(free_ports(n)))
+        secret = self._secret
+        return [
+            self._node(
                 self.store_dir / f"n{i}",
                 port=client_ports[i],
-                host=where[i][0],
-                binary=binary,
-                max_payload=max_payload,
-                ready_timeout_s=ready_timeout_s,
-                auth=auth,
-                tls=tls,
+                host=self._where[i][0],
                 server_name=f"n{i}",
-                netns=where[i][1] or None,
-                cluster=ClusterRoutes(name, routes[i], routes, secret.user, secret.password),
+                netns=self._where[i][1] or None,
+                cluster=ClusterRoutes(self._name, routes[i], routes, secret.user, secret.password),
             )
-            for i in range(nodes)
+            for i in range(n)
         ]
 
     @property
@@ -437,14 +445,24 @@ class EmbeddedCluster(_Lifecycle):
         return ",".join(self.urls)
 
     def start(self) -> str:
-        try:
-            for node in self.nodes:
-                node.start()
-            self._wait_for_meta_leader(self.nodes)
-        except BaseException:
-            self.stop()
-            raise
-        return self.url
+        """Start every node and wait for a metadata leader. A port picked free that another process
+        took before a node bound it ("address already in use") starts the cluster again on fresh
+        ports, at most ``PORT_ATTEMPTS`` times."""
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                for node in self.nodes:
+                    node.start()
+                self._wait_for_meta_leader(self.nodes)
+                return self.url
+            except ServerError as exc:
+                self.stop()
+                if _PORT_TAKEN not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                    raise
+                self.nodes = self._make_nodes()
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def stop(self, grace_s: float = 5.0) -> None:
         for node in self.nodes:
@@ -463,11 +481,23 @@ class EmbeddedCluster(_Lifecycle):
         self._wait_for_meta_leader([self.nodes[i]])
 
     def _wait_for_meta_leader(self, nodes: Sequence[EmbeddedServer]) -> None:
+        """Until each of ``nodes`` knows the metadata leader; any node of the cluster that exits
+        meanwhile (a route port taken after it was ready) fails the wait at once, with its log."""
         deadline = time.monotonic() + self.ready_timeout_s
-        for node in nodes:
-            assert node._proc is not None
-            if _wait_for_log(node.log_path, _META_LEADER, node._proc, deadline) is None:
-                raise ServerError(f"no JetStream metadata leader after {self.ready_timeout_s}s; log: {node.log_path}")
+        waiting = list(nodes)
+        while waiting:
+            for node in self.nodes:
+                if node._proc is not None and node._proc.poll() is not None:
+                    text = node.log_path.read_text(errors="replace")
+                    raise ServerError(
+                        f"nats-server {node.server_name} exited with {node._proc.returncode}:\n{text[-2000:]}"
+                    )
+            waiting = [n for n in waiting if not _META_LEADER.search(n.log_path.read_text(errors="replace"))]
+            if waiting and time.monotonic() > deadline:
+                raise ServerError(
+                    f"no JetStream metadata leader after {self.ready_timeout_s}s; log: {waiting[0].log_path}"
+                )
+            time.sleep(0.01)
 
 
 # ---- who may connect -------------------------------------------------------------------------------
