@@ -256,6 +256,16 @@ def test_an_external_judge_without_its_key_is_one_line_at_start(home: Path) -> N
     one_line(rewriter, "tasks.rewriter litellm:openai/x", "OPENAI_API_KEY is not set", "tasks.rewriter.api.api_key_env")
 
 
+def test_an_external_judge_whose_endpoint_does_not_answer_is_one_line_at_start(home: Path) -> None:
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    argv = [COEVO, "run", "--judge", "litellm:hosted_vllm/my-judge", "--judge-api-base", url, "--minutes", "0.5"]
+    t0 = time.monotonic()
+    out = subprocess.run(argv, cwd=home, capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert time.monotonic() - t0 < 30
+    one_line(out, "judge litellm:hosted_vllm/my-judge", f"cannot reach judge.url {url}", "is the server up", rc=2)
+    assert list(home.iterdir()) == []  # before any model or server was started
+
+
 def test_debug_keeps_the_traceback(home: Path) -> None:
     out = coevo("--debug", "events", "import", "nosuch.jsonl", cwd=home, timeout=20)
     assert out.returncode == 1 and "Traceback" in out.stderr and "FileNotFoundError" in out.stderr

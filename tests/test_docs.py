@@ -71,3 +71,32 @@ def test_the_bring_your_own_agent_snippet_defines_what_it_calls() -> None:
     called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert {"post", "AsyncOpenAI", "AsyncAnthropic"} <= called
     assert called - defined <= {"float", "open"}, called - defined
+
+
+def test_every_benchmark_file_is_referenced_and_named_by_what_it_measured() -> None:
+    """Each result in docs/benchmarks/ is linked from the docs (superseded results live in git history) and
+    named by what it measured, not by the tracker issue or work session that produced it."""
+    files = sorted(p.name for p in (REPO / "docs" / "benchmarks").glob("*.json"))
+    assert files
+    docs = (REPO / "docs" / "benchmarks.md").read_text() + (REPO / "README.md").read_text()
+    unreferenced = [name for name in files if not re.search(rf"(?<![\w.-]){re.escape(name)}", docs)]
+    assert unreferenced == []
+    assert [name for name in files if re.search(r"issue|session", name, re.I)] == []
+
+
+def test_the_configuration_and_cli_references_are_generated_from_the_code() -> None:
+    """docs/reference/*.md are what the config tree and the command table declare today: a new field, a
+    changed default or a new flag fails this until the pages are regenerated."""
+    from coevo.cli.reference import REFERENCES, cli_reference, config_reference
+
+    for name, render in REFERENCES.items():
+        assert (REPO / "docs" / "reference" / name).read_text() == render(), (
+            f"regenerate: python -m coevo.cli.reference docs/reference ({name})"
+        )
+    from coevo.cli import COMMANDS
+    from coevo.cli._config import field_flags
+
+    config, cli = config_reference(), cli_reference()
+    assert [n for n in field_flags() if f"| `{n}` |" not in config] == [] and "| `learner.lr` |" in config
+    assert [c.path for c in COMMANDS if c.run and f"## `coevo {c.path}`" not in cli] == []
+    assert "## `coevo run` (*config*)" in cli and "## `coevo bench ladder`" in cli and "`--lora-lanes`" in cli

@@ -310,7 +310,9 @@ def test_the_run_ends_with_a_summary_tensorboard_files_and_a_report(live: Live) 
     assert live.proc.returncode == 0, live.stderr[-3000:]
     run_dir = live.runs / RUN_ID
     out = live.stdout
-    assert f"Run {RUN_ID} finished:" in out and "policy success on train groups:" in out
+    # stopped by SIGTERM before its minutes ran out: the summary says so and how to go on
+    assert f"Run {RUN_ID} was interrupted (SIGTERM) before its budget:" in out, out[-3000:]
+    assert "policy success on train groups:" in out and f"--resume {RUN_ID}" in out
     assert "min of it)" in out  # the minutes are this process's, the counts the run's (#39)
     assert "report:" in out and "tensorboard:" in out and "summary.json" in out
     assert '"policy_success_start"' not in out, "the JSON belongs in summary.json, not on the console"

@@ -192,3 +192,27 @@ async def test_lineage_of_a_candidate_rejected_then_proposed_again_and_accepted(
     )
     t = await trace(bus, candidate)
     assert t["kind"] == "task" and t["lineage"][0]["accepted"] is True and t["lineage"][0]["reason"] == "in band"
+
+
+def test_the_debugging_guide_runs_as_written_on_a_recorded_run(recorded, model_cache: Path, tmp_path: Path) -> None:
+    """Every command of docs/guides/debugging.md, with the guide's placeholders filled from this run
+    (and ``--runs-dir``: the guide's run lives in ./runs): each exits as the guide says it does."""
+    runs, run = recorded
+    coevo("events", "export", str(tmp_path / "all.jsonl"), "--run", run, "--runs-dir", str(runs))
+    events = [r["event"] for r in read_export(tmp_path / "all.jsonl")]
+    trajectory = next(e["trajectory_id"] for e in events if e["kind"] == "trajectory.completed")
+    last_step = max(e["version"] for e in events if e["kind"] == "learner.stepped" and e["role"] == "policy")
+    judge = tmp_path / "other.toml"
+    judge.write_text(f'[env]\ncache_dir = "{model_cache}"\n[judge]\nmode = "verdict"\nm = 1\n')
+    fill = {"R": run, "policy:3000": f"policy:{last_step}", "g-5f2c...-r3": trajectory, "other.toml": str(judge)}
+    text = (REPO / "docs" / "guides" / "debugging.md").read_text()
+    block = text.split("```bash\n")[1].split("```")[0]
+    commands = [line.split("#")[0].split() for line in block.splitlines() if line.startswith("coevo ")]
+    assert len(commands) == 8
+    for words in commands:
+        argv = [fill.get(w, str(tmp_path / w) if w.endswith(".jsonl") else w) for w in words[1:]]
+        out = coevo(*argv, "--runs-dir", str(runs), check=False)
+        diverges = "--set" in argv  # the guide: a changed reward weight prints the first diverging event, exit 1
+        assert out.returncode == (1 if diverges else 0), f"{' '.join(words)}\n{out.stderr[-2000:]}"
+        assert out.stdout.strip(), " ".join(words)
+    assert (tmp_path / "out.jsonl").stat().st_size > 0

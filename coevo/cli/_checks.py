@@ -126,9 +126,10 @@ API_ROLES = {"judge": ("judge",), "tasks": ("tasks.rewriter",)}
 
 
 def check_api_keys(cfg: Any, sections: tuple[str, ...] = ("judge", "tasks.rewriter")) -> None:
-    """Every external judge or rewriter in ``sections`` has its key in the environment: a missing key
-    fails at start in one line naming the variable, not as every call's error once the run is under
-    way. Sections with ``api.mock_response`` (offline tests) call nothing and need none."""
+    """Every external judge or rewriter in ``sections`` has its key in the environment and, where it
+    names its own endpoint (``url``: a self-hosted or proxied API), that endpoint answers a TCP connect:
+    a missing key or a dead endpoint fails at start in one line naming the field, not as every call's
+    error once the run is under way. Sections with ``api.mock_response`` (offline tests) call nothing."""
     for role in sections:
         section = cfg
         for part in role.split("."):
@@ -143,3 +144,29 @@ def check_api_keys(cfg: Any, sections: tuple[str, ...] = ("judge", "tasks.rewrit
                 f"from it): export it, or name the variable that holds it with --set {role}.api.api_key_env=NAME",
                 field=f"{role}.api.api_key_env",
             )
+        if section.url is not None:
+            check_endpoint(section.url, f"{role}.url", f"{role} litellm:{section.model}")
+
+
+ENDPOINT_PROBE_S = 3.0
+"""how long a TCP connect to an external model's endpoint may take before the command gives up on it"""
+
+
+def check_endpoint(url: str, field: str, what: str, timeout_s: float = ENDPOINT_PROBE_S) -> None:
+    """``url``'s host answers a TCP connect on its port (80/443 by scheme when none is given)."""
+    split = urlsplit(url if "://" in url else f"http://{url}")
+    try:
+        port = split.port or (443 if split.scheme == "https" else 80)
+    except ValueError:
+        raise ConfigError(f"{what}: {field} {url} has no valid port", field=field) from None
+    if not split.hostname:
+        raise ConfigError(f"{what}: {field} {url} names no host", field=field)
+    try:
+        with socket.create_connection((split.hostname, port), timeout=timeout_s):
+            return
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__.replace("Error", "").lower()
+        raise ConfigError(
+            f"{what}: cannot reach {field} {url} ({split.hostname}:{port} {why}): is the server up and the URL right?",
+            field=field,
+        ) from None
