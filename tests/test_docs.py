@@ -100,3 +100,29 @@ def test_the_configuration_and_cli_references_are_generated_from_the_code() -> N
     assert [n for n in field_flags() if f"| `{n}` |" not in config] == [] and "| `learner.lr` |" in config
     assert [c.path for c in COMMANDS if c.run and f"## `coevo {c.path}`" not in cli] == []
     assert "## `coevo run` (*config*)" in cli and "## `coevo bench ladder`" in cli and "`--lora-lanes`" in cli
+
+
+def test_the_readme_is_one_screen_in_the_order_a_newcomer_needs() -> None:
+    """What coevo is, the dashboard, the quick start, the results beside habits, where to go next: in that
+    order, the quick start within the first screen, the whole README short enough to read in minutes."""
+    text = (REPO / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 150, len(lines)
+    heads = [line for line in lines if line.startswith("## ")]
+    quick, results_head, nxt = heads[0], heads[1], heads[2]
+    assert quick.startswith("## Quick start") and nxt == "## Where to go next", heads
+    assert lines.index(quick) < 20 and text.index("docs/img/dashboard.png") < text.index(quick)
+    results = text[text.index(results_head) : text.index(nxt)]
+    for column in ("random", "best position rule", "base greedy", "trained"):
+        assert f"| {column} |" in results, column  # a learning number stands beside what habits score
+    assert "```bash\ncoevo bench" in results  # with the command that reproduces it
+
+
+def test_the_docs_name_no_tracker_numbers_nor_stages_of_the_work() -> None:
+    """User docs say what a thing does and what was measured, not which issue or session changed it."""
+    pattern = re.compile(r"\b[Ii]ssue #?\d+|(?<![\w/])#\d{1,3}\b|\b[Ss]ession \d+|\bbefore issue\b")
+    files = [REPO / "README.md", REPO / "CHANGELOG.md", *(REPO / "docs").rglob("*.md")]
+    files += [*(REPO / "configs").glob("*"), *(REPO / "examples").glob("*.py")]
+    hits = [f"{p.relative_to(REPO)}: {m.group(0)}" for p in files for m in pattern.finditer(p.read_text())]
+    assert hits == []
+    assert pattern.search("fixed in issue 37") and pattern.search("see #36") and not pattern.search("`#3b82f6`")
