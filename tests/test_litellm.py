@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import socket
 import subprocess
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -237,9 +241,34 @@ async def test_max_usd_stops_calls(bus: NatsBus, cfg: CoevoConfig) -> None:
     assert len(budget) == 1 and budget[0].max_usd == 1e-6
 
 
+@pytest.fixture
+def hanging_up_api() -> Iterator[str]:
+    """An API endpoint that answers the start's TCP probe and then hangs up on every request: down
+    once the run is under way."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def hang_up() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                conn, _ = server.accept()
+                conn.close()
+
+    thread = threading.Thread(target=hang_up, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}/v1"
+    stop.set()
+    thread.join(5)
+    server.close()
+
+
 @pytest.mark.slow
-def test_run_with_an_unreachable_api_completes_and_never_leaks_the_key(tmp_path: Path, model_cache: Path) -> None:
-    """`coevo run --judge litellm:...` against a closed port: failures are counted, the key never appears."""
+def test_run_with_an_api_down_completes_and_never_leaks_the_key(
+    tmp_path: Path, model_cache: Path, hanging_up_api: str
+) -> None:
+    """`coevo run --judge litellm:...` against an API that hangs up on every call: failures are counted,
+    rollouts go on, the key never appears."""
     secret = "sk-coevo-test-SECRET-5f1c9a"
     env = subprocess_env() | {"COEVO_TEST_JUDGE_KEY": secret}
     runs = tmp_path / "runs"
@@ -252,7 +281,7 @@ def test_run_with_an_unreachable_api_completes_and_never_leaks_the_key(tmp_path:
             "--judge",
             f"litellm:{MODEL}",
             "--judge-api-base",
-            "http://127.0.0.1:9/v1",
+            hanging_up_api,
             "--minutes",
             "0.25",
             "--run-id",

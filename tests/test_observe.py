@@ -257,6 +257,7 @@ def values(points: list[Point], key: str) -> list[float]:
 def test_the_aggregator_turns_events_into_every_series() -> None:
     agg, points = fold(a_run())
     assert values(points, "success_train") == [0.25, 0.5, 0.5, 0.75, 0.75, 1.0]
+    assert values(points, "train_groups_mixed") == [1.0, 1.0, 1.0, 1.0, 1.0, 0.8333]  # the last group all won
     assert values(points, "success_heldout") == [0.75]  # emitted once its round is complete
     assert len(values(points, "reward_std")) == 5
     assert values(points, 'learner_loss{role="policy"}') == [0.5, 0.25]

@@ -15,6 +15,7 @@ from coevo.envs import make_family
 from coevo.observe.tally import RunTally
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import GroupScored, Source, TaskRewritten
+from coevo.tools.replay import replay_rewriter
 
 # ---- the decisions, without I/O --------------------------------------------------------------------
 
@@ -61,6 +62,14 @@ def test_a_move_that_overshot_caps_the_next_ones_below_it_in_its_direction() -> 
     assert over == ("harder", 1) and saturation.capped(3, "harder", over) == 1
     assert saturation.overshoot_after(over, 2, "easier", 1.0) == ("easier", 2)  # everybody won an easier one
     assert saturation.overshoot_after(None, 2, "easier", 0.0) is None  # nobody won it: not easier enough
+
+
+def test_a_fresh_world_follows_when_even_one_knob_step_overshot_in_its_direction() -> None:
+    assert not saturation.fresh("harder", None) and not saturation.fresh("harder", ("harder", 2))
+    assert saturation.fresh("harder", ("harder", 1)) and not saturation.fresh("easier", ("harder", 1))
+    # a fresh world (one move) that nobody won keeps the slot on fresh worlds; one still all won lifts the cap
+    assert saturation.overshoot_after(("harder", 1), 1, "harder", 0.0) == ("harder", 1)
+    assert saturation.overshoot_after(("harder", 1), 1, "harder", 1.0) is None
 
 
 def test_stride_with_equal_weights_is_round_robin_in_the_given_order() -> None:
@@ -111,6 +120,35 @@ async def test_a_wide_rewrite_is_one_child_several_knob_steps_away(cfg: CoevoCon
         if direction == "harder"
         else moved < family.difficulty(one.candidate) - family.difficulty(task)
     )
+
+
+async def test_a_fresh_world_keeps_the_knobs_lineage_and_parity_and_differs_per_salt(cfg: CoevoConfig) -> None:
+    family = make_family(cfg.env)
+    task = family.initial_tasks(4, 0, 0)[1]
+    first, again, other = (family.fresh_world(task, salt) for salt in ("e-3", "e-3", "e-4"))
+    assert first is not None and other is not None and first == again  # replays agree
+    assert first.knobs == task.knobs and first.split == "train" and first.params["seed"] != task.params["seed"]
+    assert first.params["seed"] % 2 == task.params["seed"] % 2 and other.params["seed"] != first.params["seed"]
+    assert (first.parent_id, first.version) == (task.task_id, task.version + 1)
+    assert {k: v for k, v in first.params.items() if k != "seed"} == {
+        k: v for k, v in task.params.items() if k != "seed"
+    }
+    assert family.fresh_world(task.model_copy(update={"params": {}}), "e-3") is None  # no seed: one world per setting
+
+
+async def test_the_builtin_rewriter_at_every_knob_bound_proposes_a_fresh_world(cfg: CoevoConfig) -> None:
+    family = make_family(cfg.env)
+    top = family.initial_tasks(1, 0, 0)[0]
+    for _ in range(100):  # harder and harder, one knob step at a time, until no knob can move
+        nxt = await BuiltinRewriter().propose(family, top, "harder", [])
+        if nxt.rewriter == "builtin:world":
+            break
+        assert nxt.candidate is not None
+        top = nxt.candidate
+    assert all(family.apply(top, op) is None for op in family.operators("harder"))
+    assert nxt.candidate is not None and nxt.rewriter == "builtin:world" and nxt.candidate.knobs == top.knobs
+    seedless = await BuiltinRewriter().propose(family, top.model_copy(update={"params": {}}), "harder", [])
+    assert seedless.candidate is None and seedless.error == "every knob is at its harder bound"
 
 
 # ---- the tasks agent on a real server -----------------------------------------------------------------
@@ -223,3 +261,51 @@ async def test_an_unsolved_wide_candidate_makes_the_next_rewrite_smaller_until_o
         tally.add(e)
     capped = sum(w is not None and e.moves < w for e, w in zip(rewritten, wanted, strict=True))
     assert capped >= 1 and tally.capped == capped  # counted from the events alone (summary: rewrites_proposed_capped)
+
+
+async def test_when_one_knob_step_overshoots_the_next_candidates_are_fresh_worlds_until_one_is_accepted(
+    bus: NatsBus, cfg: CoevoConfig
+) -> None:
+    """A memorised slot (all won) whose smallest knob step comes back unsolved: another world of the same
+    knobs, another again while nobody wins it, accepted once it lands in the band; then knob steps again."""
+    agent, slot_id = await _rewriting_agent(bus, cfg)
+    parent = agent.slots[slot_id].active
+    k = 0
+    fed: list[GroupScored] = []
+
+    async def rewrite_and_judge(candidate_accuracy: float) -> TaskRewritten:
+        nonlocal k
+        for _ in range(3):
+            fed.append(_scored(agent, slot_id, 1.0, k))
+            await agent.on_scored(fed[-1], None)  # type: ignore[arg-type]
+            k += 1
+        candidate = agent.slots[slot_id].candidate
+        assert candidate is not None
+        judged = _scored(agent, slot_id, candidate_accuracy, k).model_copy(
+            update={"task_id": candidate.task_id, "purpose": "candidate"}
+        )
+        k += 1
+        fed.append(judged)
+        await agent.on_scored(judged, None)  # type: ignore[arg-type]
+        await bus.flush()
+        rewritten = [e async for _, e, _m in bus.history(["task.rewritten"]) if isinstance(e, TaskRewritten)]
+        return rewritten[-1]
+
+    assert (await rewrite_and_judge(0.0)).moves == 2  # two knob steps: unsolved
+    one = await rewrite_and_judge(0.0)  # one knob step: unsolved too
+    assert one.moves == 1 and not one.rewriter.endswith(":world")
+    assert agent.slots[slot_id].overshoot == ("harder", 1)
+    worlds = [await rewrite_and_judge(0.0), await rewrite_and_judge(0.375)]  # unsolved, then in the band
+    for w in worlds:
+        assert w.rewriter == "builtin:world" and w.moves == 1 and w.candidate is not None
+        assert w.candidate.knobs == parent.knobs and w.candidate.parent_id == parent.task_id
+    assert worlds[0].candidate.params["seed"] != worlds[1].candidate.params["seed"]  # type: ignore[union-attr]
+    slot = agent.slots[slot_id]
+    assert slot.active == worlds[1].candidate and slot.rewrites_accepted == 1 and slot.overshoot is None
+    after = await rewrite_and_judge(0.5)
+    assert not after.rewriter.endswith(":world") and after.candidate is not None
+    assert after.candidate.knobs != parent.knobs  # the cap lifted: knob steps again
+    # coevo replay --into rewriter reproduces every proposal, the fresh worlds included, and every decision
+    decisions = [e async for _, e, _m in bus.history(["task.rewritten", "task.decided"])]
+    report = await replay_rewriter(list(enumerate([*fed, *decisions])), agent.cfg)
+    assert report.divergence is None and report.compared == 2 * 5, report.as_dict()

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coevo.algorithm import saturation, scoring
 from coevo.algorithm.admission import Backlog, queue_full
-from coevo.algorithm.rewriter import BuiltinRewriter, Rewriter
+from coevo.algorithm.rewriter import BuiltinRewriter, Proposal, Rewriter, critic_summary, fresh_world
 from coevo.config import LLMRewriterConfig
 from coevo.envs import make_family
 from coevo.inference.engine import CachesCalls
@@ -409,6 +409,16 @@ class TasksAgent(Agent):
             self.counters["rewrites_proposed_capped"] += 1
         return moves, wide
 
+    async def propose(
+        self, rewriter: Rewriter, slot: Slot, direction: saturation.Direction, event: GroupScored, moves: int
+    ) -> Proposal:
+        """The rewriter's candidate ``moves`` knob steps away; once even one step overshot, the same knobs
+        in another world instead, whatever the rewriter (drawn from ``event``'s id: replays agree)."""
+        if saturation.fresh(direction, slot.overshoot):
+            summaries = [critic_summary(f) for f in event.failures]
+            return fresh_world(self.family, slot.active, summaries, event.event_id, rewriter.name)
+        return await rewriter.propose(self.family, slot.active, direction, event.failures, moves, event.event_id)
+
     async def maybe_rewrite(self, slot: Slot, event: GroupScored) -> None:
         low, high = self.cfg.tasks.band
         direction = scoring.rewrite_direction(event.accuracy, low, high)
@@ -421,7 +431,7 @@ class TasksAgent(Agent):
         ):
             return
         moves, wanted = self.rewrite_moves(slot, direction)
-        proposal = await self.rewriter.propose(self.family, slot.active, direction, event.failures, moves)
+        proposal = await self.propose(self.rewriter, slot, direction, event, moves)
         ok, why = False, proposal.error
         if proposal.candidate is not None:
             check = await self.family.precheck(proposal.candidate)

@@ -32,10 +32,26 @@ class Rewriter(Protocol):
     name: str
 
     async def propose(
-        self, family: Family, task: TaskSpec, direction: Direction, failures: list[FailureDigest], moves: int = 1
+        self,
+        family: Family,
+        task: TaskSpec,
+        direction: Direction,
+        failures: list[FailureDigest],
+        moves: int = 1,
+        salt: str = "",
     ) -> Proposal:
-        """A candidate ``moves`` knob steps from ``task`` in ``direction`` (one child of ``task``)."""
+        """A candidate ``moves`` (≥ 1) knob steps from ``task`` in ``direction`` (one child of ``task``);
+        ``salt``: the id of the event that asked for it (what a fresh world is drawn from)."""
         ...
+
+
+def fresh_world(family: Family, task: TaskSpec, summaries: list[str], salt: str, by: str) -> Proposal:
+    """The same knobs in a world not seen before (``Family.fresh_world``), proposed by ``by``: what a slot
+    gets when even one knob step overshot (``saturation.capped`` is 0) or no knob can move further."""
+    candidate = family.fresh_world(task, salt)
+    if candidate is None:
+        return Proposal(None, summaries, by, f"{family.name} tasks have one world per knob setting")
+    return Proposal(candidate, summaries, f"{by}:world")
 
 
 def critic_summary(f: FailureDigest) -> str:
@@ -95,11 +111,18 @@ class BuiltinRewriter:
     name = "builtin"
 
     async def propose(
-        self, family: Family, task: TaskSpec, direction: Direction, failures: list[FailureDigest], moves: int = 1
+        self,
+        family: Family,
+        task: TaskSpec,
+        direction: Direction,
+        failures: list[FailureDigest],
+        moves: int = 1,
+        salt: str = "",
     ) -> Proposal:
         """Up to ``moves`` operator steps, each the first applicable one in order: easier by blame (the
         knob the summaries point at first, again while it moves), harder rotating through the knobs by
-        version and step so that no knob runs away alone; one child of ``task``, named after its steps."""
+        version and step so that no knob runs away alone; one child of ``task``, named after its steps.
+        With every knob at its bound in ``direction``: the same knobs in a fresh world."""
         summaries = [critic_summary(f) for f in failures]
         text = " ".join(summaries).lower()
         blamed = [knob for word, knob in _BLAME if word in text]
@@ -117,7 +140,10 @@ class BuiltinRewriter:
             applied.append(moved[0])
             current = moved[1]
         if not applied:
-            return Proposal(None, summaries, self.name, f"every knob is at its {direction} bound")
+            fresh = fresh_world(family, task, summaries, salt, self.name)
+            if fresh.candidate is None:
+                return Proposal(None, summaries, self.name, f"every knob is at its {direction} bound")
+            return fresh
         return Proposal(family.derive(task, current.knobs), summaries, f"{self.name}:{','.join(applied)}")
 
 
@@ -161,7 +187,13 @@ class LLMRewriter:
         )
 
     async def propose(
-        self, family: Family, task: TaskSpec, direction: Direction, failures: list[FailureDigest], moves: int = 1
+        self,
+        family: Family,
+        task: TaskSpec,
+        direction: Direction,
+        failures: list[FailureDigest],
+        moves: int = 1,
+        salt: str = "",
     ) -> Proposal:
         summaries = [critic_summary(f) for f in failures]
         prompt = self.prompt(family, task, direction, summaries, failures, moves)

@@ -2,8 +2,8 @@
 
 A group whose rollouts are all won or all lost carries no outcome signal: every rollout gets the
 same outcome reward, so its group-relative advantage is zero. A train slot whose last
-``tasks.saturated_after`` groups were all like that is *saturated*. Two things follow, both
-measured by held-out success (``coevo bench ladder``), neither forbidding any proposal:
+``tasks.saturated_after`` groups were all like that is *saturated*. What follows is
+measured by held-out success (``coevo bench ladder``), and none of it forbids a proposal:
 
 - it is scheduled ``tasks.saturated_share`` as often as an unsaturated slot (stride scheduling:
   the rollouts go where there is signal, and no slot is ever starved);
@@ -13,7 +13,11 @@ measured by held-out success (``coevo bench ladder``), neither forbidding any pr
 - and a move that overshot is not repeated: once a candidate of k moves came back on the far side
   (a harder one that no rollout won, an easier one that every rollout won), the slot's later
   candidates in that direction move at most k − 1 steps (at least 1), until a rewrite is accepted or
-  a candidate at the cap comes back at the near extreme (still all won, or all lost), which lifts it.
+  a candidate at the cap comes back at the near extreme (still all won, or all lost), which lifts it;
+- when even one knob step overshot, the next candidates keep the knobs and change the world
+  (``Family.fresh_world``): the smallest change there is, and one that a policy which memorised its
+  worlds instead of learning to read them cannot pass; a fresh world that comes back at the near
+  extreme lifts the cap like any candidate at it.
 
 Invariants: a streak counts consecutive scored train groups of the slot's active task and
 restarts at any mixed group or accepted rewrite; the overshoot cap acts only in its own direction,
@@ -61,6 +65,12 @@ def capped(moves: int, direction: Direction, overshoot: Overshoot | None) -> int
     if overshoot is None or overshoot[0] != direction:
         return moves
     return max(1, min(moves, overshoot[1] - 1))
+
+
+def fresh(direction: Direction, overshoot: Overshoot | None) -> bool:
+    """Whether the slot's next candidate in ``direction`` is a fresh world at the same knobs (one move
+    of another kind): even one knob step went too far."""
+    return overshoot == (direction, 1)
 
 
 def overshoot_after(

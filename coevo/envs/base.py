@@ -158,6 +158,17 @@ class Family(abc.ABC):
             return None
         return self.derive(task, {**task.knobs, name: new})
 
+    def fresh_world(self, task: TaskSpec, salt: str) -> TaskSpec | None:
+        """A child of ``task`` with the same knobs in another world: a new ``seed`` param drawn from the
+        task's id and ``salt`` (the id of the event that asked for it: the same arguments give the same
+        world, so replays agree; another salt, another world). The seed keeps its parity (a family may split train and held-out seeds
+        by it, as the TextWorld challenges do). None for a family whose tasks carry no seed."""
+        if "seed" not in task.params:
+            return None
+        digest = hashlib.sha256(f"{task.task_id}/world/{salt}".encode()).hexdigest()
+        seed = 2 * (int(digest[:8], 16) % 500_000) + int(task.params["seed"]) % 2
+        return self.derive(task, dict(task.knobs), {"seed": seed})
+
     def derive(self, task: TaskSpec, knobs: dict[str, int], params: dict[str, Any] | None = None) -> TaskSpec:
         """A rewritten child of ``task`` (lineage kept: parent id, version + 1)."""
         for name, value in knobs.items():

@@ -79,6 +79,7 @@ class Aggregator:
         self._totals: dict[tuple[str, Labels], float] = {}
         self._dirty: set[tuple[str, Labels]] = set()
         self._rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
+        self._mixed: deque[bool] = deque(maxlen=REWARD_WINDOW)
         self._rounds: dict[str, list[int | list[float]]] = {}  # eval round -> [scheduled, accuracies]
         self._rates: deque[tuple[float, int, int]] = deque()  # (t, trajectories, env steps) per tick
         self._next_tick: float | None = None
@@ -224,8 +225,10 @@ class Aggregator:
         out = []
         if e.purpose == "train":
             self._rewards.append(e.mean_reward)
+            self._mixed.append(0.0 < e.accuracy < 1.0)
             out += [
                 self._point("success_train", (), t, e.accuracy, e.ts),
+                self._point("train_groups_mixed", (), t, round(sum(self._mixed) / len(self._mixed), 4), e.ts),
                 self._point("reward_mean", (), t, round(e.mean_reward, 5), e.ts),
             ]
             if len(self._rewards) >= 2:

@@ -28,6 +28,12 @@ SPECS: dict[str, Spec] = {
     "success_train": Spec(
         "policy success on one train group: the fraction of its rollouts won", "success", "fraction won"
     ),
+    "train_groups_mixed": Spec(
+        "share of the last 16 train groups with mixed outcomes (some rollouts won, some lost): the groups whose "
+        "outcome gives the policy a signal; under half, the pool is saturating",
+        "success",
+        "fraction of groups",
+    ),
     "success_heldout": Spec(
         "held-out success: mean over one evaluation round (the same tasks every round)", "success", "fraction won"
     ),

@@ -211,7 +211,6 @@ async def replay_rewriter(events: list[tuple[int, Event]], cfg: CoevoConfig) -> 
     """Re-propose each built-in rewrite from the recorded failures, and re-decide each rolled-out
     candidate with the acceptance gate on the recorded accuracies."""
     from coevo.algorithm import scoring
-    from coevo.algorithm.rewriter import BuiltinRewriter
     from coevo.envs import make_family
 
     report = ReplayReport("rewriter")
@@ -230,8 +229,8 @@ async def replay_rewriter(events: list[tuple[int, Event]], cfg: CoevoConfig) -> 
             if cause is None:
                 report.notes.append(f"seq {seq}: the group that triggered this rewrite is outside the range")
                 continue
-            if e.rewriter.startswith("builtin"):
-                proposal = await BuiltinRewriter().propose(family, e.parent, e.direction, cause.failures, e.moves)
+            proposal = await _reproposed(e, cause, family)
+            if proposal is not None:
                 recorded = e.candidate.model_dump() if e.candidate else None
                 replayed = proposal.candidate.model_dump() if proposal.candidate else None
                 report.compared += 1
@@ -258,6 +257,19 @@ async def replay_rewriter(events: list[tuple[int, Event]], cfg: CoevoConfig) -> 
                 )
                 return report
     return report
+
+
+async def _reproposed(e: TaskRewritten, cause: GroupScored, family: Any) -> Any:
+    """The proposal today's code makes from a recorded rewrite's inputs: a fresh world (the tasks agent's,
+    whichever rewriter it runs) or the built-in rewriter's knob steps; None for a model's proposal (not
+    reproducible without its recorded answer)."""
+    from coevo.algorithm.rewriter import BuiltinRewriter, fresh_world
+
+    if e.rewriter.endswith(":world"):
+        return fresh_world(family, e.parent, [], cause.event_id, e.rewriter.removesuffix(":world"))
+    if e.rewriter.startswith("builtin"):
+        return await BuiltinRewriter().propose(family, e.parent, e.direction, cause.failures, e.moves, cause.event_id)
+    return None
 
 
 STEP_FIELDS = ("version", "samples", "loss", "kl", "clip_fraction", "mismatch_kl")
