@@ -379,3 +379,6 @@ def test_bench_learner_lora_publishes_the_adapter_and_holds_one_base_for_two_rol
     base = report["parameters"] - report["trainable_parameters"]
     assert cmp["two_roles_full_held_bytes"] == pytest.approx(2 * 3 * 4 * base, rel=1e-3)  # + Adam step counters
     assert cmp["two_roles_one_base_held_bytes"] < 0.4 * cmp["two_roles_full_held_bytes"]
+    # utilisation against this machine's own measured peak, in the lane's compute dtype (tiny: float32)
+    assert report["compute_dtype"] == "float32" and report["peak_source"] == "measured float32 matmul"
+    assert report["peak_tflops"] > 0 and 0 < report["mfu"] < 1

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import LOOP_OVERRIDES, PYTHON, _free_port, subprocess_env
+from tests.conftest import LOOP_OVERRIDES, PYTHON, REPO, _free_port, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -303,6 +303,16 @@ def families_of(url: str) -> dict[str, Any]:
 # ---- after it ----------------------------------------------------------------------------------------
 
 
+README_SUMMARY = (REPO / "README.md").read_text().split("```\nRun ")[1].split("```")[0]
+"""the closing summary the README shows for the quick start's run"""
+
+
+def summary_labels(text: str) -> list[str]:
+    """What each line of a closing summary is about: its words before the first colon, indented lines
+    only (the first line names the run)."""
+    return [line.strip().split(":")[0] for line in text.splitlines()[1:] if line.startswith("  ")]
+
+
 def test_the_run_ends_with_a_summary_tensorboard_files_and_a_report(live: Live) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -316,6 +326,12 @@ def test_the_run_ends_with_a_summary_tensorboard_files_and_a_report(live: Live) 
     assert "min of it)" in out  # the minutes are this process's, the counts the run's (#39)
     assert "report:" in out and "tensorboard:" in out and "summary.json" in out
     assert '"policy_success_start"' not in out, "the JSON belongs in summary.json, not on the console"
+    # the README shows what a run prints: the same lines, in the same order
+    printed = summary_labels(out[out.index(f"Run {RUN_ID} was interrupted") :])
+    shown = summary_labels(README_SUMMARY)
+    assert [x for x in printed if x not in ("warning", "resume")] == [
+        x for x in shown if x in printed or x != "beside it on the same tasks"
+    ], (printed, shown)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["learner_steps"] >= 2
 

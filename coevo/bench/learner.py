@@ -14,8 +14,9 @@ samples, like the learner does: step, publish the weights in the serving dtype (
 - with ``--lora RANK`` the lane trains an adapter; ``lora`` then compares: the full model's
   publication against the adapter's (``publish_fraction``), and what the learner holds (parameters
   and optimiser state) for policy and judge as two full models against two adapters of one base;
-- ``train_tokens_per_s``, ``mfu`` on GPU (6 · parameters · tokens/s over the device's dense bf16
-  peak), ``peak_memory_gib`` (CUDA: allocated; CPU: the process's peak RSS) and ``publish_share``
+- ``train_tokens_per_s``, ``mfu`` (6 · parameters · tokens/s over the peak in the lane's compute dtype:
+  on GPU the device's dense bf16 datasheet peak, on CPU the square-matmul rate measured after the steps,
+  ``peak_tflops`` and ``peak_source`` say which), ``peak_memory_gib`` (CUDA: allocated; CPU: the process's peak RSS) and ``publish_share``
   = publish_s / (step_s + publish_s).
 """
 
@@ -108,6 +109,7 @@ def bench_learner(
     """Step, publish and checkpoint costs of one lane at ``size`` on ``device`` (a LoRA lane of rank
     ``lora_rank``: then also the full model's publication and what two roles hold, for comparison)."""
     from coevo.config import LearnerConfig, LoraConfig
+    from coevo.inference.precision import model_dtype
     from coevo.training.lane import Lane
 
     lc = LearnerConfig(lr=1e-5, lora=LoraConfig(rank=lora_rank) if lora_rank else None)
@@ -135,6 +137,8 @@ def bench_learner(
             lane.close()
         params = sum(p.numel() for p in lane.model.parameters())
         report = _report(size, device, params, lane.publish_dtype, samples, tokens, steps, rows)
+        compute = model_dtype(lc.dtype, device, Path(tmp) / "model")
+        report.update(_utilisation(device, compute, 6 * params * report["train_tokens_per_s"]))
         report["trainable_parameters"] = sum(p.numel() for p in lane.trainable())
         if lora_rank:
             report["lora"] = _lora_comparison(
@@ -235,7 +239,6 @@ def _report(
 
     step_s, publish_s = med("step_s"), med("publish_s")
     tokens_per_s = samples * tokens / step_s if step_s else 0.0
-    peak = _peak_flops(device)
     return {
         "size": size,
         "device": device,
@@ -251,7 +254,6 @@ def _report(
         "checkpoint_bytes": int(med("checkpoint_bytes")),
         "checkpoint_blocking_s": round(max(rows["blocking_s"], default=0.0), 4),
         "train_tokens_per_s": round(tokens_per_s, 1),
-        "mfu": round(6 * params * tokens_per_s / peak, 4) if peak else None,
         "peak_memory_gib": round(_peak_memory(device) / 2**30, 3),
         "publish_share": round(publish_s / (step_s + publish_s), 4) if step_s + publish_s else 0.0,
     }
@@ -281,10 +283,21 @@ def _peak_memory(device: str) -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def _peak_flops(device: str) -> float | None:
-    if not str(device).startswith("cuda"):
-        return None
-    import torch
+def _utilisation(device: str, compute: Any, flops_per_s: float) -> dict[str, Any]:
+    """``mfu``: ``flops_per_s`` over the peak in ``compute`` dtype: a GPU's datasheet dense bf16 peak, or
+    this CPU's square-matmul rate measured now (after the timed steps, which it must not share cores with)."""
+    if str(device).startswith("cuda"):
+        import torch
 
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in BF16_PEAK_FLOPS.items() if k in name), None)
+        name = torch.cuda.get_device_name()
+        peak, source = next((v for k, v in BF16_PEAK_FLOPS.items() if k in name), None), "datasheet bf16"
+    else:
+        from coevo.bench.precision import matmul_rate
+
+        peak, source = matmul_rate(compute), f"measured {str(compute).removeprefix('torch.')} matmul"
+    return {
+        "compute_dtype": str(compute).removeprefix("torch."),
+        "peak_tflops": round(peak / 1e12, 3) if peak else None,
+        "peak_source": source if peak else None,
+        "mfu": round(flops_per_s / peak, 4) if peak else None,
+    }
