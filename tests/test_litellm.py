@@ -255,7 +255,7 @@ def hanging_up_api() -> Iterator[str]:
                 conn, _ = server.accept()
                 conn.close()
 
-    thread = threading.Thread(target=hang_up, daemon=True)
+    thread = threading.Thread(target=hang_up)
     thread.start()
     yield f"http://127.0.0.1:{server.getsockname()[1]}/v1"
     stop.set()

@@ -215,4 +215,7 @@ def test_the_debugging_guide_runs_as_written_on_a_recorded_run(recorded, model_c
         diverges = "--set" in argv  # the guide: a changed reward weight prints the first diverging event, exit 1
         assert out.returncode == (1 if diverges else 0), f"{' '.join(words)}\n{out.stderr[-2000:]}"
         assert out.stdout.strip(), " ".join(words)
+        if words[1] == "replay":  # a report of what it compared, identical unless the guide changed a weight
+            report = json.loads(out.stdout[out.stdout.index("{") :])
+            assert report["identical"] is not diverges and (report["compared"] > 0 or "--from" in words), report
     assert (tmp_path / "out.jsonl").stat().st_size > 0

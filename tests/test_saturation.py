@@ -9,9 +9,10 @@ import pytest
 
 from coevo.agents.tasks import TasksAgent
 from coevo.algorithm import saturation
-from coevo.algorithm.rewriter import BuiltinRewriter
+from coevo.algorithm.rewriter import BuiltinRewriter, fresh_world, wants_fresh_world
 from coevo.config import CoevoConfig
 from coevo.envs import make_family
+from coevo.envs.base import spec_hash
 from coevo.observe.tally import RunTally
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import GroupScored, Source, TaskRewritten
@@ -133,22 +134,32 @@ async def test_a_fresh_world_keeps_the_knobs_lineage_and_parity_and_differs_per_
     assert {k: v for k, v in first.params.items() if k != "seed"} == {
         k: v for k, v in task.params.items() if k != "seed"
     }
-    assert family.fresh_world(task.model_copy(update={"params": {}}), "e-3") is None  # no seed: one world per setting
+    # never a task to avoid (a held-out one): the next draw instead, the same one on every replay
+    avoided = family.fresh_world(task, "e-3", {spec_hash(family.name, first.params, first.knobs)})
+    assert avoided is not None and avoided.params["seed"] not in (first.params["seed"], task.params["seed"])
+    assert avoided == family.fresh_world(task, "e-3", {spec_hash(family.name, first.params, first.knobs)})
+    for params in ({}, {"seed": "7"}, {"seed": None}, {"seed": True}):  # no integer seed: no other world
+        assert family.fresh_world(task.model_copy(update={"params": params}), "e-3") is None
 
 
-async def test_the_builtin_rewriter_at_every_knob_bound_proposes_a_fresh_world(cfg: CoevoConfig) -> None:
+async def test_a_slot_wants_a_fresh_world_when_no_knob_step_can_help(cfg: CoevoConfig) -> None:
     family = make_family(cfg.env)
     top = family.initial_tasks(1, 0, 0)[0]
+    assert not wants_fresh_world(family, top, "harder", None)
+    assert wants_fresh_world(family, top, "harder", ("harder", 1))  # one step overshot
+    assert not wants_fresh_world(family, top, "harder", ("harder", 2)) and not wants_fresh_world(
+        family, top, "easier", ("harder", 1)
+    )
     for _ in range(100):  # harder and harder, one knob step at a time, until no knob can move
         nxt = await BuiltinRewriter().propose(family, top, "harder", [])
-        if nxt.rewriter == "builtin:world":
+        if nxt.candidate is None:
             break
-        assert nxt.candidate is not None
         top = nxt.candidate
-    assert all(family.apply(top, op) is None for op in family.operators("harder"))
-    assert nxt.candidate is not None and nxt.rewriter == "builtin:world" and nxt.candidate.knobs == top.knobs
-    seedless = await BuiltinRewriter().propose(family, top.model_copy(update={"params": {}}), "harder", [])
-    assert seedless.candidate is None and seedless.error == "every knob is at its harder bound"
+    assert nxt.error == "every knob is at its harder bound" and wants_fresh_world(family, top, "harder", None)
+    world = fresh_world(family, top, [], "e-1", "builtin")
+    assert world.rewriter == "builtin:world" and world.candidate is not None and world.candidate.knobs == top.knobs
+    seedless = fresh_world(family, top.model_copy(update={"params": {}}), [], "e-1", "builtin")
+    assert seedless.candidate is None and seedless.error == "quickgame has no other world of these knobs"
 
 
 # ---- the tasks agent on a real server -----------------------------------------------------------------
@@ -309,3 +320,14 @@ async def test_when_one_knob_step_overshoots_the_next_candidates_are_fresh_world
     decisions = [e async for _, e, _m in bus.history(["task.rewritten", "task.decided"])]
     report = await replay_rewriter(list(enumerate([*fed, *decisions])), agent.cfg)
     assert report.divergence is None and report.compared == 2 * 5, report.as_dict()
+
+
+async def test_a_task_without_another_world_falls_back_to_the_rewriters_knob_steps(
+    bus: NatsBus, cfg: CoevoConfig
+) -> None:
+    agent, slot_id = await _rewriting_agent(bus, cfg)
+    slot = agent.slots[slot_id]
+    slot.active, slot.overshoot = slot.active.model_copy(update={"params": {}}), ("harder", 1)
+    proposal = await agent.propose(BuiltinRewriter(), slot, "harder", _scored(agent, slot_id, 1.0, 0), 1)
+    assert proposal.candidate is not None and not proposal.rewriter.endswith(":world")
+    assert proposal.candidate.knobs != slot.active.knobs  # a knob step, as before fresh worlds existed

@@ -33,9 +33,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coevo.algorithm import saturation, scoring
 from coevo.algorithm.admission import Backlog, queue_full
-from coevo.algorithm.rewriter import BuiltinRewriter, Proposal, Rewriter, critic_summary, fresh_world
+from coevo.algorithm.rewriter import BuiltinRewriter, Proposal, Rewriter, critic_summary, fresh_world, wants_fresh_world
 from coevo.config import LLMRewriterConfig
 from coevo.envs import make_family
+from coevo.envs.base import spec_hash
 from coevo.inference.engine import CachesCalls
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
@@ -412,12 +413,23 @@ class TasksAgent(Agent):
     async def propose(
         self, rewriter: Rewriter, slot: Slot, direction: saturation.Direction, event: GroupScored, moves: int
     ) -> Proposal:
-        """The rewriter's candidate ``moves`` knob steps away; once even one step overshot, the same knobs
-        in another world instead, whatever the rewriter (drawn from ``event``'s id: replays agree)."""
-        if saturation.fresh(direction, slot.overshoot):
+        """The rewriter's candidate ``moves`` knob steps away; where no knob step can help (one step
+        overshot, or none is left), the same knobs in another world instead, whatever the rewriter (drawn
+        from ``event``'s id, so replays agree; never a held-out task)."""
+        if wants_fresh_world(self.family, slot.active, direction, slot.overshoot):
             summaries = [critic_summary(f) for f in event.failures]
-            return fresh_world(self.family, slot.active, summaries, event.event_id, rewriter.name)
-        return await rewriter.propose(self.family, slot.active, direction, event.failures, moves, event.event_id)
+            world = fresh_world(self.family, slot.active, summaries, event.event_id, rewriter.name, self.heldout())
+            if world.candidate is not None:
+                return world
+        return await rewriter.propose(self.family, slot.active, direction, event.failures, moves)
+
+    def heldout(self) -> set[str]:
+        """``spec_hash`` of every held-out slot's task: what no fresh world may become."""
+        return {
+            spec_hash(t.family, t.params, t.knobs)
+            for t in (s.active for s in self.slots.values())
+            if t.split == "heldout"
+        }
 
     async def maybe_rewrite(self, slot: Slot, event: GroupScored) -> None:
         low, high = self.cfg.tasks.band

@@ -1,7 +1,8 @@
 """Environment rewriters: critic summaries of failures, then a proposal (docs/algorithm.md §4).
 
 The built-in rewriter needs no model: its critic turns each failure digest into one sentence,
-and it applies the family's operators, ordered by what the summaries say went wrong. The LLM
+and it applies the family's operators, ordered by what the summaries say went wrong. Where no knob
+step can help (one step overshot, or none is left), any rewriter's slot gets a fresh world instead. The LLM
 rewriter asks any inference client for a JSON task and validates it against the family's knobs;
 invalid output is retried, then the proposal is rejected with the validation error.
 """
@@ -9,11 +10,14 @@ invalid output is retried, then the proposal is rejected with the validation err
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field, create_model
 
+from coevo.algorithm import saturation
+from coevo.algorithm.saturation import Overshoot
 from coevo.envs.base import Family
 from coevo.schemas import FailureDigest, TaskSpec
 
@@ -32,25 +36,29 @@ class Rewriter(Protocol):
     name: str
 
     async def propose(
-        self,
-        family: Family,
-        task: TaskSpec,
-        direction: Direction,
-        failures: list[FailureDigest],
-        moves: int = 1,
-        salt: str = "",
+        self, family: Family, task: TaskSpec, direction: Direction, failures: list[FailureDigest], moves: int = 1
     ) -> Proposal:
-        """A candidate ``moves`` (≥ 1) knob steps from ``task`` in ``direction`` (one child of ``task``);
-        ``salt``: the id of the event that asked for it (what a fresh world is drawn from)."""
+        """A candidate ``moves`` knob steps from ``task`` in ``direction`` (one child of ``task``)."""
         ...
 
 
-def fresh_world(family: Family, task: TaskSpec, summaries: list[str], salt: str, by: str) -> Proposal:
-    """The same knobs in a world not seen before (``Family.fresh_world``), proposed by ``by``: what a slot
-    gets when even one knob step overshot (``saturation.capped`` is 0) or no knob can move further."""
-    candidate = family.fresh_world(task, salt)
+def wants_fresh_world(family: Family, task: TaskSpec, direction: Direction, overshoot: Overshoot | None) -> bool:
+    """Whether a slot's next candidate is the same knobs in another world rather than a rewriter's knob
+    steps: even one knob step overshot in ``direction`` (``saturation.fresh``), or no knob can move that
+    way (every one at its bound for the task's split)."""
+    if saturation.fresh(direction, overshoot):
+        return True
+    return all(family.apply(task, op) is None for op in family.operators(direction))
+
+
+def fresh_world(
+    family: Family, task: TaskSpec, summaries: list[str], salt: str, by: str, avoid: Collection[str] = ()
+) -> Proposal:
+    """The same knobs in a world not seen before (``Family.fresh_world``, never one of ``avoid``: the
+    held-out tasks' ``spec_hash``), proposed by rewriter ``by`` (its name gains ``:world``)."""
+    candidate = family.fresh_world(task, salt, avoid)
     if candidate is None:
-        return Proposal(None, summaries, by, f"{family.name} tasks have one world per knob setting")
+        return Proposal(None, summaries, by, f"{family.name} has no other world of these knobs")
     return Proposal(candidate, summaries, f"{by}:world")
 
 
@@ -111,18 +119,11 @@ class BuiltinRewriter:
     name = "builtin"
 
     async def propose(
-        self,
-        family: Family,
-        task: TaskSpec,
-        direction: Direction,
-        failures: list[FailureDigest],
-        moves: int = 1,
-        salt: str = "",
+        self, family: Family, task: TaskSpec, direction: Direction, failures: list[FailureDigest], moves: int = 1
     ) -> Proposal:
         """Up to ``moves`` operator steps, each the first applicable one in order: easier by blame (the
         knob the summaries point at first, again while it moves), harder rotating through the knobs by
-        version and step so that no knob runs away alone; one child of ``task``, named after its steps.
-        With every knob at its bound in ``direction``: the same knobs in a fresh world."""
+        version and step so that no knob runs away alone; one child of ``task``, named after its steps."""
         summaries = [critic_summary(f) for f in failures]
         text = " ".join(summaries).lower()
         blamed = [knob for word, knob in _BLAME if word in text]
@@ -140,10 +141,7 @@ class BuiltinRewriter:
             applied.append(moved[0])
             current = moved[1]
         if not applied:
-            fresh = fresh_world(family, task, summaries, salt, self.name)
-            if fresh.candidate is None:
-                return Proposal(None, summaries, self.name, f"every knob is at its {direction} bound")
-            return fresh
+            return Proposal(None, summaries, self.name, f"every knob is at its {direction} bound")
         return Proposal(family.derive(task, current.knobs), summaries, f"{self.name}:{','.join(applied)}")
 
 
@@ -187,13 +185,7 @@ class LLMRewriter:
         )
 
     async def propose(
-        self,
-        family: Family,
-        task: TaskSpec,
-        direction: Direction,
-        failures: list[FailureDigest],
-        moves: int = 1,
-        salt: str = "",
+        self, family: Family, task: TaskSpec, direction: Direction, failures: list[FailureDigest], moves: int = 1
     ) -> Proposal:
         summaries = [critic_summary(f) for f in failures]
         prompt = self.prompt(family, task, direction, summaries, failures, moves)

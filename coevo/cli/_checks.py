@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -125,17 +126,23 @@ API_ROLES = {"judge": ("judge",), "tasks": ("tasks.rewriter",)}
 """agent role -> the config sections (dotted) of external models it calls"""
 
 
-def check_api_keys(cfg: Any, sections: tuple[str, ...] = ("judge", "tasks.rewriter")) -> None:
-    """Every external judge or rewriter in ``sections`` has its key in the environment and, where it
-    names its own endpoint (``url``: a self-hosted or proxied API), that endpoint answers a TCP connect:
-    a missing key or a dead endpoint fails at start in one line naming the field, not as every call's
-    error once the run is under way. Sections with ``api.mock_response`` (offline tests) call nothing."""
+def external_sections(cfg: Any, sections: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """(dotted name, section) of each external (LiteLLM) judge or rewriter in ``sections`` that calls a
+    model: those with ``api.mock_response`` (offline tests) call nothing."""
+    out = []
     for role in sections:
         section = cfg
         for part in role.split("."):
             section = getattr(section, part)
-        if getattr(section, "backend", None) != "litellm" or section.api.mock_response is not None:
-            continue
+        if getattr(section, "backend", None) == "litellm" and section.api.mock_response is None:
+            out.append((role, section))
+    return out
+
+
+def check_api_keys(cfg: Any, sections: tuple[str, ...] = ("judge", "tasks.rewriter")) -> None:
+    """Every external judge or rewriter in ``sections`` has its key in the environment: a missing key
+    fails at start in one line naming the variable, not as every call's error once the run is under way."""
+    for role, section in external_sections(cfg, sections):
         missing = missing_api_keys(section.model, section.api.api_key_env, section.url)
         if missing:
             names = f"{missing[0]} is not set" if len(missing) == 1 else f"none of {', '.join(missing)} is set"
@@ -144,16 +151,32 @@ def check_api_keys(cfg: Any, sections: tuple[str, ...] = ("judge", "tasks.rewrit
                 f"from it): export it, or name the variable that holds it with --set {role}.api.api_key_env=NAME",
                 field=f"{role}.api.api_key_env",
             )
-        if section.url is not None:
-            check_endpoint(section.url, f"{role}.url", f"{role} litellm:{section.model}")
 
 
-ENDPOINT_PROBE_S = 3.0
-"""how long a TCP connect to an external model's endpoint may take before the command gives up on it"""
+ENDPOINT_WAIT_S = 15.0
+"""how long an external model's own endpoint may take to answer a TCP connect at start (a server started
+alongside coevo comes up within it); each try gives up after ``ENDPOINT_PROBE_S``"""
+ENDPOINT_PROBE_S = 2.0
 
 
-def check_endpoint(url: str, field: str, what: str, timeout_s: float = ENDPOINT_PROBE_S) -> None:
-    """``url``'s host answers a TCP connect on its port (80/443 by scheme when none is given)."""
+def check_endpoints(cfg: Any, sections: tuple[str, ...] = ("judge", "tasks.rewriter")) -> None:
+    """An external judge or rewriter that names its own endpoint (``url``: a self-hosted or proxied API)
+    reaches it: a dead one fails at start in one line naming the field, not as every call's error. Not
+    probed: a section with fallbacks (the primary may be down by design), and a URL a proxy serves."""
+    import urllib.request
+
+    for role, section in external_sections(cfg, sections):
+        if section.url is None or section.api.fallbacks:
+            continue
+        split = urlsplit(section.url if "://" in section.url else f"http://{section.url}")
+        if split.hostname and urllib.request.getproxies() and not urllib.request.proxy_bypass(split.hostname):
+            continue
+        check_endpoint(section.url, f"{role}.url", f"{role} litellm:{section.model}")
+
+
+def check_endpoint(url: str, field: str, what: str, wait_s: float = ENDPOINT_WAIT_S) -> None:
+    """``url``'s host answers a TCP connect on its port (80/443 by scheme when none is given) within
+    ``wait_s``."""
     split = urlsplit(url if "://" in url else f"http://{url}")
     try:
         port = split.port or (443 if split.scheme == "https" else 80)
@@ -161,12 +184,17 @@ def check_endpoint(url: str, field: str, what: str, timeout_s: float = ENDPOINT_
         raise ConfigError(f"{what}: {field} {url} has no valid port", field=field) from None
     if not split.hostname:
         raise ConfigError(f"{what}: {field} {url} names no host", field=field)
-    try:
-        with socket.create_connection((split.hostname, port), timeout=timeout_s):
-            return
-    except OSError as exc:
-        why = exc.strerror or type(exc).__name__.replace("Error", "").lower()
-        raise ConfigError(
-            f"{what}: cannot reach {field} {url} ({split.hostname}:{port} {why}): is the server up and the URL right?",
-            field=field,
-        ) from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((split.hostname, port), timeout=ENDPOINT_PROBE_S):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                why = exc.strerror or type(exc).__name__.replace("Error", "").lower()
+                raise ConfigError(
+                    f"{what}: cannot reach {field} {url} ({split.hostname}:{port} {why}, {wait_s:g} s): "
+                    "is the server up and the URL right?",
+                    field=field,
+                ) from None
+            time.sleep(0.5)

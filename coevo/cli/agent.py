@@ -7,7 +7,14 @@ import asyncio
 import contextlib
 from typing import Any
 
-from coevo.cli._checks import API_ROLES, check_api_keys, check_credentials_run, check_models, check_nats
+from coevo.cli._checks import (
+    API_ROLES,
+    check_api_keys,
+    check_credentials_run,
+    check_endpoints,
+    check_models,
+    check_nats,
+)
 from coevo.cli._config import dry_run, resolve_config
 from coevo.cli._leftovers import removed_on_failure
 from coevo.cli._table import Command, arg
@@ -20,16 +27,16 @@ def _exit_on_stop(signum: int, _frame: object) -> None:
 def cmd_agent(args: argparse.Namespace) -> int:
     import signal
 
-    # a stop while the config, the modules and the models load exits cleanly; go() replaces these
-    # handlers with the event loop's (graceful drain) as soon as the loop runs
+    # a stop while the config, modules and models load exits at once; go() swaps in the loop's graceful drain
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_on_stop)
     cfg = resolve_config(args)
     check_credentials_run(cfg)
     check_models(cfg, args)
-    check_api_keys(cfg, API_ROLES.get(args.role, ()))
+    check_api_keys(cfg, external := API_ROLES.get(args.role, ()))
     if dry_run(args, cfg):
         return 0
+    check_endpoints(cfg, external)
     from coevo.agents import resolve_role
 
     cls = resolve_role(args.role)

@@ -8,7 +8,7 @@ import shlex
 import sys
 from collections.abc import Callable
 
-from coevo.cli._checks import check_api_keys, check_models, check_nats, check_resume
+from coevo.cli._checks import check_api_keys, check_endpoints, check_models, check_nats, check_resume
 from coevo.cli._config import dry_run, resolve_config
 from coevo.cli._leftovers import removed_on_failure
 from coevo.cli._table import Command, arg
@@ -22,6 +22,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_api_keys(cfg)
     if dry_run(args, cfg):
         return 0
+    check_endpoints(cfg)
     check_nats(cfg.nats.url)
     from coevo.bench.heldout import run_baselines
     from coevo.loop import run_main

@@ -15,6 +15,7 @@ import abc
 import hashlib
 import json
 import random
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -71,6 +72,10 @@ class Environment(abc.ABC):
 
     async def close(self) -> None:
         return None
+
+
+FRESH_WORLD_DRAWS = 8
+"""seeds ``Family.fresh_world`` draws before it gives up on finding one that is no held-out task"""
 
 
 class Family(abc.ABC):
@@ -158,16 +163,22 @@ class Family(abc.ABC):
             return None
         return self.derive(task, {**task.knobs, name: new})
 
-    def fresh_world(self, task: TaskSpec, salt: str) -> TaskSpec | None:
+    def fresh_world(self, task: TaskSpec, salt: str, avoid: Collection[str] = ()) -> TaskSpec | None:
         """A child of ``task`` with the same knobs in another world: a new ``seed`` param drawn from the
         task's id and ``salt`` (the id of the event that asked for it: the same arguments give the same
-        world, so replays agree; another salt, another world). The seed keeps its parity (a family may split train and held-out seeds
-        by it, as the TextWorld challenges do). None for a family whose tasks carry no seed."""
-        if "seed" not in task.params:
+        world, so replays agree; another salt, another world), never a task whose ``spec_hash`` is in
+        ``avoid`` (the held-out tasks). The seed keeps its parity (a family may split train and held-out
+        seeds by it, as the TextWorld challenges do). None for tasks without an integer ``seed`` param;
+        a family whose seed means something else (an index into fixed levels) overrides this."""
+        seed = task.params.get("seed")
+        if not isinstance(seed, int) or isinstance(seed, bool):
             return None
-        digest = hashlib.sha256(f"{task.task_id}/world/{salt}".encode()).hexdigest()
-        seed = 2 * (int(digest[:8], 16) % 500_000) + int(task.params["seed"]) % 2
-        return self.derive(task, dict(task.knobs), {"seed": seed})
+        for attempt in range(FRESH_WORLD_DRAWS):
+            digest = hashlib.sha256(f"{task.task_id}/world/{salt}/{attempt}".encode()).hexdigest()
+            child = self.derive(task, dict(task.knobs), {"seed": 2 * (int(digest[:8], 16) % 500_000) + seed % 2})
+            if spec_hash(self.name, child.params, child.knobs) not in avoid:
+                return child
+        return None
 
     def derive(self, task: TaskSpec, knobs: dict[str, int], params: dict[str, Any] | None = None) -> TaskSpec:
         """A rewritten child of ``task`` (lineage kept: parent id, version + 1)."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from coevo.observe.series import CHARTS, SPECS, Point, Series, series_key
+from coevo.observe.series import CHARTS, MIXED_WINDOW, SPECS, Point, Series, series_key
 from coevo.observe.tally import RunTally
 from coevo.observe.views import AgentsView, PoolView, TrajectoriesView, knob_difficulty
 from coevo.schemas import (
@@ -79,7 +79,7 @@ class Aggregator:
         self._totals: dict[tuple[str, Labels], float] = {}
         self._dirty: set[tuple[str, Labels]] = set()
         self._rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
-        self._mixed: deque[bool] = deque(maxlen=REWARD_WINDOW)
+        self._mixed: deque[bool] = deque(maxlen=MIXED_WINDOW)
         self._rounds: dict[str, list[int | list[float]]] = {}  # eval round -> [scheduled, accuracies]
         self._rates: deque[tuple[float, int, int]] = deque()  # (t, trajectories, env steps) per tick
         self._next_tick: float | None = None

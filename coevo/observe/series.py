@@ -24,14 +24,17 @@ class Spec:
     labels: tuple[str, ...] = ()
 
 
+MIXED_WINDOW = 16
+"""train groups ``train_groups_mixed`` looks back over"""
+
 SPECS: dict[str, Spec] = {
     "success_train": Spec(
         "policy success on one train group: the fraction of its rollouts won", "success", "fraction won"
     ),
     "train_groups_mixed": Spec(
-        "share of the last 16 train groups with mixed outcomes (some rollouts won, some lost): the groups whose "
-        "outcome gives the policy a signal; under half, the pool is saturating",
-        "success",
+        f"share of the last {MIXED_WINDOW} train groups with mixed outcomes (some rollouts won, some lost): the "
+        "groups whose outcome gives the policy a signal; under half, the pool is saturating",
+        "signal",
         "fraction of groups",
     ),
     "success_heldout": Spec(
@@ -159,6 +162,7 @@ SPECS: dict[str, Spec] = {
 
 CHARTS: dict[str, tuple[str, str]] = {
     "success": ("Policy success (train groups, held-out rounds)", "fraction won"),
+    "signal": ("Train groups with an outcome signal (mixed outcomes)", "fraction of groups"),
     "reward": ("Integrated reward", "reward"),
     "judge": ("Judge process and outcome accuracy", "accuracy"),
     "consistency": ("Judge consistency (R·S)", "R·S"),

@@ -11,7 +11,7 @@ import hashlib
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coevo.config import CoevoConfig
 from coevo.observe.progress import tracked
@@ -27,6 +27,10 @@ from coevo.schemas import (
     TrajectoryCompleted,
     readable,
 )
+
+if TYPE_CHECKING:
+    from coevo.algorithm.rewriter import Proposal
+    from coevo.envs.base import Family
 
 ENVELOPE = {"event_id", "run_id", "ts", "source", "causation_id", "correlation_id", "schema_version"}
 
@@ -212,9 +216,15 @@ async def replay_rewriter(events: list[tuple[int, Event]], cfg: CoevoConfig) -> 
     candidate with the acceptance gate on the recorded accuracies."""
     from coevo.algorithm import scoring
     from coevo.envs import make_family
+    from coevo.envs.base import spec_hash
 
     report = ReplayReport("rewriter")
     family = make_family(cfg.env)
+    heldout = {
+        spec_hash(t.family, t.params, t.knobs)
+        for t in family.initial_tasks(cfg.env.n_train, cfg.env.n_heldout, cfg.env.seed)
+        if t.split == "heldout"
+    }
     low, high = cfg.tasks.band
     scored: dict[str, GroupScored] = {}
     pending: dict[str, tuple[TaskRewritten, float]] = {}
@@ -229,7 +239,7 @@ async def replay_rewriter(events: list[tuple[int, Event]], cfg: CoevoConfig) -> 
             if cause is None:
                 report.notes.append(f"seq {seq}: the group that triggered this rewrite is outside the range")
                 continue
-            proposal = await _reproposed(e, cause, family)
+            proposal = await _reproposed(e, cause, family, heldout)
             if proposal is not None:
                 recorded = e.candidate.model_dump() if e.candidate else None
                 replayed = proposal.candidate.model_dump() if proposal.candidate else None
@@ -259,16 +269,16 @@ async def replay_rewriter(events: list[tuple[int, Event]], cfg: CoevoConfig) -> 
     return report
 
 
-async def _reproposed(e: TaskRewritten, cause: GroupScored, family: Any) -> Any:
+async def _reproposed(e: TaskRewritten, cause: GroupScored, family: Family, heldout: set[str]) -> Proposal | None:
     """The proposal today's code makes from a recorded rewrite's inputs: a fresh world (the tasks agent's,
-    whichever rewriter it runs) or the built-in rewriter's knob steps; None for a model's proposal (not
-    reproducible without its recorded answer)."""
+    whichever rewriter it runs; never one of the ``heldout`` tasks' ``spec_hash``) or the built-in
+    rewriter's knob steps; None for a model's proposal (not reproducible without its recorded answer)."""
     from coevo.algorithm.rewriter import BuiltinRewriter, fresh_world
 
     if e.rewriter.endswith(":world"):
-        return fresh_world(family, e.parent, [], cause.event_id, e.rewriter.removesuffix(":world"))
+        return fresh_world(family, e.parent, [], cause.event_id, e.rewriter.removesuffix(":world"), heldout)
     if e.rewriter.startswith("builtin"):
-        return await BuiltinRewriter().propose(family, e.parent, e.direction, cause.failures, e.moves, cause.event_id)
+        return await BuiltinRewriter().propose(family, e.parent, e.direction, cause.failures, e.moves)
     return None
 
 
