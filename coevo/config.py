@@ -818,8 +818,8 @@ class LearnerConfig(Section):
     kl_reference: Literal["behavior", "initial"] = Field(
         default="behavior",
         description="the KL penalty's reference: the sampling log-probs recorded in the "
-        "samples (behavior), or a frozen copy of the starting weights (initial: one more model in memory, in "
-        "learner.dtype)",
+        "samples (behavior), or the starting weights (initial: for full fine-tuning one more model in memory, in "
+        "learner.dtype; for LoRA lanes the base with the adapters off, no extra memory)",
     )
     minibatches: int = Field(
         default=1,

@@ -197,6 +197,24 @@ def test_the_kl_acts_once_the_policy_has_moved(tiny: Path, tmp_path: Path, refer
     assert out.kl > 1e-6 and float((grads[1] - grads[0]).norm()) > 1e-6
 
 
+def test_a_lora_lanes_kl_reference_is_its_base_with_the_adapter_off(tiny: Path, tmp_path: Path) -> None:  # noqa: F811
+    """``kl_reference = "initial"`` on a LoRA lane: no second model; the reference is the base without the
+    adapter (version 0), so the KL is 0 before the first update and grows once the adapter has moved."""
+    from coevo.config import LoraConfig
+
+    samples = choice_samples(tiny, 8)
+    lane = _lane(tiny, tmp_path, kl_beta=1.0, kl_reference="initial", lora=LoraConfig(rank=4))
+    assert lane.reference is None  # nothing loaded twice
+    t = to_tensors(samples, lane.vocab, lane.pad_id)
+    before = lane._reference_logprobs(t)
+    with torch.no_grad():
+        own = token_logprobs(lane.model, t.input_ids, t.attention_mask, t.response_mask, t.allowed)
+    assert torch.allclose(before, own, atol=1e-6)  # B = 0: the adapter adds nothing yet
+    assert lane.step(samples, ["g1"]).kl < 1e-6
+    assert lane.step(samples, ["g2"]).kl > 1e-6  # the adapter moved away from its base
+    assert torch.allclose(lane._reference_logprobs(t), before, atol=1e-6)  # the reference did not
+
+
 def test_an_entropy_bonus_keeps_steps_from_collapsing_the_choice(tiny: Path, tmp_path: Path) -> None:  # noqa: F811
     """One prompt, two choices, one rewarded (advantages ±1), the same batch again and again: plain steps
     drive the choice's entropy to 0 (every later group would be unanimous); a bonus of the advantages'

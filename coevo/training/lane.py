@@ -12,7 +12,8 @@ Two artefacts, two cadences:
 
 A step trains one batch (``Lane.step``): samples older than ``learner.max_staleness`` versions are
 dropped or kept with truncated IS (``learner.stale``), the proximal log-probs (and, with
-``learner.kl_reference = "initial"``, those of a frozen copy of the starting weights) are taken once,
+``learner.kl_reference = "initial"``, those of the starting weights: a frozen copy, or a LoRA lane's base
+with its adapters off) are taken once,
 then ``learner.epochs`` passes over ``learner.minibatches`` minibatches take one optimiser step each.
 
 Invariants:
@@ -218,7 +219,8 @@ class Lane:
         if self.fsdp:
             self._shard()
         self.optimizer = torch.optim.AdamW(self.trainable(), lr=lr or cfg.lr)
-        self.reference = self._reference_model() if cfg.kl_reference == "initial" else None
+        # the KL's frozen reference: a LoRA lane's is its base with the adapters off (free: no second model)
+        self.reference = self._reference_model() if cfg.kl_reference == "initial" and self.adapter is None else None
         self.version = self.steps_total = 0
         self.consumed: deque[str] = deque(maxlen=100_000)
         self.entropy_control = EntropyControl(cfg.entropy_target, cfg.entropy_coef_step, cfg.entropy_coef_max)
@@ -510,9 +512,19 @@ class Lane:
                     assert ent is not None
                     num += float((ent * t.response_mask).sum())
                     den += float(t.response_mask.sum())
-                    ref = t.behav_logp if self.reference is None else self._logprobs(t, self.reference)[0]
-                    fixed[-1].append((prox, ref))
+                    fixed[-1].append((prox, self._reference_logprobs(t)))
         return fixed, self._mean_over_ranks(num, den)
+
+    def _reference_logprobs(self, t: Tensors) -> torch.Tensor:
+        """The KL's reference log-probs of ``t``: the sampler's (``behavior``), or the starting weights'
+        (``initial``): a frozen copy, or for a LoRA lane the shared base with every adapter off (the
+        adapters start at zero, so that is version 0 of each, whatever checkpoint it resumed from)."""
+        if self.cfg.kl_reference == "behavior":
+            return t.behav_logp
+        if self.reference is not None:
+            return self._logprobs(t, self.reference)[0]
+        with self.model.disable_adapter():
+            return self._logprobs(t)[0]
 
     def _mean_over_ranks(self, num: float, den: float) -> float:
         """``num / den`` summed over ranks (every rank gets the same number: a collective on every rank)."""
