@@ -219,7 +219,6 @@ class Lane:
         if self.fsdp:
             self._shard()
         self.optimizer = torch.optim.AdamW(self.trainable(), lr=lr or cfg.lr)
-        # the KL's frozen reference: a LoRA lane's is its base with the adapters off (free: no second model)
         self.reference = self._reference_model() if cfg.kl_reference == "initial" and self.adapter is None else None
         self.version = self.steps_total = 0
         self.consumed: deque[str] = deque(maxlen=100_000)
