@@ -95,8 +95,9 @@ def coevo_root(base_url: str) -> str:
 
 
 def post(url: str, body: dict, key: str) -> dict:
-    """POST JSON with a bearer key; a 429 (coevo's learner is behind, or too many episodes are open) is
-    retried after its Retry-After. A 503 (``endpoint_stopping``: the run stopped) is raised: time to stop."""
+    """POST JSON with a bearer key; an answer with a Retry-After (429: coevo's learner is behind or too many
+    episodes are open; 503 ``no_task_available``: no pool task yet) is retried after it. Any other error,
+    503 ``endpoint_stopping`` (the run stopped) included, is raised: time to stop."""
     request = urllib.request.Request(
         url,
         data=json.dumps(body).encode(),
@@ -108,9 +109,9 @@ def post(url: str, body: dict, key: str) -> dict:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            if exc.code != 429:
+            if exc.headers.get("Retry-After") is None:
                 raise
-            time.sleep(float(exc.headers.get("Retry-After") or 1.0))
+            time.sleep(float(exc.headers["Retry-After"]))
 
 
 def wait_for(root: str, key: str, timeout_s: float) -> None:

@@ -143,6 +143,8 @@ async def test_a_call_the_stop_cuts_short_answers_503_endpoint_stopping(bus: Nat
         with pytest.raises(openai.InternalServerError) as later:  # a new call, even with the run's key
             await gpt.chat.completions.create(model="m", max_tokens=6, messages=first)
         assert later.value.status_code == 503 and later.value.code == "endpoint_stopping"
+        # no Retry-After: what tells an agent the run is over from "try again" (429, 503 no_task_available)
+        assert "retry-after" not in later.value.response.headers
         await claude.close()
         await gpt.close()
         (end,) = [

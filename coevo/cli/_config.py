@@ -138,12 +138,13 @@ def parse_value(raw: str) -> Any:
 
 def resolve_config(args: argparse.Namespace) -> Any:
     from coevo.config import load_config
+    from coevo.errors import ConfigError
 
     overrides: dict[str, Any] = {}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}", field=None)
         overrides[key.strip()] = parse_value(value)
     for key, value in vars(args).items():
         if key.startswith("cfg:") and value is not None:
@@ -155,7 +156,9 @@ def resolve_config(args: argparse.Namespace) -> Any:
     if getattr(args, "judge", None):
         backend, sep, model = args.judge.partition(":")
         if not sep or backend not in ("litellm", "vllm", "local"):
-            raise SystemExit(f"--judge expects litellm:MODEL, vllm:NAME or local:DIR, got {args.judge!r}")
+            raise ConfigError(
+                f"--judge expects litellm:MODEL, vllm:NAME or local:DIR, got {args.judge!r}", field="judge.backend"
+            )
         overrides["judge.backend"], overrides["judge.model"] = backend, model
     if getattr(args, "judge_api_base", None):
         overrides["judge.url"] = args.judge_api_base
