@@ -12,6 +12,8 @@ from coevo.bench.chaos import ChaosPlan, bench_chaos
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.alone  # agent processes killed every 6 s reload their models: on cores other tests load, the learner
+# was seen making no step in the 1.5 minutes (the delivery checks held; the progress check did not)
 async def test_nothing_is_lost_or_trained_twice_under_faults(model_cache: Path, tmp_path: Path) -> None:
     """Agents kill -9'd, a NATS node killed, garbage on every subject, and (#36) consumers deleted under
     running agents, agents cut off past the inactive threshold, publishes failing mid-batch: nothing lost

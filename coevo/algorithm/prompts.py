@@ -29,7 +29,12 @@ CHAT_LABELS = "123456789abcdefghijklmnopqrstuvwxyz0"
 probability on them, against a third numbered from 0 and nearly none on the raw prompt."""
 POLICY_ASK = "Which action do you take? Answer with its number."
 POLICY_ASK_REASONED = "Which action do you take? Think briefly, then give its number as \\boxed{number}."
-JUDGE_ASK = "Does this action move the agent towards the goal? Answer + for yes or - for no."
+JUDGE_ASK = "Does this action move the agent towards the goal? Answer - for no or + for yes."
+"""The verdict question of the chat form. "no" named first: asked "+ for yes or - for no",
+SmolLM2-135M-Instruct votes + on 4 % of steps, a judge whose m votes on a step nearly always agree and so
+give it nothing to learn from; asked this way, 25 %, with the same step information (AUC against the
+step labels 0.61 against 0.63; ``coevo bench heldout --judge-probe``, docs/benchmarks.md)."""
+JUDGE_ASK_YES_FIRST = "Does this action move the agent towards the goal? Answer + for yes or - for no."
 JUDGE_ASK_REASONED = (
     "Does this action move the agent towards the goal? Reason step by step, then answer \\boxed{1} for a "
     "good step or \\boxed{-1} for a bad one."
@@ -68,9 +73,11 @@ def judge_messages(
     action: str,
     next_observation: str,
     mode: Literal["verdict", "reasoned"] = "verdict",
+    ask: str | None = None,
 ) -> Messages:
-    """The judge's prompt as the user turn of a conversation (the chat form of ``judge_prompt``)."""
-    ask = JUDGE_ASK if mode == "verdict" else JUDGE_ASK_REASONED
+    """The judge's prompt as the user turn of a conversation (the chat form of ``judge_prompt``);
+    ``ask``: another question than the mode's."""
+    ask = ask or (JUDGE_ASK if mode == "verdict" else JUDGE_ASK_REASONED)
     body = f"An agent plays a text game.\nGoal: {objective}\nState: {observation}\nAction: {action}\nResult: {next_observation}"
     return [{"role": "user", "content": f"{body}\n\n{ask}"}]
 

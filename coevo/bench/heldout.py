@@ -221,11 +221,17 @@ async def label_mass(model: Path, family: Family, tasks: Sequence[TaskSpec], pol
 
 
 async def bench_heldout(
-    cfg: CoevoConfig, seeds: Sequence[int] = EVAL_SEEDS, n_tasks: int = HELDOUT_TASKS, *, both_forms: bool = True
+    cfg: CoevoConfig,
+    seeds: Sequence[int] = EVAL_SEEDS,
+    n_tasks: int = HELDOUT_TASKS,
+    *,
+    both_forms: bool = True,
+    judge: bool = False,
 ) -> dict[str, Any]:
     """The held-out table of ``cfg``'s family and policy base: habits, the scripted reader, the base
     greedy and at the policy's temperature, each prompt form's label mass and sampled score
-    (``both_forms=False``: the form the policy uses only, for families whose episodes are long)."""
+    (``both_forms=False``: the form the policy uses only, for families whose episodes are long);
+    ``judge``: the judge model's votes against the step labels too (``coevo.bench.judge_probe``)."""
     from transformers import AutoTokenizer
 
     from coevo.bench.learn import HELDOUT_SEED
@@ -247,6 +253,13 @@ async def bench_heldout(
             "sampled": bootstrap(await model_matrix(base, family, tasks, seeds, p, cfg.learner.dtype)),
         }
     rows["base greedy"], rows["base sampled"] = forms[used]["greedy"], forms[used]["sampled"]
+    probe = {}
+    if judge:
+        from coevo.bench.judge_probe import judge_probe
+
+        probe = await judge_probe(
+            model_dir(cfg, "judge"), family, tasks, policy, cfg.judge.temperature, seeds[0], cfg.learner.dtype
+        )
     return {
         "family": family.name,
         "base": str(cfg.policy.model or "tiny"),
@@ -259,6 +272,7 @@ async def bench_heldout(
         "rows": rows,
         "prompt_forms": forms,
         "label_mass": await label_mass(base, family, tasks, policy),
+        **({"judge_probe": probe} if judge else {}),
         "interval": "95 % bootstrap percentile over tasks and seeds together",
     }
 
@@ -278,6 +292,20 @@ def heldout_table(result: dict[str, Any]) -> str:
             f"  base, {form} prompts: greedy {r['greedy']['mean']:.2f}, sampled {r['sampled']['mean']:.2f}, "
             f"label mass {mass if mass is not None else '-'}"
         )
+    if probe := result.get("judge_probe"):
+        lines.append(
+            f"  judge on {probe['steps']} labelled steps of random play ({probe['labelled_good']:.2f} good), "
+            f"votes at temperature {probe['temperature']}:"
+        )
+        for name, r in probe.items():
+            if isinstance(r, str):
+                lines.append(f"    {name:<20} not measured: {r}")
+            elif isinstance(r, dict):
+                auc = "-" if r["auc"] is None else f"{r['auc']:.2f}"
+                lines.append(
+                    f"    {name:<20} + votes {r['plus_share']:.2f}  accuracy {r['accuracy']:.2f}  AUC {auc}  "
+                    f"balanced accuracy {r['balanced_accuracy']:.2f}"
+                )
     return "\n".join(lines) + "\n"
 
 

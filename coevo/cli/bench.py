@@ -342,7 +342,13 @@ def cmd_bench_heldout(args: argparse.Namespace) -> int:
         overrides["env.cache_dir"] = str(args.cache_dir)
     cfg = load_config(overrides=overrides)
     result = run_stoppable(
-        bench_heldout(cfg, EVAL_SEEDS[: args.eval_seeds], args.heldout_tasks, both_forms=not args.used_form_only)
+        bench_heldout(
+            cfg,
+            EVAL_SEEDS[: args.eval_seeds],
+            args.heldout_tasks,
+            both_forms=not args.used_form_only,
+            judge=args.judge_probe,
+        )
     )
     _emit(result, args.json)
     print(heldout_table(result), end="", file=sys.stderr)
@@ -410,6 +416,12 @@ BENCHES: tuple[Command, ...] = (
                 "--used-form-only",
                 action="store_true",
                 help="measure the base in the prompt form the policy uses only, not raw and chat both",
+            ),
+            arg(
+                "--judge-probe",
+                action="store_true",
+                help="also the judge model's votes against the environment's step labels on random play of "
+                "the held-out tasks, per way of asking: share of + votes, accuracy, AUC",
             ),
             *_heldout_args(),
             *_model_args(),
