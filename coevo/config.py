@@ -42,7 +42,7 @@ class RunConfig(Section):
     )
     runs_dir: Path = Field(default=Path("runs"), description="parent directory of run directories")
     minutes: float = Field(default=3.0, ge=0.0, description="wall-clock budget; 0 = until stopped")
-    steps: int | None = Field(default=None, ge=1, description="stop after this many learner steps")
+    steps: int | None = Field(default=None, ge=1, description="stop after this many policy learner steps")
     seed: int = Field(default=0, description="global seed")
 
 
@@ -933,7 +933,9 @@ class LearnerConfig(Section):
             try:
                 bf16 = TypeAdapter(bool).validate_python(data.pop("bf16"))  # "false" from --set or the environment
             except ValidationError as exc:
-                raise ValueError(f"learner.bf16: {exc.errors()[0]['msg']} (it is learner.dtype now)") from None
+                raise ValueError(
+                    f"learner.bf16: {exc.errors()[0]['msg']} (learner.dtype replaces it: auto, bfloat16 or float32)"
+                ) from None
             data.setdefault("dtype", "auto" if bf16 else "float32")
         return data
 
