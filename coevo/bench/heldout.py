@@ -28,7 +28,7 @@ from coevo.inference.precision import model_dtype
 
 if TYPE_CHECKING:
     from coevo.config import CoevoConfig, PolicyConfig
-    from coevo.envs.base import Family
+    from coevo.envs.base import Family, Observation, StepResult
     from coevo.schemas import TaskSpec
 
 EVAL_SEEDS = (999, 1000, 1001, 1002, 1003)
@@ -68,30 +68,45 @@ async def play_habit(
     family: Family, tasks: Sequence[TaskSpec], seeds: Sequence[int], habit: Habit, policy: PolicyConfig
 ) -> Matrix:
     """``habit``'s matrix on ``tasks`` × ``seeds``, each episode shown as the policy agent would show it."""
+    return [
+        [
+            int(await habit_episode(family, task, episode_key(task.task_id, seed, i), habit, policy) == "won")
+            for seed in seeds
+        ]
+        for i, task in enumerate(tasks)
+    ]
+
+
+async def habit_episode(
+    family: Family,
+    task: TaskSpec,
+    key: str,
+    habit: Habit,
+    policy: PolicyConfig,
+    on_step: Callable[[Observation, str, StepResult], None] | None = None,
+) -> str | None:
+    """One episode of ``habit`` on ``task``, its candidates shown in the order ``key`` draws and its
+    rng seeded from ``key``; ``on_step(observation, action, result)`` sees every step. The outcome
+    (None: the step cap ended it)."""
     from coevo.agents.policy import step_order
     from coevo.algorithm.prompts import episode_seed
 
-    won: Matrix = []
-    for i, task in enumerate(tasks):
-        row = []
-        for seed in seeds:
-            key = episode_key(task.task_id, seed, i)
-            rng, env = random.Random(episode_seed(key)), family.make_env()
-            try:
-                obs, outcome = await env.reset(task), None
-                for k in range(family.max_steps_cap):
-                    shown = [obs.candidates[j] for j in step_order(policy, key, k, len(obs.candidates))]
-                    pick = habit(obs.text, shown, rng) if shown else None
-                    r = await env.step(shown[pick] if pick is not None else "")
-                    if r.done:
-                        outcome = r.outcome
-                        break
-                    obs = r.observation
-            finally:
-                await env.close()
-            row.append(int(outcome == "won"))
-        won.append(row)
-    return won
+    rng, env = random.Random(episode_seed(key)), family.make_env()
+    try:
+        obs = await env.reset(task)
+        for k in range(family.max_steps_cap):
+            shown = [obs.candidates[j] for j in step_order(policy, key, k, len(obs.candidates))]
+            pick = habit(obs.text, shown, rng) if shown else None
+            action = shown[pick] if pick is not None else ""
+            r = await env.step(action)
+            if on_step is not None:
+                on_step(obs, action, r)
+            if r.done:
+                return r.outcome
+            obs = r.observation
+    finally:
+        await env.close()
+    return None
 
 
 def bootstrap(

@@ -20,7 +20,6 @@ AUC well above 0.5 but ``plus_share`` near 0 or 1 has the information and hides 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from coevo.config import ComputeDtype
 
 if TYPE_CHECKING:
     from coevo.config import PolicyConfig
-    from coevo.envs.base import Family
+    from coevo.envs.base import Family, Observation, StepResult
     from coevo.schemas import TaskSpec
 
 MAX_STEPS = 300
@@ -70,31 +69,21 @@ def askings() -> dict[str, Asking]:
 async def labelled_steps(
     family: Family, tasks: Sequence[TaskSpec], policy: PolicyConfig, seed: int, limit: int = MAX_STEPS
 ) -> list[LabelledStep]:
-    """Steps of one uniform-random episode per task that carry the environment's label."""
-    from coevo.agents.policy import step_order
-    from coevo.algorithm.prompts import episode_seed
-    from coevo.bench.heldout import episode_key
+    """The first ``limit`` steps that carry the environment's label, of one uniform-random episode per
+    task (played as the held-out habits are: ``coevo.bench.heldout.habit_episode``)."""
+    from coevo.bench.heldout import episode_key, habit_episode, uniform
 
     out: list[LabelledStep] = []
+
+    def keep(obs: Observation, action: str, r: StepResult) -> None:
+        if action and r.reference_label is not None:
+            out.append(LabelledStep(obs.objective, obs.text, action, r.observation.text, r.reference_label))
+
     for i, task in enumerate(tasks):
-        key = episode_key(task.task_id, seed, i)
-        rng, env = random.Random(episode_seed(key)), family.make_env()
-        try:
-            obs = await env.reset(task)
-            for k in range(family.max_steps_cap):
-                if not obs.candidates or len(out) >= limit:
-                    break
-                shown = [obs.candidates[j] for j in step_order(policy, key, k, len(obs.candidates))]
-                action = shown[rng.randrange(len(shown))]
-                r = await env.step(action)
-                if r.reference_label is not None:
-                    out.append(LabelledStep(obs.objective, obs.text, action, r.observation.text, r.reference_label))
-                if r.done:
-                    break
-                obs = r.observation
-        finally:
-            await env.close()
-    return out
+        if len(out) >= limit:
+            break
+        await habit_episode(family, task, episode_key(task.task_id, seed, i), uniform, policy, keep)
+    return out[:limit]
 
 
 def auc(scores: Sequence[float], labels: Sequence[int]) -> float | None:
