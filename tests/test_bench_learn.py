@@ -183,6 +183,14 @@ async def test_bench_learn_two_seeds_smoke(model_cache: Path, tmp_path: Path) ->
         )
         assert table["trained"][c]["verdict"] == "gain" or table["trained"][c]["verdict"].startswith("no gain")
     assert set(table["paired"]) == {"outcome_only - integrated"}
+    steps = out["heldout_steps"]  # step agreement with the reader on its path: the same tasks and seeds
+    assert steps["rows"]["ceiling"]["mean"] == 1.0 and steps["states"] >= 2 * 2 * 6  # held-out quests: 6+ steps
+    for c in ("integrated", "outcome_only"):
+        runs = out["configs"][c]["runs"]
+        assert steps["trained"][c]["mean"] == pytest.approx(
+            statistics.mean(r["heldout_step_agreement"] for r in runs), abs=1e-4
+        )
+        assert all(0 < r["heldout_step_agreement"] < 1 for r in runs)
     assert time.monotonic() - t0 < 300
 
 
@@ -431,6 +439,8 @@ async def test_evaluator_plays_textworld_and_its_heldout_games(model_cache: Path
     assert isinstance(ev.family, TextWorld)
     assert [t.task_id for t in ev.heldout] == [t.task_id for t in TextWorld().initial_tasks(0, 1, HELDOUT_SEED)]
     assert all(ev.family.game_path(t).exists() for t in [*ev.train, *ev.heldout])  # compiled up front
+    assert ev.paths is not None  # the walkthrough's path, each of its commands a shown candidate
+    assert [s.shown[s.pick] for s in ev.paths[0][0]] == ev.family.walkthrough(ev.heldout[0])
     base = model_dir(cfg, "policy")
     for split in ("train", "heldout"):
         assert 0.0 <= (await ev.success(base, split, seed=0) or 0.0) <= 1.0

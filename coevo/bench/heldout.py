@@ -41,6 +41,11 @@ CONSTANTS = 4
 """Constant-label habits measured: always 0, 1, 2, 3 (a label past the last candidate: the last one)."""
 RESAMPLES = 2000
 
+VERBS = ("take", "unlock", "open")
+"""The verb rule's order: it reads the action words, never the observation. The first of these verbs
+that some shown action starts with wins, uniformly among its actions (take the coin or a key, then
+unlock, then open; else any action): the best habit of the old quick game, which needs no reading."""
+
 Habit = Callable[[str, list[str], random.Random], int | None]
 """(observation text, candidates as shown, the episode's rng) -> index in the shown list."""
 Matrix = list[list[int]]
@@ -110,7 +115,10 @@ async def habit_episode(
 
 
 def bootstrap(
-    arms: Matrix | Sequence[Matrix] | np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0
+    arms: Sequence[Sequence[float]] | Sequence[Sequence[Sequence[float]]] | np.ndarray,
+    *,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Mean and 95 % percentile interval of ``arms`` (runs × tasks × seeds; a single matrix is one run),
     resampling runs, tasks and seeds together (pure). Pass the difference of two arms met on the same
@@ -135,9 +143,22 @@ def bootstrap(
     }
 
 
+def verb_choices(shown: list[str]) -> list[int]:
+    """The indices the verb rule picks among (pure): the actions of the first verb in ``VERBS`` that a
+    shown action starts with, else all."""
+    first = [a.split()[0] if a.split() else "" for a in shown]
+    verb = next((v for v in VERBS if v in first), None)
+    return [j for j, f in enumerate(first) if verb is None or f == verb]
+
+
+def verb_rule(_obs: str, shown: list[str], rng: random.Random) -> int:
+    return rng.choice(verb_choices(shown))
+
+
 def habits_of(family: Family) -> dict[str, Habit]:
     out: dict[str, Habit] = {"random": uniform}
     out |= {f"always {j}": constant(j) for j in range(CONSTANTS)}
+    out["verb rule"] = verb_rule
     if family.readable:
         out["reader"] = lambda obs, shown, _rng: family.read(obs, shown)
     return out
@@ -153,7 +174,7 @@ async def habit_table(
     return rows
 
 
-HABITS = ("random", "best position rule")
+HABITS = ("random", "best position rule", "verb rule")
 """The rows a gain must clear besides the base's greedy score (the best position rule is the best constant)."""
 
 
@@ -268,6 +289,7 @@ async def bench_heldout(
             "sampled": bootstrap(await model_matrix(base, family, tasks, seeds, p, cfg.learner.dtype)),
         }
     rows["base greedy"], rows["base sampled"] = forms[used]["greedy"], forms[used]["sampled"]
+    steps = await base_agreement(base, family, tasks, seeds, policy, cfg.learner.dtype)
     probe = {}
     if judge:
         from coevo.bench.judge_probe import judge_probe
@@ -287,20 +309,53 @@ async def bench_heldout(
         "rows": rows,
         "prompt_forms": forms,
         "label_mass": await label_mass(base, family, tasks, policy),
+        **({"step_agreement": steps} if steps else {}),
         **({"judge_probe": probe} if judge else {}),
         "interval": "95 % bootstrap percentile over tasks and seeds together",
     }
+
+
+async def base_agreement(
+    base: Path,
+    family: Family,
+    tasks: Sequence[TaskSpec],
+    seeds: Sequence[int],
+    policy: PolicyConfig,
+    dtype: ComputeDtype,
+) -> dict[str, Any]:
+    """The step-agreement rows of ``bench heldout`` (``coevo.bench.steps``): the habits, the ceiling, the base
+    greedy and at the policy's temperature, and the states measured; {} where the family has no ceiling
+    or the policy does not choose among candidates."""
+    from coevo.bench.steps import ceiling_paths, habit_rows, has_ceiling, model_agreement
+
+    if not tasks or not has_ceiling(family) or policy.mode != "choice":
+        return {}
+    paths = await ceiling_paths(family, tasks, seeds, policy)
+    sampled, greedy_ = await model_agreement(base, paths, policy, dtype)
+    rows = habit_rows(paths) | {"base greedy": bootstrap(greedy_), "base sampled": bootstrap(sampled)}
+    return {"states": sum(len(p) for row in paths for p in row), "rows": rows}
+
+
+def _rows(rows: dict[str, dict[str, Any]]) -> list[str]:
+    out = []
+    for name, row in rows.items():
+        named = name + (f" ({row['rule']})" if "rule" in row else "")
+        out.append(f"  {named:<32} {row['mean']:.2f}  [{row['low']:.2f}, {row['high']:.2f}]")
+    return out
 
 
 def heldout_table(result: dict[str, Any]) -> str:
     """``bench heldout``'s result as a text table."""
     lines = [
         f"held-out success, {result['family']}: {result['tasks']} tasks x {len(result['seeds'])} seeds "
-        f"(base {result['base']}, temperature {result['temperature']})"
+        f"(base {result['base']}, temperature {result['temperature']})",
+        *_rows(result["rows"]),
     ]
-    for name, row in result["rows"].items():
-        rule = f" ({row['rule']})" if "rule" in row else ""
-        lines.append(f"  {name + rule:<32} {row['mean']:.2f}  [{row['low']:.2f}, {row['high']:.2f}]")
+    if steps := result.get("step_agreement"):
+        lines += [
+            f"held-out step agreement with the ceiling, on its path ({steps['states']} states):",
+            *_rows(steps["rows"]),
+        ]
     for form, r in result.get("prompt_forms", {}).items():
         mass = result.get("label_mass", {}).get(form)
         lines.append(

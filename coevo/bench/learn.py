@@ -32,6 +32,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from coevo.bench.heldout import EVAL_SEEDS, HELDOUT_TASKS, Matrix, bootstrap, greedy, habit_table, model_matrix, verdict
+from coevo.bench.steps import (
+    Paths,
+    agreement_fields,
+    agreement_table,
+    ceiling_paths,
+    habit_rows,
+    has_ceiling,
+    model_agreement,
+)
 from coevo.config import CoevoConfig, ComputeDtype, EnvConfig, PolicyConfig, load_config, registered_families
 from coevo.errors import ConfigError
 from coevo.observe.progress import progress_bar, tracked
@@ -265,6 +274,9 @@ class EvalSet:
     seeds: tuple[int, ...] = EVAL_SEEDS
     dtype: ComputeDtype = "auto"
     """what the evaluated models are served in (the run's ``learner.dtype``)"""
+    paths: Paths | None = None
+    """the ceiling's states on each held-out task × seed (``coevo.bench.steps``); None where the family has
+    no ceiling or the policy does not choose among candidates"""
 
     async def _won(self, model: Path, tasks: list[TaskSpec], seed: int) -> list[bool]:
         return await play_episodes(
@@ -281,6 +293,14 @@ class EvalSet:
     async def heldout_wins(self, model: Path, policy: PolicyConfig | None = None) -> Matrix:
         """``model``'s held-out matrix (task × evaluation seed), acting as ``policy`` (default: the run's)."""
         return await model_matrix(model, self.family, self.heldout, self.seeds, policy or self.policy, self.dtype)
+
+    async def step_fields(self, final: Path, base: Path) -> Result:
+        """The run's held-out step agreement, trained against its base (``coevo.bench.steps``); {} without paths."""
+        if self.paths is None:
+            return {}
+        trained, _ = await model_agreement(final, self.paths, self.policy, self.dtype)
+        base_sampled, base_greedy = await model_agreement(base, self.paths, self.policy, self.dtype)
+        return agreement_fields(self.paths, trained, base_sampled, base_greedy)
 
 
 def mean_of(won: Matrix) -> float | None:
@@ -311,15 +331,19 @@ async def eval_set(
 
     family = make_family(cfg.env)
     pool = [(t, (await family.precheck(t)).ok) for t in family.initial_tasks(cfg.env.n_train, 0, cfg.env.seed)]
-    held = family.initial_tasks(0, heldout, HELDOUT_SEED) if heldout else []
+    held = [
+        t for t in (family.initial_tasks(0, heldout, HELDOUT_SEED) if heldout else []) if (await family.precheck(t)).ok
+    ]
+    with_paths = held and has_ceiling(family) and cfg.policy.mode == "choice"
     return EvalSet(
         family,
         [t for t, ok in pool if ok and t.split == "train"],
-        [t for t in held if (await family.precheck(t)).ok],
+        held,
         cfg.policy,
         episodes,
         EVAL_SEEDS[:seeds],
         cfg.learner.dtype,
+        await ceiling_paths(family, held, EVAL_SEEDS[:seeds], cfg.policy) if with_paths else None,
     )
 
 
@@ -527,9 +551,10 @@ async def run_budget(
         elapsed = time.monotonic() - t0
         won, won0 = await ev.heldout_wins(final), await ev.heldout_wins(base)
         greedy0 = await ev.heldout_wins(base, greedy(cfg.policy))
+        steps = await ev.step_fields(final, base)
         summary = await summarize(rt.bus, 0.0, elapsed)
     result = run_result(cfg, budget, curve, summary, ev, mean_of(won0), mean_of(won), elapsed)
-    return result | pool() | heldout_fields(ev, won, won0, greedy0)
+    return result | pool() | heldout_fields(ev, won, won0, greedy0) | steps
 
 
 def heldout_fields(ev: EvalSet, won: Matrix, won0: Matrix, greedy0: Matrix) -> Result:
@@ -615,6 +640,8 @@ METRICS = (
     "train_success",
     "heldout_success",
     "heldout_gain",
+    "heldout_step_agreement",
+    "heldout_step_agreement_initial",
     "judge_process_accuracy",
     "judge_outcome_accuracy",
     "seconds_to_0.8",
@@ -652,6 +679,7 @@ PAIRED = (
     "train_success",
     "heldout_success",
     "heldout_gain",
+    "heldout_step_agreement",
     "best_train_success",
     "judge_process_accuracy",
     "judge_outcome_accuracy",
@@ -776,7 +804,8 @@ async def run_seeds(
     out = aggregate_seeds(
         runs, seeds=seeds, family=name, preset=preset, budget=budget, episodes=episodes, overrides=overrides
     )
-    return {**out, "heldout_protocol": heldout_protocol(runs, habits)}
+    steps = {"heldout_steps": agreement_table(runs, habit_rows(ev.paths))} if ev.paths is not None else {}
+    return {**out, "heldout_protocol": heldout_protocol(runs, habits), **steps}
 
 
 def _write_progress(path: Path, runs: dict[str, list[dict[str, Any]]]) -> None:
@@ -850,6 +879,7 @@ RUNG_KEYS = (
     "train_success",
     "heldout_success",
     "heldout_gain",
+    "heldout_step_agreement",
     "train_success_initial",
     "heldout_success_initial",
     "judge_process_accuracy",

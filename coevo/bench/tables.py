@@ -19,6 +19,7 @@ COLUMNS = (
     ("best train success", ("best_train_success",)),
     ("held-out success (start → end)", ("heldout_success_initial", "heldout_success")),
     ("held-out change", ("heldout_gain",)),
+    ("held-out step agreement (start → end)", ("heldout_step_agreement_initial", "heldout_step_agreement")),
     ("policy entropy (start → end)", ("policy_entropy_start", "policy_entropy")),
     ("judge process acc.", ("judge_process_accuracy",)),
     ("judge outcome acc.", ("judge_outcome_accuracy",)),
@@ -27,7 +28,14 @@ COLUMNS = (
     ("seconds", ("seconds",)),
     ("trajectories/s", ("trajectories_per_second",)),
 )
-PAIRED_SHOWN = ("train_success", "best_train_success", "heldout_success", "judge_process_accuracy", "seconds")
+PAIRED_SHOWN = (
+    "train_success",
+    "best_train_success",
+    "heldout_success",
+    "heldout_step_agreement",
+    "judge_process_accuracy",
+    "seconds",
+)
 
 
 def cell(stats: dict[str, Any] | None, digits: int = 2) -> str:
@@ -105,14 +113,14 @@ def time_table(result: Result) -> str:
     return "\n".join(lines)
 
 
-def protocol_table(result: Result) -> str:
+def protocol_table(result: Result, key: str = "heldout_protocol", measure: str = "success") -> str:
     """The held-out protocol's table: every habit and the base beside each configuration, on the same
     tasks and evaluation seeds, with the words ``verdict`` allows (a gain clears the base's greedy score
-    and every habit)."""
-    table = result.get("heldout_protocol")
+    and every habit); ``key="heldout_steps"``: the same for step agreement (``coevo.bench.steps``)."""
+    table = result.get(key)
     if not table:
         return ""
-    lines = ["| held-out (same tasks and seeds) | success [95 % interval] | verdict |", "|---|---|---|"]
+    lines = [f"| held-out (same tasks and seeds) | {measure} [95 % interval] | verdict |", "|---|---|---|"]
     for name, row in table["rows"].items():
         rule = f" ({row['rule']})" if "rule" in row else ""
         lines.append(f"| {name}{rule} | {row['mean']:.2f} [{row['low']:.2f}, {row['high']:.2f}] | |")
@@ -130,7 +138,8 @@ def tables(result: Result) -> str:
         f"{result.get('family')}, {result.get('budget')} per run, seeds {seeds}, "
         f"{result.get('episodes_per_evaluation')} evaluation episodes"
     )
-    parts = [title, summary_table(result), paired_lines(result), protocol_table(result)]
+    steps = protocol_table(result, "heldout_steps", "step agreement")
+    parts = [title, summary_table(result), paired_lines(result), protocol_table(result), steps]
     curves = [p for block in result["configs"].values() for r in block["runs"] for p in r.get("curve", [])]
     if curves and all("step" in p for p in curves):
         parts += ["train success per policy step (seconds to reach it):", step_table(result)]

@@ -405,8 +405,9 @@ def _emit(result: dict[str, Any], path: Path | None) -> int:
 BENCHES: tuple[Command, ...] = (
     Command(
         "bench heldout",
-        "the held-out table of a base model: habits (random, constant labels, best position rule), the "
-        "scripted reader, the base greedy and sampled, raw and chat prompts, label mass",
+        "the held-out table of a base model: habits (random, constant labels, best position rule, verb rule), "
+        "the scripted reader, the base greedy and sampled, raw and chat prompts, label mass; its success, "
+        "and its step agreement with the ceiling on the ceiling's path",
         cmd_bench_heldout,
         args=(
             JSON_ARG,

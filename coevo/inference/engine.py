@@ -81,6 +81,9 @@ class Completion:
     model_version: int
     choice: int | None = None
     allowed_token_ids: list[int] | None = None
+    choice_logprobs: list[float] | None = None
+    """a constrained call's log-probability of every choice, in ``choices``' order, under the distribution
+    it drew from (tempered and truncated): the exact expectation of an evaluation, not one draw"""
     finish_reason: str = "stop"
     latency_ms: float = 0.0
     cost_usd: float = 0.0
@@ -454,6 +457,7 @@ class LocalEngine:
                     self._version,
                     choice=k,
                     allowed_token_ids=list(allowed[i]),
+                    choice_logprobs=logp.tolist(),
                 )
             )
         while len(self._choice_logits) > self.choice_cache_size:

@@ -1,0 +1,237 @@
+"""Held-out step agreement: how often a policy takes the ceiling's action on the ceiling's own path.
+
+Held-out success on a long quest is all or nothing: a policy that reads three rooms of seven right wins
+as often as one that reads none, and on the held-out region of a small model every arm scores about 0.
+Step agreement sees the skill before the wins: every state the ceiling (the family's scripted reader;
+a family without one: its walkthrough) passes through on each held-out task and evaluation seed, its
+candidates shown in the order the episode's key draws (the keys of the success protocol,
+``coevo.bench.heldout.episode_key``), and at each state the chance that a policy takes the ceiling's
+action.
+
+- A model's agreement at a state is its exact probability of the ceiling's choice, from the constrained
+  distribution the policy samples from at its temperature (``Completion.choice_logprobs``; one forward
+  pass, no draw); its greedy agreement is 1 where that choice is its most probable one.
+- A habit is a distribution over the shown candidates: uniform random, each constant label (the best of
+  them: the best position rule), and the verb rule (``VERBS``: it reads the action words, never the
+  observation). Their agreements are exact expectations, not samples.
+- A cell is the mean over one path's states, so a matrix task × seed bootstraps, pairs and meets
+  ``verdict`` like a success matrix (``coevo.bench.heldout``).
+
+Invariant: the ceiling agrees 1.0 at every state, by construction; the ceiling's path does not depend
+on the policy, so every arm and every habit is measured on the same states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from coevo.bench.heldout import CONSTANTS, Habit, bootstrap, episode_key, habit_episode, verb_choices, verdict
+
+if TYPE_CHECKING:
+    from coevo.config import ComputeDtype, PolicyConfig
+    from coevo.envs.base import Family, Observation, StepResult
+    from coevo.schemas import TaskSpec
+
+
+@dataclass(frozen=True)
+class PathStep:
+    """A state on the ceiling's path: the observation, the order its candidates are shown in
+    (``step_order``) and the ceiling's choice, an index in the shown list."""
+
+    observation: Observation
+    order: list[int]
+    pick: int
+
+    @property
+    def shown(self) -> list[str]:
+        return [self.observation.candidates[j] for j in self.order]
+
+
+Paths = list[list[list[PathStep]]]
+"""paths[task][seed]: the ceiling's states on that episode."""
+Cells = list[list[float]]
+"""agreement[task][seed]: the mean over the path's states."""
+Dist = Callable[[list[str]], list[float]]
+"""candidates as shown -> a habit's probability of each."""
+
+
+def has_ceiling(family: Family) -> bool:
+    """Whether ``family`` has a ceiling to agree with: a scripted reader or a walkthrough."""
+    return family.readable or callable(getattr(family, "walkthrough", None))
+
+
+def ceiling(family: Family, task: TaskSpec) -> Habit:
+    """The ceiling's habit on ``task``: the scripted reader, else the task's walkthrough (a command the
+    step does not show waits for a step that does; the step shown without it is not on the path)."""
+    if family.readable:
+        return lambda obs, shown, _rng: family.read(obs, shown)
+    pending = list(family.walkthrough(task))  # type: ignore[attr-defined]
+
+    def follow(_obs: str, shown: list[str], _rng: random.Random) -> int | None:
+        return shown.index(pending.pop(0)) if pending and pending[0] in shown else None
+
+    return follow
+
+
+async def ceiling_path(family: Family, task: TaskSpec, key: str, policy: PolicyConfig) -> list[PathStep]:
+    """The states of the ceiling's episode ``key`` on ``task``, shown as the policy agent shows them."""
+    from coevo.agents.policy import step_order
+
+    out: list[PathStep] = []
+    steps = 0
+
+    def keep(obs: Observation, action: str, _r: StepResult) -> None:
+        nonlocal steps
+        order = step_order(policy, key, steps, len(obs.candidates))
+        steps += 1
+        shown = [obs.candidates[j] for j in order]
+        if action in shown:
+            out.append(PathStep(obs, order, shown.index(action)))
+
+    await habit_episode(family, task, key, ceiling(family, task), policy, keep)
+    return out
+
+
+async def ceiling_paths(family: Family, tasks: Sequence[TaskSpec], seeds: Sequence[int], policy: PolicyConfig) -> Paths:
+    """The ceiling's path of every held-out task × evaluation seed (the success protocol's keys)."""
+    return [
+        [await ceiling_path(family, task, episode_key(task.task_id, seed, i), policy) for seed in seeds]
+        for i, task in enumerate(tasks)
+    ]
+
+
+def uniform_dist(shown: list[str]) -> list[float]:
+    return [1 / len(shown)] * len(shown)
+
+
+def constant_dist(label: int) -> Dist:
+    return lambda shown: [float(j == min(label, len(shown) - 1)) for j in range(len(shown))]
+
+
+def verb_dist(shown: list[str]) -> list[float]:
+    """The verb rule's distribution: uniform over ``verb_choices``."""
+    picked = verb_choices(shown)
+    return [float(j in picked) / len(picked) for j in range(len(shown))]
+
+
+def habit_dists() -> dict[str, Dist]:
+    return {
+        "random": uniform_dist,
+        **{f"always {j}": constant_dist(j) for j in range(CONSTANTS)},
+        "verb rule": verb_dist,
+    }
+
+
+def cells(paths: Paths, agree: Callable[[PathStep], float]) -> Cells:
+    """Each path's mean agreement (pure); a path with no state counts 0 (the ceiling left it at once)."""
+    return [[sum(map(agree, p)) / len(p) if p else 0.0 for p in row] for row in paths]
+
+
+def _agreeing(dist: Dist) -> Callable[[PathStep], float]:
+    return lambda s: dist(s.shown)[s.pick]
+
+
+def habit_rows(paths: Paths) -> dict[str, dict[str, Any]]:
+    """Every habit's agreement (mean, interval), the best constant as ``best position rule``, and the
+    ceiling's 1.0."""
+    rows = {name: bootstrap(cells(paths, _agreeing(d))) for name, d in habit_dists().items()}
+    best = max((f"always {j}" for j in range(CONSTANTS)), key=lambda n: rows[n]["mean"])
+    rows["best position rule"] = {**rows[best], "rule": best}
+    rows["ceiling"] = bootstrap(cells(paths, lambda _s: 1.0))
+    return rows
+
+
+_MEASURED: dict[tuple[str, ...], tuple[Cells, Cells]] = {}
+"""Agreements already measured in this process, by model directory, policy and paths (a model directory
+is never rewritten: the base of every run of a bench is measured once)."""
+
+
+async def model_agreement(
+    model: Path, paths: Paths, policy: PolicyConfig, dtype: ComputeDtype = "auto"
+) -> tuple[Cells, Cells]:
+    """``model``'s agreement with the ceiling on ``paths``, at the policy's temperature and greedy, acting
+    as the policy agent does (``choose``: its prompt form, the shown order), served in ``dtype``.
+    ``policy.mode`` must be ``choice``: a generating policy has no distribution over the candidates."""
+    if policy.mode != "choice":
+        raise ValueError(f"step agreement needs policy.mode = choice (the policy's is {policy.mode})")
+    key = (str(Path(model).resolve()), policy.model_dump_json(), dtype, repr(_shape(paths)), _digest(paths))
+    if key not in _MEASURED:
+        _MEASURED[key] = await _agreement(model, paths, policy, dtype)
+    return _MEASURED[key]
+
+
+def _shape(paths: Paths) -> list[list[int]]:
+    return [[len(p) for p in row] for row in paths]
+
+
+def _digest(paths: Paths) -> str:
+    import hashlib
+
+    text = "".join(f"{s.observation.text}|{s.order}|{s.pick};" for row in paths for p in row for s in p)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+async def _agreement(model: Path, paths: Paths, policy: PolicyConfig, dtype: ComputeDtype) -> tuple[Cells, Cells]:
+    from coevo.agents.policy import choose
+    from coevo.inference.chat import PromptForm
+    from coevo.inference.engine import LocalEngine
+
+    async with LocalEngine(model, dtype=dtype) as engine:
+        form = PromptForm.of(engine, policy.prompt_format)
+
+        async def one(s: PathStep) -> list[float]:
+            c, _, _ = await choose(
+                engine, policy, s.observation, list(s.observation.candidates), None, order=s.order, form=form
+            )
+            assert c.choice_logprobs is not None  # a constrained call
+            return [math.exp(x) for x in c.choice_logprobs]
+
+        flat = [s for row in paths for p in row for s in p]
+        probs = dict(zip(map(id, flat), await asyncio.gather(*(one(s) for s in flat)), strict=True))
+    sampled = cells(paths, lambda s: probs[id(s)][s.pick])
+    greedy = cells(paths, lambda s: float(max(range(len(probs[id(s)])), key=probs[id(s)].__getitem__) == s.pick))
+    return sampled, greedy
+
+
+def mean_cell(c: Cells) -> float | None:
+    return round(sum(map(sum, c)) / sum(map(len, c)), 6) if c and c[0] else None
+
+
+def agreement_fields(paths: Paths, trained: Cells, base: Cells, base_greedy: Cells) -> dict[str, Any]:
+    """A run's step agreement on the held-out paths (pure): trained at the policy's temperature, the base
+    at it and greedy, each a task × seed matrix, their means and the states they were measured on."""
+    return {
+        "heldout_step_agreement_initial": mean_cell(base),
+        "heldout_step_agreement": mean_cell(trained),
+        "heldout_path_states": sum(len(p) for row in paths for p in row),
+        "heldout_steps": trained,
+        "heldout_steps_initial": base,
+        "heldout_steps_base_greedy": base_greedy,
+    }
+
+
+def agreement_table(runs: dict[str, list[dict[str, Any]]], habits: dict[str, Any]) -> dict[str, Any]:
+    """The step-agreement table of a bench's runs (pure): the habits' rows, the base at the policy's
+    temperature and greedy, each configuration's agreement with its verdict, and paired differences
+    against the first configuration, by bootstrap over runs, tasks and seeds."""
+    import numpy as np
+
+    first, *rest = runs
+    arms = {c: np.asarray([r["heldout_steps"] for r in rs]) for c, rs in runs.items()}
+    rows = {
+        **habits,
+        "base greedy": bootstrap([r["heldout_steps_base_greedy"] for r in runs[first]]),
+        "base sampled": bootstrap([r["heldout_steps_initial"] for r in runs[first]]),
+    }
+    return {
+        "rows": rows,
+        "trained": {c: {**(t := bootstrap(a)), "verdict": verdict(t, rows)} for c, a in arms.items()},
+        "paired": {f"{c} - {first}": bootstrap(arms[c] - arms[first]) for c in rest},
+        "states": runs[first][0]["heldout_path_states"],
+    }
