@@ -549,6 +549,24 @@ async def test_a_step_budget_ends_each_run_at_that_policy_version_and_evaluates_
         assert out["configs"][c]["summary"]["seconds"]["n"] == 1
 
 
+@pytest.mark.timeout(300)
+async def test_a_bench_that_measures_step_agreement_only_plays_no_heldout_episode(model_cache: Path) -> None:
+    out = await bench_learn(
+        Budget("steps", 1, cap_s=120),
+        eval_every=1,
+        episodes=2,
+        cache_dir=model_cache,
+        overrides={"env.n_train": 2, "env.n_heldout": 2, "policy.n": 4, "learner.batch_samples": 8},
+        protocol=Protocol(tasks=2, seeds=1, measure="steps"),
+    )
+    assert "heldout_protocol" not in out and out["heldout_steps"]["rows"]["ceiling"]["mean"] == 1.0
+    for c in ("integrated", "outcome_only"):
+        (run,) = out["configs"][c]["runs"]
+        assert run["heldout_success"] is None and "heldout_wins" not in run
+        assert 0 < run["heldout_step_agreement"] < 1 and len(run["heldout_steps"]) == 2
+        assert out["heldout_steps"]["trained"][c]["mean"] == pytest.approx(run["heldout_step_agreement"], abs=1e-4)
+
+
 def test_the_tables_quote_means_intervals_paired_differences_and_each_step() -> None:
     from coevo.bench.learn import aggregate_seeds, learn_result
     from coevo.bench.tables import tables

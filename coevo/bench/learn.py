@@ -294,6 +294,16 @@ class EvalSet:
         """``model``'s held-out matrix (task × evaluation seed), acting as ``policy`` (default: the run's)."""
         return await model_matrix(model, self.family, self.heldout, self.seeds, policy or self.policy, self.dtype)
 
+    async def heldout_eval(self, final: Path, base: Path, success: bool = True) -> tuple[Matrix, Matrix, Result]:
+        """A run's held-out measures, trained (``final``) against ``base``: the success matrices (trained,
+        base sampled; none without ``success``) and the run's fields (``heldout_fields``, ``step_fields``)."""
+        fields = await self.step_fields(final, base)
+        if not success:
+            return [], [], fields
+        won, won0 = await self.heldout_wins(final), await self.heldout_wins(base)
+        greedy0 = await self.heldout_wins(base, greedy(self.policy))
+        return won, won0, heldout_fields(self, won, won0, greedy0) | fields
+
     async def step_fields(self, final: Path, base: Path) -> Result:
         """The run's held-out step agreement, trained against its base (``coevo.bench.steps``); {} without paths."""
         if self.paths is None:
@@ -313,16 +323,26 @@ def by_task(tasks: list[TaskSpec], won: Matrix) -> dict[str, float]:
     return {t.task_id: round(sum(row) / len(row), 6) for t, row in zip(tasks, won, strict=True)}
 
 
+Measure = Literal["both", "success", "steps"]
+
+
 @dataclass(frozen=True)
 class Protocol:
-    """How many held-out tasks a bench evaluates on, each once per how many evaluation seeds."""
+    """How many held-out tasks a bench evaluates on, each once per how many evaluation seeds, and what it
+    measures there: success (episodes played by the model), step agreement (``coevo.bench.steps``: one
+    forward pass per state of the ceiling's path) or both."""
 
     tasks: int = HELDOUT_TASKS
     seeds: int = len(EVAL_SEEDS)
+    measure: Measure = "both"
 
 
 async def eval_set(
-    cfg: CoevoConfig, episodes: int, heldout: int = HELDOUT_TASKS, seeds: int = len(EVAL_SEEDS)
+    cfg: CoevoConfig,
+    episodes: int,
+    heldout: int = HELDOUT_TASKS,
+    seeds: int = len(EVAL_SEEDS),
+    measure: Measure = "both",
 ) -> EvalSet:
     """The evaluation tasks of a run: its initial train tasks, and ``heldout`` held-out tasks played once per
     each of ``seeds`` evaluation seeds. Prechecks them first, which compiles TextWorld games before the
@@ -334,7 +354,7 @@ async def eval_set(
     held = [
         t for t in (family.initial_tasks(0, heldout, HELDOUT_SEED) if heldout else []) if (await family.precheck(t)).ok
     ]
-    with_paths = held and has_ceiling(family) and cfg.policy.mode == "choice"
+    with_paths = held and measure != "success" and has_ceiling(family) and cfg.policy.mode == "choice"
     return EvalSet(
         family,
         [t for t, ok in pool if ok and t.split == "train"],
@@ -517,7 +537,7 @@ async def run_budget(
             field="learner.publish_every",
         )
     protocol = protocol or Protocol()
-    ev = await eval_set(cfg, episodes, protocol.tasks, protocol.seeds)
+    ev = await eval_set(cfg, episodes, protocol.tasks, protocol.seeds, protocol.measure)
     base = await asyncio.to_thread(model_dir, cfg, "policy")
     await asyncio.to_thread(model_dir, cfg, "judge")
     async with open_runtime(cfg, name="coevo-bench") as rt:
@@ -549,12 +569,10 @@ async def run_budget(
                     _step_curve(ev, base, watch, budget, eval_every, bar, pool),
                 )
         elapsed = time.monotonic() - t0
-        won, won0 = await ev.heldout_wins(final), await ev.heldout_wins(base)
-        greedy0 = await ev.heldout_wins(base, greedy(cfg.policy))
-        steps = await ev.step_fields(final, base)
+        won, won0, fields = await ev.heldout_eval(final, base, protocol.measure != "steps")
         summary = await summarize(rt.bus, 0.0, elapsed)
     result = run_result(cfg, budget, curve, summary, ev, mean_of(won0), mean_of(won), elapsed)
-    return result | pool() | heldout_fields(ev, won, won0, greedy0) | steps
+    return result | pool() | fields
 
 
 def heldout_fields(ev: EvalSet, won: Matrix, won0: Matrix, greedy0: Matrix) -> Result:
@@ -799,13 +817,18 @@ async def run_seeds(
             runs[c].append(await run_budget(cfg, budget, eval_every=eval_every, episodes=episodes, protocol=protocol))
             if progress is not None:
                 _write_progress(progress, runs)
-        ev = await eval_set(cfg, 0, *astuple(protocol or Protocol()))
-        habits = await habit_table(ev.family, ev.heldout, ev.seeds, cfg.policy)
+        protocol = protocol or Protocol()
+        ev = await eval_set(cfg, 0, *astuple(protocol))
+        success = protocol.measure != "steps"
+        habits = await habit_table(ev.family, ev.heldout, ev.seeds, cfg.policy) if success else {}
     out = aggregate_seeds(
         runs, seeds=seeds, family=name, preset=preset, budget=budget, episodes=episodes, overrides=overrides
     )
-    steps = {"heldout_steps": agreement_table(runs, habit_rows(ev.paths))} if ev.paths is not None else {}
-    return {**out, "heldout_protocol": heldout_protocol(runs, habits), **steps}
+    if success:
+        out["heldout_protocol"] = heldout_protocol(runs, habits)
+    if ev.paths is not None:
+        out["heldout_steps"] = agreement_table(runs, habit_rows(ev.paths))
+    return out
 
 
 def _write_progress(path: Path, runs: dict[str, list[dict[str, Any]]]) -> None:

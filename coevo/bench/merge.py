@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from coevo.bench.learn import Result, heldout_protocol, ladder_result, learn_result, summarize_configs
+from coevo.bench.steps import agreement_table
 
 SAME = (
     "family",
@@ -25,7 +26,18 @@ SAME = (
     "lora",
 )
 """What every part must share (a key a part lacks reads as None)."""
-DERIVED = ("configs", "seeds", "overrides", "paired", "rungs", "headline", "curves", "target", "heldout_protocol")
+DERIVED = (
+    "configs",
+    "seeds",
+    "overrides",
+    "paired",
+    "rungs",
+    "headline",
+    "curves",
+    "target",
+    "heldout_protocol",
+    "heldout_steps",
+)
 """What a merge computes again rather than copies from the first part."""
 
 
@@ -74,6 +86,9 @@ def merge_results(parts: list[Result]) -> Result:
     if "heldout_protocol" in first and all("heldout_wins" in r for rs in runs.values() for r in rs):
         habits = {k: v for k, v in first["heldout_protocol"]["rows"].items() if not k.startswith("base ")}
         out["heldout_protocol"] = heldout_protocol(runs, habits)  # habits: the same tasks and seeds in every part
+    if "heldout_steps" in first and all("heldout_steps" in r for rs in runs.values() for r in rs):
+        habits = {k: v for k, v in first["heldout_steps"]["rows"].items() if not k.startswith("base ")}
+        out["heldout_steps"] = agreement_table(runs, habits)
     return ladder_result(out) if kind == "ladder" else learn_result(out, {c: {} for c in first["configs"]})
 
 

@@ -107,7 +107,7 @@ def _over_seeds(args: argparse.Namespace) -> dict[str, Any]:
         "family": args.family,
         "cache_dir": args.cache_dir,
         "overrides": overrides,
-        "protocol": Protocol(args.heldout_tasks, args.eval_seeds),
+        "protocol": Protocol(args.heldout_tasks, args.eval_seeds, args.heldout_measure),
         # every finished run beside the final JSON, as it finishes: a long bench killed keeps its runs
         "progress": args.json.with_name(args.json.stem + ".partial.json") if args.json else None,
     }
@@ -164,6 +164,13 @@ def _heldout_args() -> tuple[Arg, ...]:
 def _seeds_args() -> tuple[Arg, ...]:
     return (
         *_heldout_args(),
+        arg(
+            "--heldout-measure",
+            choices=("both", "success", "steps"),
+            default="both",
+            help="what each run's held-out evaluation measures: success (episodes the model plays), step "
+            "agreement with the ceiling on its path (one forward pass a state: the cheaper), or both",
+        ),
         arg(
             "--seeds",
             type=int,
