@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import math
+import random
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from coevo.bench.heldout import CONSTANTS, verb_choices
+from coevo.agents.policy import step_order
+from coevo.bench.heldout import CONSTANTS, base_agreement, episode_key, heldout_table, verb_choices
 from coevo.bench.learn import eval_set
-from coevo.bench.steps import agreement_fields, agreement_table, ceiling_paths, habit_rows, has_ceiling, model_agreement
+from coevo.bench.steps import (
+    _PATHS,
+    Ceiling,
+    agreement_fields,
+    agreement_table,
+    ceiling_paths,
+    habit_rows,
+    has_ceiling,
+    model_agreement,
+)
 from coevo.bench.tables import protocol_table
 from coevo.config import PolicyConfig, load_config
 from coevo.envs.arithmetic import Arithmetic
+from coevo.envs.coding import Coding
 from coevo.envs.quickgame import QuickGame, world_of
+from coevo.errors import ConfigError
 from coevo.inference.engine import LocalEngine, encode_prompt
 from coevo.inference.models import ensure_default_model
 
@@ -37,20 +51,44 @@ def test_verb_rule_reads_the_action_words_only() -> None:
     assert verb_choices(["go north", "go south", ""]) == [0, 1, 2]
 
 
-async def test_the_ceiling_path_is_the_shortest_solution_shown_shuffled() -> None:
-    family, tasks = QuickGame(), _heldout(8)
-    paths = await ceiling_paths(family, tasks, SEEDS, PolicyConfig())
+async def test_the_ceiling_path_is_the_shortest_solution_shown_as_the_policy_sees_each_step() -> None:
+    family, tasks, policy = QuickGame(), _heldout(8), PolicyConfig()
+    paths = await ceiling_paths(family, tasks, SEEDS, policy)
     assert len(paths) == len(tasks) and all(len(row) == len(SEEDS) for row in paths)
-    for task, row in zip(tasks, paths, strict=True):
+    for i, (task, row) in enumerate(zip(tasks, paths, strict=True)):
         solution = world_of(task).solution
-        for path in row:
+        for seed, path in zip(SEEDS, row, strict=True):
             assert [s.shown[s.pick] for s in path] == solution  # the reader plays a shortest path
             assert all(family.read(s.observation.text, s.shown) == s.pick for s in path)
+            key = episode_key(task.task_id, seed, i)  # step k shows what the policy's step k shows
+            assert [s.order for s in path] == [
+                step_order(policy, key, k, len(s.observation.candidates)) for k, s in enumerate(path)
+            ]
     # the seeds shuffle the same states differently, so a label carries no information
     first = [s.pick for row in paths for s in row[0]]
     second = [s.pick for row in paths for s in row[1]]
     assert first != second and len(set(first)) > 1
-    assert await ceiling_paths(family, tasks, SEEDS, PolicyConfig()) == paths  # seeded
+    _PATHS.clear()
+    assert await ceiling_paths(family, tasks, SEEDS, policy) == paths  # seeded
+
+
+async def test_a_family_without_a_reader_agrees_with_its_walkthrough() -> None:
+    family = Arithmetic()
+    tasks = [t for t in family.initial_tasks(0, 4, 1) if t.split == "heldout"]
+    paths = await ceiling_paths(family, tasks, SEEDS, PolicyConfig())
+    assert len(paths) == len(tasks) == 4
+    for task, row in zip(tasks, paths, strict=True):
+        assert all([s.shown[s.pick] for s in path] == family.walkthrough(task) for path in row)
+    assert has_ceiling(QuickGame()) and has_ceiling(family) and not has_ceiling(Coding())
+
+
+def test_the_walkthrough_follower_waits_off_the_path_for_a_command_not_shown() -> None:
+    follower = Ceiling(Arithmetic(), ["take coin", "go east"])
+    assert follower("", ["go west", "look", "take coin"], random.Random(0)) == 2 and follower.on_path
+    assert follower("", ["go west", "inventory", "look"], random.Random(0)) == 2 and not follower.on_path
+    assert follower("", ["go west"], random.Random(0)) is None and not follower.on_path
+    assert follower("", ["go east", "go west"], random.Random(0)) == 0 and follower.on_path
+    assert follower.pending == []
 
 
 async def test_habit_rows_are_exact_expectations() -> None:
@@ -67,10 +105,6 @@ async def test_habit_rows_are_exact_expectations() -> None:
     # the verb rule takes every key and coin, unlocks every door, and guesses exits: above random, far
     # below the ceiling, since every held-out quest has more exits to choose than keys to take
     assert rows["random"]["mean"] < rows["verb rule"]["mean"] < 0.8
-
-
-def test_a_family_without_a_reader_agrees_with_its_walkthrough() -> None:
-    assert has_ceiling(QuickGame()) and has_ceiling(Arithmetic())
 
 
 async def test_a_models_agreement_is_its_exact_probability_of_the_ceilings_choice(tiny: Path) -> None:
@@ -92,16 +126,22 @@ async def test_a_models_agreement_is_its_exact_probability_of_the_ceilings_choic
     async with LocalEngine(tiny, dtype="float32") as engine:
         tok = engine.tokenizer
         ids = encode_prompt(tok, policy_prompt(s.observation.text, s.shown))
-        labels = [tok.convert_tokens_to_ids(x) for x in INDEX_LABELS[: len(s.shown)]]
+        labels = [tok.convert_tokens_to_ids(x) for x in INDEX_LABELS]
         c = await engine.complete("", choices=list(INDEX_LABELS[: len(s.shown)]), prompt_ids=ids)
     lm = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     with torch.no_grad():
-        want = torch.log_softmax(lm(torch.tensor([ids])).logits[0, -1, labels].float(), -1)
+        want = torch.log_softmax(lm(torch.tensor([ids])).logits[0, -1, labels[: len(s.shown)]].float(), -1)
     assert c.choice_logprobs == pytest.approx(want.tolist(), abs=1e-4)
     assert c.choice is not None and c.logprobs[0] == pytest.approx(c.choice_logprobs[c.choice])
     assert math.fsum(math.exp(x) for x in c.choice_logprobs) == pytest.approx(1.0)
-    first_path = paths[0][0]
-    assert len(first_path) >= 1 and sampled[0][0] > 0
+    # a cell is the mean over its path of the model's probability of the ceiling's choice
+    want_cell = []
+    for s in paths[0][0]:
+        ids = encode_prompt(tok, policy_prompt(s.observation.text, s.shown))
+        with torch.no_grad():
+            p = torch.softmax(lm(torch.tensor([ids])).logits[0, -1, labels[: len(s.shown)]].float(), -1)
+        want_cell.append(float(p[s.pick]))
+    assert sampled[0][0] == pytest.approx(sum(want_cell) / len(want_cell), abs=1e-4)
 
 
 def test_the_table_pairs_runs_and_applies_the_verdict() -> None:
@@ -129,5 +169,29 @@ async def test_a_bench_eval_set_carries_the_ceilings_paths(tmp_path: Path) -> No
     cfg = load_config(overrides={"run.runs_dir": str(tmp_path), "env.family": "quickgame"})
     ev = await eval_set(cfg, 4, heldout=4, seeds=2)
     assert ev.paths is not None and len(ev.paths) == len(ev.heldout) == 4
+    assert (await eval_set(cfg, 4, heldout=4, seeds=2, measure="success")).paths is None
     generating = load_config(overrides={"run.runs_dir": str(tmp_path), "policy.mode": "generate"})
     assert (await eval_set(generating, 4, heldout=4, seeds=2)).paths is None
+    with pytest.raises(ConfigError, match=r"policy\.mode is not choice") as e:  # steps only, none to measure
+        await eval_set(generating, 4, heldout=4, seeds=2, measure="steps")
+    assert e.value.field == "policy.mode"
+
+
+async def test_bench_heldout_reports_the_bases_step_agreement_beside_the_habits(tiny: Path, tmp_path: Path) -> None:
+    family, tasks = QuickGame(), _heldout(4)
+    policy = PolicyConfig(prompt_format="raw")
+    steps = await base_agreement(tiny, family, tasks, SEEDS, policy, "float32")
+    paths = await ceiling_paths(family, tasks, SEEDS, policy)
+    assert steps["states"] == sum(len(p) for row in paths for p in row)
+    sampled, greedy = await model_agreement(tiny, paths, policy, "float32")
+    assert steps["rows"]["base sampled"]["mean"] == pytest.approx(np.mean(sampled), abs=1e-4)
+    assert steps["rows"]["base greedy"]["mean"] == pytest.approx(np.mean(greedy), abs=1e-4)
+    assert steps["rows"]["ceiling"]["mean"] == 1.0 and "verb rule" in steps["rows"]
+    assert (
+        await base_agreement(tiny, family, tasks, SEEDS, policy.model_copy(update={"mode": "generate"}), "float32")
+        == {}
+    )
+    result = {"family": "quickgame", "tasks": 4, "seeds": list(SEEDS), "base": "tiny", "temperature": 1.0}
+    table = heldout_table(result | {"rows": {}, "step_agreement": steps})
+    assert f"held-out step agreement with the ceiling, on its path ({steps['states']} states):" in table
+    assert re.search(r"\n  best position rule \(always \d\)\s+0\.\d\d  \[", table), table

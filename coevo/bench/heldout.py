@@ -391,7 +391,7 @@ async def run_baselines(cfg: CoevoConfig, seeds: Sequence[int] = EVAL_SEEDS[:2])
     family = make_family(cfg.env)
     tasks = [t for t in family.initial_tasks(cfg.env.n_train, cfg.env.n_heldout, cfg.env.seed) if t.split == "heldout"]
     rows = await habit_table(family, tasks, seeds, cfg.policy)
-    out = {name: rows[name]["mean"] for name in ("random", "best position rule", "reader") if name in rows}
+    out = {name: rows[name]["mean"] for name in (*HABITS, "reader") if name in rows}
     if cfg.policy.url is None:
         won = await model_matrix(model_dir(cfg, "policy"), family, tasks, seeds, greedy(cfg.policy), cfg.learner.dtype)
         out["base greedy"] = round(float(np.mean(won)), 4)

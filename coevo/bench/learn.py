@@ -354,7 +354,10 @@ async def eval_set(
     held = [
         t for t in (family.initial_tasks(0, heldout, HELDOUT_SEED) if heldout else []) if (await family.precheck(t)).ok
     ]
-    with_paths = held and measure != "success" and has_ceiling(family) and cfg.policy.mode == "choice"
+    with_paths = bool(held) and measure != "success" and has_ceiling(family) and cfg.policy.mode == "choice"
+    if measure == "steps" and held and not with_paths:
+        why = "policy.mode is not choice" if has_ceiling(family) else f"{family.name} has no reader or walkthrough"
+        raise ConfigError(f"held-out step agreement cannot be measured: {why}", field="policy.mode")
     return EvalSet(
         family,
         [t for t, ok in pool if ok and t.split == "train"],
@@ -826,7 +829,7 @@ async def run_seeds(
     )
     if success:
         out["heldout_protocol"] = heldout_protocol(runs, habits)
-    if ev.paths is not None:
+    if ev.paths is not None and all("heldout_steps" in r for rs in runs.values() for r in rs):
         out["heldout_steps"] = agreement_table(runs, habit_rows(ev.paths))
     return out
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coevo.bench.heldout import CONSTANTS, Habit, bootstrap, episode_key, habit_episode, verb_choices, verdict
+from coevo.bench.heldout import CONSTANTS, bootstrap, episode_key, habit_episode, verb_choices, verdict
 
 if TYPE_CHECKING:
     from coevo.config import ComputeDtype, PolicyConfig
@@ -66,44 +66,76 @@ def has_ceiling(family: Family) -> bool:
     return family.readable or callable(getattr(family, "walkthrough", None))
 
 
-def ceiling(family: Family, task: TaskSpec) -> Habit:
-    """The ceiling's habit on ``task``: the scripted reader, else the task's walkthrough (a command the
-    step does not show waits for a step that does; the step shown without it is not on the path)."""
-    if family.readable:
-        return lambda obs, shown, _rng: family.read(obs, shown)
-    pending = list(family.walkthrough(task))  # type: ignore[attr-defined]
+WAITS = ("look", "inventory")
+"""What the walkthrough's follower plays while its next command is not among the shown ones (a TextWorld
+kitchen shows 36 of up to 112): an action the policy could take too, and a state off the path."""
+CONCURRENCY = 8
+"""Ceiling episodes played at once (TextWorld: one emulator each)."""
 
-    def follow(_obs: str, shown: list[str], _rng: random.Random) -> int | None:
-        return shown.index(pending.pop(0)) if pending and pending[0] in shown else None
 
-    return follow
+@dataclass
+class Ceiling:
+    """The ceiling's habit on one task: the scripted reader (``pending`` None), else a follower of the
+    task's walkthrough. ``on_path``: whether its last choice was the ceiling's own, not a wait."""
+
+    family: Family
+    pending: list[str] | None
+    on_path: bool = True
+
+    @classmethod
+    def of(cls, family: Family, task: TaskSpec) -> Ceiling:
+        return cls(family, None if family.readable else list(family.walkthrough(task)))  # type: ignore[attr-defined]
+
+    def __call__(self, obs: str, shown: list[str], _rng: random.Random) -> int | None:
+        self.on_path = True
+        if self.pending is None:
+            return self.family.read(obs, shown)
+        if self.pending and self.pending[0] in shown:
+            return shown.index(self.pending.pop(0))
+        self.on_path = False
+        return next((shown.index(w) for w in WAITS if w in shown), None)
 
 
 async def ceiling_path(family: Family, task: TaskSpec, key: str, policy: PolicyConfig) -> list[PathStep]:
-    """The states of the ceiling's episode ``key`` on ``task``, shown as the policy agent shows them."""
+    """The states of the ceiling's episode ``key`` on ``task`` where it took its own action, each shown as
+    the policy agent shows step ``k`` of that episode (``step_order(policy, key, k, …)``)."""
     from coevo.agents.policy import step_order
 
     out: list[PathStep] = []
-    steps = 0
+    k = 0
+    ceiling = Ceiling.of(family, task)
 
     def keep(obs: Observation, action: str, _r: StepResult) -> None:
-        nonlocal steps
-        order = step_order(policy, key, steps, len(obs.candidates))
-        steps += 1
+        nonlocal k
+        order = step_order(policy, key, k, len(obs.candidates))
+        k += 1
         shown = [obs.candidates[j] for j in order]
-        if action in shown:
+        if ceiling.on_path and action in shown:
             out.append(PathStep(obs, order, shown.index(action)))
 
-    await habit_episode(family, task, key, ceiling(family, task), policy, keep)
+    await habit_episode(family, task, key, ceiling, policy, keep)
     return out
 
 
+_PATHS: dict[tuple[str, ...], Paths] = {}
+"""Paths already played in this process (every run of a bench evaluates on the same ones)."""
+
+
 async def ceiling_paths(family: Family, tasks: Sequence[TaskSpec], seeds: Sequence[int], policy: PolicyConfig) -> Paths:
-    """The ceiling's path of every held-out task × evaluation seed (the success protocol's keys)."""
-    return [
-        [await ceiling_path(family, task, episode_key(task.task_id, seed, i), policy) for seed in seeds]
-        for i, task in enumerate(tasks)
-    ]
+    """The ceiling's path of every held-out task × evaluation seed (the success protocol's keys). A task
+    on which the ceiling takes no action of its own in some seed is left out (none in the built-in
+    families): an empty path has nothing to agree with."""
+    key = (family.name, policy.model_dump_json(), repr(list(seeds)), *(t.model_dump_json() for t in tasks))
+    if key not in _PATHS:
+        permits = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(i: int, task: TaskSpec, seed: int) -> list[PathStep]:
+            async with permits:
+                return await ceiling_path(family, task, episode_key(task.task_id, seed, i), policy)
+
+        rows = [asyncio.gather(*(one(i, t, s) for s in seeds)) for i, t in enumerate(tasks)]
+        _PATHS[key] = [row for row in await asyncio.gather(*rows) if all(row)]
+    return [list(row) for row in _PATHS[key]]
 
 
 def uniform_dist(shown: list[str]) -> list[float]:
@@ -129,8 +161,8 @@ def habit_dists() -> dict[str, Dist]:
 
 
 def cells(paths: Paths, agree: Callable[[PathStep], float]) -> Cells:
-    """Each path's mean agreement (pure); a path with no state counts 0 (the ceiling left it at once)."""
-    return [[sum(map(agree, p)) / len(p) if p else 0.0 for p in row] for row in paths]
+    """Each path's mean agreement (pure; ``ceiling_paths`` leaves out empty paths)."""
+    return [[sum(map(agree, p)) / len(p) for p in row] for row in paths]
 
 
 def _agreeing(dist: Dist) -> Callable[[PathStep], float]:
@@ -173,7 +205,12 @@ def _shape(paths: Paths) -> list[list[int]]:
 def _digest(paths: Paths) -> str:
     import hashlib
 
-    text = "".join(f"{s.observation.text}|{s.order}|{s.pick};" for row in paths for p in row for s in p)
+    text = "".join(
+        f"{s.observation.text}|{chr(31).join(s.observation.candidates)}|{s.order}|{s.pick};"
+        for row in paths
+        for p in row
+        for s in p
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -232,7 +232,11 @@ def _curves_png(title: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
 
 def _rungs_png(rungs: dict[str, dict[str, Any]]) -> bytes:
     fig, ax = _figure()
-    keys = ("train_success", "heldout_success", "judge_process_accuracy")
+    keys = tuple(
+        k
+        for k in ("train_success", "heldout_success", "heldout_step_agreement", "judge_process_accuracy")
+        if any(r.get(k) is not None for r in rungs.values())  # a bench that measured steps only has no success
+    ) or ("train_success",)
     width = 0.8 / len(keys)
     for i, key in enumerate(keys):
         ax.bar(
