@@ -565,6 +565,13 @@ async def test_a_bench_that_measures_step_agreement_only_plays_no_heldout_episod
         assert run["heldout_success"] is None and "heldout_wins" not in run
         assert 0 < run["heldout_step_agreement"] < 1 and len(run["heldout_steps"]) == 2
         assert out["heldout_steps"]["trained"][c]["mean"] == pytest.approx(run["heldout_step_agreement"], abs=1e-4)
+        assert set(run["heldout_step_agreement_by_verb"]) <= {"go", "take", "unlock"}
+    from coevo.bench.tables import tables
+
+    verbs = out["heldout_steps"]["by_verb"]  # per verb, every habit beside the base and each configuration
+    assert {"states", "random", "verb rule", "base sampled", "integrated", "outcome_only"} <= set(verbs)
+    text = tables(out)
+    assert "step agreement [95 % interval]" in text and "step agreement by the ceiling's verb:" in text
 
 
 def test_the_tables_quote_means_intervals_paired_differences_and_each_step() -> None:

@@ -107,7 +107,7 @@ def test_the_command_writes_the_merge_and_names_a_bad_part(tmp_path: Path, capsy
 
 
 def test_the_step_agreement_table_is_recomputed_over_every_part_s_runs() -> None:
-    from coevo.bench.steps import agreement_fields, agreement_table
+    from coevo.bench.steps import Agreement, agreement_fields, agreement_table
 
     habits = {"random": {"mean": 0.3, "low": 0.3, "high": 0.3}, "ceiling": {"mean": 1.0, "low": 1.0, "high": 1.0}}
     paths: Any = [[[None] * 4]] * 2  # 2 tasks x 1 seed, 4 states each
@@ -115,7 +115,10 @@ def test_the_step_agreement_table_is_recomputed_over_every_part_s_runs() -> None
     for i, rs in enumerate(runs.values()):
         for r in rs:
             trained = [[0.3 + 0.1 * i + 0.01 * r["seed"]], [0.4]]
-            r |= agreement_fields(paths, trained, [[0.3], [0.3]], [[0.25], [0.5]])
+            by_verb = {"go": 0.4 + 0.1 * i, "take": 0.9}
+            r |= agreement_fields(
+                paths, Agreement(trained, trained, by_verb), Agreement([[0.3], [0.3]], [[0.25], [0.5]], {})
+            )
 
     def part(seeds: list[int]) -> dict[str, Any]:
         mine = {c: [r for r in rs if r["seed"] in seeds] for c, rs in runs.items()}
@@ -127,3 +130,4 @@ def test_the_step_agreement_table_is_recomputed_over_every_part_s_runs() -> None
     whole = json.loads(json.dumps(agreement_table(runs, habits)))
     assert merged["heldout_steps"] == whole and whole["trained"]["full"]["runs"] == 5
     assert merged["heldout_steps"]["paired"]["full - policy-only"]["mean"] == pytest.approx(0.1)
+    assert merged["heldout_steps"]["by_verb"]["full"] == {"go": 0.6, "take": 0.9}

@@ -6,6 +6,7 @@ import math
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from coevo.bench.heldout import CONSTANTS, base_agreement, episode_key, heldout_
 from coevo.bench.learn import eval_set
 from coevo.bench.steps import (
     _PATHS,
+    Agreement,
     Ceiling,
     agreement_fields,
     agreement_table,
@@ -115,10 +117,12 @@ async def test_a_models_agreement_is_its_exact_probability_of_the_ceilings_choic
 
     paths = await ceiling_paths(QuickGame(), _heldout(6), SEEDS, PolicyConfig())
     policy = PolicyConfig(prompt_format="raw")
-    sampled, greedy = await model_agreement(tiny, paths, policy, "float32")
+    agreed = await model_agreement(tiny, paths, policy, "float32")
+    sampled, greedy = agreed.sampled, agreed.greedy
     assert np.shape(sampled) == np.shape(greedy) == (len(paths), len(SEEDS))
     assert all(0 < x < 1 for row in sampled for x in row) and all(0 <= x <= 1 for row in greedy for x in row)
-    cold, cold_greedy = await model_agreement(tiny, paths, policy.model_copy(update={"temperature": 1e-5}), "float32")
+    colder = await model_agreement(tiny, paths, policy.model_copy(update={"temperature": 1e-5}), "float32")
+    cold, cold_greedy = colder.sampled, colder.greedy
     assert np.allclose(cold, cold_greedy) and cold_greedy == greedy  # greedy is the T -> 0 limit
 
     # independently: the model's own logits on the label tokens of the first state's raw prompt
@@ -150,7 +154,8 @@ def test_the_table_pairs_runs_and_applies_the_verdict() -> None:
     base = [[0.3, 0.35], [0.3, 0.32]]
 
     def run(trained: list[list[float]]) -> dict:
-        return agreement_fields([[[None] * 3, [None] * 2]] * 2, trained, base, base)  # type: ignore[list-item]
+        states: Any = [[[None] * 3, [None] * 2]] * 2
+        return agreement_fields(states, Agreement(trained, trained, {"go": 0.5}), Agreement(base, base, {"go": 0.4}))
 
     runs = {"policy-only": [run([[0.4, 0.5], [0.4, 0.45]])], "full": [run([[0.9, 0.95], [0.9, 0.92]])]}
     table = agreement_table(runs, habits)
@@ -163,6 +168,7 @@ def test_the_table_pairs_runs_and_applies_the_verdict() -> None:
     text = protocol_table({"heldout_steps": table}, "heldout_steps", "step agreement")
     assert "| held-out (same tasks and seeds) | step agreement [95 % interval] | verdict |" in text
     assert "| full | 0.92 [" in text and "| paired full - policy-only | +0.48 [" in text
+    assert table["by_verb"] == {"base sampled": {"go": 0.4}, "policy-only": {"go": 0.5}, "full": {"go": 0.5}}
 
 
 async def test_a_bench_eval_set_carries_the_ceilings_paths(tmp_path: Path) -> None:
@@ -183,9 +189,18 @@ async def test_bench_heldout_reports_the_bases_step_agreement_beside_the_habits(
     steps = await base_agreement(tiny, family, tasks, SEEDS, policy, "float32")
     paths = await ceiling_paths(family, tasks, SEEDS, policy)
     assert steps["states"] == sum(len(p) for row in paths for p in row)
-    sampled, greedy = await model_agreement(tiny, paths, policy, "float32")
-    assert steps["rows"]["base sampled"]["mean"] == pytest.approx(np.mean(sampled), abs=1e-4)
-    assert steps["rows"]["base greedy"]["mean"] == pytest.approx(np.mean(greedy), abs=1e-4)
+    agreed = await model_agreement(tiny, paths, policy, "float32")
+    assert steps["rows"]["base sampled"]["mean"] == pytest.approx(np.mean(agreed.sampled), abs=1e-4)
+    assert steps["rows"]["base greedy"]["mean"] == pytest.approx(np.mean(agreed.greedy), abs=1e-4)
+    # per verb: the habits' exact values, the base's its own; the counts add up to every state
+    verbs = steps["by_verb"]
+    assert sum(verbs["states"].values()) == steps["states"] and set(verbs["states"]) <= {"go", "take", "unlock"}
+    assert verbs["base sampled"] == agreed.by_verb and set(agreed.by_verb) == set(verbs["states"])
+    assert verbs["verb rule"]["take"] > verbs["random"]["take"]  # the rule takes every key it sees
+    n = verbs["states"]
+    overall = sum(agreed.by_verb[v] * n[v] for v in n) / steps["states"]  # by state, not by path
+    flat = [s for row in paths for p in row for s in p]
+    assert len(flat) == steps["states"] and 0 < overall < 1
     assert steps["rows"]["ceiling"]["mean"] == 1.0 and "verb rule" in steps["rows"]
     assert (
         await base_agreement(tiny, family, tasks, SEEDS, policy.model_copy(update={"mode": "generate"}), "float32")
@@ -194,4 +209,5 @@ async def test_bench_heldout_reports_the_bases_step_agreement_beside_the_habits(
     result = {"family": "quickgame", "tasks": 4, "seeds": list(SEEDS), "base": "tiny", "temperature": 1.0}
     table = heldout_table(result | {"rows": {}, "step_agreement": steps})
     assert f"held-out step agreement with the ceiling, on its path ({steps['states']} states):" in table
+    assert "  by the ceiling's verb: go " in table and "\n    verb rule" in table
     assert re.search(r"\n  best position rule \(always \d\)\s+0\.\d\d  \[", table), table

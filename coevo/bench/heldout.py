@@ -326,14 +326,15 @@ async def base_agreement(
     """The step-agreement rows of ``bench heldout`` (``coevo.bench.steps``): the habits, the ceiling, the base
     greedy and at the policy's temperature, and the states measured; {} where the family has no ceiling
     or the policy does not choose among candidates."""
-    from coevo.bench.steps import ceiling_paths, habit_rows, has_ceiling, model_agreement
+    from coevo.bench.steps import ceiling_paths, habit_by_verb, habit_rows, has_ceiling, model_agreement
 
     if not tasks or not has_ceiling(family) or policy.mode != "choice":
         return {}
     paths = await ceiling_paths(family, tasks, seeds, policy)
-    sampled, greedy_ = await model_agreement(base, paths, policy, dtype)
-    rows = habit_rows(paths) | {"base greedy": bootstrap(greedy_), "base sampled": bootstrap(sampled)}
-    return {"states": sum(len(p) for row in paths for p in row), "rows": rows}
+    agreed = await model_agreement(base, paths, policy, dtype)
+    rows = habit_rows(paths) | {"base greedy": bootstrap(agreed.greedy), "base sampled": bootstrap(agreed.sampled)}
+    verbs = habit_by_verb(paths) | {"base sampled": agreed.by_verb}
+    return {"states": sum(len(p) for row in paths for p in row), "rows": rows, "by_verb": verbs}
 
 
 def _rows(rows: dict[str, dict[str, Any]]) -> list[str]:
@@ -341,6 +342,17 @@ def _rows(rows: dict[str, dict[str, Any]]) -> list[str]:
     for name, row in rows.items():
         named = name + (f" ({row['rule']})" if "rule" in row else "")
         out.append(f"  {named:<32} {row['mean']:.2f}  [{row['low']:.2f}, {row['high']:.2f}]")
+    return out
+
+
+def verb_lines(by_verb: dict[str, dict[str, float] | None]) -> list[str]:
+    """The step agreement by the ceiling's verb, a line per row (``states``: how many of each)."""
+    out = []
+    if counts := by_verb.get("states"):
+        out.append("  by the ceiling's verb: " + ", ".join(f"{v} {int(n)} states" for v, n in counts.items()))
+    for name, verbs in by_verb.items():
+        if name != "states" and verbs:
+            out.append(f"    {name:<30} " + "  ".join(f"{v} {x:.2f}" for v, x in verbs.items()))
     return out
 
 
@@ -356,6 +368,7 @@ def heldout_table(result: dict[str, Any]) -> str:
             f"held-out step agreement with the ceiling, on its path ({steps['states']} states):",
             *_rows(steps["rows"]),
         ]
+        lines += verb_lines(steps.get("by_verb", {}))
     for form, r in result.get("prompt_forms", {}).items():
         mass = result.get("label_mass", {}).get(form)
         lines.append(

@@ -37,6 +37,7 @@ from coevo.bench.steps import (
     agreement_fields,
     agreement_table,
     ceiling_paths,
+    habit_by_verb,
     habit_rows,
     has_ceiling,
     model_agreement,
@@ -308,9 +309,8 @@ class EvalSet:
         """The run's held-out step agreement, trained against its base (``coevo.bench.steps``); {} without paths."""
         if self.paths is None:
             return {}
-        trained, _ = await model_agreement(final, self.paths, self.policy, self.dtype)
-        base_sampled, base_greedy = await model_agreement(base, self.paths, self.policy, self.dtype)
-        return agreement_fields(self.paths, trained, base_sampled, base_greedy)
+        trained = await model_agreement(final, self.paths, self.policy, self.dtype)
+        return agreement_fields(self.paths, trained, await model_agreement(base, self.paths, self.policy, self.dtype))
 
 
 def mean_of(won: Matrix) -> float | None:
@@ -830,7 +830,7 @@ async def run_seeds(
     if success:
         out["heldout_protocol"] = heldout_protocol(runs, habits)
     if ev.paths is not None and all("heldout_steps" in r for rs in runs.values() for r in rs):
-        out["heldout_steps"] = agreement_table(runs, habit_rows(ev.paths))
+        out["heldout_steps"] = agreement_table(runs, habit_rows(ev.paths), habit_by_verb(ev.paths))
     return out
 
 

@@ -88,7 +88,8 @@ def merge_results(parts: list[Result]) -> Result:
         out["heldout_protocol"] = heldout_protocol(runs, habits)  # habits: the same tasks and seeds in every part
     if "heldout_steps" in first and all("heldout_steps" in r for rs in runs.values() for r in rs):
         habits = {k: v for k, v in first["heldout_steps"]["rows"].items() if not k.startswith("base ")}
-        out["heldout_steps"] = agreement_table(runs, habits)
+        verbs = {k: v for k, v in first["heldout_steps"].get("by_verb", {}).items() if k in (*habits, "states")}
+        out["heldout_steps"] = agreement_table(runs, habits, verbs)
     return ladder_result(out) if kind == "ladder" else learn_result(out, {c: {} for c in first["configs"]})
 
 

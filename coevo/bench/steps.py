@@ -179,14 +179,48 @@ def habit_rows(paths: Paths) -> dict[str, dict[str, Any]]:
     return rows
 
 
-_MEASURED: dict[tuple[str, ...], tuple[Cells, Cells]] = {}
+def verb_of(s: PathStep) -> str:
+    """The first word of the ceiling's action at ``s`` (go, take, unlock, open ...): what a state asks."""
+    return (s.shown[s.pick].split() or [""])[0]
+
+
+def by_verb(paths: Paths, agree: Callable[[PathStep], float]) -> dict[str, float]:
+    """Mean agreement over the states of each ``verb_of`` (pure): whether a policy reads the way (go) or
+    has a habit (take, unlock), which the mean over all states mixes."""
+    groups: dict[str, list[float]] = {}
+    for s in (s for row in paths for p in row for s in p):
+        groups.setdefault(verb_of(s), []).append(agree(s))
+    return {v: round(sum(x) / len(x), 4) for v, x in sorted(groups.items())}
+
+
+def habit_by_verb(paths: Paths) -> dict[str, dict[str, float]]:
+    """``by_verb`` of every habit, and the number of states of each verb (``states``)."""
+    return {"states": _counts(paths)} | {name: by_verb(paths, _agreeing(d)) for name, d in habit_dists().items()}
+
+
+def _counts(paths: Paths) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for s in (s for row in paths for p in row for s in p):
+        counts[verb_of(s)] = counts.get(verb_of(s), 0) + 1
+    return dict(sorted(counts.items()))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """A model's agreement with the ceiling: per path at the policy's temperature and greedy, and the
+    sampled agreement per ``verb_of``."""
+
+    sampled: Cells
+    greedy: Cells
+    by_verb: dict[str, float]
+
+
+_MEASURED: dict[tuple[str, ...], Agreement] = {}
 """Agreements already measured in this process, by model directory, policy and paths (a model directory
 is never rewritten: the base of every run of a bench is measured once)."""
 
 
-async def model_agreement(
-    model: Path, paths: Paths, policy: PolicyConfig, dtype: ComputeDtype = "auto"
-) -> tuple[Cells, Cells]:
+async def model_agreement(model: Path, paths: Paths, policy: PolicyConfig, dtype: ComputeDtype = "auto") -> Agreement:
     """``model``'s agreement with the ceiling on ``paths``, at the policy's temperature and greedy, acting
     as the policy agent does (``choose``: its prompt form, the shown order), served in ``dtype``.
     ``policy.mode`` must be ``choice``: a generating policy has no distribution over the candidates."""
@@ -214,7 +248,7 @@ def _digest(paths: Paths) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-async def _agreement(model: Path, paths: Paths, policy: PolicyConfig, dtype: ComputeDtype) -> tuple[Cells, Cells]:
+async def _agreement(model: Path, paths: Paths, policy: PolicyConfig, dtype: ComputeDtype) -> Agreement:
     from coevo.agents.policy import choose
     from coevo.inference.chat import PromptForm
     from coevo.inference.engine import LocalEngine
@@ -233,27 +267,31 @@ async def _agreement(model: Path, paths: Paths, policy: PolicyConfig, dtype: Com
         probs = dict(zip(map(id, flat), await asyncio.gather(*(one(s) for s in flat)), strict=True))
     sampled = cells(paths, lambda s: probs[id(s)][s.pick])
     greedy = cells(paths, lambda s: float(max(range(len(probs[id(s)])), key=probs[id(s)].__getitem__) == s.pick))
-    return sampled, greedy
+    return Agreement(sampled, greedy, by_verb(paths, lambda s: probs[id(s)][s.pick]))
 
 
 def mean_cell(c: Cells) -> float | None:
     return round(sum(map(sum, c)) / sum(map(len, c)), 6) if c and c[0] else None
 
 
-def agreement_fields(paths: Paths, trained: Cells, base: Cells, base_greedy: Cells) -> dict[str, Any]:
+def agreement_fields(paths: Paths, trained: Agreement, base: Agreement) -> dict[str, Any]:
     """A run's step agreement on the held-out paths (pure): trained at the policy's temperature, the base
-    at it and greedy, each a task × seed matrix, their means and the states they were measured on."""
+    at it and greedy, each a task × seed matrix, their means, per verb, and the states measured."""
     return {
-        "heldout_step_agreement_initial": mean_cell(base),
-        "heldout_step_agreement": mean_cell(trained),
+        "heldout_step_agreement_initial": mean_cell(base.sampled),
+        "heldout_step_agreement": mean_cell(trained.sampled),
+        "heldout_step_agreement_by_verb_initial": base.by_verb,
+        "heldout_step_agreement_by_verb": trained.by_verb,
         "heldout_path_states": sum(len(p) for row in paths for p in row),
-        "heldout_steps": trained,
-        "heldout_steps_initial": base,
-        "heldout_steps_base_greedy": base_greedy,
+        "heldout_steps": trained.sampled,
+        "heldout_steps_initial": base.sampled,
+        "heldout_steps_base_greedy": base.greedy,
     }
 
 
-def agreement_table(runs: dict[str, list[dict[str, Any]]], habits: dict[str, Any]) -> dict[str, Any]:
+def agreement_table(
+    runs: dict[str, list[dict[str, Any]]], habits: dict[str, Any], habits_by_verb: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The step-agreement table of a bench's runs (pure): the habits' rows, the base at the policy's
     temperature and greedy, each configuration's agreement with its verdict, and paired differences
     against the first configuration, by bootstrap over runs, tasks and seeds."""
@@ -271,4 +309,17 @@ def agreement_table(runs: dict[str, list[dict[str, Any]]], habits: dict[str, Any
         "trained": {c: {**(t := bootstrap(a)), "verdict": verdict(t, rows)} for c, a in arms.items()},
         "paired": {f"{c} - {first}": bootstrap(arms[c] - arms[first]) for c in rest},
         "states": runs[first][0]["heldout_path_states"],
+        "by_verb": {
+            **(habits_by_verb or {}),
+            "base sampled": runs[first][0].get("heldout_step_agreement_by_verb_initial"),
+            **{c: _mean_by_verb([r.get("heldout_step_agreement_by_verb") for r in rs]) for c, rs in runs.items()},
+        },
     }
+
+
+def _mean_by_verb(runs: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Each verb's agreement averaged over runs (pure; None where a run did not record it)."""
+    if not runs or any(r is None for r in runs):
+        return None
+    verbs = sorted({v for r in runs if r for v in r})
+    return {v: round(sum(r.get(v, 0.0) for r in runs if r) / len(runs), 4) for v in verbs}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from coevo.bench.heldout import verb_lines
 from coevo.bench.learn import Result, seed_stats
 
 COLUMNS = (
@@ -139,6 +140,8 @@ def tables(result: Result) -> str:
         f"{result.get('episodes_per_evaluation')} evaluation episodes"
     )
     steps = protocol_table(result, "heldout_steps", "step agreement")
+    if verbs := result.get("heldout_steps", {}).get("by_verb"):
+        steps += "\n\nstep agreement by the ceiling's verb:\n" + "\n".join(verb_lines(verbs))
     parts = [title, summary_table(result), paired_lines(result), protocol_table(result), steps]
     curves = [p for block in result["configs"].values() for r in block["runs"] for p in r.get("curve", [])]
     if curves and all("step" in p for p in curves):
