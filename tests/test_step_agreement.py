@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -211,3 +212,17 @@ async def test_bench_heldout_reports_the_bases_step_agreement_beside_the_habits(
     assert f"held-out step agreement with the ceiling, on its path ({steps['states']} states):" in table
     assert "  by the ceiling's verb: go " in table and "\n    verb rule" in table
     assert re.search(r"\n  best position rule \(always \d\)\s+0\.\d\d  \[", table), table
+
+
+def test_bench_heldout_measures_step_agreement_alone_on_request(tmp_path: Path) -> None:
+    from coevo.cli import main
+
+    out = tmp_path / "steps.json"
+    args = ["bench", "heldout", "--heldout-tasks", "3", "--eval-seeds", "2", "--used-form-only"]
+    assert main([*args, "--heldout-measure", "steps", "--cache-dir", str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompt_forms"] == {} and "base greedy" not in result["rows"]  # no held-out episode played
+    assert "verb rule" in result["rows"] and result["rows"]["reader"]["mean"] == 1.0  # habits cost nothing
+    steps = result["step_agreement"]
+    assert steps["rows"]["ceiling"]["mean"] == 1.0 and 0 < steps["rows"]["base sampled"]["mean"] < 1
+    assert steps["states"] == sum(steps["by_verb"]["states"].values()) >= 3 * 2 * 6

@@ -263,10 +263,12 @@ async def bench_heldout(
     *,
     both_forms: bool = True,
     judge: bool = False,
+    measure: str = "both",
 ) -> dict[str, Any]:
     """The held-out table of ``cfg``'s family and policy base: habits, the scripted reader, the base
     greedy and at the policy's temperature, each prompt form's label mass and sampled score
-    (``both_forms=False``: the form the policy uses only, for families whose episodes are long);
+    (``both_forms=False``: the form the policy uses only, for families whose episodes are long), and the
+    base's step agreement (``base_agreement``); ``measure``: ``success`` or ``steps`` alone, else both;
     ``judge``: the judge model's votes against the step labels too (``coevo.bench.judge_probe``)."""
     from transformers import AutoTokenizer
 
@@ -277,25 +279,25 @@ async def bench_heldout(
 
     family = make_family(cfg.env)
     tasks = [t for t in family.initial_tasks(0, n_tasks, HELDOUT_SEED) if (await family.precheck(t)).ok]
-    base = model_dir(cfg, "policy")
-    policy = cfg.policy
+    base, policy, dtype = model_dir(cfg, "policy"), cfg.policy, cfg.learner.dtype
     rows = await habit_table(family, tasks, seeds, policy)
     used = "chat" if PromptForm(AutoTokenizer.from_pretrained(base), policy.prompt_format).chat else "raw"
     forms = {}
-    for form in ("raw", "chat") if both_forms else (used,):
+    for form in (("raw", "chat") if both_forms else (used,)) if measure != "steps" else ():
         p = policy.model_copy(update={"prompt_format": form})
         forms[form] = {
-            "greedy": bootstrap(await model_matrix(base, family, tasks, seeds, greedy(p), cfg.learner.dtype)),
-            "sampled": bootstrap(await model_matrix(base, family, tasks, seeds, p, cfg.learner.dtype)),
+            "greedy": bootstrap(await model_matrix(base, family, tasks, seeds, greedy(p), dtype)),
+            "sampled": bootstrap(await model_matrix(base, family, tasks, seeds, p, dtype)),
         }
-    rows["base greedy"], rows["base sampled"] = forms[used]["greedy"], forms[used]["sampled"]
-    steps = await base_agreement(base, family, tasks, seeds, policy, cfg.learner.dtype)
+    if used in forms:
+        rows["base greedy"], rows["base sampled"] = forms[used]["greedy"], forms[used]["sampled"]
+    steps = await base_agreement(base, family, tasks, seeds, policy, dtype) if measure != "success" else {}
     probe = {}
     if judge:
         from coevo.bench.judge_probe import judge_probe
 
         probe = await judge_probe(
-            model_dir(cfg, "judge"), family, tasks, policy, cfg.judge.temperature, seeds[0], cfg.learner.dtype
+            model_dir(cfg, "judge"), family, tasks, policy, cfg.judge.temperature, seeds[0], dtype
         )
     return {
         "family": family.name,
@@ -304,7 +306,7 @@ async def bench_heldout(
         "seeds": list(seeds),
         "temperature": policy.temperature,
         "prompt_format": f"{policy.prompt_format} ({used})",
-        "dtype": str(model_dtype(cfg.learner.dtype, None, base)).removeprefix("torch."),  # as play_episodes serves
+        "dtype": str(model_dtype(dtype, None, base)).removeprefix("torch."),  # as play_episodes serves
         "shuffle_choices": policy.shuffle_choices,
         "rows": rows,
         "prompt_forms": forms,

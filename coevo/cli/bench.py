@@ -158,19 +158,19 @@ def _heldout_args() -> tuple[Arg, ...]:
     return (
         arg("--heldout-tasks", type=int, default=64, help="held-out tasks evaluated (from the held-out region)"),
         arg("--eval-seeds", type=int, default=5, help="evaluation seeds: each held-out task is played once per seed"),
+        arg(
+            "--heldout-measure",
+            choices=("both", "success", "steps"),
+            default="both",
+            help="what a model's held-out evaluation measures: success (episodes the model plays), step "
+            "agreement with the ceiling on its path (one forward pass a state: the cheaper), or both",
+        ),
     )
 
 
 def _seeds_args() -> tuple[Arg, ...]:
     return (
         *_heldout_args(),
-        arg(
-            "--heldout-measure",
-            choices=("both", "success", "steps"),
-            default="both",
-            help="what each run's held-out evaluation measures: success (episodes the model plays), step "
-            "agreement with the ceiling on its path (one forward pass a state: the cheaper), or both",
-        ),
         arg(
             "--seeds",
             type=int,
@@ -355,6 +355,7 @@ def cmd_bench_heldout(args: argparse.Namespace) -> int:
             args.heldout_tasks,
             both_forms=not args.used_form_only,
             judge=args.judge_probe,
+            measure=args.heldout_measure,
         )
     )
     _emit(result, args.json)
