@@ -12,7 +12,7 @@ action.
   distribution the policy samples from at its temperature (``Completion.choice_logprobs``; one forward
   pass, no draw); its greedy agreement is 1 where that choice is its most probable one.
 - A habit is a distribution over the shown candidates: uniform random, each constant label (the best of
-  them: the best position rule), and the verb rule (``VERBS``: it reads the action words, never the
+  them: the best position rule), and the verb rule (``heldout.VERBS``: it reads the action words, never the
   observation). Their agreements are exact expectations, not samples.
 - A cell is the mean over one path's states, so a matrix task × seed bootstraps, pairs and meets
   ``verdict`` like a success matrix (``coevo.bench.heldout``).
