@@ -36,8 +36,9 @@ __all__ = ["Progress", "RunTally", "build_agents", "describe", "run_main", "summ
 
 log = structlog.get_logger("coevo.loop")
 
-Baselines = Callable[[CoevoConfig], Awaitable[dict[str, float]]]
-"""Measures habits and the base on a run's held-out tasks, by name (``coevo.bench.heldout.run_baselines``)."""
+Baselines = Callable[[CoevoConfig, Path], Awaitable[dict[str, Any]]]
+"""Measures habits and the base on a run's held-out tasks, by name, and the step agreement of the run's
+last policy (its directory given) against the base's (``coevo.bench.heldout.run_baselines``)."""
 
 
 def build_agents(bus: NatsBus, cfg: CoevoConfig, on_step: Any = None) -> list[Agent]:
@@ -124,15 +125,20 @@ def _change(label: str, start: float | None, end: float | None, how: str, missin
     return f"  {label}: {start:.2f} -> {end:.2f} ({change.words()}; {how})"
 
 
-def _beside(s: dict[str, Any], cfg: CoevoConfig, baselines: dict[str, float] | None) -> list[str]:
+def _beside(s: dict[str, Any], cfg: CoevoConfig, baselines: dict[str, Any] | None) -> list[str]:
     """The held-out line's baselines: habits and the base greedy on the same tasks, and whether the last
-    round clears them (none: not measured, or no round)."""
-    from coevo.observe.claims import run_verdict
+    round clears them (none: not measured, or no round); then the step agreement of the base and the
+    last policy beside the habits' (none: not measured)."""
+    from coevo.observe.claims import run_verdict, steps_verdict
 
-    if not baselines or s["heldout_success_end"] is None:
-        return []
-    episodes = cfg.env.n_heldout * cfg.policy.n
-    return [f"    {run_verdict(s['heldout_success_end'], episodes, baselines)}"]
+    baselines = baselines or {}
+    bars = {k: v for k, v in baselines.items() if isinstance(v, float | int)}
+    out = []
+    if bars and s["heldout_success_end"] is not None:
+        out.append(f"    {run_verdict(s['heldout_success_end'], cfg.env.n_heldout * cfg.policy.n, bars)}")
+    if steps := baselines.get("step_agreement"):
+        out.append(f"  {steps_verdict(steps)}")
+    return out
 
 
 def _no_heldout(s: dict[str, Any], cfg: CoevoConfig) -> str:
@@ -249,7 +255,7 @@ def describe(
     summary: dict[str, Any],
     cfg: CoevoConfig,
     links: dict[str, str],
-    baselines: dict[str, float] | None = None,
+    baselines: dict[str, Any] | None = None,
     interrupted: str | None = None,
 ) -> str:
     """A short human summary of a finished run: what improved, by how much, and where to look;
@@ -362,19 +368,17 @@ async def run_main(
             links = await _links(rt, live, summary, opts)
         if interrupted and resume is not None:
             links["resume"] = resume(rt.run_id)
-        bars = await _baselines(cfg, summary, baselines) if baselines else {}
+        bars = await _baselines(cfg, rt.run_dir, baselines) if baselines else {}
     print(describe(summary, cfg, links, bars, interrupted=interrupted), flush=True)
     return 0
 
 
-async def _baselines(cfg: CoevoConfig, summary: dict[str, Any], measure: Baselines) -> dict[str, float]:
-    """Habits and the base greedy on the run's held-out tasks, when a round was scored (best effort: a
-    failure is logged, the summary prints without them)."""
-    if summary["heldout_success_end"] is None:
-        return {}
-    log.info("run.measuring_baselines", what="habits and the base greedy on the held-out tasks")
+async def _baselines(cfg: CoevoConfig, run_dir: Path, measure: Baselines) -> dict[str, Any]:
+    """Habits, the base greedy and the step agreement of base and last policy on the run's held-out tasks
+    (best effort: a failure is logged, the summary prints without them)."""
+    log.info("run.measuring_baselines", what="habits, the base greedy and step agreement on the held-out tasks")
     try:
-        return await measure(cfg)
+        return await measure(cfg, Path(run_dir))
     except Exception as exc:
         log.warning("run.baselines_failed", error=repr(exc)[:300])
         return {}

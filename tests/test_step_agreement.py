@@ -226,3 +226,53 @@ def test_bench_heldout_measures_step_agreement_alone_on_request(tmp_path: Path) 
     steps = result["step_agreement"]
     assert steps["rows"]["ceiling"]["mean"] == 1.0 and 0 < steps["rows"]["base sampled"]["mean"] < 1
     assert steps["states"] == sum(steps["by_verb"]["states"].values()) >= 3 * 2 * 6
+
+
+async def test_a_runs_closing_summary_sets_its_last_policy_s_step_agreement_beside_the_base_s(tmp_path: Path) -> None:
+    import shutil
+
+    from coevo.bench.heldout import run_baselines
+    from coevo.inference.clients import model_dir
+    from coevo.loop import describe
+    from coevo.observe.tally import RunTally
+    from coevo.training.checkpoint import MARKER
+
+    cfg = load_config(overrides={"run.runs_dir": str(tmp_path / "runs"), "env.cache_dir": str(tmp_path / "cache")})
+    run_dir = tmp_path / "runs" / "r1"
+    assert "step_agreement" not in await run_baselines(cfg, run_dir)  # no checkpoint yet: nothing to set beside
+    last = run_dir / "checkpoints" / "policy" / "v00000003"
+    shutil.copytree(model_dir(cfg, "policy"), last)  # a last policy with the base's weights
+    (last / MARKER).touch()
+    bars = await run_baselines(cfg, run_dir)
+    steps = bars["step_agreement"]
+    assert steps["trained"] == steps["base"] and steps["change"]["mean"] == 0.0  # the same weights
+    assert set(steps["habits"]) == {"random", "best position rule", "verb rule"} and steps["states"] >= 6
+    assert {"random", "verb rule", "reader", "base greedy"} <= set(bars)
+    summary = {**RunTally().summary("r1", 60.0).model_dump(), "learner_steps": 3}
+    text = describe(summary, cfg, {}, bars)
+    line = next(x for x in text.splitlines() if x.startswith("  held-out step agreement: "))
+    base = f"{steps['base']:.2f}"
+    assert f": {base} -> {base} (+0.00, paired 95 % interval +0.00 to +0.00;" in line, line
+    assert f"on the reader's path: {steps['states']} states); beside it random " in line
+    assert "; the last policy's interval (from " in line and "does not clear" in line  # the base clears nothing
+    assert "beside it on the same tasks" not in text  # no held-out round: no success bars to set it beside
+
+
+def test_the_step_agreement_words_clear_a_bar_only_with_the_interval_s_low_end() -> None:
+    from coevo.observe.claims import steps_verdict
+
+    steps = {
+        "states": 830,
+        "habits": {"random": 0.43, "best position rule": 0.43, "verb rule": 0.64},
+        "base greedy": 0.43,
+        "base": 0.42,
+        "trained": 0.71,
+        "low": 0.68,
+        "high": 0.74,
+        "change": {"mean": 0.29, "low": 0.25, "high": 0.33},
+    }
+    said = steps_verdict(steps)
+    assert said.startswith("held-out step agreement: 0.42 -> 0.71 (+0.29, paired 95 % interval +0.25 to +0.33;")
+    assert "beside it random 0.43, best position rule 0.43, verb rule 0.64, base greedy 0.43" in said
+    assert said.endswith("the last policy's interval (from 0.680) clears base and habits")
+    assert steps_verdict(steps | {"low": 0.6}).endswith("(from 0.600) does not clear verb rule")

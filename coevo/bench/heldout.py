@@ -394,10 +394,14 @@ def heldout_table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def run_baselines(cfg: CoevoConfig, seeds: Sequence[int] = EVAL_SEEDS[:2]) -> dict[str, float]:
+async def run_baselines(
+    cfg: CoevoConfig, run_dir: Path | None = None, seeds: Sequence[int] = EVAL_SEEDS[:2]
+) -> dict[str, Any]:
     """What the habits and the base greedy score on the held-out tasks of ``cfg``'s loop (its own rounds'
-    tasks), for ``coevo run``'s closing summary. Base greedy only for a local policy model (a vLLM-served
-    policy is measured with ``coevo bench heldout``); empty for a family without held-out tasks."""
+    tasks), for ``coevo run``'s closing summary, and (``step_agreement``, ``run_steps``) the step
+    agreement of the base and of the run's last policy checkpoint under ``run_dir``. Base greedy only for
+    a local policy model (a vLLM-served policy is measured with ``coevo bench heldout``); empty for a
+    family without held-out tasks."""
     from coevo.envs import make_family
     from coevo.inference.clients import model_dir
 
@@ -410,4 +414,36 @@ async def run_baselines(cfg: CoevoConfig, seeds: Sequence[int] = EVAL_SEEDS[:2])
     if cfg.policy.url is None:
         won = await model_matrix(model_dir(cfg, "policy"), family, tasks, seeds, greedy(cfg.policy), cfg.learner.dtype)
         out["base greedy"] = round(float(np.mean(won)), 4)
+        if run_dir is not None and (steps := await run_steps(cfg, family, tasks, seeds, run_dir)):
+            out["step_agreement"] = steps
     return out
+
+
+async def run_steps(
+    cfg: CoevoConfig, family: Family, tasks: Sequence[TaskSpec], seeds: Sequence[int], run_dir: Path
+) -> dict[str, Any]:
+    """The base's and the run's last policy checkpoint's step agreement on the reader's path through the
+    run's held-out tasks (``coevo.bench.steps``), with the habits' and the paired change; {} without a
+    checkpoint, a ceiling or a choosing policy."""
+    from coevo.bench.steps import ceiling_paths, habit_rows, has_ceiling, mean_cell, model_agreement
+    from coevo.inference.clients import model_dir
+    from coevo.training.lane import latest_checkpoint
+
+    final = latest_checkpoint(Path(run_dir) / "checkpoints" / "policy")
+    if final is None or not has_ceiling(family) or cfg.policy.mode != "choice":
+        return {}
+    paths = await ceiling_paths(family, tasks, seeds, cfg.policy)
+    base = await model_agreement(model_dir(cfg, "policy"), paths, cfg.policy, cfg.learner.dtype)
+    trained = await model_agreement(final, paths, cfg.policy, cfg.learner.dtype)
+    rows = habit_rows(paths)
+    interval = bootstrap(trained.sampled)
+    return {
+        "states": sum(len(p) for row in paths for p in row),
+        "habits": {name: rows[name]["mean"] for name in HABITS},
+        "base greedy": mean_cell(base.greedy),
+        "base": mean_cell(base.sampled),
+        "trained": mean_cell(trained.sampled),
+        "low": interval["low"],
+        "high": interval["high"],
+        "change": bootstrap(np.asarray(trained.sampled) - np.asarray(base.sampled)),
+    }

@@ -12,7 +12,7 @@ import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 MIN_GROUPS = 5
 """fewest groups per window for an interval: below it, "too few groups to say" """
@@ -90,6 +90,22 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     centre, spread = p + z * z / (2 * n), z * ((p * (1 - p) + z * z / (4 * n)) / n) ** 0.5
     scale = 1 + z * z / n
     return max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale)
+
+
+def steps_verdict(steps: dict[str, Any]) -> str:
+    """The closing summary's step-agreement line (pure): the base and the run's last policy on the
+    reader's path through the held-out tasks, the change with its paired interval, and the habits beside
+    it; the last policy clears a bar only where its interval's low end lies above it."""
+    bars = {**steps["habits"], "base greedy": steps["base greedy"]}
+    shown = ", ".join(f"{name} {value:.2f}" for name, value in bars.items())
+    under = [name for name, value in bars.items() if steps["low"] <= value]
+    said = "clears base and habits" if not under else f"does not clear {', '.join(under)}"
+    change = steps["change"]
+    return (
+        f"held-out step agreement: {steps['base']:.2f} -> {steps['trained']:.2f} ({change['mean']:+.2f}, paired 95 % "
+        f"interval {change['low']:+.2f} to {change['high']:+.2f}; base vs last policy, on the reader's path: "
+        f"{steps['states']} states); beside it {shown}; the last policy's interval (from {steps['low']:.3f}) {said}"
+    )
 
 
 def run_verdict(end: float, episodes: int, bars: dict[str, float]) -> str:
