@@ -36,9 +36,10 @@ __all__ = ["Progress", "RunTally", "build_agents", "describe", "run_main", "summ
 
 log = structlog.get_logger("coevo.loop")
 
-Baselines = Callable[[CoevoConfig, Path], Awaitable[dict[str, Any]]]
-"""Measures habits and the base on a run's held-out tasks, by name, and the step agreement of the run's
-last policy (its directory given) against the base's (``coevo.bench.heldout.run_baselines``)."""
+Baselines = Callable[[CoevoConfig, Path, bool], Awaitable[dict[str, Any]]]
+"""Measures habits and the base on a run's held-out tasks, by name (when the bool says a round was
+scored), and the step agreement of the run's last policy (its directory given) against the base's
+(``coevo.bench.heldout.run_baselines``)."""
 
 
 def build_agents(bus: NatsBus, cfg: CoevoConfig, on_step: Any = None) -> list[Agent]:
@@ -368,17 +369,18 @@ async def run_main(
             links = await _links(rt, live, summary, opts)
         if interrupted and resume is not None:
             links["resume"] = resume(rt.run_id)
-        bars = await _baselines(cfg, rt.run_dir, baselines) if baselines else {}
+        bars = await _baselines(cfg, rt.run_dir, summary, baselines) if baselines else {}
     print(describe(summary, cfg, links, bars, interrupted=interrupted), flush=True)
     return 0
 
 
-async def _baselines(cfg: CoevoConfig, run_dir: Path, measure: Baselines) -> dict[str, Any]:
-    """Habits, the base greedy and the step agreement of base and last policy on the run's held-out tasks
-    (best effort: a failure is logged, the summary prints without them)."""
-    log.info("run.measuring_baselines", what="habits, the base greedy and step agreement on the held-out tasks")
+async def _baselines(cfg: CoevoConfig, run_dir: Path, summary: dict[str, Any], measure: Baselines) -> dict[str, Any]:
+    """Habits and the base greedy on the run's held-out tasks when a round was scored, and the step
+    agreement of base and last policy (best effort: a failure is logged, the summary prints without them)."""
+    success = summary["heldout_success_end"] is not None
+    log.info("run.measuring_baselines", habits_and_base_greedy=success, step_agreement=True)
     try:
-        return await measure(cfg, Path(run_dir))
+        return await measure(cfg, Path(run_dir), success)
     except Exception as exc:
         log.warning("run.baselines_failed", error=repr(exc)[:300])
         return {}

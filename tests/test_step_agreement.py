@@ -248,6 +248,8 @@ async def test_a_runs_closing_summary_sets_its_last_policy_s_step_agreement_besi
     assert steps["trained"] == steps["base"] and steps["change"]["mean"] == 0.0  # the same weights
     assert set(steps["habits"]) == {"random", "best position rule", "verb rule"} and steps["states"] >= 6
     assert {"random", "verb rule", "reader", "base greedy"} <= set(bars)
+    alone = await run_baselines(cfg, run_dir, success=False)  # no round scored: no success bars to measure
+    assert set(alone) == {"step_agreement"} and alone["step_agreement"] == steps
     summary = {**RunTally().summary("r1", 60.0).model_dump(), "learner_steps": 3}
     text = describe(summary, cfg, {}, bars)
     line = next(x for x in text.splitlines() if x.startswith("  held-out step agreement: "))

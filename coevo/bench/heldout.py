@@ -395,13 +395,14 @@ def heldout_table(result: dict[str, Any]) -> str:
 
 
 async def run_baselines(
-    cfg: CoevoConfig, run_dir: Path | None = None, seeds: Sequence[int] = EVAL_SEEDS[:2]
+    cfg: CoevoConfig, run_dir: Path | None = None, success: bool = True, seeds: Sequence[int] = EVAL_SEEDS[:2]
 ) -> dict[str, Any]:
     """What the habits and the base greedy score on the held-out tasks of ``cfg``'s loop (its own rounds'
     tasks), for ``coevo run``'s closing summary, and (``step_agreement``, ``run_steps``) the step
     agreement of the base and of the run's last policy checkpoint under ``run_dir``. Base greedy only for
     a local policy model (a vLLM-served policy is measured with ``coevo bench heldout``); empty for a
-    family without held-out tasks."""
+    family without held-out tasks. ``success=False`` (no evaluation round to set them beside): the step
+    agreement only."""
     from coevo.envs import make_family
     from coevo.inference.clients import model_dir
 
@@ -409,11 +410,16 @@ async def run_baselines(
         return {}
     family = make_family(cfg.env)
     tasks = [t for t in family.initial_tasks(cfg.env.n_train, cfg.env.n_heldout, cfg.env.seed) if t.split == "heldout"]
-    rows = await habit_table(family, tasks, seeds, cfg.policy)
-    out = {name: rows[name]["mean"] for name in (*HABITS, "reader") if name in rows}
+    out: dict[str, Any] = {}
+    if success:
+        rows = await habit_table(family, tasks, seeds, cfg.policy)
+        out = {name: rows[name]["mean"] for name in (*HABITS, "reader") if name in rows}
     if cfg.policy.url is None:
-        won = await model_matrix(model_dir(cfg, "policy"), family, tasks, seeds, greedy(cfg.policy), cfg.learner.dtype)
-        out["base greedy"] = round(float(np.mean(won)), 4)
+        if success:
+            won = await model_matrix(
+                model_dir(cfg, "policy"), family, tasks, seeds, greedy(cfg.policy), cfg.learner.dtype
+            )
+            out["base greedy"] = round(float(np.mean(won)), 4)
         if run_dir is not None and (steps := await run_steps(cfg, family, tasks, seeds, run_dir)):
             out["step_agreement"] = steps
     return out
