@@ -521,18 +521,23 @@ async def test_a_milestone_that_arrives_while_waiting_is_not_evaluated_again_at_
     assert await watch.next(cap_s=0.2) is None and stop.is_set()  # version 4 was the newest: nothing more
 
 
-@pytest.mark.timeout(420)
-async def test_a_step_budget_ends_each_run_at_that_policy_version_and_evaluates_it(model_cache: Path) -> None:
-    # 11 s a run on a quiet machine: a cap of 120 s ends a stalled run with its numbers (once in CI, a run
-    # ran into the test's timeout instead, and said nothing)
-    out = await bench_learn(
-        Budget("steps", 3, cap_s=120),
-        eval_every=2,
-        episodes=4,
+async def _tiny_step_bench(model_cache: Path, steps: int, episodes: int, protocol: Protocol) -> dict[str, Any]:
+    """``bench learn`` of ``steps`` policy steps on 2 train and 2 held-out tasks, groups of 4: a cap of
+    120 s ends a stalled run with its numbers (once in CI, a run ran into the test's timeout instead, and
+    said nothing)."""
+    return await bench_learn(
+        Budget("steps", steps, cap_s=120),
+        eval_every=min(2, steps),
+        episodes=episodes,
         cache_dir=model_cache,
         overrides={"env.n_train": 2, "env.n_heldout": 2, "policy.n": 4, "learner.batch_samples": 8},
-        protocol=Protocol(tasks=2, seeds=2),
+        protocol=protocol,
     )
+
+
+@pytest.mark.timeout(420)
+async def test_a_step_budget_ends_each_run_at_that_policy_version_and_evaluates_it(model_cache: Path) -> None:
+    out = await _tiny_step_bench(model_cache, 3, 4, Protocol(tasks=2, seeds=2))  # 11 s a run on a quiet machine
     assert out["budget"] == "3 policy steps" and out["steps_per_run"] == 3 and out["minutes_per_run"] is None
     for c in ("integrated", "outcome_only"):
         (run,) = out["configs"][c]["runs"]
@@ -551,14 +556,7 @@ async def test_a_step_budget_ends_each_run_at_that_policy_version_and_evaluates_
 
 @pytest.mark.timeout(300)
 async def test_a_bench_that_measures_step_agreement_only_plays_no_heldout_episode(model_cache: Path) -> None:
-    out = await bench_learn(
-        Budget("steps", 1, cap_s=120),
-        eval_every=1,
-        episodes=2,
-        cache_dir=model_cache,
-        overrides={"env.n_train": 2, "env.n_heldout": 2, "policy.n": 4, "learner.batch_samples": 8},
-        protocol=Protocol(tasks=2, seeds=1, measure="steps"),
-    )
+    out = await _tiny_step_bench(model_cache, 1, 2, Protocol(tasks=2, seeds=1, measure="steps"))
     assert "heldout_protocol" not in out and out["heldout_steps"]["rows"]["ceiling"]["mean"] == 1.0
     for c in ("integrated", "outcome_only"):
         (run,) = out["configs"][c]["runs"]

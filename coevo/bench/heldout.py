@@ -328,7 +328,7 @@ async def base_agreement(
     """The step-agreement rows of ``bench heldout`` (``coevo.bench.steps``): the habits, the ceiling, the base
     greedy and at the policy's temperature, and the states measured; {} where the family has no ceiling
     or the policy does not choose among candidates."""
-    from coevo.bench.steps import ceiling_paths, habit_by_verb, habit_rows, has_ceiling, model_agreement
+    from coevo.bench.steps import ceiling_paths, habit_by_verb, habit_rows, has_ceiling, model_agreement, path_states
 
     if not tasks or not has_ceiling(family) or policy.mode != "choice":
         return {}
@@ -336,7 +336,7 @@ async def base_agreement(
     agreed = await model_agreement(base, paths, policy, dtype)
     rows = habit_rows(paths) | {"base greedy": bootstrap(agreed.greedy), "base sampled": bootstrap(agreed.sampled)}
     verbs = habit_by_verb(paths) | {"base sampled": agreed.by_verb}
-    return {"states": sum(len(p) for row in paths for p in row), "rows": rows, "by_verb": verbs}
+    return {"states": path_states(paths), "rows": rows, "by_verb": verbs}
 
 
 def _rows(rows: dict[str, dict[str, Any]]) -> list[str]:
@@ -431,7 +431,7 @@ async def run_steps(
     """The base's and the run's last policy checkpoint's step agreement on the reader's path through the
     run's held-out tasks (``coevo.bench.steps``), with the habits' and the paired change; {} without a
     checkpoint, a ceiling or a choosing policy."""
-    from coevo.bench.steps import ceiling_paths, habit_rows, has_ceiling, mean_cell, model_agreement
+    from coevo.bench.steps import ceiling_paths, habit_rows, has_ceiling, mean_cell, model_agreement, path_states
     from coevo.inference.clients import model_dir
     from coevo.training.lane import latest_checkpoint
 
@@ -444,7 +444,7 @@ async def run_steps(
     rows = habit_rows(paths)
     interval = bootstrap(trained.sampled)
     return {
-        "states": sum(len(p) for row in paths for p in row),
+        "states": path_states(paths),
         "habits": {name: rows[name]["mean"] for name in HABITS},
         "base greedy": mean_cell(base.greedy),
         "base": mean_cell(base.sampled),

@@ -179,6 +179,11 @@ def habit_rows(paths: Paths) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def path_states(paths: Paths) -> int:
+    """How many states the paths hold (every one is measured once)."""
+    return sum(len(p) for row in paths for p in row)
+
+
 def verb_of(s: PathStep) -> str:
     """The first word of the ceiling's action at ``s`` (go, take, unlock, open ...): what a state asks."""
     return (s.shown[s.pick].split() or [""])[0]
@@ -187,22 +192,20 @@ def verb_of(s: PathStep) -> str:
 def by_verb(paths: Paths, agree: Callable[[PathStep], float]) -> dict[str, float]:
     """Mean agreement over the states of each ``verb_of`` (pure): whether a policy reads the way (go) or
     has a habit (take, unlock), which the mean over all states mixes."""
-    groups: dict[str, list[float]] = {}
+    return {v: round(sum(map(agree, states)) / len(states), 4) for v, states in _by_verb_states(paths).items()}
+
+
+def _by_verb_states(paths: Paths) -> dict[str, list[PathStep]]:
+    groups: dict[str, list[PathStep]] = {}
     for s in (s for row in paths for p in row for s in p):
-        groups.setdefault(verb_of(s), []).append(agree(s))
-    return {v: round(sum(x) / len(x), 4) for v, x in sorted(groups.items())}
+        groups.setdefault(verb_of(s), []).append(s)
+    return dict(sorted(groups.items()))
 
 
 def habit_by_verb(paths: Paths) -> dict[str, dict[str, float]]:
     """``by_verb`` of every habit, and the number of states of each verb (``states``)."""
-    return {"states": _counts(paths)} | {name: by_verb(paths, _agreeing(d)) for name, d in habit_dists().items()}
-
-
-def _counts(paths: Paths) -> dict[str, float]:
-    counts: dict[str, float] = {}
-    for s in (s for row in paths for p in row for s in p):
-        counts[verb_of(s)] = counts.get(verb_of(s), 0) + 1
-    return dict(sorted(counts.items()))
+    counts = {v: float(len(states)) for v, states in _by_verb_states(paths).items()}
+    return {"states": counts} | {name: by_verb(paths, _agreeing(d)) for name, d in habit_dists().items()}
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,7 @@ def agreement_fields(paths: Paths, trained: Agreement, base: Agreement) -> dict[
         "heldout_step_agreement": mean_cell(trained.sampled),
         "heldout_step_agreement_by_verb_initial": base.by_verb,
         "heldout_step_agreement_by_verb": trained.by_verb,
-        "heldout_path_states": sum(len(p) for row in paths for p in row),
+        "heldout_path_states": path_states(paths),
         "heldout_steps": trained.sampled,
         "heldout_steps_initial": base.sampled,
         "heldout_steps_base_greedy": base.greedy,
