@@ -521,7 +521,7 @@ class NatsBus(Publisher, History, Rpc):
             raise ValueError(f"unknown bucket {name!r}: add it to coevo.runtime.credentials.KV_BUCKETS")
         bucket = f"coevo_{self.run_id}_{name}"
         try:
-            return Bucket(await self.js.key_value(bucket), bucket)
+            return Bucket(await self.js.key_value(bucket), bucket, self.js)
         except nats.js.errors.BucketNotFoundError:
             return Bucket(
                 await placed(
@@ -530,4 +530,5 @@ class NatsBus(Publisher, History, Rpc):
                     )
                 ),
                 bucket,
+                self.js,
             )
