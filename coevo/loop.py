@@ -139,6 +139,11 @@ def _beside(s: dict[str, Any], cfg: CoevoConfig, baselines: dict[str, Any] | Non
         out.append(f"    {run_verdict(s['heldout_success_end'], cfg.env.n_heldout * cfg.policy.n, bars)}")
     if steps := baselines.get("step_agreement"):
         out.append(f"  {steps_verdict(steps)}")
+    if why := baselines.get("skipped"):
+        out.append(
+            f"  baselines: not measured ({why}); `coevo bench heldout` measures the habits and the base on "
+            "the same tasks"
+        )
     return out
 
 
@@ -360,30 +365,73 @@ async def run_main(
                     stop.set()
 
         agents = await off_the_loop(lambda: build_agents(rt.bus, cfg, on_step=on_step), _loading)
-        async with _observe(rt, cfg, opts, agents) as live:
-            started = time.time()
-            _announce(rt, cfg, live)
-            interrupted = await _run_until_stopped(agents, stop, cfg, live)
-            summary = await _finish(rt, agents, started)
-            await live.drain()
-            links = await _links(rt, live, summary, opts)
-        if interrupted and resume is not None:
-            links["resume"] = resume(rt.run_id)
-        bars = await _baselines(cfg, rt.run_dir, summary, baselines) if baselines else {}
-    print(describe(summary, cfg, links, bars, interrupted=interrupted), flush=True)
+        with Interrupts(stop) as signals:
+            async with _observe(rt, cfg, opts, agents) as live:
+                started = time.time()
+                _announce(rt, cfg, live)
+                await _run_until_stopped(agents, stop, cfg, live)
+                summary = await _finish(rt, agents, started)
+                await live.drain()
+                links = await _links(rt, live, summary, opts)
+            if signals.interrupted and resume is not None:
+                links["resume"] = resume(rt.run_id)
+            bars = await _baselines(cfg, rt.run_dir, summary, baselines, signals.hurry) if baselines else {}
+            print(describe(summary, cfg, links, bars, interrupted=signals.interrupted), flush=True)
     return 0
 
 
-async def _baselines(cfg: CoevoConfig, run_dir: Path, summary: dict[str, Any], measure: Baselines) -> dict[str, Any]:
+class Interrupts:
+    """SIGINT and SIGTERM from the agents' start to the closing summary: the first stops the run (the
+    agents drain; ``interrupted`` names it when it came before the budget ran out), the next skips what
+    is left of the closing measurements (``hurry``), and any after that has the default action again
+    (ends the process at once, nothing printed)."""
+
+    def __init__(self, stop: asyncio.Event) -> None:
+        self.stop, self.hurry = stop, asyncio.Event()
+        self.interrupted: str | None = None
+        self._loop = asyncio.get_running_loop()
+
+    def __enter__(self) -> Interrupts:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._loop.add_signal_handler(sig, self._on_signal, sig)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if not self.stop.is_set():
+            self.interrupted = sig.name
+            self.stop.set()
+            log.warning("run.stopping", signal=sig.name, hint="once more skips the closing measurements")
+        else:
+            self.hurry.set()
+            self.__exit__()
+            log.warning("run.hurrying", signal=sig.name, hint="the summary without its closing measurements")
+
+
+async def _baselines(
+    cfg: CoevoConfig, run_dir: Path, summary: dict[str, Any], measure: Baselines, hurry: asyncio.Event
+) -> dict[str, Any]:
     """Habits and the base greedy on the run's held-out tasks when a round was scored, and the step
-    agreement of base and last policy (best effort: a failure is logged, the summary prints without them)."""
+    agreement of base and last policy (best effort: a failure is logged, the summary prints without them;
+    ``hurry`` set before they are done: ``{"skipped": why}``)."""
     success = summary["heldout_success_end"] is not None
     log.info("run.measuring_baselines", habits_and_base_greedy=success, step_agreement=True)
+    measuring = asyncio.ensure_future(measure(cfg, Path(run_dir), success))
+    hurried = asyncio.ensure_future(hurry.wait())
     try:
-        return await measure(cfg, Path(run_dir), success)
-    except Exception as exc:
+        await asyncio.wait({measuring, hurried}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (measuring, hurried):
+            task.cancel()
+    if not measuring.done() or measuring.cancelled():
+        return {"skipped": "a second signal skipped them"}
+    if (exc := measuring.exception()) is not None:
         log.warning("run.baselines_failed", error=repr(exc)[:300])
         return {}
+    return measuring.result()
 
 
 def _loading(seconds: float) -> None:
@@ -430,29 +478,14 @@ def _announce(rt: Runtime, cfg: CoevoConfig, live: LiveRun) -> None:
         print(f"coevo run {rt.run_id}: Prometheus metrics at {live.metrics_url}", flush=True)
 
 
-async def _run_until_stopped(agents: list[Agent], stop: asyncio.Event, cfg: CoevoConfig, live: LiveRun) -> str | None:
-    """Run until the budget or a signal; the signal's name if one stopped it first (None: the budget)."""
-    loop = asyncio.get_running_loop()
-    by: list[str] = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        if not stop.is_set():
-            by.append(sig.name)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(run_agents(agents, handle_signals=False, until=stop), name="agents")
-            tg.create_task(Progress(agents, live.aggregator).run(stop), name="progress")
-            if cfg.run.minutes > 0:
-                tg.create_task(_deadline(stop, cfg.run.minutes * 60), name="deadline")
-            await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-    return by[0] if by else None
+async def _run_until_stopped(agents: list[Agent], stop: asyncio.Event, cfg: CoevoConfig, live: LiveRun) -> None:
+    """Run until the budget, the policy step count or a signal (``Interrupts``) sets ``stop``, the agents drained."""
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(run_agents(agents, handle_signals=False, until=stop), name="agents")
+        tg.create_task(Progress(agents, live.aggregator).run(stop), name="progress")
+        if cfg.run.minutes > 0:
+            tg.create_task(_deadline(stop, cfg.run.minutes * 60), name="deadline")
+        await stop.wait()
 
 
 async def _finish(rt: Runtime, agents: list[Agent], started: float) -> dict[str, Any]:
