@@ -12,6 +12,7 @@ from coevo.schemas import (
     LearnerStepped,
     RunFinished,
     Source,
+    StepAgreementMeasured,
     StepJudged,
     StepTaken,
     TaskDecided,
@@ -145,6 +146,9 @@ def sample_events(run_id: str) -> list[Event]:
             raw=b"\x00\x01binary",
             delivery_count=1,
             headers={"Nats-Msg-Id": "x"},
+        ),
+        StepAgreementMeasured(
+            **common, group_id="eval0-g1", task_id="quick-h1", policy_version=3, states=6, agreement=0.42, greedy=0.5
         ),
         BudgetExceeded(**common, backend="litellm", model="openai/gpt-4.1-mini", spent_usd=1.01, max_usd=1.0),
         RunFinished(**common, summary={"policy_success_end": 0.9}),

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coevo.agents.policy import choose, step_order
+from coevo.acting import choose, step_order
 from coevo.algorithm.prompts import CHAT_LABELS, INDEX_LABELS, shown_order
 from coevo.algorithm.rewriter import parse_llm_proposal
 from coevo.bench.heldout import bootstrap, constant, habit_table, play_habit, uniform, verdict

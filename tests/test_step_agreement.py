@@ -12,18 +12,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coevo.agents.policy import step_order
+from coevo.acting import step_order
+from coevo.acting.ceiling import Ceiling
 from coevo.bench.heldout import CONSTANTS, base_agreement, episode_key, heldout_table, verb_choices
 from coevo.bench.learn import eval_set
 from coevo.bench.steps import (
     _PATHS,
     Agreement,
-    Ceiling,
     agreement_fields,
     agreement_table,
     ceiling_paths,
     habit_rows,
-    has_ceiling,
     model_agreement,
 )
 from coevo.bench.tables import protocol_table
@@ -82,7 +81,7 @@ async def test_a_family_without_a_reader_agrees_with_its_walkthrough() -> None:
     assert len(paths) == len(tasks) == 4
     for task, row in zip(tasks, paths, strict=True):
         assert all([s.shown[s.pick] for s in path] == family.walkthrough(task) for path in row)
-    assert has_ceiling(QuickGame()) and has_ceiling(family) and not has_ceiling(Coding())
+    assert QuickGame().has_ceiling and family.has_ceiling and not Coding().has_ceiling
 
 
 def test_the_walkthrough_follower_waits_off_the_path_for_a_command_not_shown() -> None:

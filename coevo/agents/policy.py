@@ -22,17 +22,10 @@ import asyncio
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from coevo.algorithm.prompts import (
-    CHAT_LABELS,
-    INDEX_LABELS,
-    episode_seed,
-    parse_action,
-    policy_messages,
-    policy_prompt,
-    shown_order,
-)
+from coevo.acting import choose, step_order
+from coevo.acting.ceiling import agreement, ceiling_path, choice_probs
 from coevo.envs import make_family
 from coevo.envs.base import Environment, Observation, StepResult
 from coevo.errors import EnvError
@@ -47,6 +40,7 @@ from coevo.runtime.credentials import generated_token
 from coevo.schemas import (
     ENDPOINT_GROUPS,
     LearnerStepped,
+    StepAgreementMeasured,
     StepTaken,
     TaskScheduled,
     TaskSpec,
@@ -59,56 +53,8 @@ from coevo.schemas.events import Outcome, Role
 from coevo.weights.follower import WeightsFollower, report_applied, weights_subscription
 
 if TYPE_CHECKING:
-    from coevo.config import CoevoConfig, PolicyConfig
+    from coevo.config import CoevoConfig
     from coevo.serve.episodes import Episode
-
-
-async def choose(
-    client: Any,
-    cfg: PolicyConfig,
-    obs: Observation,
-    cands: list[str],
-    conversation: Conversation | None,
-    *,
-    order: list[int] | None = None,
-    form: PromptForm | None = None,
-) -> tuple[Completion, int | None, str | None]:
-    """How the policy acts on ``obs`` (the agent, and evaluators that must act exactly like it): one
-    model call; the completion, the index in ``cands`` of the candidate it names (None: none parsed,
-    or no candidates) and, in chat mode, how the conversation's tokens were reused. ``order``: the
-    order the candidates are shown in (``shown_order``; default as given); ``form``: raw text or the
-    model's chat template (default raw)."""
-    order = order if order is not None else list(range(min(len(cands), len(INDEX_LABELS))))
-    shown = [cands[i] for i in order]
-
-    def named(label: int | None) -> int | None:
-        return None if label is None else order[label]
-
-    if conversation is not None:  # chat: the whole episode is one conversation, token-in/token-out
-        c, how = await conversation.ask(
-            client, policy_prompt(obs.text, shown, "generate"), max_tokens=cfg.max_tokens, temperature=cfg.temperature
-        )
-        return c, (named(parse_action(c.text, len(shown))) if shown else None), how
-    mode: Literal["choice", "generate"] = "choice" if cfg.mode == "choice" and shown else "generate"
-    chat = form is not None and form.chat
-    labels = CHAT_LABELS if chat else INDEX_LABELS
-    text = policy_prompt(obs.text, shown, mode)
-    ids = form.ids(policy_messages(obs.text, shown, mode)) if form is not None and chat else None
-    if mode == "choice":
-        c = await client.complete(text, choices=list(labels[: len(shown)]), temperature=cfg.temperature, prompt_ids=ids)
-        return c, named(c.choice), None
-    c = await client.complete(text, max_tokens=cfg.max_tokens, temperature=cfg.temperature, prompt_ids=ids)
-    return c, (named(parse_action(c.text, len(shown), labels)) if shown else None), None
-
-
-def step_order(cfg: PolicyConfig, key: str, step: int, n: int) -> list[int]:
-    """Which of its ``n`` candidates step ``step`` of the episode ``key`` shows, in order: position ``j``
-    shows candidate ``order[j]``. At most ``len(INDEX_LABELS)`` (a label each): with more candidates (a
-    TextWorld kitchen), a different draw of them at every step, so no admissible command is out of reach
-    for good; shuffled from the episode's key with ``policy.shuffle_choices``, else the first ones as given."""
-    if cfg.shuffle_choices and n > 1:
-        return shown_order(n, episode_seed(key), step)[: len(INDEX_LABELS)]
-    return list(range(min(n, len(INDEX_LABELS))))
 
 
 def endpoint_key(cfg: CoevoConfig, run_id: str) -> tuple[str | None, Path | None]:
@@ -126,7 +72,7 @@ def endpoint_key(cfg: CoevoConfig, run_id: str) -> tuple[str | None, Path | None
 
 class PolicyAgent(Agent):
     role = "policy"
-    emits = (StepTaken, TrajectoryCompleted, WeightsApplied, TaskScheduled)
+    emits = (StepTaken, TrajectoryCompleted, StepAgreementMeasured, WeightsApplied, TaskScheduled)
     lane: Role = "policy"
     weights_wait_s = 120.0
     """how long a group waits for the weights it was scheduled at before it is played with older ones"""
@@ -139,6 +85,8 @@ class PolicyAgent(Agent):
             self.cfg, self.bus, self.lane, self.client, server=self.agent_id, counters=self.counters
         )
         self.rollout_permits = asyncio.Semaphore(self.cfg.policy.max_concurrent_trajectories)
+        self.measures_agreement = self.cfg.policy.mode == "choice" and self.family.has_ceiling
+        """whether evaluation groups get a ``StepAgreementMeasured`` (a choosing policy, a family with a ceiling)"""
         self._chat_tokens: ChatTokens | None = None
         self.form = PromptForm.of(self.client, self.cfg.policy.prompt_format)
         self.endpoint: Any = None
@@ -236,7 +184,42 @@ class PolicyAgent(Agent):
         async with asyncio.TaskGroup() as tg:
             for i in range(event.n_rollouts):
                 tg.create_task(self.rollout(event, i, attempt), name=f"{event.group_id}-r{i}")
+            if event.purpose == "eval" and self.measures_agreement:
+                tg.create_task(self.step_agreement(event), name=f"{event.group_id}-agreement")
         self.counters["groups"] += 1
+
+    async def step_agreement(self, task: TaskScheduled) -> None:
+        """The policy's agreement with the ceiling on an evaluation group's task (``coevo.acting.ceiling``):
+        on the ceiling's path through the episode of the group's first rollout key, one forward pass a
+        state, no draw. A client without choice distributions (a server without constrained log-probs)
+        turns the measurement off for the agent's life, counted."""
+        async with self.rollout_permits:
+            try:
+                path = await ceiling_path(
+                    self.family, task.task, f"{task.group_id}-r0", self.cfg.policy, self.make_env()
+                )
+            except EnvError as exc:
+                self.log.warning("policy.agreement_failed", group_id=task.group_id, error=str(exc))
+                return
+            measured = await asyncio.gather(*(choice_probs(self.client, self.cfg.policy, s, self.form) for s in path))
+        if any(m is None for m in measured):
+            self.measures_agreement = False
+            self.counters["agreement.unsupported"] += 1
+            return
+        pairs = [agreement(m[0], s.pick) for m, s in zip(measured, path, strict=True) if m is not None]
+        await self.emit(
+            self.event(
+                StepAgreementMeasured,
+                cause=task,
+                correlation_id=task.group_id,
+                group_id=task.group_id,
+                task_id=task.task.task_id,
+                policy_version=min((m[1] for m in measured if m is not None), default=self.client.version),
+                states=len(pairs),
+                agreement=round(sum(p for p, _ in pairs) / len(pairs), 6) if pairs else None,
+                greedy=round(sum(g for _, g in pairs) / len(pairs), 6) if pairs else None,
+            )
+        )
 
     def conversation(self) -> Conversation:
         if self._chat_tokens is None:

@@ -17,18 +17,19 @@ template.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from coevo.acting.ceiling import Habit, habit_episode
 from coevo.config import ComputeDtype
 from coevo.inference.precision import model_dtype
 
 if TYPE_CHECKING:
     from coevo.config import CoevoConfig, PolicyConfig
-    from coevo.envs.base import Family, Observation, StepResult
+    from coevo.envs.base import Family
     from coevo.schemas import TaskSpec
 
 EVAL_SEEDS = (999, 1000, 1001, 1002, 1003)
@@ -46,8 +47,6 @@ VERBS = ("take", "unlock", "open")
 that some shown action starts with wins, uniformly among its actions (take the coin or a key, then
 unlock, then open; else any action): the best habit of the old quick game, which needs no reading."""
 
-Habit = Callable[[str, list[str], random.Random], int | None]
-"""(observation text, candidates as shown, the episode's rng) -> index in the shown list."""
 Matrix = list[list[int]]
 """won[task][seed] (1 won, 0 not)."""
 
@@ -80,38 +79,6 @@ async def play_habit(
         ]
         for i, task in enumerate(tasks)
     ]
-
-
-async def habit_episode(
-    family: Family,
-    task: TaskSpec,
-    key: str,
-    habit: Habit,
-    policy: PolicyConfig,
-    on_step: Callable[[Observation, str, StepResult], None] | None = None,
-) -> str | None:
-    """One episode of ``habit`` on ``task``, its candidates shown in the order ``key`` draws and its
-    rng seeded from ``key``; ``on_step(observation, action, result)`` sees every step. The outcome
-    (None: the step cap ended it)."""
-    from coevo.agents.policy import step_order
-    from coevo.algorithm.prompts import episode_seed
-
-    rng, env = random.Random(episode_seed(key)), family.make_env()
-    try:
-        obs = await env.reset(task)
-        for k in range(family.max_steps_cap):
-            shown = [obs.candidates[j] for j in step_order(policy, key, k, len(obs.candidates))]
-            pick = habit(obs.text, shown, rng) if shown else None
-            action = shown[pick] if pick is not None else ""
-            r = await env.step(action)
-            if on_step is not None:
-                on_step(obs, action, r)
-            if r.done:
-                return r.outcome
-            obs = r.observation
-    finally:
-        await env.close()
-    return None
 
 
 def bootstrap(
@@ -227,7 +194,7 @@ async def label_mass(model: Path, family: Family, tasks: Sequence[TaskSpec], pol
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from coevo.agents.policy import step_order
+    from coevo.acting import step_order
     from coevo.algorithm.prompts import CHAT_LABELS, INDEX_LABELS, policy_messages, policy_prompt
     from coevo.inference.chat import PromptForm
     from coevo.inference.engine import choice_token_ids, encode_prompt
@@ -328,9 +295,9 @@ async def base_agreement(
     """The step-agreement rows of ``bench heldout`` (``coevo.bench.steps``): the habits, the ceiling, the base
     greedy and at the policy's temperature, and the states measured; {} where the family has no ceiling
     or the policy does not choose among candidates."""
-    from coevo.bench.steps import ceiling_paths, habit_by_verb, habit_rows, has_ceiling, model_agreement, path_states
+    from coevo.bench.steps import ceiling_paths, habit_by_verb, habit_rows, model_agreement, path_states
 
-    if not tasks or not has_ceiling(family) or policy.mode != "choice":
+    if not tasks or not family.has_ceiling or policy.mode != "choice":
         return {}
     paths = await ceiling_paths(family, tasks, seeds, policy)
     agreed = await model_agreement(base, paths, policy, dtype)
@@ -431,12 +398,12 @@ async def run_steps(
     """The base's and the run's last policy checkpoint's step agreement on the reader's path through the
     run's held-out tasks (``coevo.bench.steps``), with the habits' and the paired change; {} without a
     checkpoint, a ceiling or a choosing policy."""
-    from coevo.bench.steps import ceiling_paths, habit_rows, has_ceiling, mean_cell, model_agreement, path_states
+    from coevo.bench.steps import ceiling_paths, habit_rows, mean_cell, model_agreement, path_states
     from coevo.inference.clients import model_dir
     from coevo.training.lane import latest_checkpoint
 
     final = latest_checkpoint(Path(run_dir) / "checkpoints" / "policy")
-    if final is None or not has_ceiling(family) or cfg.policy.mode != "choice":
+    if final is None or not family.has_ceiling or cfg.policy.mode != "choice":
         return {}
     paths = await ceiling_paths(family, tasks, seeds, cfg.policy)
     base = await model_agreement(model_dir(cfg, "policy"), paths, cfg.policy, cfg.learner.dtype)

@@ -71,7 +71,8 @@ async def labelled_steps(
 ) -> list[LabelledStep]:
     """The first ``limit`` steps that carry the environment's label, of one uniform-random episode per
     task (played as the held-out habits are: ``coevo.bench.heldout.habit_episode``)."""
-    from coevo.bench.heldout import episode_key, habit_episode, uniform
+    from coevo.acting.ceiling import habit_episode
+    from coevo.bench.heldout import episode_key, uniform
 
     out: list[LabelledStep] = []
 

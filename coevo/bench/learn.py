@@ -39,7 +39,6 @@ from coevo.bench.steps import (
     ceiling_paths,
     habit_by_verb,
     habit_rows,
-    has_ceiling,
     model_agreement,
 )
 from coevo.config import CoevoConfig, ComputeDtype, EnvConfig, PolicyConfig, load_config, registered_families
@@ -209,7 +208,7 @@ async def _play(
 ) -> bool:
     """One episode of ``task``, acting as the policy agent does (its prompt form, the candidates shown in
     the order episode ``key`` draws); True iff it is won."""
-    from coevo.agents.policy import choose, step_order
+    from coevo.acting import choose, step_order
     from coevo.inference.chat import ChatTokens, Conversation, PromptForm
 
     conversation = Conversation(ChatTokens(engine.tokenizer)) if policy.mode == "chat" else None
@@ -354,9 +353,9 @@ async def eval_set(
     held = [
         t for t in (family.initial_tasks(0, heldout, HELDOUT_SEED) if heldout else []) if (await family.precheck(t)).ok
     ]
-    with_paths = bool(held) and measure != "success" and has_ceiling(family) and cfg.policy.mode == "choice"
+    with_paths = bool(held) and measure != "success" and family.has_ceiling and cfg.policy.mode == "choice"
     if measure == "steps" and held and not with_paths:
-        why = "policy.mode is not choice" if has_ceiling(family) else f"{family.name} has no reader or walkthrough"
+        why = "policy.mode is not choice" if family.has_ceiling else f"{family.name} has no reader or walkthrough"
         raise ConfigError(f"held-out step agreement cannot be measured: {why}", field="policy.mode")
     return EvalSet(
         family,

@@ -24,33 +24,18 @@ on the policy, so every arm and every habit is measured on the same states.
 from __future__ import annotations
 
 import asyncio
-import math
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coevo.bench.heldout import CONSTANTS, bootstrap, episode_key, habit_episode, verb_choices, verdict
+from coevo.acting.ceiling import PathStep, agreement, ceiling_path, choice_probs
+from coevo.bench.heldout import CONSTANTS, bootstrap, episode_key, verb_choices, verdict
 
 if TYPE_CHECKING:
     from coevo.config import ComputeDtype, PolicyConfig
-    from coevo.envs.base import Family, Observation, StepResult
+    from coevo.envs.base import Family
     from coevo.schemas import TaskSpec
-
-
-@dataclass(frozen=True)
-class PathStep:
-    """A state on the ceiling's path: the observation, the order its candidates are shown in
-    (``step_order``) and the ceiling's choice, an index in the shown list."""
-
-    observation: Observation
-    order: list[int]
-    pick: int
-
-    @property
-    def shown(self) -> list[str]:
-        return [self.observation.candidates[j] for j in self.order]
 
 
 Paths = list[list[list[PathStep]]]
@@ -61,60 +46,8 @@ Dist = Callable[[list[str]], list[float]]
 """candidates as shown -> a habit's probability of each."""
 
 
-def has_ceiling(family: Family) -> bool:
-    """Whether ``family`` has a ceiling to agree with: a scripted reader or a walkthrough."""
-    return family.readable or callable(getattr(family, "walkthrough", None))
-
-
-WAITS = ("look", "inventory")
-"""What the walkthrough's follower plays while its next command is not among the shown ones (a TextWorld
-kitchen shows 36 of up to 112): an action the policy could take too, and a state off the path."""
 CONCURRENCY = 8
 """Ceiling episodes played at once (TextWorld: one emulator each)."""
-
-
-@dataclass
-class Ceiling:
-    """The ceiling's habit on one task: the scripted reader (``pending`` None), else a follower of the
-    task's walkthrough. ``on_path``: whether its last choice was the ceiling's own, not a wait."""
-
-    family: Family
-    pending: list[str] | None
-    on_path: bool = True
-
-    @classmethod
-    def of(cls, family: Family, task: TaskSpec) -> Ceiling:
-        return cls(family, None if family.readable else list(family.walkthrough(task)))  # type: ignore[attr-defined]
-
-    def __call__(self, obs: str, shown: list[str], _rng: random.Random) -> int | None:
-        self.on_path = True
-        if self.pending is None:
-            return self.family.read(obs, shown)
-        if self.pending and self.pending[0] in shown:
-            return shown.index(self.pending.pop(0))
-        self.on_path = False
-        return next((shown.index(w) for w in WAITS if w in shown), None)
-
-
-async def ceiling_path(family: Family, task: TaskSpec, key: str, policy: PolicyConfig) -> list[PathStep]:
-    """The states of the ceiling's episode ``key`` on ``task`` where it took its own action, each shown as
-    the policy agent shows step ``k`` of that episode (``step_order(policy, key, k, …)``)."""
-    from coevo.agents.policy import step_order
-
-    out: list[PathStep] = []
-    k = 0
-    ceiling = Ceiling.of(family, task)
-
-    def keep(obs: Observation, action: str, _r: StepResult) -> None:
-        nonlocal k
-        order = step_order(policy, key, k, len(obs.candidates))
-        k += 1
-        shown = [obs.candidates[j] for j in order]
-        if ceiling.on_path and action in shown:
-            out.append(PathStep(obs, order, shown.index(action)))
-
-    await habit_episode(family, task, key, ceiling, policy, keep)
-    return out
 
 
 _PATHS: dict[tuple[str, ...], Paths] = {}
@@ -252,25 +185,22 @@ def _digest(paths: Paths) -> str:
 
 
 async def _agreement(model: Path, paths: Paths, policy: PolicyConfig, dtype: ComputeDtype) -> Agreement:
-    from coevo.agents.policy import choose
     from coevo.inference.chat import PromptForm
     from coevo.inference.engine import LocalEngine
 
     async with LocalEngine(model, dtype=dtype) as engine:
         form = PromptForm.of(engine, policy.prompt_format)
 
-        async def one(s: PathStep) -> list[float]:
-            c, _, _ = await choose(
-                engine, policy, s.observation, list(s.observation.candidates), None, order=s.order, form=form
-            )
-            assert c.choice_logprobs is not None  # a constrained call
-            return [math.exp(x) for x in c.choice_logprobs]
+        async def one(s: PathStep) -> tuple[float, float]:
+            measured = await choice_probs(engine, policy, s, form)
+            assert measured is not None  # the local engine's constrained calls carry them
+            return agreement(measured[0], s.pick)
 
         flat = [s for row in paths for p in row for s in p]
-        probs = dict(zip(map(id, flat), await asyncio.gather(*(one(s) for s in flat)), strict=True))
-    sampled = cells(paths, lambda s: probs[id(s)][s.pick])
-    greedy = cells(paths, lambda s: float(max(range(len(probs[id(s)])), key=probs[id(s)].__getitem__) == s.pick))
-    return Agreement(sampled, greedy, by_verb(paths, lambda s: probs[id(s)][s.pick]))
+        agree = dict(zip(map(id, flat), await asyncio.gather(*(one(s) for s in flat)), strict=True))
+    sampled = cells(paths, lambda s: agree[id(s)][0])
+    greedy = cells(paths, lambda s: agree[id(s)][1])
+    return Agreement(sampled, greedy, by_verb(paths, lambda s: agree[id(s)][0]))
 
 
 def mean_cell(c: Cells) -> float | None:

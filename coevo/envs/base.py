@@ -142,6 +142,12 @@ class Family(abc.ABC):
         no memory); None where the family has no reader."""
         return None
 
+    @property
+    def has_ceiling(self) -> bool:
+        """Whether the held-out protocol has a ceiling to agree with: the scripted reader, or a
+        ``walkthrough(task)`` (the commands that win the task) where the family has one."""
+        return self.readable or callable(getattr(self, "walkthrough", None))
+
     def bounds(self, name: str, split: str) -> tuple[int, int]:
         """The range knob ``name`` may take in a task of ``split`` (train: within ``train_limits``)."""
         k = self.knob(name)

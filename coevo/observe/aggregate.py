@@ -27,6 +27,7 @@ from coevo.schemas import (
     GroupScored,
     LearnerStepped,
     RunFinished,
+    StepAgreementMeasured,
     StepJudged,
     StepTaken,
     TaskDecided,
@@ -81,6 +82,7 @@ class Aggregator:
         self._rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
         self._mixed: deque[bool] = deque(maxlen=MIXED_WINDOW)
         self._rounds: dict[str, list[int | list[float]]] = {}  # eval round -> [scheduled, accuracies]
+        self._agreements: dict[str, dict[str, float | None]] = {}  # eval round -> group -> step agreement
         self._rates: deque[tuple[float, int, int]] = deque()  # (t, trajectories, env steps) per tick
         self._next_tick: float | None = None
         self._handlers: dict[type[Event], Callable[[Any, float], list[Point]]] = {
@@ -92,6 +94,7 @@ class Aggregator:
             TaskDecided: self._decided,
             StepJudged: self._judged,
             TrajectoryCompleted: self._trajectory,
+            StepAgreementMeasured: self._agreement,
             AgentStatus: self._status,
             DeadLettered: self._dead,
             RunFinished: self._finished,
@@ -254,6 +257,19 @@ class Aggregator:
             return []
         step = int(name[4:] or 0)
         return [self._point("success_heldout", (), t, round(statistics.fmean(accs), 4), e.ts, step=step)]
+
+    def _agreement(self, e: StepAgreementMeasured, t: float) -> list[Point]:
+        """A round's point once every scheduled group of it was measured (the first measure of a group only)."""
+        name = e.group_id.split("-")[0]
+        by_group = self._agreements.setdefault(name, {})
+        if e.group_id in by_group:
+            return []
+        by_group[e.group_id] = e.agreement
+        values = [a for a in by_group.values() if a is not None]
+        if len(by_group) != self._rounds.get(name, [0])[0] or not values:
+            return []
+        step = int(name[4:] or 0)
+        return [self._point("heldout_agreement", (), t, round(statistics.fmean(values), 4), e.ts, step=step)]
 
     def _learner(self, e: LearnerStepped, t: float) -> list[Point]:
         self.trajectories.trained(e)

@@ -40,6 +40,12 @@ SPECS: dict[str, Spec] = {
     "success_heldout": Spec(
         "held-out success: mean over one evaluation round (the same tasks every round)", "success", "fraction won"
     ),
+    "heldout_agreement": Spec(
+        "held-out step agreement: the policy's mean probability, at its temperature, of the ceiling's action on "
+        "the ceiling's path through each task of one evaluation round (the scripted reader, else the walkthrough)",
+        "agreement",
+        "probability",
+    ),
     "reward_mean": Spec("mean integrated step reward of one train group", "reward", "reward"),
     "reward_std": Spec("standard deviation of the mean rewards of the last 16 train groups", "reward", "reward"),
     "judge_process_accuracy": Spec(
@@ -163,6 +169,7 @@ SPECS: dict[str, Spec] = {
 CHARTS: dict[str, tuple[str, str]] = {
     "success": ("Policy success (train groups, held-out rounds)", "fraction won"),
     "signal": ("Train groups with an outcome signal (mixed outcomes)", "fraction of groups"),
+    "agreement": ("Held-out step agreement (the ceiling's action on its path, per round)", "probability"),
     "reward": ("Integrated reward", "reward"),
     "judge": ("Judge process and outcome accuracy", "accuracy"),
     "consistency": ("Judge consistency (R·S)", "R·S"),

@@ -19,6 +19,7 @@ from coevo.schemas import (
     GroupScored,
     LearnerStepped,
     RunFinished,
+    StepAgreementMeasured,
     StepJudged,
     TaskDecided,
     TaskRewritten,
@@ -89,6 +90,20 @@ class RunSummary(BaseModel):
     heldout_success_rounds: list[float] = Field(
         default_factory=list,
         description="mean success of every held-out evaluation round, in order (the curve between start and end)",
+    )
+    heldout_agreement_start: float | None = Field(
+        default=None,
+        description=(
+            "held-out step agreement of the first evaluation round: the policy's mean probability, at its "
+            "temperature, of the ceiling's action (scripted reader or walkthrough) on the ceiling's path through "
+            "each evaluation group's task (one path a group; families with a ceiling, a choosing policy)"
+        ),
+    )
+    heldout_agreement_end: float | None = Field(
+        default=None, description="the same for the last evaluation round whose every group was measured"
+    )
+    heldout_agreement_rounds: list[float] = Field(
+        default_factory=list, description="held-out step agreement of every evaluation round, in order"
     )
     judge_process_accuracy_change: Interval | None = Field(
         default=None, description=_CHANGE.format(what="judge_process_accuracy - judge_process_accuracy_start")
@@ -236,6 +251,7 @@ class RunTally:
     counts: Counter[str] = field(default_factory=Counter)
     train: list[float] = field(default_factory=list)
     evals: dict[str, list[float]] = field(default_factory=dict)
+    agreements: dict[str, dict[str, float | None]] = field(default_factory=dict)  # round -> group -> agreement
     eval_scheduled: Counter[str] = field(default_factory=Counter)
     proc: list[float] = field(default_factory=list)
     outc: list[float] = field(default_factory=list)
@@ -290,6 +306,8 @@ class RunTally:
             self.capped += event.moves_wanted is not None and event.moves < event.moves_wanted
         elif isinstance(event, TaskScheduled) and event.purpose == "eval":
             self.eval_scheduled[event.group_id.split("-")[0]] += 1
+        elif isinstance(event, StepAgreementMeasured):  # a redelivered group's second measure is not counted
+            self.agreements.setdefault(event.group_id.split("-")[0], {}).setdefault(event.group_id, event.agreement)
         elif isinstance(event, StepJudged):
             for v in event.votes:
                 self.judge["errors"] += v.status == "error"
@@ -351,6 +369,22 @@ class RunTally:
             if x is not None:
                 values.append(x)
 
+    def _agreement_rounds(self) -> dict[str, Any]:
+        """The ``heldout_agreement_*`` fields: the mean of each evaluation round whose every scheduled group
+        was measured (a group with an empty path counts as measured, with no value)."""
+        ordered = sorted(self.agreements.items(), key=lambda kv: int(kv[0][4:] or 0))
+        means = [
+            m
+            for name, by_group in ordered
+            if len(by_group) >= self.eval_scheduled[name]
+            and (m := _mean([a for a in by_group.values() if a is not None])) is not None
+        ]
+        return {
+            "heldout_agreement_start": means[0] if means else None,
+            "heldout_agreement_end": means[-1] if means else None,
+            "heldout_agreement_rounds": means,
+        }
+
     def summary(self, run_id: str, seconds: float) -> RunSummary:
         k = max(1, len(self.train) // 5)
         ordered = sorted(self.evals.items(), key=lambda kv: int(kv[0][4:] or 0))
@@ -368,6 +402,7 @@ class RunTally:
             policy_success_change=Interval.of(self.train[:k], self.train[-k:]),
             heldout_success_change=Interval.of(rounds[0], rounds[-1]) if len(rounds) > 1 else None,
             heldout_success_rounds=[m for r in rounds if (m := _mean(r)) is not None],
+            **self._agreement_rounds(),
             judge_process_accuracy_change=Interval.of(
                 _quarter(self.proc, first=True), _quarter(self.proc, first=False)
             ),

@@ -51,7 +51,7 @@ from coevo.schemas.envproto import env_subject
 
 ADMIN = "admin"
 EMITS: dict[str, tuple[str, ...]] = {
-    "policy": ("step.taken", "trajectory.completed", "weights.applied", "task.scheduled"),
+    "policy": ("step.taken", "trajectory.completed", "step.agreement", "weights.applied", "task.scheduled"),
     "judge": ("step.judged", "weights.applied", "budget.exceeded"),
     "scorer": ("group.scored",),
     "tasks": ("task.scheduled", "task.rewritten", "task.decided"),

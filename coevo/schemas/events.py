@@ -166,6 +166,22 @@ class TrajectoryCompleted(Event):
     error: str | None = None
 
 
+class StepAgreementMeasured(Event):
+    """The policy's step agreement on an evaluation group's task: on every state of the ceiling's path
+    (the family's scripted reader, else its walkthrough) through the episode of the group's first
+    rollout key, the policy's probability of the ceiling's action at its temperature (``agreement``,
+    the mean over the states) and whether that action is its most probable one (``greedy``). Empty
+    path: ``states`` 0, both None."""
+
+    kind: Literal["step.agreement"] = "step.agreement"
+    group_id: Identifier
+    task_id: Identifier
+    policy_version: int = Field(ge=0, description="the weights that answered (the oldest, if they changed on the way)")
+    states: int = Field(ge=0)
+    agreement: float | None = Field(default=None, ge=0.0, le=1.0)
+    greedy: float | None = Field(default=None, ge=0.0, le=1.0)
+
+
 class Vote(Frozen):
     """One of the judge's ``m`` votes on a step. ``value`` is None unless ``status == 'ok'``."""
 

@@ -1,0 +1,108 @@
+"""Held-out step agreement in a run: every evaluation group's task gets a ``StepAgreementMeasured`` from the
+policy agent, equal to what ``coevo bench``'s step agreement measures for the same path and weights, and the
+summary, the dashboard's series and the tally read each round from those events. A real loop of tiny
+models on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import pytest
+
+from coevo.acting.ceiling import ceiling_path
+from coevo.bench.steps import model_agreement
+from coevo.config import CoevoConfig
+from coevo.envs import make_family
+from coevo.inference.clients import model_dir
+from coevo.loop import build_agents, summarize
+from coevo.observe.aggregate import Aggregator
+from coevo.observe.tally import RunTally
+from coevo.runtime.agent import run_agents
+from coevo.runtime.bus import NatsBus
+from coevo.schemas import Source, StepAgreementMeasured, TaskScheduled, TaskSpec
+from tests.test_loop import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _rounds(events: list) -> dict[str, list[str]]:
+    """eval round -> its scheduled group ids."""
+    out: dict[str, list[str]] = {}
+    for e in events:
+        if isinstance(e, TaskScheduled) and e.purpose == "eval":
+            out.setdefault(e.group_id.split("-")[0], []).append(e.group_id)
+    return out
+
+
+def _measured(events: list) -> dict[str, StepAgreementMeasured]:
+    """group id -> its first measure."""
+    out: dict[str, StepAgreementMeasured] = {}
+    for e in events:
+        if isinstance(e, StepAgreementMeasured):
+            out.setdefault(e.group_id, e)
+    return out
+
+
+async def test_every_evaluation_group_is_measured_as_the_bench_measures_it(bus: NatsBus, loop_cfg: CoevoConfig) -> None:
+    cfg = loop_cfg.model_copy(update={"env": loop_cfg.env.model_copy(update={"n_heldout": 2})})
+    assert cfg.policy.mode == "choice" and make_family(cfg.env).has_ceiling
+    stop = asyncio.Event()
+
+    def two_rounds_measured(events: list) -> bool:
+        rounds, measured = _rounds(events), _measured(events)
+        return sum(all(g in measured for g in groups) for groups in rounds.values()) >= 2
+
+    async def until_done() -> None:
+        await wait_for(bus, two_rounds_measured, timeout=300)
+        stop.set()
+
+    await asyncio.gather(run_agents(build_agents(bus, cfg), handle_signals=False, until=stop), until_done())
+    events = await bus.events()
+    rounds, measured = _rounds(events), _measured(events)
+    assert len(rounds["eval0"]) == 2 and set(rounds["eval0"]) <= set(measured)
+    family = make_family(cfg.env)
+    tasks = {e.group_id: e.task for e in events if isinstance(e, TaskScheduled)}
+    base = [m for m in measured.values() if m.policy_version == 0]
+    assert base, "the first round is measured before the first learner step"
+    for m in base:  # the same path, the same weights: the bench's number
+        path = await ceiling_path(family, tasks[m.group_id], f"{m.group_id}-r0", cfg.policy)
+        bench = await model_agreement(model_dir(cfg, "policy"), [[path]], cfg.policy, cfg.learner.dtype)
+        assert m.states == len(path) > 0 and m.task_id == tasks[m.group_id].task_id
+        assert m.agreement == pytest.approx(bench.sampled[0][0], abs=1e-4)
+        assert m.greedy == pytest.approx(bench.greedy[0][0], abs=1e-6)
+    # the summary and the dashboard's series read each complete round's mean from the events
+    complete = [r for r in sorted(rounds, key=lambda r: int(r[4:])) if all(g in measured for g in rounds[r])]
+    means = [round(statistics.fmean(measured[g].agreement for g in rounds[r]), 4) for r in complete]
+    summary = await summarize(bus, 0.0, 60.0)
+    assert summary["heldout_agreement_rounds"] == means and len(means) >= 2
+    assert summary["heldout_agreement_start"] == means[0] and summary["heldout_agreement_end"] == means[-1]
+    agg = Aggregator()
+    points = [p for e in events for p in agg.add(e) if p.name == "heldout_agreement"]
+    assert [p.value for p in points] == means and [p.step for p in points] == [int(r[4:]) for r in complete]
+
+
+SRC = Source(agent_id="policy-1", role="policy")
+HELD = TaskSpec(task_id="qg-h0", family="quickgame", params={"seed": 2}, knobs={"steps": 3}, split="heldout")
+
+
+def test_a_round_counts_once_every_group_is_measured_and_a_second_measure_of_a_group_is_ignored() -> None:
+    def scheduled(group: str) -> TaskScheduled:
+        return TaskScheduled(run_id="r", source=SRC, group_id=group, task=HELD, purpose="eval", n_rollouts=1)
+
+    def measured(group: str, agreement: float | None, states: int = 4) -> StepAgreementMeasured:
+        return StepAgreementMeasured(
+            run_id="r", source=SRC, group_id=group, task_id="qg-h0", policy_version=0, states=states,
+            agreement=agreement, greedy=None if agreement is None else 1.0,
+        )  # fmt: skip
+
+    tally, agg = RunTally(), Aggregator()
+    points = []
+    for e in (scheduled("eval0-a"), scheduled("eval0-b"), measured("eval0-a", 0.5), measured("eval0-a", 0.9)):
+        tally.add(e)
+        points += [p for p in agg.add(e) if p.name == "heldout_agreement"]
+    assert points == [] and tally.summary("r", 1.0).heldout_agreement_rounds == []  # eval0-b not measured yet
+    last = measured("eval0-b", None, states=0)  # an empty path: measured, with no value
+    tally.add(last)
+    points += [p for p in agg.add(last) if p.name == "heldout_agreement"]
+    assert [p.value for p in points] == [0.5] and tally.summary("r", 1.0).heldout_agreement_end == 0.5
