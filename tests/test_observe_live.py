@@ -236,7 +236,7 @@ async def test_dashboard_pages_render_live_in_chromium(live: Live, tmp_path: Pat
     async with chromium(binary) as page:
         await page.goto(url + "/", "document.getElementById('page').dataset.ready === '1'")
         points = "(c) => Number(document.querySelector(`figure.chart[data-chart=${c}]`).dataset.points || 0)"
-        for chart in ("success", "reward", "judge", "loss", "kl", "weights"):
+        for chart in ("success", "agreement", "reward", "judge", "loss", "kl", "weights"):
             await page.wait(
                 f"({points})('{chart}') > 0 && document.querySelectorAll("
                 f"'figure.chart[data-chart={chart}] svg .pt').length > 0",
