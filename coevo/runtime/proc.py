@@ -71,12 +71,14 @@ def exit_now(code: int) -> NoReturn:
 def run_stoppable(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` for a command that owns processes and hosts (a bench): SIGTERM, like SIGINT,
     cancels it, so its clean-up runs (agents stopped, namespaces and servers removed) instead of
-    the default action ending it with them left behind. Stopped: ``KeyboardInterrupt``."""
+    the default action ending it with them left behind; SIGUSR1 prints every task's stack
+    (``dump_tasks``) instead of ending it. Stopped: ``KeyboardInterrupt``."""
 
     async def main() -> T:
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
         assert task is not None
         loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        dump_tasks_on_usr1()  # a bench that seems stuck says where it waits, and goes on
         try:
             return await coro
         finally:
