@@ -381,10 +381,11 @@ async def run_main(
 
 
 class Interrupts:
-    """SIGINT and SIGTERM from the agents' start to the closing summary: the first stops the run (the
-    agents drain; ``interrupted`` names it when it came before the budget ran out), the next skips what
-    is left of the closing measurements (``hurry``), and any after that has the default action again
-    (ends the process at once, nothing printed)."""
+    """SIGINT and SIGTERM from the agents' start to the closing summary. One that comes while the run goes
+    on stops it (the agents drain; ``interrupted`` names it). One that comes after the run stopped (by a
+    signal or its budget) skips what is left of the closing measurements (``hurry``, awaited by
+    ``_baselines``) and removes the handlers: after it, SIGINT raises ``KeyboardInterrupt`` (the process
+    ends without a summary) and SIGTERM has its default action."""
 
     def __init__(self, stop: asyncio.Event) -> None:
         self.stop, self.hurry = stop, asyncio.Event()
@@ -416,18 +417,19 @@ async def _baselines(
 ) -> dict[str, Any]:
     """Habits and the base greedy on the run's held-out tasks when a round was scored, and the step
     agreement of base and last policy (best effort: a failure is logged, the summary prints without them;
-    ``hurry`` set before they are done: ``{"skipped": why}``)."""
+    ``hurry`` set before they are done: they are cancelled, and ``{"skipped": why}``)."""
     success = summary["heldout_success_end"] is not None
     log.info("run.measuring_baselines", habits_and_base_greedy=success, step_agreement=True)
-    measuring = asyncio.ensure_future(measure(cfg, Path(run_dir), success))
-    hurried = asyncio.ensure_future(hurry.wait())
+    measuring: asyncio.Future[dict[str, Any]] = asyncio.ensure_future(measure(cfg, Path(run_dir), success))
+    hurried: asyncio.Future[Any] = asyncio.ensure_future(hurry.wait())
     try:
         await asyncio.wait({measuring, hurried}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in (measuring, hurried):
             task.cancel()
-    if not measuring.done() or measuring.cancelled():
-        return {"skipped": "a second signal skipped them"}
+        await asyncio.gather(measuring, hurried, return_exceptions=True)  # both ended: nothing left behind
+    if measuring.cancelled():
+        return {"skipped": "a second signal skipped them"} if hurry.is_set() else {}
     if (exc := measuring.exception()) is not None:
         log.warning("run.baselines_failed", error=repr(exc)[:300])
         return {}

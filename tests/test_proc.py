@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import subprocess
 import textwrap
+import time
+from typing import IO
 
 from tests.conftest import PYTHON, subprocess_env
 
@@ -22,25 +26,34 @@ BENCH = textwrap.dedent(
 )
 
 
+def read_until(stream: IO[bytes], marker: bytes, timeout: float = 60.0) -> bytes:
+    """What ``stream`` gives until ``marker`` appears (unbuffered: what follows stays in the pipe)."""
+    data, deadline = b"", time.monotonic() + timeout
+    while marker not in data:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {marker!r} in {timeout:.0f} s: {data!r}"
+        if select.select([stream], [], [], left)[0]:
+            chunk = os.read(stream.fileno(), 65536)
+            assert chunk, f"the stream ended before {marker!r}: {data!r}"
+            data += chunk
+    return data
+
+
 def test_sigusr1_prints_where_a_bench_waits_and_the_bench_goes_on() -> None:
     proc = subprocess.Popen(
         [PYTHON, "-c", BENCH],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
         env=subprocess_env(),
     )
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     try:
-        assert proc.stdout.readline() == "ready\n"
+        read_until(proc.stdout, b"ready\n")
         proc.send_signal(signal.SIGUSR1)  # the default action would end the process
-        assert proc.stderr.readline().startswith("coevo: ")  # "coevo: N asyncio tasks"
-        dump = []
-        while not (line := proc.stderr.readline()).startswith("    ") or "bench_step" not in line:
-            assert line, f"no stack of the bench's task in {dump}"
-            dump.append(line)
-        out, _ = proc.communicate("done\n", timeout=60)
+        dump = read_until(proc.stderr, b"in bench_step\n")  # where the bench's task waits
+        assert dump.startswith(b"coevo: ") and b"asyncio tasks" in dump
+        out, _ = proc.communicate(b"done\n", timeout=60)  # the bench goes on and ends with its result
     finally:
         proc.kill()
-    assert proc.returncode == 0 and out == "result done\n"
+    assert proc.returncode == 0 and out == b"result done\n"

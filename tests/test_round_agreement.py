@@ -63,14 +63,17 @@ async def test_every_evaluation_group_is_measured_as_the_bench_measures_it(bus: 
     assert len(rounds["eval0"]) == 2 and set(rounds["eval0"]) <= set(measured)
     family = make_family(cfg.env)
     tasks = {e.group_id: e.task for e in events if isinstance(e, TaskScheduled)}
-    base = [m for m in measured.values() if m.policy_version == 0]
-    assert base, "the first round is measured before the first learner step"
+    # round 0 is scheduled before any train group, so it is measured long before a first learner step
+    # could be trained, published and applied: those are the base weights, which the bench loads from disk
+    base = [m for g, m in measured.items() if g in rounds["eval0"]]
+    assert {m.policy_version for m in base} == {0}
     for m in base:  # the same path, the same weights: the bench's number
         path = await ceiling_path(family, tasks[m.group_id], f"{m.group_id}-r0", cfg.policy)
         bench = await model_agreement(model_dir(cfg, "policy"), [[path]], cfg.policy, cfg.learner.dtype)
         assert m.states == len(path) > 0 and m.task_id == tasks[m.group_id].task_id
         assert m.agreement == pytest.approx(bench.sampled[0][0], abs=1e-4)
-        assert m.greedy == pytest.approx(bench.greedy[0][0], abs=1e-6)
+        # greedy: a near tie of a tiny model's labels may break the other way in a batch of other shape
+        assert m.greedy == pytest.approx(bench.greedy[0][0], abs=1 / m.states + 1e-9)
     # the summary and the dashboard's series read each complete round's mean from the events
     complete = [r for r in sorted(rounds, key=lambda r: int(r[4:])) if all(g in measured for g in rounds[r])]
     means = [round(statistics.fmean(measured[g].agreement for g in rounds[r]), 4) for r in complete]

@@ -62,8 +62,8 @@ class Ceiling:
     on_path: bool = True
 
     @classmethod
-    def of(cls, family: Family, task: TaskSpec) -> Ceiling:
-        return cls(family, None if family.readable else list(family.walkthrough(task)))  # type: ignore[attr-defined]
+    async def of(cls, family: Family, task: TaskSpec) -> Ceiling:
+        return cls(family, None if family.readable else await family.walkthrough_of(task))
 
     def __call__(self, obs: str, shown: list[str], _rng: random.Random) -> int | None:
         self.on_path = True
@@ -82,12 +82,12 @@ async def habit_episode(
     habit: Habit,
     policy: PolicyConfig,
     on_step: Callable[[Observation, str, StepResult], None] | None = None,
-    env: Environment | None = None,
+    make_env: Callable[[], Environment] | None = None,
 ) -> str | None:
-    """One episode of ``habit`` on ``task`` in ``env`` (default: a new one of ``family``), its candidates
-    shown in the order ``key`` draws and its rng seeded from ``key``; ``on_step(observation, action,
-    result)`` sees every step. The outcome (None: the step cap ended it). The environment is closed."""
-    rng, env = random.Random(episode_seed(key)), env or family.make_env()
+    """One episode of ``habit`` on ``task`` in a new environment (``make_env``, default the family's),
+    its candidates shown in the order ``key`` draws and its rng seeded from ``key``; ``on_step(observation,
+    action, result)`` sees every step. The outcome (None: the step cap ended it). The environment is closed."""
+    rng, env = random.Random(episode_seed(key)), (make_env or family.make_env)()
     try:
         obs = await env.reset(task)
         for k in range(family.max_steps_cap):
@@ -106,13 +106,14 @@ async def habit_episode(
 
 
 async def ceiling_path(
-    family: Family, task: TaskSpec, key: str, policy: PolicyConfig, env: Environment | None = None
+    family: Family, task: TaskSpec, key: str, policy: PolicyConfig, make_env: Callable[[], Environment] | None = None
 ) -> list[PathStep]:
-    """The states of the ceiling's episode ``key`` on ``task`` where it took its own action, each shown as
-    the policy agent shows step ``k`` of that episode (``step_order(policy, key, k, …)``)."""
+    """The states of the ceiling's episode ``key`` on ``task`` (in ``make_env``'s environment, default the
+    family's) where it took its own action, each shown as the policy agent shows step ``k`` of that
+    episode (``step_order(policy, key, k, …)``)."""
     out: list[PathStep] = []
     k = 0
-    ceiling = Ceiling.of(family, task)
+    ceiling = await Ceiling.of(family, task)
 
     def keep(obs: Observation, action: str, _r: StepResult) -> None:
         nonlocal k
@@ -122,7 +123,7 @@ async def ceiling_path(
         if ceiling.on_path and action in shown:
             out.append(PathStep(obs, order, shown.index(action)))
 
-    await habit_episode(family, task, key, ceiling, policy, keep, env)
+    await habit_episode(family, task, key, ceiling, policy, keep, make_env)
     return out
 
 

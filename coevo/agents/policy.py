@@ -191,22 +191,25 @@ class PolicyAgent(Agent):
     async def step_agreement(self, task: TaskScheduled) -> None:
         """The policy's agreement with the ceiling on an evaluation group's task (``coevo.acting.ceiling``):
         on the ceiling's path through the episode of the group's first rollout key, one forward pass a
-        state, no draw. A client without choice distributions (a server without constrained log-probs)
-        turns the measurement off for the agent's life, counted."""
-        async with self.rollout_permits:
-            try:
-                path = await ceiling_path(
-                    self.family, task.task, f"{task.group_id}-r0", self.cfg.policy, self.make_env()
-                )
-            except EnvError as exc:
-                self.log.warning("policy.agreement_failed", group_id=task.group_id, error=str(exc))
-                return
-            measured = await asyncio.gather(*(choice_probs(self.client, self.cfg.policy, s, self.form) for s in path))
-        if any(m is None for m in measured):
+        state, no draw, under one rollout permit. A client without choice distributions (a server without
+        constrained log-probs) turns the measurement off for the agent's life. Either way, and when the
+        measurement fails, the group's rollouts go on: no event, counted and logged (that round's
+        agreement is then left out, as a round not every group of which was measured)."""
+        try:
+            async with self.rollout_permits:
+                path = await ceiling_path(self.family, task.task, f"{task.group_id}-r0", self.cfg.policy, self.make_env)
+                measured = [await choice_probs(self.client, self.cfg.policy, s, self.form) for s in path]
+        except Exception as exc:  # an extra measurement: it never costs the group its rollouts
+            self.counters["agreement.failed"] += 1
+            self.log.warning("policy.agreement_failed", group_id=task.group_id, error=repr(exc)[:300])
+            return
+        known = [m for m in measured if m is not None]
+        if len(known) < len(measured):
             self.measures_agreement = False
             self.counters["agreement.unsupported"] += 1
+            self.log.warning("policy.agreement_unsupported", client=type(self.client).__name__)
             return
-        pairs = [agreement(m[0], s.pick) for m, s in zip(measured, path, strict=True) if m is not None]
+        pairs = [agreement(probs, s.pick) for (probs, _), s in zip(known, path, strict=True)]
         await self.emit(
             self.event(
                 StepAgreementMeasured,
@@ -214,7 +217,7 @@ class PolicyAgent(Agent):
                 correlation_id=task.group_id,
                 group_id=task.group_id,
                 task_id=task.task.task_id,
-                policy_version=min((m[1] for m in measured if m is not None), default=self.client.version),
+                policy_version=min((version for _, version in known), default=self.client.version),
                 states=len(pairs),
                 agreement=round(sum(p for p, _ in pairs) / len(pairs), 6) if pairs else None,
                 greedy=round(sum(g for _, g in pairs) / len(pairs), 6) if pairs else None,

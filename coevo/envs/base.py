@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import abc
+import asyncio
 import hashlib
 import json
 import random
@@ -141,6 +142,10 @@ class Family(abc.ABC):
         """The scripted reader's choice: an index in ``shown`` from the observation alone (no learning,
         no memory); None where the family has no reader."""
         return None
+
+    async def walkthrough_of(self, task: TaskSpec) -> list[str]:
+        """``walkthrough(task)`` off the event loop (a family whose library owns a thread runs it there)."""
+        return list(await asyncio.to_thread(self.walkthrough, task))  # type: ignore[attr-defined]
 
     @property
     def has_ceiling(self) -> bool:

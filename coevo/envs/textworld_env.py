@@ -171,6 +171,10 @@ class TextWorld(Family):
         """Compile the game and replay its walkthrough to a win."""
         return await walkthrough_wins(self, task)
 
+    async def walkthrough_of(self, task: TaskSpec) -> list[str]:
+        """On TextWorld's one thread (``_tw``): it may compile the game and start an emulator."""
+        return list(await _tw(self.walkthrough, task))
+
     def walkthrough(self, task: TaskSpec) -> list[str]:
         import textworld
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from coevo.envs.base import EnvError, Family, Knob, PrecheckResult, spec_hash
-from coevo.envs.textworld_env import _COMPILE_LOCK, TextWorldEnv, default_cache_dir, walkthrough_wins
+from coevo.envs.textworld_env import _COMPILE_LOCK, TextWorldEnv, _tw, default_cache_dir, walkthrough_wins
 from coevo.schemas import TaskSpec
 
 if TYPE_CHECKING:
@@ -130,6 +130,10 @@ class ChallengeFamily(Family):
             except (QuestGenerationError, ValueError) as exc:  # this seed cannot make this game
                 failure = exc
         raise EnvError(f"no game in {SEED_ATTEMPTS} seeds, last: {failure!r}")
+
+    async def walkthrough_of(self, task: TaskSpec) -> list[str]:
+        """On TextWorld's one thread (``_tw``): it may compile the game and start an emulator."""
+        return list(await _tw(self.walkthrough, task))
 
     def walkthrough(self, task: TaskSpec) -> list[str]:
         """The winning policy from the start, recorded when the game was compiled (compiles it if needed)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coevo.observe.series import CHARTS, MIXED_WINDOW, SPECS, Point, Series, series_key
-from coevo.observe.tally import RunTally
+from coevo.observe.tally import RunTally, eval_round, round_index
 from coevo.observe.views import AgentsView, PoolView, TrajectoriesView, knob_difficulty
 from coevo.schemas import (
     AgentStatus,
@@ -248,19 +248,19 @@ class Aggregator:
         return out
 
     def _eval_round(self, e: GroupScored, t: float) -> list[Point]:
-        name = e.group_id.split("-")[0]
+        name = eval_round(e.group_id)
         entry = self._rounds.setdefault(name, [0, []])
         accs = entry[1]
         assert isinstance(accs, list)
         accs.append(e.accuracy)
         if len(accs) != entry[0]:  # the round is complete when every scheduled eval group of it is scored
             return []
-        step = int(name[4:] or 0)
+        step = round_index(name)
         return [self._point("success_heldout", (), t, round(statistics.fmean(accs), 4), e.ts, step=step)]
 
     def _agreement(self, e: StepAgreementMeasured, t: float) -> list[Point]:
         """A round's point once every scheduled group of it was measured (the first measure of a group only)."""
-        name = e.group_id.split("-")[0]
+        name = eval_round(e.group_id)
         by_group = self._agreements.setdefault(name, {})
         if e.group_id in by_group:
             return []
@@ -268,7 +268,7 @@ class Aggregator:
         values = [a for a in by_group.values() if a is not None]
         if len(by_group) != self._rounds.get(name, [0])[0] or not values:
             return []
-        step = int(name[4:] or 0)
+        step = round_index(name)
         return [self._point("heldout_agreement", (), t, round(statistics.fmean(values), 4), e.ts, step=step)]
 
     def _learner(self, e: LearnerStepped, t: float) -> list[Point]:
@@ -321,7 +321,7 @@ class Aggregator:
     def _scheduled(self, e: TaskScheduled, t: float) -> list[Point]:
         self.trajectories.scheduled(e)
         if e.purpose == "eval":
-            self._rounds.setdefault(e.group_id.split("-")[0], [0, []])[0] += 1  # type: ignore[operator]
+            self._rounds.setdefault(eval_round(e.group_id), [0, []])[0] += 1  # type: ignore[operator]
         difficulty = self.difficulty(e.task) if e.purpose != "candidate" else None
         if self.pool.scheduled(e, difficulty) and difficulty is not None and e.slot_id is not None:
             return [self._point("task_difficulty", (("slot", e.slot_id),), t, difficulty, e.ts)]

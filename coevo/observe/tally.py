@@ -94,7 +94,8 @@ class RunSummary(BaseModel):
     heldout_agreement_start: float | None = Field(
         default=None,
         description=(
-            "held-out step agreement of the first evaluation round: the policy's mean probability, at its "
+            "held-out step agreement of the first evaluation round whose every group was measured: the policy's mean "
+            "probability, at its "
             "temperature, of the ceiling's action (scripted reader or walkthrough) on the ceiling's path through "
             "each evaluation group's task (one path a group; families with a ceiling, a choosing policy)"
         ),
@@ -234,6 +235,16 @@ def _where(after: int | None, *, last: bool) -> str:
     return "before the first step" if after is None else "after the last step" if last else f"after version {after}"
 
 
+def eval_round(group_id: str) -> str:
+    """The evaluation round an eval group belongs to (``eval3-…`` -> ``eval3``: the tasks agent's ids)."""
+    return group_id.split("-")[0]
+
+
+def round_index(name: str) -> int:
+    """The number of an evaluation round (``eval3`` -> 3)."""
+    return int(name[4:] or 0)
+
+
 def _mean(xs: list[float]) -> float | None:
     return round(statistics.fmean(xs), 4) if xs else None
 
@@ -305,9 +316,9 @@ class RunTally:
             self.wide += event.moves > 1
             self.capped += event.moves_wanted is not None and event.moves < event.moves_wanted
         elif isinstance(event, TaskScheduled) and event.purpose == "eval":
-            self.eval_scheduled[event.group_id.split("-")[0]] += 1
+            self.eval_scheduled[eval_round(event.group_id)] += 1
         elif isinstance(event, StepAgreementMeasured):  # a redelivered group's second measure is not counted
-            self.agreements.setdefault(event.group_id.split("-")[0], {}).setdefault(event.group_id, event.agreement)
+            self.agreements.setdefault(eval_round(event.group_id), {}).setdefault(event.group_id, event.agreement)
         elif isinstance(event, StepJudged):
             for v in event.votes:
                 self.judge["errors"] += v.status == "error"
@@ -352,7 +363,7 @@ class RunTally:
             self.policy_samples += len(event.policy_samples)
             self.groups_with_samples += bool(event.policy_samples)
         elif heldout:
-            self.evals.setdefault(event.group_id.split("-")[0], []).append(event.accuracy)
+            self.evals.setdefault(eval_round(event.group_id), []).append(event.accuracy)
         if event.judge_process_accuracy is not None:
             self.proc.append(event.judge_process_accuracy)
             if heldout:
@@ -372,7 +383,7 @@ class RunTally:
     def _agreement_rounds(self) -> dict[str, Any]:
         """The ``heldout_agreement_*`` fields: the mean of each evaluation round whose every scheduled group
         was measured (a group with an empty path counts as measured, with no value)."""
-        ordered = sorted(self.agreements.items(), key=lambda kv: int(kv[0][4:] or 0))
+        ordered = sorted(self.agreements.items(), key=lambda kv: round_index(kv[0]))
         means = [
             m
             for name, by_group in ordered
@@ -387,7 +398,7 @@ class RunTally:
 
     def summary(self, run_id: str, seconds: float) -> RunSummary:
         k = max(1, len(self.train) // 5)
-        ordered = sorted(self.evals.items(), key=lambda kv: int(kv[0][4:] or 0))
+        ordered = sorted(self.evals.items(), key=lambda kv: round_index(kv[0]))
         complete = [v for name, v in ordered if len(v) >= self.eval_scheduled[name]]
         rounds = complete or [v for _, v in ordered]
         seconds = max(seconds, 1e-9)

@@ -7,7 +7,8 @@ Invariant: an empty listing means an empty bucket. The listing is coevo's own, n
 messages already in flight to it were counted (nats-io/nats.py#842), answering ``NoKeysError`` for a
 bucket that holds keys. Here a pull consumer is created first, its pending count (the stream
 leader's, taken before anything is delivered) says how many subjects to read, and they are fetched
-until that count is read or the server says nothing is left. A bucket that lists no live key but
+until that count is read or the last one read says nothing is left (a fetch that times out asks the
+consumer again: entries may have expired since). The consumer is deleted however the listing ends. A bucket that lists no live key but
 holds entries (every key deleted, whose markers stay) is a ``BusError``, never an empty answer (a
 caller seeding an empty bucket would write over what it holds). Every other failure (a closed
 connection, a bucket deleted under the handle) propagates as nats-py raised it.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import nats.errors
 import nats.js.errors
 from nats.js import api
 from nats.js.client import KV_PRE_TEMPLATE, KV_STREAM_TEMPLATE
@@ -90,19 +92,31 @@ class Bucket:
             mem_storage=True,
         )
         sub = await self._js.pull_subscribe(f"{prefix}>", stream=stream, config=config)
+        name: str | None = None
         try:
             info = await sub.consumer_info()  # nothing is delivered before a fetch: the count is exact
-            remaining, keys = info.num_pending, []
+            name, remaining, keys = info.name, info.num_pending, []
             while remaining > 0:
-                for msg in await sub.fetch(min(remaining, _FETCH), timeout=_FETCH_TIMEOUT_S):
+                try:
+                    batch = await sub.fetch(min(remaining, _FETCH), timeout=_FETCH_TIMEOUT_S)
+                except nats.errors.TimeoutError:
+                    pending = (await sub.consumer_info()).num_pending  # counted entries may have expired since
+                    if pending >= remaining:
+                        raise BusError(
+                            f"KV bucket {self.name}: listing its keys timed out with {pending} entries pending"
+                        ) from None
+                    remaining = pending
+                    continue
+                for msg in batch:
                     remaining = min(remaining - 1, msg.metadata.num_pending)
                     if _is_value(msg.headers):
                         keys.append(msg.subject[len(prefix) :])
-            with contextlib.suppress(nats.js.errors.NotFoundError):  # its inactivity removes it anyway
-                await self._js.delete_consumer(stream, info.name)
             return keys
         finally:
-            await sub.unsubscribe()
+            with contextlib.suppress(nats.errors.Error):  # a closed connection: its inactivity removes it
+                await sub.unsubscribe()
+                if name is not None:
+                    await self._js.delete_consumer(stream, name)
 
 
 def _is_value(headers: dict[str, str] | None) -> bool:
