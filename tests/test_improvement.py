@@ -4,8 +4,8 @@ else "no clear change", or "too few groups to say" below MIN_GROUPS groups a win
 from __future__ import annotations
 
 from coevo.config import load_config
-from coevo.loop import describe
 from coevo.observe.claims import MIN_GROUPS, bootstrap_interval, change
+from coevo.observe.closing import describe
 from coevo.observe.tally import Interval, RunTally
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from coevo.config import CoevoConfig, load_config
-from coevo.loop import Interrupts, _baselines, describe
+from coevo.loop import Interrupts, _baselines
+from coevo.observe.closing import describe
 from coevo.observe.tally import RunTally
 
 

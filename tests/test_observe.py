@@ -14,8 +14,9 @@ import pytest
 
 from coevo.cli.run import resume_command
 from coevo.config import load_config
-from coevo.loop import _HideFromConsole, describe, health_warnings, no_learning_reason, starving_warning
+from coevo.loop import _HideFromConsole
 from coevo.observe.aggregate import Aggregator, ConsumerInfo
+from coevo.observe.closing import describe, health_warnings, no_learning_reason, starving_warning
 from coevo.observe.series import CHARTS, SPECS, Point, Series, tb_tag
 from coevo.observe.tally import SUMMARY_FIELDS, SUMMARY_TABLE, RunTally, summary_table
 from coevo.schemas import (

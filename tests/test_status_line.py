@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from coevo.config import load_config
-from coevo.loop import describe
+from coevo.observe.closing import describe
 from coevo.observe.status import agent_line, logs_above, show_status
 from coevo.observe.tally import RunTally
 

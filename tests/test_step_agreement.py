@@ -232,7 +232,7 @@ async def test_a_runs_closing_summary_sets_its_last_policy_s_step_agreement_besi
 
     from coevo.bench.heldout import run_baselines
     from coevo.inference.clients import model_dir
-    from coevo.loop import describe
+    from coevo.observe.closing import describe
     from coevo.observe.tally import RunTally
     from coevo.training.checkpoint import MARKER
 
