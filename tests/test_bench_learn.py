@@ -167,6 +167,7 @@ async def test_bench_learn_two_seeds_smoke(model_cache: Path, tmp_path: Path) ->
             assert 0 <= r["slots_rewritten"] <= 2
             assert r["pool_accuracy"] is None or 0.0 <= r["pool_accuracy"] <= 1.0
             assert all({"pool_accuracy", "slots_rewritten"} <= set(p) for p in r["curve"])
+            assert all(0 < a < 1 for a in r["heldout_agreement_rounds"])  # the run's own rounds, as far as it got
         assert c["summary"]["train_success"]["n"] == 2
         assert c["summary"]["heldout_success"]["half_width"] is not None
         assert c["reached_0.8"].endswith("/2")

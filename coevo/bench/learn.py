@@ -642,6 +642,7 @@ def run_result(
                 "policy_entropy",
                 "policy_entropy_min",
                 "policy_step_gap_max_s",
+                "heldout_agreement_rounds",  # the run's own evaluation rounds (tasks.eval_every), not the bench's
             )
         },
         "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / max(elapsed, 1e-9), 2),
