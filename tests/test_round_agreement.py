@@ -20,7 +20,7 @@ from coevo.observe.aggregate import Aggregator
 from coevo.observe.tally import RunTally
 from coevo.runtime.agent import run_agents
 from coevo.runtime.bus import NatsBus
-from coevo.schemas import Source, StepAgreementMeasured, TaskScheduled, TaskSpec
+from coevo.schemas import GroupScored, Source, StepAgreementMeasured, TaskScheduled, TaskSpec
 from tests.test_loop import wait_for
 
 pytestmark = pytest.mark.slow
@@ -89,9 +89,15 @@ SRC = Source(agent_id="policy-1", role="policy")
 HELD = TaskSpec(task_id="qg-h0", family="quickgame", params={"seed": 2}, knobs={"steps": 3}, split="heldout")
 
 
-def test_a_round_counts_once_every_group_is_measured_and_a_second_measure_of_a_group_is_ignored() -> None:
+def test_a_round_counts_once_every_group_of_it_is_measured_however_its_groups_are_interleaved() -> None:
+    """The tasks agent schedules a round's groups one by one between other groups: a group measured (or
+    scored) before the round's last one is scheduled does not make the round, nor does a second measure
+    of a group; a group with an empty path counts, with no value."""
+
     def scheduled(group: str) -> TaskScheduled:
-        return TaskScheduled(run_id="r", source=SRC, group_id=group, task=HELD, purpose="eval", n_rollouts=1)
+        return TaskScheduled(
+            run_id="r", source=SRC, group_id=group, task=HELD, purpose="eval", n_rollouts=1, round_size=2
+        )
 
     def measured(group: str, agreement: float | None, states: int = 4) -> StepAgreementMeasured:
         return StepAgreementMeasured(
@@ -99,13 +105,25 @@ def test_a_round_counts_once_every_group_is_measured_and_a_second_measure_of_a_g
             agreement=agreement, greedy=None if agreement is None else 1.0,
         )  # fmt: skip
 
+    def scored(group: str, accuracy: float) -> GroupScored:
+        return GroupScored(
+            run_id="r", source=SRC, task_id="qg-h0", group_id=group, accuracy=accuracy, n_trajectories=1,
+            policy_band_ok=False, judge_band_ok=False, purpose="eval",
+        )  # fmt: skip
+
     tally, agg = RunTally(), Aggregator()
     points = []
-    for e in (scheduled("eval0-a"), scheduled("eval0-b"), measured("eval0-a", 0.5), measured("eval0-a", 0.9)):
-        tally.add(e)
-        points += [p for p in agg.add(e) if p.name == "heldout_agreement"]
-    assert points == [] and tally.summary("r", 1.0).heldout_agreement_rounds == []  # eval0-b not measured yet
-    last = measured("eval0-b", None, states=0)  # an empty path: measured, with no value
-    tally.add(last)
-    points += [p for p in agg.add(last) if p.name == "heldout_agreement"]
-    assert [p.value for p in points] == [0.5] and tally.summary("r", 1.0).heldout_agreement_end == 0.5
+
+    def feed(*events: object) -> None:
+        for e in events:
+            tally.add(e)
+            points.extend(p for p in agg.add(e) if p.name in ("heldout_agreement", "success_heldout"))
+
+    feed(scheduled("eval0-a"), measured("eval0-a", 0.5), scored("eval0-a", 1.0), measured("eval0-a", 0.9))
+    summary = tally.summary("r", 1.0)
+    assert points == [] and summary.heldout_agreement_rounds == [] and summary.heldout_success_rounds == [1.0]
+    # (an incomplete round stands in for the success rounds only while no round is complete, as before)
+    feed(scheduled("eval0-b"), measured("eval0-b", None, states=0), scored("eval0-b", 0.0))
+    assert [(p.name, p.value) for p in points] == [("heldout_agreement", 0.5), ("success_heldout", 0.5)]
+    summary = tally.summary("r", 1.0)
+    assert summary.heldout_agreement_rounds == [0.5] and summary.heldout_success_rounds == [0.5]

@@ -295,6 +295,7 @@ class TasksAgent(Agent):
             group_id=group_id,
             n_rollouts=self.cfg.policy.n,
             purpose=purpose,
+            round_size=sum(s.split == "heldout" for s in self.slots.values()) if purpose == "eval" else None,
             correlation_id=group_id,
         )
         await self.emit(event, confirm=True)

@@ -321,7 +321,8 @@ class Aggregator:
     def _scheduled(self, e: TaskScheduled, t: float) -> list[Point]:
         self.trajectories.scheduled(e)
         if e.purpose == "eval":
-            self._rounds.setdefault(eval_round(e.group_id), [0, []])[0] += 1  # type: ignore[operator]
+            entry = self._rounds.setdefault(eval_round(e.group_id), [0, []])
+            entry[0] = e.round_size or entry[0] + 1  # type: ignore[operator]  # old events: a count so far
         difficulty = self.difficulty(e.task) if e.purpose != "candidate" else None
         if self.pool.scheduled(e, difficulty) and difficulty is not None and e.slot_id is not None:
             return [self._point("task_difficulty", (("slot", e.slot_id),), t, difficulty, e.ts)]

@@ -263,7 +263,9 @@ class RunTally:
     train: list[float] = field(default_factory=list)
     evals: dict[str, list[float]] = field(default_factory=dict)
     agreements: dict[str, dict[str, float | None]] = field(default_factory=dict)  # round -> group -> agreement
-    eval_scheduled: Counter[str] = field(default_factory=Counter)
+    round_sizes: Counter[str] = field(
+        default_factory=Counter
+    )  # eval round -> its groups (scheduled so far, for old events)
     proc: list[float] = field(default_factory=list)
     outc: list[float] = field(default_factory=list)
     proc_heldout: list[float] = field(default_factory=list)  # held-out groups: the same tasks whatever the rewriter did
@@ -316,7 +318,8 @@ class RunTally:
             self.wide += event.moves > 1
             self.capped += event.moves_wanted is not None and event.moves < event.moves_wanted
         elif isinstance(event, TaskScheduled) and event.purpose == "eval":
-            self.eval_scheduled[eval_round(event.group_id)] += 1
+            name = eval_round(event.group_id)
+            self.round_sizes[name] = event.round_size or self.round_sizes[name] + 1  # old events: a count
         elif isinstance(event, StepAgreementMeasured):  # a redelivered group's second measure is not counted
             self.agreements.setdefault(eval_round(event.group_id), {}).setdefault(event.group_id, event.agreement)
         elif isinstance(event, StepJudged):
@@ -387,7 +390,7 @@ class RunTally:
         means = [
             m
             for name, by_group in ordered
-            if len(by_group) >= self.eval_scheduled[name]
+            if len(by_group) >= self.round_sizes[name]
             and (m := _mean([a for a in by_group.values() if a is not None])) is not None
         ]
         return {
@@ -399,7 +402,7 @@ class RunTally:
     def summary(self, run_id: str, seconds: float) -> RunSummary:
         k = max(1, len(self.train) // 5)
         ordered = sorted(self.evals.items(), key=lambda kv: round_index(kv[0]))
-        complete = [v for name, v in ordered if len(v) >= self.eval_scheduled[name]]
+        complete = [v for name, v in ordered if len(v) >= self.round_sizes[name]]
         rounds = complete or [v for _, v in ordered]
         seconds = max(seconds, 1e-9)
         return RunSummary(

@@ -55,6 +55,12 @@ class TaskScheduled(Event):
     group_id: Identifier
     n_rollouts: int = Field(ge=1, le=4096)
     purpose: Purpose = "train"
+    round_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="an evaluation group: how many groups its round has (one per held-out task), so a reader "
+        "knows a round complete before its last group is even scheduled",
+    )
 
 
 class TaskRewritten(Event):
