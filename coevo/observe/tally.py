@@ -94,10 +94,10 @@ class RunSummary(BaseModel):
     heldout_agreement_start: float | None = Field(
         default=None,
         description=(
-            "held-out step agreement of the first evaluation round whose every group was measured: the policy's mean "
-            "probability, at its "
-            "temperature, of the ceiling's action (scripted reader or walkthrough) on the ceiling's path through "
-            "each evaluation group's task (one path a group; families with a ceiling, a choosing policy)"
+            "held-out step agreement of the first evaluation round whose every group was measured: the policy's "
+            "mean probability, at its temperature, of the ceiling's action (scripted reader or walkthrough) on "
+            "the ceiling's path through each evaluation group's task (one path a group; families with a ceiling, "
+            "a choosing policy)"
         ),
     )
     heldout_agreement_end: float | None = Field(
@@ -263,9 +263,7 @@ class RunTally:
     train: list[float] = field(default_factory=list)
     evals: dict[str, list[float]] = field(default_factory=dict)
     agreements: dict[str, dict[str, float | None]] = field(default_factory=dict)  # round -> group -> agreement
-    round_sizes: Counter[str] = field(
-        default_factory=Counter
-    )  # eval round -> its groups (scheduled so far, for old events)
+    round_sizes: Counter[str] = field(default_factory=Counter)  # eval round -> its groups (old events: so far)
     proc: list[float] = field(default_factory=list)
     outc: list[float] = field(default_factory=list)
     proc_heldout: list[float] = field(default_factory=list)  # held-out groups: the same tasks whatever the rewriter did

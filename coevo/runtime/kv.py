@@ -8,10 +8,11 @@ messages already in flight to it were counted (nats-io/nats.py#842), answering `
 bucket that holds keys. Here a pull consumer is created first, its pending count (the stream
 leader's, taken before anything is delivered) says how many subjects to read, and they are fetched
 until that count is read or the last one read says nothing is left (a fetch that times out asks the
-consumer again: entries may have expired since). The consumer is deleted however the listing ends. A bucket that lists no live key but
-holds entries (every key deleted, whose markers stay) is a ``BusError``, never an empty answer (a
-caller seeding an empty bucket would write over what it holds). Every other failure (a closed
-connection, a bucket deleted under the handle) propagates as nats-py raised it.
+consumer again: entries may have expired since). The consumer is deleted however the listing ends.
+A bucket that lists no live key but holds entries (every key deleted, whose markers stay) is a
+``BusError``, never an empty answer (a caller seeding an empty bucket would write over what it
+holds). Every other failure (a closed connection, a bucket deleted under the handle) propagates as
+nats-py raised it.
 """
 
 from __future__ import annotations
