@@ -186,11 +186,14 @@ async def test_each_role_runs_its_own_consumers(admin: NatsBus, tmp_path: Path, 
             await bus.close()
 
 
+@pytest.mark.parametrize("pulling", [False, True], ids=["idle", "pulling"])
 async def test_an_unshared_consumer_taken_by_another_owner_comes_back_under_another_name(
-    admin: NatsBus, tmp_path: Path, cfg: CoevoConfig
+    admin: NatsBus, tmp_path: Path, cfg: CoevoConfig, pulling: bool
 ) -> None:
     """A role's own consumer is dropped (as inactive) and another instance of the role takes its name
-    meanwhile: the first comes back under another of the role's names and misses nothing."""
+    meanwhile: the first comes back under another of the role's names and misses nothing. A pull of
+    its still waiting at the drop (``pulling``) ends with it; paused, the consumer does not recreate
+    the name then (it would race the other owner for it)."""
     run = admin.run_id
     bus = await NatsBus.connect(
         _url(admin),
@@ -229,19 +232,27 @@ async def test_an_unshared_consumer_taken_by_another_owner_comes_back_under_anot
                 await changed.wait()
 
     stop = asyncio.Event()
-    own = Consumer(bus, Subscription("learner-decisions", (TaskDecided,), on_decided, shared=False), src, cfg=cfg.bus)
+    # pulling: a pull waits long enough to be there at the drop
+    bus_cfg = cfg.bus.model_copy(update={"fetch_timeout_s": 10.0}) if pulling else cfg.bus
+    own = Consumer(bus, Subscription("learner-decisions", (TaskDecided,), on_decided, shared=False), src, cfg=bus_cfg)
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(own.run(stop))
             await admin.publish_sync(decided(0))
             await until(1)
             first = own.revival.name
-            own.resumed.clear()  # away (as across a partition): no pull of it waits
+
+            async def pulls_waiting() -> bool:
+                return (await admin.js.consumer_info(admin.stream, first)).num_waiting > 0
 
             async def idle() -> bool:
-                return (await admin.js.consumer_info(admin.stream, first)).num_waiting == 0
+                return not await pulls_waiting()
 
-            await _until(idle)
+            if pulling:
+                await _until(pulls_waiting)
+            own.resumed.clear()  # away (as across a partition)
+            if not pulling:
+                await _until(idle)
             await admin.js.delete_consumer(admin.stream, first)
             # another owner takes the name at once (the admin, as another instance of the role would)
             await admin.js.add_consumer(

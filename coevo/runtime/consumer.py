@@ -210,6 +210,8 @@ class Consumer:
             except (nats.errors.TimeoutError, TimeoutError):
                 continue
             except (ConsumerGone, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
+                if not self.resumed.is_set():
+                    continue  # paused (away) meanwhile: it touches nothing now, and fetches again once resumed
                 if await self.revival.revive(exc):  # deleted: created again where this process left off
                     self.stats.recreated = self.revival.recreated
                     continue
