@@ -111,13 +111,19 @@ class Progress:
 
 
 class _HideFromConsole(logging.Filter):
-    """Keeps bulky records (the agents' counter dumps) out of the console; the log file has them."""
+    """The console of ``coevo run`` shows warnings, errors and the few records a person acts on (where the
+    run is, what it waits for, where to point an agent); the rest (checkpoints, weight versions, probes,
+    the agents' counter dumps) goes to the log file only, beside everything else."""
 
-    EVENTS = frozenset({"agent.stopped"})
+    FOR_PEOPLE = frozenset(
+        {"run.started", "run.loading_models", "policy.endpoint", "run.measuring_baselines", "progress"}
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
         msg = record.msg
-        return not (isinstance(msg, dict) and msg.get("event") in self.EVENTS)
+        return isinstance(msg, dict) and msg.get("event") in self.FOR_PEOPLE
 
 
 def _quiet_console() -> None:

@@ -115,6 +115,8 @@ def test_the_readme_is_one_screen_in_the_order_a_newcomer_needs() -> None:
     quick, results_head, nxt = heads[0], heads[1], heads[2]
     assert quick.startswith("## Quick start") and nxt == "## Where to go next", heads
     assert lines.index(quick) < 20 and text.index("docs/img/dashboard.png") < text.index(quick)
+    assert lines.index(results_head) < 30 and lines.index(nxt) < 60  # all five parts on the first screen
+    assert "](docs/guides/getting-started.md)" in text[: text.index(results_head)]  # what a run prints, next to it
     results = text[text.index(results_head) : text.index(nxt)]
     for column in ("random", "best position rule", "base greedy", "trained"):
         assert f"| {column} |" in results, column  # a learning number stands beside what habits score
@@ -129,3 +131,15 @@ def test_the_docs_name_no_tracker_numbers_nor_stages_of_the_work() -> None:
     hits = [f"{p.relative_to(REPO)}: {m.group(0)}" for p in files for m in pattern.finditer(p.read_text())]
     assert hits == []
     assert pattern.search("fixed in issue 37") and pattern.search("see #36") and not pattern.search("`#3b82f6`")
+
+
+def test_the_changelog_names_the_packages_version_and_its_event_schema() -> None:
+    """The newest release heading of CHANGELOG.md carries pyproject's version and the event schema version
+    the code writes (``SCHEMA_VERSION``): an upgrade reads which processes can share a run from it."""
+    import tomllib
+
+    from coevo.schemas import SCHEMA_VERSION
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    newest = next(line for line in (REPO / "CHANGELOG.md").read_text().splitlines() if line.startswith("## "))
+    assert newest.startswith(f"## {version} ") and newest.endswith(f"event schema {SCHEMA_VERSION}"), newest

@@ -263,6 +263,25 @@ def hanging_up_api() -> Iterator[str]:
     server.close()
 
 
+def test_litellm_logs_its_calls_on_the_console_only_when_they_go_wrong(tmp_path: Path) -> None:
+    """Logging set up as ``coevo run`` does it (INFO, a console): LiteLLM's own console handler and ours
+    print none of its per-call INFO lines (it printed two a call, 930 lines in 30 s of a failing judge)."""
+    script = (
+        "import asyncio, sys, pathlib\n"
+        "from coevo.runtime.logging import configure_logging\n"
+        "configure_logging(pathlib.Path(sys.argv[1]), level='info', console='pretty')\n"
+        "from coevo.config import ApiConfig\n"
+        "from coevo.inference.litellm_client import LiteLLMClient\n"
+        f"client = LiteLLMClient({MODEL!r}, ApiConfig(mock_response='fine', backoff_s=0.01))\n"
+        "print(asyncio.run(client.complete('x', max_tokens=4)).text)\n"
+    )
+    out = subprocess.run(
+        [PYTHON, "-c", script, str(tmp_path)], capture_output=True, text=True, env=subprocess_env(), timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == "fine\n" and out.stderr == "", (out.stdout, out.stderr)
+
+
 @pytest.mark.slow
 def test_run_with_an_api_down_completes_and_never_leaks_the_key(
     tmp_path: Path, model_cache: Path, hanging_up_api: str
@@ -317,6 +336,7 @@ def test_run_with_an_api_down_completes_and_never_leaks_the_key(
     assert summary["events"]["trajectory.completed"] > 0  # rollouts went on while the judge was down
     leaked = [str(p) for p in runs.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaked == [] and secret not in out.stdout + out.stderr
+    assert "LiteLLM completion()" not in out.stdout + out.stderr  # not a line per call on the console
     assert os.environ.get("COEVO_TEST_JUDGE_KEY") is None
 
 

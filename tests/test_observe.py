@@ -375,6 +375,16 @@ def test_the_human_summary_says_what_improved_and_warns_without_a_learner_step()
     assert f"fewer than learner.batch_samples = {cfg.learner.batch_samples}" in describe(few, cfg, {})
     by_groups = load_config(overrides={"learner.batch_groups": 8})
     assert "learner.batch_groups = 8 groups were scored" in (no_learning_reason(few, by_groups) or "")
+    # a judge that failed every vote is named, not the run's length
+    unscored = {**idle, "groups_scored": 0, "judge_errors": 96, "judge_calls": 0}
+    failing = no_learning_reason(unscored, cfg) or ""
+    assert "96 of the judge's 96 votes failed" in failing and "--minutes" not in failing
+    assert "too short" in (no_learning_reason({**unscored, "judge_errors": 0}, cfg) or "")
+    # a long curve: its length, its ends and its extremes, in words
+    many = {**one, "heldout_success_rounds": [0.2, 0.1, 0.3, 0.3, 0.9, 0.4, 0.5, 0.5, 0.6, 0.7]}
+    assert "; 10 rounds, first and last four 0.20 0.10 0.30 0.30 0.50 0.50 0.60 0.70, lowest 0.10, highest 0.90" in (
+        describe(many, cfg, {})
+    )
 
 
 def test_the_human_summary_warns_when_the_learner_starves_at_the_end() -> None:
@@ -444,15 +454,16 @@ def test_the_summary_names_a_collapse_and_the_longest_wait_for_a_batch() -> None
     assert first.summary("r", 400.0).policy_step_gap_max_s == 369.0
 
 
-def test_counter_dumps_stay_out_of_the_console() -> None:
+def test_the_console_shows_what_a_person_acts_on_and_the_log_file_the_rest() -> None:
     import logging
 
-    record = logging.LogRecord(
-        "coevo.agent.judge", logging.INFO, "", 0, {"event": "agent.stopped", "counters": {}}, None, None
-    )
-    assert not _HideFromConsole().filter(record)
-    record.msg = {"event": "run.finished"}
-    assert _HideFromConsole().filter(record)
+    def shown(event: str, level: int = logging.INFO) -> bool:
+        record = logging.LogRecord("coevo.x", level, "", 0, {"event": event, "counters": {}}, None, None)
+        return _HideFromConsole().filter(record)
+
+    assert not shown("agent.stopped") and not shown("learner.checkpoint") and not shown("weights.transferred")
+    assert shown("run.started") and shown("policy.endpoint") and shown("progress")
+    assert shown("learner.checkpoint", logging.WARNING) and shown("consumer.recreated", logging.ERROR)
 
 
 # ---- sinks ----------------------------------------------------------------------------------------

@@ -303,8 +303,8 @@ def families_of(url: str) -> dict[str, Any]:
 # ---- after it ----------------------------------------------------------------------------------------
 
 
-README_SUMMARY = (REPO / "README.md").read_text().split("```\nRun ")[1].split("```")[0]
-"""the closing summary the README shows for the quick start's run"""
+GUIDE_SUMMARY = (REPO / "docs" / "guides" / "getting-started.md").read_text().split("```\nRun ")[1].split("```")[0]
+"""the closing summary the getting-started guide shows for the quick start's run"""
 
 
 def summary_labels(text: str) -> list[str]:
@@ -326,15 +326,19 @@ def test_the_run_ends_with_a_summary_tensorboard_files_and_a_report(live: Live) 
     assert "min of it)" in out  # the minutes are this process's, the counts the run's (#39)
     assert "report:" in out and "tensorboard:" in out and "summary.json" in out
     assert '"policy_success_start"' not in out, "the JSON belongs in summary.json, not on the console"
-    # the README shows what a run prints: the same lines, in the same order
+    # the getting-started guide shows what a run prints: the same lines, in the same order
     printed = summary_labels(out[out.index(f"Run {RUN_ID} was interrupted") :])
-    shown = summary_labels(README_SUMMARY)
+    shown = summary_labels(GUIDE_SUMMARY)
     measured_after = ("beside it on the same tasks", "held-out step agreement")  # lines a stopped run may lack
     assert [x for x in printed if x not in ("warning", "resume")] == [
         x for x in shown if x in printed or x not in measured_after
     ], (printed, shown)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["learner_steps"] >= 2
+    # the console shows what a person acts on; checkpoints and weight versions are in the log file only
+    logged = (run_dir / "coevo.log.jsonl").read_text()
+    assert '"learner.checkpoint"' in logged and '"run.started"' in logged
+    assert "learner.checkpoint" not in live.stderr and "run.started" in live.stderr, live.stderr[-3000:]
 
     acc = EventAccumulator(str(run_dir / "tb"))
     acc.Reload()

@@ -66,11 +66,9 @@ def _rounds(rounds: list[float]) -> str:
         return ""
     shown = rounds if len(rounds) <= 8 else [*rounds[:4], *rounds[-4:]]
     text = " ".join(f"{r:.2f}" for r in shown)
-    return (
-        f"; rounds {text}"
-        if len(rounds) <= 8
-        else f"; rounds {text} (of {len(rounds)}: min {min(rounds):.2f}, max {max(rounds):.2f})"
-    )
+    if len(rounds) <= 8:
+        return f"; rounds {text}"
+    return f"; {len(rounds)} rounds, first and last four {text}, lowest {min(rounds):.2f}, highest {max(rounds):.2f}"
 
 
 def no_learning_reason(summary: dict[str, Any], cfg: CoevoConfig) -> str | None:
@@ -79,6 +77,13 @@ def no_learning_reason(summary: dict[str, Any], cfg: CoevoConfig) -> str | None:
         return None
     groups, with_samples = summary["groups_scored"], summary["train_groups_with_samples"]
     samples, batch = summary["policy_samples"], cfg.learner.batch_samples
+    errors, calls = summary.get("judge_errors", 0), summary.get("judge_calls", 0)
+    if not groups and errors:
+        return (
+            f"no policy learner step in this run: no train group was scored, and {errors} of the judge's "
+            f"{errors + calls} votes failed (the log file names each error: an API key, an endpoint, a model "
+            "name). Fix the judge, or run without --judge (the local judge model)."
+        )
     if not groups:
         why = "no train group was scored (models still loading, or the run was too short to finish a group)"
     elif not with_samples:

@@ -59,7 +59,7 @@ def logs_above(console: Any) -> Iterator[None]:
 
 
 async def show_status(
-    line: Callable[[], str], stop: asyncio.Event, *, every_s: float = 10.0, console: Any = None
+    line: Callable[[], str], stop: asyncio.Event, *, every_s: float = 30.0, console: Any = None
 ) -> None:
     """Show ``line()`` until ``stop`` is set (see the module's invariant)."""
     from rich.console import Console

@@ -66,7 +66,8 @@ def configure_logging(
             )
         )
         root.addHandler(ch)
-    for noisy in ("nats", "asyncio", "filelock", "urllib3"):
+    # libraries that log each call at INFO (LiteLLM also through its own console handler): warnings and up
+    for noisy in ("nats", "asyncio", "filelock", "urllib3", "httpx", "LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     return path
 
