@@ -652,6 +652,13 @@ class TasksConfig(Section):
     min_groups_between_rewrites: int = Field(default=2, ge=0, description="per slot, against oscillation")
     max_groups_in_flight: int = Field(default=4, ge=1, description="scheduled but not yet scored")
     eval_every: int = Field(default=16, ge=1, description="train groups between held-out evaluations")
+    eval_every_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="seconds between held-out evaluations as well (whichever comes first); unset: by train "
+        "groups only. Not given with a model you name (policy.model) and no tasks.eval_every either: "
+        "PRETRAINED_EVAL_EVERY_S, so that a run of a few minutes on a slow machine has a round to compare",
+    )
     saturated_after: int = Field(
         default=3,
         ge=0,
@@ -744,6 +751,11 @@ class LoraConfig(Section):
         description="names of the linear layers that get an adapter (every one of them, in every layer)",
     )
 
+
+PRETRAINED_EVAL_EVERY_S = 180.0
+"""``tasks.eval_every_s`` with a model you name when no evaluation cadence is given: on 2 CPU cores
+SmolLM2-135M scores a few train groups a minute, and 16 of them (``tasks.eval_every``) take longer than
+the runs a person starts first"""
 
 LORA_PRETRAINED_LR = 1e-4
 """``learner.lr`` of LoRA lanes on a pretrained model when none is given (chosen by the sweep in
@@ -1001,6 +1013,15 @@ class CoevoConfig(BaseSettings):
         lc = self.learner
         if "lr" not in lc.model_fields_set and lc.lora is not None and self.policy.model is not None:
             object.__setattr__(self, "learner", lc.model_copy(update={"lr": LORA_PRETRAINED_LR}))
+        return self
+
+    @model_validator(mode="after")
+    def _pretrained_eval_clock(self) -> CoevoConfig:
+        """Neither ``tasks.eval_every`` nor ``tasks.eval_every_s`` given, a model you name: held-out rounds
+        every PRETRAINED_EVAL_EVERY_S seconds as well (a real model scores few groups a minute on CPU)."""
+        tc = self.tasks
+        if self.policy.model is not None and not {"eval_every", "eval_every_s"} & tc.model_fields_set:
+            object.__setattr__(self, "tasks", tc.model_copy(update={"eval_every_s": PRETRAINED_EVAL_EVERY_S}))
         return self
 
     @model_validator(mode="after")

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from coevo.algorithm import saturation, scoring
 from coevo.algorithm.admission import Backlog, queue_full
 from coevo.algorithm.rewriter import BuiltinRewriter, Proposal, Rewriter, critic_summary, fresh_world, wants_fresh_world
-from coevo.config import LLMRewriterConfig
+from coevo.config import LLMRewriterConfig, TasksConfig
 from coevo.envs import make_family
 from coevo.envs.base import spec_hash
 from coevo.inference.engine import CachesCalls
@@ -86,6 +86,8 @@ class InFlight(BaseModel):
     scheduled_at: dict[str, float] = Field(default_factory=dict, description="group id -> unix time scheduled")
     slot_of: dict[str, str] = Field(default_factory=dict, description="candidate group id -> its slot")
     train_groups_scheduled: int = 0
+    eval_rounds: int = Field(default=0, description="held-out rounds queued so far (round k's groups: eval{k}-…)")
+    eval_queued_at: float | None = Field(default=None, description="unix time the last round was queued")
 
     def forget(self, group_id: str) -> None:
         self.groups.pop(group_id, None)
@@ -95,6 +97,16 @@ class InFlight(BaseModel):
     def expired(self, now: float, timeout_s: float) -> list[str]:
         """Groups scheduled more than ``timeout_s`` ago and never scored (pure)."""
         return [g for g in self.groups if now - self.scheduled_at.get(g, now) > timeout_s]
+
+
+def round_due(inflight: InFlight, tc: TasksConfig, now: float) -> bool:
+    """Whether a held-out round is due after a train group (pure): every ``tasks.eval_every`` train
+    groups, and ``tasks.eval_every_s`` seconds after the last round was queued when that is set
+    (whichever comes first)."""
+    if inflight.train_groups_scheduled % tc.eval_every == 0:
+        return True
+    last, every = inflight.eval_queued_at, tc.eval_every_s
+    return every is not None and last is not None and now - last >= every
 
 
 @dataclass
@@ -215,6 +227,9 @@ class TasksAgent(Agent):
                 continue
             if key == "inflight":
                 self.inflight = InFlight.model_validate_json(raw)
+                if "eval_rounds" not in self.inflight.model_fields_set:  # saved by a version that numbered
+                    k = self.inflight.train_groups_scheduled // self.cfg.tasks.eval_every  # rounds by groups
+                    self.inflight.eval_rounds = k + 1
                 for group_id in self.inflight.groups:  # saved by a version without times: count from now
                     self.inflight.scheduled_at.setdefault(group_id, time.time())
             elif key.startswith("slot."):
@@ -227,7 +242,7 @@ class TasksAgent(Agent):
             slot = Slot(slot_id=f"{t.split}-{t.task_id}", split=t.split, active=t)
             self.slots[slot.slot_id] = slot
             await self.save(slot)
-        self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]  # the "before" numbers
+        self.queue_round()  # the "before" numbers
         await self.save_inflight()
 
     async def save(self, slot: Slot) -> None:
@@ -264,12 +279,10 @@ class TasksAgent(Agent):
         for slot in self.slots.values():
             if slot.candidate is not None and not slot.candidate_scheduled:
                 return slot, slot.candidate, "candidate"
-        if self.eval_queue:
-            slot = self.slots[self.eval_queue.pop(0)]
-            return slot, slot.active, "eval"
         train = [s for s in self.slots.values() if s.split == "train"]
-        if not train:
-            self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]
+        if not self.eval_queue and not train:
+            self.queue_round()
+        if self.eval_queue:
             slot = self.slots[self.eval_queue.pop(0)]
             return slot, slot.active, "eval"
         tc = self.cfg.tasks
@@ -284,8 +297,11 @@ class TasksAgent(Agent):
     async def schedule(self, slot: Slot, task: TaskSpec, purpose: Literal["train", "candidate", "eval"]) -> None:
         """Publish the group (stored before anything records it), then record it in KV: a crash in
         between leaves a group that is scored but never counted, never one counted but never scored."""
-        k = self.inflight.train_groups_scheduled // self.cfg.tasks.eval_every
-        prefix = f"eval{k}-" if purpose == "eval" else ("cand-" if purpose == "candidate" else "g-")
+        prefix = (
+            f"eval{self.inflight.eval_rounds - 1}-"
+            if purpose == "eval"
+            else ("cand-" if purpose == "candidate" else "g-")
+        )
         group_id = f"{prefix}{new_id()[:16]}"
         self.model_version = self.policy_version  # the version this group is scheduled at (its source)
         event = self.event(
@@ -304,14 +320,22 @@ class TasksAgent(Agent):
         self.lockstep.scheduled()
         if purpose == "train":
             self.inflight.train_groups_scheduled += 1
-            if self.inflight.train_groups_scheduled % self.cfg.tasks.eval_every == 0:
-                self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]
+            if round_due(self.inflight, self.cfg.tasks, time.time()) and not self.eval_queue:
+                self.queue_round()
         if purpose == "candidate":
             self.inflight.slot_of[group_id] = slot.slot_id
             slot.candidate_scheduled = True
             await self.save(slot)
         await self.save_inflight()
         self.counters[f"scheduled.{purpose}"] += 1
+
+    def queue_round(self) -> None:
+        """Queue a held-out evaluation round: one group per held-out task, numbered (``eval{k}-…``)
+        and timed in the in-flight state (saved with the group that follows)."""
+        self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]
+        if self.eval_queue:
+            self.inflight.eval_rounds += 1
+            self.inflight.eval_queued_at = time.time()
 
     async def expire(self) -> None:
         """Forget groups whose scheduling or score was lost; a lost candidate is scheduled again."""

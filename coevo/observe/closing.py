@@ -51,9 +51,11 @@ def _no_heldout(s: dict[str, Any], cfg: CoevoConfig) -> str:
     what to change)."""
     if cfg.env.family == "external" and cfg.env.tasks_from is None:
         return "agents outside coevo bring their own tasks, so there are no held-out tasks; --env.tasks_from FAMILY has some"
+    tc = cfg.tasks
+    clock = f" or {tc.eval_every_s:g} s" if tc.eval_every_s is not None else ""
     return (
-        f"no evaluation round was scored: one runs after every {cfg.tasks.eval_every} train groups and this run "
-        f"scored {s['groups_scored']}; --set tasks.eval_every=N for rounds sooner"
+        f"no evaluation round was scored: one runs after every {tc.eval_every} train groups{clock} and this run "
+        f"scored {s['groups_scored']}; --set tasks.eval_every=N or tasks.eval_every_s=S for rounds sooner"
     )
 
 
@@ -61,7 +63,9 @@ def _rounds(rounds: list[float]) -> str:
     """``; rounds 0.12 0.87 0.48``: the held-out curve between its first and last round (with one
     round only, how to get more)."""
     if len(rounds) == 1:
-        return "; one round only: --set tasks.eval_every=N (train groups between rounds) for more"
+        return (
+            "; one round only: --set tasks.eval_every=N (train groups between rounds) or tasks.eval_every_s=S for more"
+        )
     if len(rounds) < 3:
         return ""
     shown = rounds if len(rounds) <= 8 else [*rounds[:4], *rounds[-4:]]

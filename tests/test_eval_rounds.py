@@ -1,0 +1,77 @@
+"""Held-out evaluation rounds: when one is due (by train groups, and by the clock where set), how rounds
+are numbered, and the clock a run of a named model gets by default (coevo.agents.tasks)."""
+
+from __future__ import annotations
+
+import time
+
+from coevo.agents.tasks import InFlight, TasksAgent, round_due
+from coevo.config import PRETRAINED_EVAL_EVERY_S, CoevoConfig, TasksConfig, load_config
+from coevo.observe.tally import eval_round
+from coevo.runtime.bus import NatsBus
+from coevo.schemas import TaskScheduled
+
+# ---- the decision, without I/O ---------------------------------------------------------------------
+
+
+def test_a_round_is_due_every_n_train_groups_or_after_its_seconds_whichever_comes_first() -> None:
+    by_groups = TasksConfig(eval_every=4)
+    both = TasksConfig(eval_every=4, eval_every_s=60.0)
+    due = [k for k in range(1, 13) if round_due(InFlight(train_groups_scheduled=k, eval_queued_at=0.0), by_groups, 1e9)]
+    assert due == [4, 8, 12]  # no clock: however long ago the last round was
+    fresh = InFlight(train_groups_scheduled=5, eval_queued_at=1000.0)
+    assert not round_due(fresh, both, 1059.0) and round_due(fresh, both, 1060.0)
+    assert round_due(InFlight(train_groups_scheduled=8, eval_queued_at=1000.0), both, 1001.0)  # the groups' turn
+    assert not round_due(InFlight(train_groups_scheduled=5), both, 1e9)  # no round queued yet: the first is at load
+
+
+def test_a_named_model_without_a_cadence_gets_rounds_by_the_clock_too() -> None:
+    named = load_config(overrides={"policy.model": "smollm2-135m-instruct"})
+    assert named.tasks.eval_every_s == PRETRAINED_EVAL_EVERY_S and named.tasks.eval_every == 16
+    for given in ({"tasks.eval_every": 100000}, {"tasks.eval_every_s": 30.0}):
+        chosen = load_config(overrides={"policy.model": "smollm2-135m-instruct", **given})
+        assert chosen.tasks.eval_every_s == given.get("tasks.eval_every_s")  # a cadence given is kept as given
+    assert load_config().tasks.eval_every_s is None  # the built-in tiny models: by train groups only
+    reloaded = CoevoConfig.model_validate_json(named.model_dump_json())  # config.json, read back by replay
+    assert reloaded.tasks.eval_every_s == PRETRAINED_EVAL_EVERY_S
+
+
+# ---- the tasks agent on a real server --------------------------------------------------------------
+
+
+async def _schedule_train(agent: TasksAgent, n: int) -> list[str]:
+    """Schedule ``n`` train groups, and the eval groups that fall due between them; the eval group ids."""
+    out = []
+    while n:
+        slot, task, purpose = agent.next_group()
+        before = set(agent.inflight.groups)
+        await agent.schedule(slot, task, purpose)
+        if purpose == "eval":
+            out += [g for g in agent.inflight.groups if g not in before]
+        n -= purpose == "train"
+    return out
+
+
+async def test_rounds_are_numbered_in_order_by_groups_and_by_the_clock(bus: NatsBus, cfg: CoevoConfig) -> None:
+    cfg = cfg.model_copy(update={"loop": "policy-only"})
+    cfg = cfg.model_copy(update={"tasks": cfg.tasks.model_copy(update={"eval_every": 3, "eval_every_s": 3600.0})})
+    agent = TasksAgent(bus, cfg)
+    await agent.load()
+    heldout = sum(s.split == "heldout" for s in agent.slots.values())
+    assert heldout >= 2 and agent.inflight.eval_rounds == 1  # the "before" round, queued at load
+    ids = await _schedule_train(agent, 3)  # round 0 first, round 1 after the third train group (not yet run)
+    assert [eval_round(g) for g in ids] == ["eval0"] * heldout and len(agent.eval_queue) == heldout
+    ids = await _schedule_train(agent, 1)
+    assert [eval_round(g) for g in ids] == ["eval1"] * heldout
+    agent.inflight.eval_queued_at = time.time() - 3600.0  # an hour since the last round: the clock's turn
+    ids = await _schedule_train(agent, 2)
+    assert [eval_round(g) for g in ids] == ["eval2"] * heldout and agent.inflight.train_groups_scheduled == 6
+    assert agent.inflight.eval_rounds == 4 and len(agent.eval_queue) == heldout  # the sixth group's round, queued
+    # what was published says the same, with each round's size
+    events = [e for e in await bus.events(["task.scheduled"]) if isinstance(e, TaskScheduled) and e.purpose == "eval"]
+    assert [eval_round(e.group_id) for e in events] == [f"eval{k}" for k in range(3) for _ in range(heldout)]
+    assert {e.round_size for e in events} == {heldout}
+    # resumed from KV: the rounds go on from where they stood, not from eval0
+    again = TasksAgent(bus, cfg)
+    await again.load()
+    assert again.inflight.eval_rounds == 4
