@@ -80,8 +80,9 @@ async def summarize(bus: NatsBus, started: float, ended: float) -> dict[str, Any
 
 
 class Progress:
-    """Live progress: a rich status line on a terminal, a log line every 10 s otherwise. Every number is
-    labelled; the recent train success comes from the observer's aggregator when there is one."""
+    """Live progress: a rich status line on a terminal, a log line every 30 s otherwise. Every number is
+    labelled; the recent train success and the train groups among those scored come from the observer's
+    aggregator when there is one (the closing summary counts train groups: so does this line)."""
 
     def __init__(self, agents: list[Agent], aggregator: Aggregator | None = None) -> None:
         self.agents = agents
@@ -94,12 +95,14 @@ class Progress:
             c.update(a.counters)
         won = c["trajectories.won"]
         done = sum(v for k, v in c.items() if k.startswith("trajectories."))
-        recent = ""
-        if self.aggregator is not None and (train := self.aggregator.tally.train[-20:]):
-            recent = f" | train success, last {len(train)} groups: {sum(train) / len(train):.0%}"
+        recent = scored = ""
+        if self.aggregator is not None:
+            scored = f" ({len(self.aggregator.tally.train)} train)"
+            if train := self.aggregator.tally.train[-20:]:
+                recent = f" | train success, last {len(train)} groups: {sum(train) / len(train):.0%}"
         return (
             f"{time.monotonic() - self.t0:5.0f}s | trajectories {done}, {won / done if done else 0:.0%} won "
-            f"(all so far){recent} | groups scored {c['groups_scored']} | learner steps: policy "
+            f"(all so far){recent} | groups scored {c['groups_scored']}{scored} | learner steps: policy "
             f"{c['steps.policy']}, judge {c['steps.judge']} | rewrites: {c['rewrites_accepted']} accepted "
             f"of {c['rewrites_proposed']} proposed"
         )

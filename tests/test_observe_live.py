@@ -335,10 +335,14 @@ def test_the_run_ends_with_a_summary_tensorboard_files_and_a_report(live: Live) 
     ], (printed, shown)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["learner_steps"] >= 2
-    # the console shows what a person acts on; checkpoints and weight versions are in the log file only
+    # the console shows what a person acts on; the learner's lanes, checkpoints and weight versions are in
+    # the log file only
     logged = (run_dir / "coevo.log.jsonl").read_text()
-    assert '"learner.checkpoint"' in logged and '"run.started"' in logged
-    assert "learner.checkpoint" not in live.stderr and "run.started" in live.stderr, live.stderr[-3000:]
+    assert '"learner.lane"' in logged and '"run.started"' in logged
+    assert "run.started" in live.stderr, live.stderr[-3000:]
+    assert not {"learner.lane", "learner.checkpoint", "agent.stopped"} & set(
+        re.findall(r"[a-z_]+\.[a-z_]+", live.stderr)
+    )
 
     acc = EventAccumulator(str(run_dir / "tb"))
     acc.Reload()

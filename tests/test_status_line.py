@@ -79,3 +79,15 @@ def test_the_closing_line_says_the_minutes_are_this_processs() -> None:
     first = describe(summary, load_config(), {}).splitlines()[0]
     assert first.startswith("Run r1 finished: 83 policy and 0 judge learner steps")
     assert first.endswith("281 train groups scored in all (this process ran 3.0 min of it).")
+
+
+def test_the_progress_line_counts_train_groups_as_the_closing_summary_does() -> None:
+    from coevo.loop import Progress
+    from coevo.observe.aggregate import Aggregator
+
+    scorer = types.SimpleNamespace(counters={"groups_scored": 31, "trajectories.won": 1, "trajectories.lost": 3})
+    aggregator = Aggregator()
+    aggregator.tally.train.extend([0.0, 0.5, 1.0])  # three train groups among the 31 scored
+    line = Progress([scorer], aggregator).line()  # type: ignore[list-item]
+    assert "groups scored 31 (3 train) |" in line and "train success, last 3 groups: 50%" in line
+    assert "groups scored 31 |" in Progress([scorer]).line()  # type: ignore[list-item]  # no aggregator: no split
