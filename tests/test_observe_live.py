@@ -139,15 +139,17 @@ class Live:
     dashboard: str
     metrics: str
     runs: Path
+    console: Path
+    """the run's stderr, its console log (a file: a pipe nobody reads while it runs could fill and block it)"""
     stdout: str = ""
     stderr: str = ""
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        out, err = self.proc.communicate(timeout=240)
+        out, _ = self.proc.communicate(timeout=240)
         self.stdout += out
-        self.stderr += err
+        self.stderr = self.console.read_text()
 
 
 def get_json(url: str) -> Any:
@@ -177,39 +179,40 @@ def live(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterato
             "env.cache_dir": str(model_cache),
             "run.runs_dir": str(runs),
             "agent.heartbeat_s": 1.0,
+            "log.console": "pretty",  # as a person sees it (the tests' default is off)
         }.items()
         for a in ("--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}")
     ]
-    proc = subprocess.Popen(
-        [
-            PYTHON,
-            "-m",
-            "coevo",
-            "run",
-            "--minutes",
-            "6",
-            "--run-id",
-            RUN_ID,
-            "--dashboard-port",
-            "0",
-            "--metrics-port",
-            str(port),
-            *overrides,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=subprocess_env(),
-    )
+    console = runs.parent / "console.txt"
+    with console.open("w") as err:  # the child holds its own copy
+        proc = subprocess.Popen(
+            [
+                PYTHON,
+                "-m",
+                "coevo",
+                "run",
+                "--minutes",
+                "6",
+                "--run-id",
+                RUN_ID,
+                "--dashboard-port",
+                "0",
+                "--metrics-port",
+                str(port),
+                *overrides,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=subprocess_env(),
+        )
     assert proc.stdout is not None
     first = proc.stdout.readline() + proc.stdout.readline()
     m = re.search(r"dashboard at (http://127\.0\.0\.1:\d+)", first)
     if m is None:
         proc.kill()
-        pytest.fail(
-            f"coevo run printed no dashboard address: {first!r}\n{proc.stderr.read()[-3000:] if proc.stderr else ''}"
-        )
-    run = Live(proc, m.group(1), f"http://127.0.0.1:{port}/metrics", runs, stdout=first)
+        pytest.fail(f"coevo run printed no dashboard address: {first!r}\n{console.read_text()[-3000:]}")
+    run = Live(proc, m.group(1), f"http://127.0.0.1:{port}/metrics", runs, console, stdout=first)
     try:
         wait_state(
             run.dashboard,
