@@ -3,13 +3,14 @@ bonus against the collapse"): one quick-game prompt, three choices, the samples 
 rewarded (+1, the others -0.5), the same batch stepped again and again by a LoRA lane, which is the
 collapse in small. Prints the entropy before each of ``--steps`` steps, per coefficient.
 
-    .venv/bin/python scripts/entropy_calibration.py --model smollm2-135m-instruct 0 0.3 0.5 1
+    .venv/bin/python scripts/entropy_calibration.py --model smollm2-135m-instruct 0 0.3 0.5 1 --json FILE
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import tempfile
 from pathlib import Path
 
@@ -40,16 +41,22 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4, help="learner.lr (configs/smollm2.toml's)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--json", type=Path, help="also write the settings and every entropy here")
     args = parser.parse_args()
     model = resolve_model(args.model, args.cache_dir or default_cache_dir())
     samples = asyncio.run(choice_samples(model, args.samples))
-    print("choices taken:", sorted(s.response_token_ids[0] for s in samples))
+    taken = sorted(s.response_token_ids[0] for s in samples)
+    print("choices taken:", taken)
+    result: dict[str, object] = {"model": args.model, "lr": args.lr, "samples": args.samples, "choices_taken": taken}
     for coef in args.coefs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = LearnerConfig(lora={}, lr=args.lr, entropy_coef=coef)
             lane = Lane("policy", model, Path(tmp), cfg, device="cpu")
             entropy = [lane.step(samples, [f"g{i}"]).entropy or 0.0 for i in range(args.steps)]
             print(f"entropy_coef {coef}:", " ".join(f"{h:.3f}" for h in entropy), flush=True)
+            result[f"entropy_coef={coef:g}"] = [round(h, 4) for h in entropy]
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,10 @@ def test_every_benchmark_file_is_referenced_and_named_by_what_it_measured() -> N
     unreferenced = [name for name in files if not re.search(rf"(?<![\w.-]){re.escape(name)}", docs)]
     assert unreferenced == []
     assert [name for name in files if re.search(r"issue|session", name, re.I)] == []
+    assert not re.search(r"no JSON|JSON was not kept", docs), "every result has its JSON file"
+    sections = re.split(r"\n(?=#{2,4} )", (REPO / "docs" / "benchmarks.md").read_text())
+    tables_without = [p.split("\n")[0] for p in sections if "\n|" in p and not re.search(r"benchmarks/\S+\.json", p)]
+    assert tables_without == [], "a table of results in a section that links no JSON"
 
 
 def test_the_configuration_and_cli_references_are_generated_from_the_code() -> None:
