@@ -655,9 +655,10 @@ class TasksConfig(Section):
     eval_every_s: float | None = Field(
         default=None,
         gt=0,
-        description="seconds between held-out evaluations as well (whichever comes first); unset: by train "
-        "groups only. Not given with a model you name (policy.model) and no tasks.eval_every either: "
-        "PRETRAINED_EVAL_EVERY_S, so that a run of a few minutes on a slow machine has a round to compare",
+        description="seconds from the end of a held-out evaluation to the next, as well (whichever comes first "
+        "with eval_every); unset: by train groups only. Not given with a model you name (policy.model) and no "
+        "tasks.eval_every either: PRETRAINED_EVAL_EVERY_S, so that a run of a few minutes on a slow machine "
+        "has a round to compare",
     )
     saturated_after: int = Field(
         default=3,

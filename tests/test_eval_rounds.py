@@ -9,20 +9,22 @@ from coevo.agents.tasks import InFlight, TasksAgent, round_due
 from coevo.config import PRETRAINED_EVAL_EVERY_S, CoevoConfig, TasksConfig, load_config
 from coevo.observe.tally import eval_round
 from coevo.runtime.bus import NatsBus
-from coevo.schemas import TaskScheduled
+from coevo.schemas import GroupScored, Source, TaskScheduled
 
 # ---- the decision, without I/O ---------------------------------------------------------------------
 
 
-def test_a_round_is_due_every_n_train_groups_or_after_its_seconds_whichever_comes_first() -> None:
+def test_a_round_is_due_every_n_train_groups_or_seconds_after_the_last_whichever_comes_first() -> None:
     by_groups = TasksConfig(eval_every=4)
     both = TasksConfig(eval_every=4, eval_every_s=60.0)
-    due = [k for k in range(1, 13) if round_due(InFlight(train_groups_scheduled=k, eval_queued_at=0.0), by_groups, 1e9)]
+    due = [k for k in range(1, 13) if round_due(InFlight(train_groups_scheduled=k, eval_clock_at=0.0), by_groups, 1e9)]
     assert due == [4, 8, 12]  # no clock: however long ago the last round was
-    fresh = InFlight(train_groups_scheduled=5, eval_queued_at=1000.0)
+    fresh = InFlight(train_groups_scheduled=5, eval_clock_at=1000.0)
     assert not round_due(fresh, both, 1059.0) and round_due(fresh, both, 1060.0)
-    assert round_due(InFlight(train_groups_scheduled=8, eval_queued_at=1000.0), both, 1001.0)  # the groups' turn
+    assert round_due(InFlight(train_groups_scheduled=8, eval_clock_at=1000.0), both, 1001.0)  # the groups' turn
     assert not round_due(InFlight(train_groups_scheduled=5), both, 1e9)  # no round queued yet: the first is at load
+    running = InFlight(train_groups_scheduled=5, eval_clock_at=1000.0, groups={"eval2-a": 3, "g-b": 3})
+    assert running.evaluating() and not round_due(running, both, 1e9)  # the clock stands still while a round runs
 
 
 def test_a_named_model_without_a_cadence_gets_rounds_by_the_clock_too() -> None:
@@ -37,6 +39,22 @@ def test_a_named_model_without_a_cadence_gets_rounds_by_the_clock_too() -> None:
 
 
 # ---- the tasks agent on a real server --------------------------------------------------------------
+
+
+def _eval_scored(agent: TasksAgent, group_id: str) -> GroupScored:
+    slot_id = next(s.slot_id for s in agent.slots.values() if s.split == "heldout")
+    return GroupScored(
+        run_id=agent.bus.run_id,
+        source=Source(agent_id="scorer-t", role="scorer"),
+        task_id=agent.slots[slot_id].active.task_id,
+        group_id=group_id,
+        slot_id=slot_id,
+        purpose="eval",
+        accuracy=0.5,
+        n_trajectories=4,
+        policy_band_ok=False,
+        judge_band_ok=False,
+    )
 
 
 async def _schedule_train(agent: TasksAgent, n: int) -> list[str]:
@@ -54,19 +72,26 @@ async def _schedule_train(agent: TasksAgent, n: int) -> list[str]:
 
 async def test_rounds_are_numbered_in_order_by_groups_and_by_the_clock(bus: NatsBus, cfg: CoevoConfig) -> None:
     cfg = cfg.model_copy(update={"loop": "policy-only"})
-    cfg = cfg.model_copy(update={"tasks": cfg.tasks.model_copy(update={"eval_every": 3, "eval_every_s": 3600.0})})
+    cfg = cfg.model_copy(update={"tasks": cfg.tasks.model_copy(update={"eval_every": 4, "eval_every_s": 3600.0})})
     agent = TasksAgent(bus, cfg)
     await agent.load()
     heldout = sum(s.split == "heldout" for s in agent.slots.values())
     assert heldout >= 2 and agent.inflight.eval_rounds == 1  # the "before" round, queued at load
-    ids = await _schedule_train(agent, 3)  # round 0 first, round 1 after the third train group (not yet run)
-    assert [eval_round(g) for g in ids] == ["eval0"] * heldout and len(agent.eval_queue) == heldout
-    ids = await _schedule_train(agent, 1)
-    assert [eval_round(g) for g in ids] == ["eval1"] * heldout
-    agent.inflight.eval_queued_at = time.time() - 3600.0  # an hour since the last round: the clock's turn
-    ids = await _schedule_train(agent, 2)
-    assert [eval_round(g) for g in ids] == ["eval2"] * heldout and agent.inflight.train_groups_scheduled == 6
-    assert agent.inflight.eval_rounds == 4 and len(agent.eval_queue) == heldout  # the sixth group's round, queued
+    first = await _schedule_train(agent, 4)  # round 0 first, round 1 queued by the fourth train group
+    assert [eval_round(g) for g in first] == ["eval0"] * heldout and len(agent.eval_queue) == heldout
+    second = await _schedule_train(agent, 1)
+    assert [eval_round(g) for g in second] == ["eval1"] * heldout
+    agent.inflight.eval_clock_at = time.time() - 3600.0  # an hour since the clock started...
+    assert await _schedule_train(agent, 1) == [] and agent.eval_queue == []  # ...but rounds run: it stands still
+    before = time.time()
+    for group_id in first + second:  # the rounds end: the clock starts then
+        await agent.on_scored(_eval_scored(agent, group_id), None)  # type: ignore[arg-type]
+    assert agent.inflight.eval_clock_at is not None and agent.inflight.eval_clock_at >= before
+    agent.inflight.eval_clock_at -= 3600.0  # an hour later, the seventh train group (not a fourth)
+    assert await _schedule_train(agent, 1) == [] and len(agent.eval_queue) == heldout  # queued by the clock
+    third = await _schedule_train(agent, 1)
+    assert [eval_round(g) for g in third] == ["eval2"] * heldout and agent.inflight.train_groups_scheduled == 8
+    assert agent.inflight.eval_rounds == 4 and len(agent.eval_queue) == heldout  # the eighth group's round, queued
     # what was published says the same, with each round's size
     events = [e for e in await bus.events(["task.scheduled"]) if isinstance(e, TaskScheduled) and e.purpose == "eval"]
     assert [eval_round(e.group_id) for e in events] == [f"eval{k}" for k in range(3) for _ in range(heldout)]

@@ -87,7 +87,15 @@ class InFlight(BaseModel):
     slot_of: dict[str, str] = Field(default_factory=dict, description="candidate group id -> its slot")
     train_groups_scheduled: int = 0
     eval_rounds: int = Field(default=0, description="held-out rounds queued so far (round k's groups: eval{k}-…)")
-    eval_queued_at: float | None = Field(default=None, description="unix time the last round was queued")
+    eval_clock_at: float | None = Field(
+        default=None,
+        description="unix time tasks.eval_every_s counts from: the last round's end (its last group scored), "
+        "its queueing until then",
+    )
+
+    def evaluating(self) -> bool:
+        """Whether a held-out round has a group in flight (scheduled, not yet scored)."""
+        return any(g.startswith("eval") for g in self.groups)
 
     def forget(self, group_id: str) -> None:
         self.groups.pop(group_id, None)
@@ -101,12 +109,13 @@ class InFlight(BaseModel):
 
 def round_due(inflight: InFlight, tc: TasksConfig, now: float) -> bool:
     """Whether a held-out round is due after a train group (pure): every ``tasks.eval_every`` train
-    groups, and ``tasks.eval_every_s`` seconds after the last round was queued when that is set
-    (whichever comes first)."""
+    groups, and, when ``tasks.eval_every_s`` is set, that many seconds after the last round ended
+    (whichever comes first). The clock stands still while a round runs: on a slow machine a round takes
+    minutes, and rounds back to back would leave training little of the run."""
     if inflight.train_groups_scheduled % tc.eval_every == 0:
         return True
-    last, every = inflight.eval_queued_at, tc.eval_every_s
-    return every is not None and last is not None and now - last >= every
+    last, every = inflight.eval_clock_at, tc.eval_every_s
+    return every is not None and last is not None and not inflight.evaluating() and now - last >= every
 
 
 @dataclass
@@ -335,7 +344,7 @@ class TasksAgent(Agent):
         self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]
         if self.eval_queue:
             self.inflight.eval_rounds += 1
-            self.inflight.eval_queued_at = time.time()
+            self.inflight.eval_clock_at = time.time()
 
     async def expire(self) -> None:
         """Forget groups whose scheduling or score was lost; a lost candidate is scheduled again."""
@@ -392,6 +401,8 @@ class TasksAgent(Agent):
         if version is not None and event.purpose == "train" and event.policy_samples and not event.flagged:
             self.backlog.scored(event.group_id, version, time.monotonic(), len(event.policy_samples))
         self.inflight.forget(event.group_id)
+        if event.purpose == "eval" and not self.eval_queue and not self.inflight.evaluating():
+            self.inflight.eval_clock_at = time.time()  # the round ended: the evaluation clock starts
         self.scoring += 1  # lock-step: still in flight until what it trains is known
         try:
             slot = self.slots.get(event.slot_id or "")
