@@ -753,7 +753,7 @@ class LoraConfig(Section):
     )
 
 
-PRETRAINED_EVAL_EVERY_S = 180.0
+PRETRAINED_EVAL_EVERY_S = 120.0
 """``tasks.eval_every_s`` with a model you name when no evaluation cadence is given: on 2 CPU cores
 SmolLM2-135M scores a few train groups a minute, and 16 of them (``tasks.eval_every``) take longer than
 the runs a person starts first"""

@@ -95,14 +95,15 @@ class Progress:
             c.update(a.counters)
         won = c["trajectories.won"]
         done = sum(v for k, v in c.items() if k.startswith("trajectories."))
-        recent = scored = ""
-        if self.aggregator is not None:
-            scored = f" ({len(self.aggregator.tally.train)} train)"
+        recent, scored = "", f"{c['groups_scored']}"
+        if self.aggregator is not None:  # the run's stream, a resumed run's earlier sessions included
+            purposes = self.aggregator.tally.purposes
+            scored = f"{sum(purposes.values())} ({purposes['train']} train)"
             if train := self.aggregator.tally.train[-20:]:
                 recent = f" | train success, last {len(train)} groups: {sum(train) / len(train):.0%}"
         return (
             f"{time.monotonic() - self.t0:5.0f}s | trajectories {done}, {won / done if done else 0:.0%} won "
-            f"(all so far){recent} | groups scored {c['groups_scored']}{scored} | learner steps: policy "
+            f"(all so far){recent} | groups scored {scored} | learner steps: policy "
             f"{c['steps.policy']}, judge {c['steps.judge']} | rewrites: {c['rewrites_accepted']} accepted "
             f"of {c['rewrites_proposed']} proposed"
         )
@@ -119,7 +120,15 @@ class _HideFromConsole(logging.Filter):
     the agents' counter dumps) goes to the log file only, beside everything else."""
 
     FOR_PEOPLE = frozenset(
-        {"run.started", "run.loading_models", "policy.endpoint", "run.measuring_baselines", "progress"}
+        {
+            "run.started",
+            "run.loading_models",
+            "policy.endpoint",
+            "run.measuring_baselines",
+            "progress",
+            "learner.resumed",
+            "tasks.resumed",
+        }
     )
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -71,7 +71,7 @@ def test_the_example_agent_waits_out_429_and_is_trained(
             # a step per group, and one finished group holds new episodes back until the learner names it:
             # the agent's next episode after each group is answered 429 learner_behind
             *("--set", "learner.batch_groups=1", "--set", "tasks.max_groups_in_flight=1"),
-            timeout=200,
+            timeout=300,
         )
         code = agent.wait(timeout=60)  # the run stopped: the agent ends by itself
     finally:

@@ -273,6 +273,8 @@ async def test_an_unshared_consumer_taken_by_another_owner_comes_back_under_anot
         assert seen == ["s0", "s1"]
         assert own.revival.name != first and own.revival.name.startswith("learner_")
         assert own.stats.recreated == 1
+        # back, it moved before pulling: the other owner's consumer delivered it nothing
+        assert (await admin.js.consumer_info(admin.stream, first)).delivered.consumer_seq == 0
     finally:
         await bus.close()
 

@@ -25,6 +25,10 @@ def test_a_round_is_due_every_n_train_groups_or_seconds_after_the_last_whichever
     assert not round_due(InFlight(train_groups_scheduled=5), both, 1e9)  # no round queued yet: the first is at load
     running = InFlight(train_groups_scheduled=5, eval_clock_at=1000.0, groups={"eval2-a": 3, "g-b": 3})
     assert running.evaluating() and not round_due(running, both, 1e9)  # the clock stands still while a round runs
+    running.round_ended(["g-b"], 2000.0)  # a train group: nothing
+    running.forget("eval2-a")
+    running.round_ended(["eval2-a"], 3000.0)  # the round's last group, scored or lost: the clock starts
+    assert running.eval_clock_at == 3000.0 and round_due(running, both, 3060.0) and not round_due(running, both, 3059.0)
 
 
 def test_a_named_model_without_a_cadence_gets_rounds_by_the_clock_too() -> None:
@@ -99,4 +103,4 @@ async def test_rounds_are_numbered_in_order_by_groups_and_by_the_clock(bus: Nats
     # resumed from KV: the rounds go on from where they stood, not from eval0
     again = TasksAgent(bus, cfg)
     await again.load()
-    assert again.inflight.eval_rounds == 4
+    assert again.inflight.eval_rounds == 4 and again.eval_queue == agent.eval_queue != []  # round 3, not lost

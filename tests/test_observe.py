@@ -462,7 +462,7 @@ def test_the_console_shows_what_a_person_acts_on_and_the_log_file_the_rest() -> 
         return _HideFromConsole().filter(record)
 
     assert not shown("agent.stopped") and not shown("learner.checkpoint") and not shown("weights.transferred")
-    assert shown("run.started") and shown("policy.endpoint") and shown("progress")
+    assert shown("run.started") and shown("policy.endpoint") and shown("progress") and shown("learner.resumed")
     assert shown("learner.checkpoint", logging.WARNING) and shown("consumer.recreated", logging.ERROR)
 
 

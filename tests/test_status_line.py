@@ -86,8 +86,9 @@ def test_the_progress_line_counts_train_groups_as_the_closing_summary_does() -> 
     from coevo.observe.aggregate import Aggregator
 
     scorer = types.SimpleNamespace(counters={"groups_scored": 31, "trajectories.won": 1, "trajectories.lost": 3})
-    aggregator = Aggregator()
-    aggregator.tally.train.extend([0.0, 0.5, 1.0])  # three train groups among the 31 scored
+    aggregator = Aggregator()  # the run's whole stream: a resumed run's earlier sessions too
+    aggregator.tally.train.extend([0.0, 0.5, 1.0])
+    aggregator.tally.purposes.update({"train": 3, "eval": 40})
     line = Progress([scorer], aggregator).line()  # type: ignore[list-item]
-    assert "groups scored 31 (3 train) |" in line and "train success, last 3 groups: 50%" in line
+    assert "groups scored 43 (3 train) |" in line and "train success, last 3 groups: 50%" in line
     assert "groups scored 31 |" in Progress([scorer]).line()  # type: ignore[list-item]  # no aggregator: no split

@@ -79,6 +79,11 @@ class Slot(BaseModel):
     (``saturation.capped``)"""
 
 
+def is_eval(group_id: str) -> bool:
+    """Whether a group is a held-out evaluation group (the tasks agent names them ``eval{k}-…``)."""
+    return group_id.startswith("eval")
+
+
 class InFlight(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -87,6 +92,9 @@ class InFlight(BaseModel):
     slot_of: dict[str, str] = Field(default_factory=dict, description="candidate group id -> its slot")
     train_groups_scheduled: int = 0
     eval_rounds: int = Field(default=0, description="held-out rounds queued so far (round k's groups: eval{k}-…)")
+    eval_queue: list[str] = Field(
+        default_factory=list, description="held-out slots of the last round not scheduled yet (kept across a resume)"
+    )
     eval_clock_at: float | None = Field(
         default=None,
         description="unix time tasks.eval_every_s counts from: the last round's end (its last group scored), "
@@ -95,7 +103,13 @@ class InFlight(BaseModel):
 
     def evaluating(self) -> bool:
         """Whether a held-out round has a group in flight (scheduled, not yet scored)."""
-        return any(g.startswith("eval") for g in self.groups)
+        return any(map(is_eval, self.groups))
+
+    def round_ended(self, forgotten: list[str], now: float) -> None:
+        """After groups were forgotten (scored or lost): when one was the last held-out group of a round
+        wholly scheduled, the evaluation clock starts now."""
+        if any(map(is_eval, forgotten)) and not self.eval_queue and not self.evaluating():
+            self.eval_clock_at = now
 
     def forget(self, group_id: str) -> None:
         self.groups.pop(group_id, None)
@@ -182,7 +196,6 @@ class TasksAgent(Agent):
         self.changed = asyncio.Event()
         self._kv: Bucket | None = None
         self.stride = saturation.Stride()
-        self.eval_queue: list[str] = []
         self.lockstep = Lockstep(self.cfg.tasks.max_groups_in_flight, self.lockstep_timeout_s)
         self.backlog = Backlog(self.backlog_timeout_s)
         self.scoring = 0  # scores being taken into account (on_scored awaits after forgetting the group)
@@ -238,7 +251,7 @@ class TasksAgent(Agent):
                 self.inflight = InFlight.model_validate_json(raw)
                 if "eval_rounds" not in self.inflight.model_fields_set:  # saved by a version that numbered
                     k = self.inflight.train_groups_scheduled // self.cfg.tasks.eval_every  # rounds by groups
-                    self.inflight.eval_rounds = k + 1
+                    self.inflight.eval_rounds, self.inflight.eval_clock_at = k + 1, time.time()
                 for group_id in self.inflight.groups:  # saved by a version without times: count from now
                     self.inflight.scheduled_at.setdefault(group_id, time.time())
             elif key.startswith("slot."):
@@ -338,6 +351,15 @@ class TasksAgent(Agent):
         await self.save_inflight()
         self.counters[f"scheduled.{purpose}"] += 1
 
+    @property
+    def eval_queue(self) -> list[str]:
+        """The held-out slots of the round under way still to schedule (in the in-flight state)."""
+        return self.inflight.eval_queue
+
+    @eval_queue.setter
+    def eval_queue(self, slots: list[str]) -> None:
+        self.inflight.eval_queue = slots
+
     def queue_round(self) -> None:
         """Queue a held-out evaluation round: one group per held-out task, numbered (``eval{k}-…``)
         and timed in the in-flight state (saved with the group that follows)."""
@@ -358,6 +380,7 @@ class TasksAgent(Agent):
             self.counters["groups.expired"] += 1
             self.log.warning("tasks.group_expired", group_id=group_id)
         if lost:
+            self.inflight.round_ended(lost, time.time())
             await self.save_inflight()
 
     async def main(self) -> None:
@@ -401,8 +424,7 @@ class TasksAgent(Agent):
         if version is not None and event.purpose == "train" and event.policy_samples and not event.flagged:
             self.backlog.scored(event.group_id, version, time.monotonic(), len(event.policy_samples))
         self.inflight.forget(event.group_id)
-        if event.purpose == "eval" and not self.eval_queue and not self.inflight.evaluating():
-            self.inflight.eval_clock_at = time.time()  # the round ended: the evaluation clock starts
+        self.inflight.round_ended([event.group_id], time.time())
         self.scoring += 1  # lock-step: still in flight until what it trains is known
         try:
             slot = self.slots.get(event.slot_id or "")

@@ -202,6 +202,9 @@ class Consumer:
         while not stop.is_set():
             if not self.resumed.is_set():
                 await first_completed(self.resumed.wait(), stop.wait())
+                if self.resumed.is_set():  # back from away: the name may be another owner's now (or gone)
+                    await self.revival.read_ack_floor()
+                    self.stats.recreated = self.revival.recreated
                 continue
             if psub.durable != self.revival.name:  # recreated under another of the role's names
                 psub.retarget(self.revival.name)

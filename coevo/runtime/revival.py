@@ -177,14 +177,16 @@ class Revival:
         restore a consumer re-pointed under it, or a role's own one that another owner holds now."""
         if self.ephemeral and self.owner is None:
             return
+        name = self.name
         try:
-            info = await self.bus.js.consumer_info(self.bus.stream, self.name)
+            info = await self.bus.js.consumer_info(self.bus.stream, name)
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
             return
         if self.owner is not None:  # a role's own: still held by this owner (not taken while it was gone)?
             if not slots.owned_by(info, self.owner):
                 async with self._lock:
-                    await self._recreate("taken")
+                    if self.name == name:  # not moved by another worker meanwhile
+                        await self._recreate("taken")
             return
         if sorted(info.config.filter_subjects or [info.config.filter_subject or ""]) != self._wanted():
             await self.restore(info)  # re-pointed under it: its floor is another filter's, not trusted
