@@ -758,6 +758,13 @@ PRETRAINED_EVAL_EVERY_S = 120.0
 SmolLM2-135M scores a few train groups a minute, and 16 of them (``tasks.eval_every``) take longer than
 the runs a person starts first"""
 
+PRETRAINED_MAX_BATCH_TOKENS = 4096
+"""``learner.max_batch_tokens`` with a model you name when none is given. A pretrained model keeps tens of
+KB of activations per token and layer for the backward pass (SmolLM2-135M: about 40 KB × 30 layers in
+fp32), so the tiny models' 32,768 tokens a micro-batch would hold over 30 GB: a 10-minute run of
+SmolLM2 with reasoned judge votes (batches of up to 64 × 600 tokens) grew to 24 GB and was killed.
+4,096 holds about 5 GB; the gradient is the same (micro-batches accumulate into one optimiser step)."""
+
 LORA_PRETRAINED_LR = 1e-4
 """``learner.lr`` of LoRA lanes on a pretrained model when none is given (chosen by the sweep in
 docs/benchmarks.md, "Learning rate of LoRA lanes on a pretrained model")"""
@@ -782,7 +789,12 @@ class LearnerConfig(Section):
         "groups were scored since its last step (those that gave it no sample count too, as in trainers that batch "
         "rollouts), on at most this many; unset: batch_samples. Lock-step (max_staleness = 0) steps per wave",
     )
-    max_batch_tokens: int = Field(default=32768, ge=64, description="tokens of one micro-batch (padded)")
+    max_batch_tokens: int = Field(
+        default=32768,
+        ge=64,
+        description="tokens of one micro-batch (padded); not given with a model you name (policy.model): "
+        "PRETRAINED_MAX_BATCH_TOKENS",
+    )
     clip_eps: float = Field(default=0.2, gt=0, description="PPO clip range ε of the ratio")
     clip_eps_high: float | None = Field(
         default=None,
@@ -1014,6 +1026,15 @@ class CoevoConfig(BaseSettings):
         lc = self.learner
         if "lr" not in lc.model_fields_set and lc.lora is not None and self.policy.model is not None:
             object.__setattr__(self, "learner", lc.model_copy(update={"lr": LORA_PRETRAINED_LR}))
+        return self
+
+    @model_validator(mode="after")
+    def _pretrained_micro_batches(self) -> CoevoConfig:
+        """``learner.max_batch_tokens`` not given, a model you name: PRETRAINED_MAX_BATCH_TOKENS."""
+        lc = self.learner
+        if "max_batch_tokens" not in lc.model_fields_set and self.policy.model is not None:
+            update = {"max_batch_tokens": PRETRAINED_MAX_BATCH_TOKENS}
+            object.__setattr__(self, "learner", lc.model_copy(update=update))
         return self
 
     @model_validator(mode="after")

@@ -226,3 +226,18 @@ def test_lora_lanes_of_a_named_model_get_the_pretrained_lr_unless_one_is_given(
     assert load_config(file, overrides=named).learner.lr == 2e-4  # a file
     monkeypatch.setenv("COEVO_LEARNER__LR", "5e-5")
     assert load_config(overrides=named).learner.lr == 5e-5  # the environment
+
+
+def test_a_named_model_trains_in_micro_batches_it_can_hold(tmp_path: Path) -> None:
+    """The tiny models' 32,768 tokens a micro-batch would hold tens of GB of a pretrained model's
+    activations: a model you name gets PRETRAINED_MAX_BATCH_TOKENS unless a size is given."""
+    from coevo.config import PRETRAINED_MAX_BATCH_TOKENS
+
+    assert load_config().learner.max_batch_tokens == 32768  # the tiny models
+    assert load_config(overrides={"policy.model": "m"}).learner.max_batch_tokens == PRETRAINED_MAX_BATCH_TOKENS
+    assert (
+        load_config(overrides={"policy.model": "m", "learner.max_batch_tokens": 9000}).learner.max_batch_tokens == 9000
+    )
+    file = tmp_path / "c.toml"
+    file.write_text("[learner]\nmax_batch_tokens = 16384\n")
+    assert load_config(file, overrides={"policy.model": "m"}).learner.max_batch_tokens == 16384
