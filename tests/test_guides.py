@@ -308,7 +308,7 @@ _SMOLLM2 = (
 )
 _BENCH = "a benchmark of a real model over hours; its result is the JSON in docs/benchmarks (docs/benchmarks.md)"
 NOT_HERE: dict[str, str] = {
-    "coevo run --lora --base smollm2-135m-instruct --minutes 10": _SMOLLM2,
+    "coevo run --lora --base smollm2-135m-instruct --minutes 15": _SMOLLM2,
     "coevo run --lora --base smollm2-135m-instruct --config configs/smollm2.toml": _SMOLLM2,
     "coevo bench ladder --rungs full --seeds 5 --budget minutes:6 --eval-every 100000 --episodes 16 "
     "--base smollm2-135m-instruct --lora-lanes --heldout-tasks 64 --eval-seeds 2 --set tasks.eval_every=100000 "
