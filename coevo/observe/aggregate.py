@@ -81,8 +81,7 @@ class Aggregator:
         self._dirty: set[tuple[str, Labels]] = set()
         self._rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
         self._mixed: deque[bool] = deque(maxlen=MIXED_WINDOW)
-        self._rounds: dict[str, list[int | list[float]]] = {}  # eval round -> [scheduled, accuracies]
-        self._agreements: dict[str, dict[str, float | None]] = {}  # eval round -> group -> step agreement
+        self._agreed: set[str] = set()  # eval rounds whose step agreement was plotted (the tally holds the rest)
         self._rates: deque[tuple[float, int, int]] = deque()  # (t, trajectories, env steps) per tick
         self._next_tick: float | None = None
         self._handlers: dict[type[Event], Callable[[Any, float], list[Point]]] = {
@@ -248,26 +247,23 @@ class Aggregator:
         return out
 
     def _eval_round(self, e: GroupScored, t: float) -> list[Point]:
+        """A round's point once every scheduled group of it is scored (the tally, fed first, holds both)."""
         name = eval_round(e.group_id)
-        entry = self._rounds.setdefault(name, [0, []])
-        accs = entry[1]
-        assert isinstance(accs, list)
-        accs.append(e.accuracy)
-        if len(accs) != entry[0]:  # the round is complete when every scheduled eval group of it is scored
+        accs = self.tally.evals[name]
+        if len(accs) != self.tally.round_sizes[name]:
             return []
         step = round_index(name)
         return [self._point("success_heldout", (), t, round(statistics.fmean(accs), 4), e.ts, step=step)]
 
     def _agreement(self, e: StepAgreementMeasured, t: float) -> list[Point]:
-        """A round's point once every scheduled group of it was measured (the first measure of a group only)."""
+        """A round's point once every scheduled group of it was measured (the tally keeps a group's first
+        measure only), plotted once."""
         name = eval_round(e.group_id)
-        by_group = self._agreements.setdefault(name, {})
-        if e.group_id in by_group:
-            return []
-        by_group[e.group_id] = e.agreement
+        by_group = self.tally.agreements[name]
         values = [a for a in by_group.values() if a is not None]
-        if len(by_group) != self._rounds.get(name, [0])[0] or not values:
+        if name in self._agreed or len(by_group) != self.tally.round_sizes[name] or not values:
             return []
+        self._agreed.add(name)
         step = round_index(name)
         return [self._point("heldout_agreement", (), t, round(statistics.fmean(values), 4), e.ts, step=step)]
 
@@ -320,9 +316,6 @@ class Aggregator:
 
     def _scheduled(self, e: TaskScheduled, t: float) -> list[Point]:
         self.trajectories.scheduled(e)
-        if e.purpose == "eval":
-            entry = self._rounds.setdefault(eval_round(e.group_id), [0, []])
-            entry[0] = e.round_size or entry[0] + 1  # type: ignore[operator]  # old events: a count so far
         difficulty = self.difficulty(e.task) if e.purpose != "candidate" else None
         if self.pool.scheduled(e, difficulty) and difficulty is not None and e.slot_id is not None:
             return [self._point("task_difficulty", (("slot", e.slot_id),), t, difficulty, e.ts)]
