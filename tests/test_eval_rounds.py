@@ -82,20 +82,22 @@ async def test_rounds_are_numbered_in_order_by_groups_and_by_the_clock(bus: Nats
     heldout = sum(s.split == "heldout" for s in agent.slots.values())
     assert heldout >= 2 and agent.inflight.eval_rounds == 1  # the "before" round, queued at load
     first = await _schedule_train(agent, 4)  # round 0 first, round 1 queued by the fourth train group
-    assert [eval_round(g) for g in first] == ["eval0"] * heldout and len(agent.eval_queue) == heldout
+    assert [eval_round(g) for g in first] == ["eval0"] * heldout and len(agent.inflight.eval_queue) == heldout
     second = await _schedule_train(agent, 1)
     assert [eval_round(g) for g in second] == ["eval1"] * heldout
     agent.inflight.eval_clock_at = time.time() - 3600.0  # an hour since the clock started...
-    assert await _schedule_train(agent, 1) == [] and agent.eval_queue == []  # ...but rounds run: it stands still
+    # ...but rounds run: it stands still
+    assert await _schedule_train(agent, 1) == [] and agent.inflight.eval_queue == []
     before = time.time()
     for group_id in first + second:  # the rounds end: the clock starts then
         await agent.on_scored(_eval_scored(agent, group_id), None)  # type: ignore[arg-type]
     assert agent.inflight.eval_clock_at is not None and agent.inflight.eval_clock_at >= before
     agent.inflight.eval_clock_at -= 3600.0  # an hour later, the seventh train group (not a fourth)
-    assert await _schedule_train(agent, 1) == [] and len(agent.eval_queue) == heldout  # queued by the clock
+    assert await _schedule_train(agent, 1) == [] and len(agent.inflight.eval_queue) == heldout  # queued by the clock
     third = await _schedule_train(agent, 1)
     assert [eval_round(g) for g in third] == ["eval2"] * heldout and agent.inflight.train_groups_scheduled == 8
-    assert agent.inflight.eval_rounds == 4 and len(agent.eval_queue) == heldout  # the eighth group's round, queued
+    # the eighth group's round, queued
+    assert agent.inflight.eval_rounds == 4 and len(agent.inflight.eval_queue) == heldout
     # what was published says the same, with each round's size
     events = [e for e in await bus.events(["task.scheduled"]) if isinstance(e, TaskScheduled) and e.purpose == "eval"]
     assert [eval_round(e.group_id) for e in events] == [f"eval{k}" for k in range(3) for _ in range(heldout)]
@@ -103,4 +105,5 @@ async def test_rounds_are_numbered_in_order_by_groups_and_by_the_clock(bus: Nats
     # resumed from KV: the rounds go on from where they stood, not from eval0
     again = TasksAgent(bus, cfg)
     await again.load()
-    assert again.inflight.eval_rounds == 4 and again.eval_queue == agent.eval_queue != []  # round 3, not lost
+    # round 3, not lost
+    assert again.inflight.eval_rounds == 4 and again.inflight.eval_queue == agent.inflight.eval_queue != []

@@ -187,7 +187,7 @@ async def test_a_saturated_slot_is_scheduled_a_quarter_as_often_until_a_mixed_gr
     cfg = cfg.model_copy(update={"loop": "policy-only"})  # no rewriter: scheduling alone
     agent = TasksAgent(bus, cfg)
     await agent.load()
-    agent.eval_queue = []
+    agent.inflight.eval_queue = []
     train = [s.slot_id for s in agent.slots.values() if s.split == "train"]
     won = train[2]
     for k in range(3):

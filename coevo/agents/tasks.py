@@ -302,10 +302,10 @@ class TasksAgent(Agent):
             if slot.candidate is not None and not slot.candidate_scheduled:
                 return slot, slot.candidate, "candidate"
         train = [s for s in self.slots.values() if s.split == "train"]
-        if not self.eval_queue and not train:
+        if not self.inflight.eval_queue and not train:
             self.queue_round()
-        if self.eval_queue:
-            slot = self.slots[self.eval_queue.pop(0)]
+        if self.inflight.eval_queue:
+            slot = self.slots[self.inflight.eval_queue.pop(0)]
             return slot, slot.active, "eval"
         tc = self.cfg.tasks
         weights = {
@@ -333,7 +333,7 @@ class TasksAgent(Agent):
             group_id=group_id,
             n_rollouts=self.cfg.policy.n,
             purpose=purpose,
-            round_size=sum(s.split == "heldout" for s in self.slots.values()) if purpose == "eval" else None,
+            round_size=len(self.heldout_slots()) if purpose == "eval" else None,
             correlation_id=group_id,
         )
         await self.emit(event, confirm=True)
@@ -342,7 +342,7 @@ class TasksAgent(Agent):
         self.lockstep.scheduled()
         if purpose == "train":
             self.inflight.train_groups_scheduled += 1
-            if round_due(self.inflight, self.cfg.tasks, time.time()) and not self.eval_queue:
+            if round_due(self.inflight, self.cfg.tasks, time.time()) and not self.inflight.eval_queue:
                 self.queue_round()
         if purpose == "candidate":
             self.inflight.slot_of[group_id] = slot.slot_id
@@ -351,20 +351,15 @@ class TasksAgent(Agent):
         await self.save_inflight()
         self.counters[f"scheduled.{purpose}"] += 1
 
-    @property
-    def eval_queue(self) -> list[str]:
-        """The held-out slots of the round under way still to schedule (in the in-flight state)."""
-        return self.inflight.eval_queue
-
-    @eval_queue.setter
-    def eval_queue(self, slots: list[str]) -> None:
-        self.inflight.eval_queue = slots
+    def heldout_slots(self) -> list[str]:
+        """The held-out slots: one group each makes an evaluation round."""
+        return [s.slot_id for s in self.slots.values() if s.split == "heldout"]
 
     def queue_round(self) -> None:
         """Queue a held-out evaluation round: one group per held-out task, numbered (``eval{k}-…``)
         and timed in the in-flight state (saved with the group that follows)."""
-        self.eval_queue = [s.slot_id for s in self.slots.values() if s.split == "heldout"]
-        if self.eval_queue:
+        self.inflight.eval_queue = self.heldout_slots()
+        if self.inflight.eval_queue:
             self.inflight.eval_rounds += 1
             self.inflight.eval_clock_at = time.time()
 
