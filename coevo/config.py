@@ -1020,29 +1020,23 @@ class CoevoConfig(BaseSettings):
     log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
-    def _pretrained_lora_lr(self) -> CoevoConfig:
-        """``learner.lr`` not given, LoRA lanes of a named model: LORA_PRETRAINED_LR, not the tiny
-        models' 1e-3 (given anywhere, in a file, the environment or a flag, it stays as given)."""
-        lc = self.learner
-        if "lr" not in lc.model_fields_set and lc.lora is not None and self.policy.model is not None:
-            object.__setattr__(self, "learner", lc.model_copy(update={"lr": LORA_PRETRAINED_LR}))
-        return self
-
-    @model_validator(mode="after")
-    def _pretrained_micro_batches(self) -> CoevoConfig:
-        """``learner.max_batch_tokens`` not given, a model you name: PRETRAINED_MAX_BATCH_TOKENS."""
-        lc = self.learner
-        if "max_batch_tokens" not in lc.model_fields_set and self.policy.model is not None:
-            update = {"max_batch_tokens": PRETRAINED_MAX_BATCH_TOKENS}
-            object.__setattr__(self, "learner", lc.model_copy(update=update))
-        return self
-
-    @model_validator(mode="after")
-    def _pretrained_eval_clock(self) -> CoevoConfig:
-        """Neither ``tasks.eval_every`` nor ``tasks.eval_every_s`` given, a model you name: held-out rounds
-        every PRETRAINED_EVAL_EVERY_S seconds as well (a real model scores few groups a minute on CPU)."""
-        tc = self.tasks
-        if self.policy.model is not None and not {"eval_every", "eval_every_s"} & tc.model_fields_set:
+    def _pretrained_defaults(self) -> CoevoConfig:
+        """A model you name (``policy.model``) gets, for each setting not given anywhere (a file, the
+        environment, a flag), what a pretrained model needs rather than the tiny models' default:
+        LORA_PRETRAINED_LR for LoRA lanes (not 1e-3), PRETRAINED_MAX_BATCH_TOKENS a micro-batch, and held-out
+        rounds every PRETRAINED_EVAL_EVERY_S seconds as well when neither cadence is given (a real model
+        scores few groups a minute on CPU)."""
+        if self.policy.model is None:
+            return self
+        lc, tc = self.learner, self.tasks
+        learner: dict[str, Any] = {}
+        if "lr" not in lc.model_fields_set and lc.lora is not None:
+            learner["lr"] = LORA_PRETRAINED_LR
+        if "max_batch_tokens" not in lc.model_fields_set:
+            learner["max_batch_tokens"] = PRETRAINED_MAX_BATCH_TOKENS
+        if learner:
+            object.__setattr__(self, "learner", lc.model_copy(update=learner))
+        if not {"eval_every", "eval_every_s"} & tc.model_fields_set:
             object.__setattr__(self, "tasks", tc.model_copy(update={"eval_every_s": PRETRAINED_EVAL_EVERY_S}))
         return self
 
