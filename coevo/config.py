@@ -735,7 +735,8 @@ WeightSync = Annotated[DiskSync | PushSync, _tagged("transport", "disk"), Field(
 class LoraConfig(Section):
     """A LoRA lane: only an adapter on ``target_modules`` trains; checkpoints and published weights are
     the adapter (PEFT's format, a few MB), loaded by vLLM servers started with ``--enable-lora``
-    (``--max-lora-rank`` at least ``rank``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) and merged by local engines."""
+    (``--max-lora-rank`` at least ``rank``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) and applied beside their
+    base layers by local engines."""
 
     rank: int = Field(default=16, ge=1, le=512, description="the adapter's rank r")
     alpha: float = Field(default=32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank")

@@ -99,7 +99,7 @@ def test_a_bf16_lora_lane_keeps_its_adapter_and_optimiser_in_fp32_and_the_bf16_e
     state = lane.optimizer.state_dict()["state"]
     assert state and {t.dtype for s in state.values() for k, t in s.items() if k != "step"} == {torch.float32}
     ckpt, _, _ = lane.checkpoint()
-    after = _sampled(ckpt)  # a LoRA checkpoint served in bf16: its base, the adapter merged in fp32, then cast
+    after = _sampled(ckpt)  # a LoRA checkpoint served in bf16: its base, the adapter beside it
     # the sampled choice ("take coin", advantage +1) gained probability in the engine that serves the adapter
     take = next(s.response_token_ids[0] for s in samples if s.advantage > 0)
     p_after = {s.response_token_ids[0]: s.logprobs[0] for s in after}
@@ -118,6 +118,12 @@ def test_bench_precision_reports_every_dtype_pair_and_fp32_agrees_exactly(tiny: 
     for row in rows.values():
         assert row["matmul_peak_gflops"] > 0 and row["sampled_tokens_per_s"] > 0 and row["learner_tokens"] > 0
         assert 0 < row["prefill_share_of_peak"] and row["adapter_apply_ms"] > 0
+        assert set(row["adapter"]) == {"beside", "merge"}
+        for mode in row["adapter"].values():
+            assert mode["apply_ms_median"] > 0 and mode["prefill_gflops"] > 0 and mode["sampled_tokens_per_s"] > 0
+    # beside the base, the fp32 engine serves what the lane computes; merged, within fp32's rounding
+    assert rows["float32"]["adapter"]["beside"]["mismatch_kl"] < 1e-6
+    assert rows["float32"]["adapter"]["merge"]["mismatch_kl"] < 1e-6
     kl = out["mismatch_kl"]
     assert len(kl) == 6  # 4 pairs at version 0, each dtype with itself after a step
     assert kl["sampler float32 -> learner float32, version 0"] < 1e-6

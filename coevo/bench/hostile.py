@@ -179,6 +179,7 @@ async def running(cfg: Any) -> AsyncIterator[tuple[Any, list[Any], asyncio.Task[
 def weights_report(agents: list[Any]) -> dict[str, Any]:
     """Non-finite tensors of the learner's lanes, of their latest published weights and of the engine."""
     from coevo.agents.policy import PolicyAgent
+    from coevo.inference.engine import LocalEngine
     from coevo.training.learner import LearnerAgent
 
     out: dict[str, Any] = {}
@@ -188,8 +189,9 @@ def weights_report(agents: list[Any]) -> dict[str, Any]:
                 out[f"learner_{role}_model"] = nonfinite(q.lane.model.state_dict().items())
             for role, (version, path, _sha) in a.published.items():
                 out[f"published_{role}"] = {"version": version, **nonfinite(published_tensors(Path(path)))}
-        if isinstance(a, PolicyAgent) and hasattr(a.client, "model"):
-            out["engine_policy"] = {"version": a.client.version, **nonfinite(a.client.model.state_dict().items())}
+        if isinstance(a, PolicyAgent) and isinstance(a.client, LocalEngine):
+            served = [*a.client.model.state_dict().items(), *a.client.beside.tensors.items()]  # base and adapter
+            out["engine_policy"] = {"version": a.client.version, **nonfinite(served)}
     return out
 
 

@@ -2,9 +2,10 @@
 
 Per compute dtype (``learner.dtype``): the machine's matmul rate in it (the peak the phases are read
 against), the engine's prefill and sampling rates, a LoRA learner step, an adapter version applied to the
-engine; and the mismatch KL per token from the engine's sampling to the lane's log-probs, at version 0
-and after a step (the adapter served as the engine serves it), for every pair of sampler and learner
-dtypes: what a bf16 server costs an fp32 learner, and the reverse. With ``vllm_python``, the same for
+engine, each way it can serve one (beside the base layers or merged into them: its cost per version and
+per forward pass, and its mismatch to the lane); and the mismatch KL per token from the engine's sampling
+to the lane's log-probs, at version 0 and after a step (the adapter served as the engine serves it by
+default), for every pair of sampler and learner dtypes: what a bf16 server costs an fp32 learner, and the reverse. With ``vllm_python``, the same for
 vLLM's CPU build serving the base in each dtype (``--dtype``): its sampling rate and its mismatch against
 the lane of every dtype at version 0.
 """
@@ -53,6 +54,28 @@ def prefill_rate(engine: LocalEngine, batch: int = 8, tokens: int = 128) -> floa
         t = time.perf_counter()
         engine.model(ids)
         return 2 * params * batch * tokens / (time.perf_counter() - t)
+
+
+async def adapter_modes(
+    base: Path, dtype: ComputeDtype, lane: Lane, adapter: Path, *, rollouts: int, max_tokens: int, repeats: int = 3
+) -> dict[str, dict[str, float]]:
+    """The lane's published ``adapter`` served each way a local engine can (``adapter_apply``): a version's
+    apply time (median of ``repeats``), the prefill and sampling rates with it served (what each way costs
+    per forward pass), and the mismatch KL of its samples to the lane."""
+    out: dict[str, dict[str, float]] = {}
+    for mode in ("beside", "merge"):
+        async with LocalEngine(base, seed=1, device="cpu", dtype=dtype, adapter_apply=mode) as engine:
+            applied = [await engine.load_adapter(adapter, lane.version) for _ in range(repeats)]
+            row = {"apply_ms_median": round(statistics.median(applied), 1)}
+            row["prefill_gflops"] = round(prefill_rate(engine) / 1e9, 1)
+            t = time.perf_counter()
+            got = await fresh_samples(engine, lane, rollouts=rollouts, max_tokens=max_tokens)
+            row["sampled_tokens_per_s"] = round(
+                sum(len(s.response_token_ids) for s in got) / (time.perf_counter() - t), 1
+            )
+            row["mismatch_kl"] = round(lane.mismatch_kl(got), 6)
+        out[mode] = row
+    return out
 
 
 async def _vllm(
@@ -119,6 +142,7 @@ async def bench_precision(
                 path, _, _ = await asyncio.to_thread(lanes[d].publish_alone)
                 row["adapter_apply_ms"] = round(await engine.load_adapter(path, lanes[d].version), 1)
                 samples[d][1] = await fresh_samples(engine, lanes[d], rollouts=rollouts, max_tokens=max_tokens)
+            row["adapter"] = await adapter_modes(base, d, lanes[d], path, rollouts=rollouts, max_tokens=max_tokens)
             out["dtypes"][d] = row
         # after the step: each lane against its own engine serving the adapter it published
         out["mismatch_kl"] = {

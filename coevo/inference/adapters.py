@@ -1,4 +1,5 @@
-"""LoRA adapters as published weights: PEFT's directory format, and one adapter merged into base weights.
+"""LoRA adapters as published weights: PEFT's directory format; one adapter applied beside a model's
+layers (what a local engine serves), or merged into base weights.
 
 An adapter directory holds ``adapter_model.safetensors`` (per adapted linear layer
 ``base_model.model.<module>.lora_A.weight``, shape ``(r, in)``, and ``.lora_B.weight``, shape
@@ -8,9 +9,13 @@ saves and what vLLM's ``/v1/load_lora_adapter`` loads; coevo adds its manifest.
 Invariants:
 - an adapted layer computes ``W x + s B A x`` with ``s = lora_alpha / r`` (``lora_alpha / sqrt(r)``
   with ``use_rslora``), as PEFT and vLLM compute it;
-- a merge starts from the base weights every time, never from the previous merge: loading version
-  n and then m serves exactly what loading m alone serves;
-- an adapter naming a module the base lacks is refused whole (nothing merged).
+- applied beside the layers (``Beside``), the base weights are never written: each adapted layer adds
+  ``s B(A x)`` to its output as PEFT's LoRA layer does (``x`` cast to the adapter's dtype, the sum cast
+  back to the layer's), so an engine computes what a LoRA lane computes, in bf16 as in fp32;
+- loading version n and then m serves exactly what loading m alone serves (``Beside`` replaces the
+  previous version whole; a merge starts from the base weights every time);
+- an adapter naming a module the base lacks, or a layer that is not linear, is refused whole: what was
+  served before stays served.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from torch.utils.hooks import RemovableHandle
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -87,3 +93,61 @@ def merged(
     if not out:
         raise ValueError("the adapter adapts no layer")
     return out
+
+
+class Beside:
+    """One adapter at a time on ``model``'s linear layers, applied by forward hooks beside the base
+    weights (never merged into them): a new version costs a copy of its small ``A`` and ``B``, not a
+    rewrite of every adapted weight, and a bf16 base keeps an fp32 adapter's small update exactly."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.scale = 1.0
+        self._ab: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hooks: dict[str, RemovableHandle] = {}
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter served now, by layer (``<module>.lora_A`` / ``.lora_B``); empty when none."""
+        return {f"{m}.lora_{n}": t for m, ab in self._ab.items() for n, t in zip("AB", ab, strict=True)}
+
+    def load(self, adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
+        """Serve ``adapter`` (PEFT's tensor names) in place of the one served now; checked whole first."""
+        import torch
+
+        modules = dict(self.model.named_modules())
+        new: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, a in adapter.items():
+            if not key.endswith(_A):
+                continue
+            module = key.removeprefix(PREFIX).removesuffix(_A)
+            b, layer = adapter.get(f"{PREFIX}{module}{_B}"), modules.get(module)
+            if b is None or layer is None or not isinstance(layer, torch.nn.Linear):
+                why = "no lora_B" if b is None else "not in the base model" if layer is None else "not a linear layer"
+                raise ValueError(f"adapter layer {module}: {why}")
+            if a.shape != (b.shape[1], layer.in_features) or b.shape[0] != layer.out_features:
+                raise ValueError(f"adapter layer {module}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit it")
+            device = layer.weight.device
+            new[module] = (a.detach().to(device).clone(), b.detach().to(device).clone())
+        if not new:
+            raise ValueError("the adapter adapts no layer")
+        self.clear()
+        self.scale, self._ab = scale(config), new
+        for module in new:
+            self._hooks[module] = modules[module].register_forward_hook(self._hook(module))
+
+    def clear(self) -> None:
+        """Serve the base weights alone."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        self._ab = {}
+
+    def _hook(self, module: str) -> Any:
+        import torch.nn.functional as F
+
+        def add(_layer: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+            a, b = self._ab[module]
+            return (out + F.linear(F.linear(args[0].to(a.dtype), a), b) * self.scale).to(out.dtype)
+
+        return add

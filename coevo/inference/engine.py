@@ -16,7 +16,7 @@ import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import structlog
 
@@ -172,7 +172,12 @@ class _Request:
 
 class LocalEngine:
     """A transformers causal LM served in process (CPU or CUDA), with hot-swappable weights. ``model_dir``
-    may be a LoRA adapter directory (a LoRA lane's checkpoint): its base, with the adapter merged."""
+    may be a LoRA adapter directory (a LoRA lane's checkpoint): its base, with the adapter applied.
+
+    ``adapter_apply``: how a LoRA adapter is served. ``beside`` (the default) adds it beside the base
+    layers (``adapters.Beside``: a version costs a copy of the adapter, and the engine computes what the
+    lane computes in any dtype); ``merge`` writes ``W + s B A`` into the adapted weights from the base
+    each version (no cost per forward pass)."""
 
     def __init__(
         self,
@@ -186,6 +191,7 @@ class LocalEngine:
         sampling: SamplingConfig | None = None,
         grammar: GrammarConfig | None = None,
         dtype: ComputeDtype = "auto",
+        adapter_apply: Literal["beside", "merge"] = "beside",
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -218,8 +224,11 @@ class LocalEngine:
         """(prompt ids, choice ids) -> their next-token logits under the weights served now (cleared by a
         swap): a state met again (another rollout of the group, another trajectory's same step) costs
         no forward pass; each request still draws its own sample"""
+        self.adapter_apply = adapter_apply
+        self.beside = adapters.Beside(self.model)
+        """the adapter served beside the base layers (``adapter_apply = "beside"``)"""
         self._base: dict[str, Any] | None = None
-        """the base weights of the layers an adapter changes, as they were before the first adapter"""
+        """the base weights of the layers a merged adapter changes, as they were before the first merge"""
         if adapter is not None:
             self._load_adapter(_Adapter(adapter))
 
@@ -308,9 +317,10 @@ class LocalEngine:
         return await self._enqueue_swap(tensors, version)
 
     async def load_adapter(self, path: Path, version: int, tensors: dict[str, Any] | None = None) -> float:
-        """Serve the base weights with the LoRA adapter at ``path`` merged in (``tensors``: the same
-        adapter held in memory), between batches; returns the pause in ms. Each adapter is merged into
-        the base weights this engine started with, never into a previous merge."""
+        """Serve the base weights with the LoRA adapter at ``path`` (``tensors``: the same adapter held in
+        memory) in place of the previous one, between batches; returns the pause in ms. An adapter is
+        applied to the base weights this engine started with (or last swapped in), never on top of a
+        previous adapter."""
         return await self._enqueue_swap(_Adapter(Path(path), tensors), version)
 
     async def _enqueue_swap(self, source: Path | dict[str, Any] | _Adapter, version: int) -> float:
@@ -370,7 +380,7 @@ class LocalEngine:
         if isinstance(source, _Adapter):
             self._load_adapter(source)
             return
-        self._base = None  # new base weights: an adapter loaded later merges into these
+        self._base = None  # new base weights: an adapter loaded later applies to these
         if isinstance(source, dict):
             state, where = source, "in memory"
         else:
@@ -384,12 +394,16 @@ class LocalEngine:
         real_missing = [m for m in missing if not m.endswith("lm_head.weight")]
         if real_missing or unexpected:
             raise ValueError(f"weights {where} do not fit: missing {real_missing[:3]}, unexpected {unexpected[:3]}")
+        self.beside.clear()  # whole new weights: served without an adapter
 
     def _load_adapter(self, source: _Adapter) -> None:
         from safetensors.torch import load_file
 
         config = adapters.config_of(source.path)
         tensors = source.tensors if source.tensors is not None else load_file(source.path / adapters.ADAPTER_WEIGHTS)
+        if self.adapter_apply == "beside":
+            self.beside.load(tensors, config)
+            return
         state = self.model.state_dict()
         if self._base is None:
             self._base = {}

@@ -415,7 +415,7 @@ class WeightsApplied(Event):
         default="disk",
         description="how the weights got there: loaded from the published path, pushed "
         "by the learner over a collective, or a LoRA adapter loaded beside the base (vLLM's "
-        "/v1/load_lora_adapter, merged into a local engine's base weights)",
+        "/v1/load_lora_adapter, or beside a local engine's base layers)",
     )
 
 

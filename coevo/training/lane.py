@@ -488,9 +488,8 @@ class Lane:
 
     def _autocast(self) -> Any:
         """Passes in the compute dtype: matmuls in bf16 where it is one (a LoRA adapter's too), every
-        log-softmax in fp32 (``loss`` casts the head's logits). An engine serves the adapter merged into its
-        bf16 base, which rounds the sum to the base's precision where this lane adds the two: the mismatch
-        that leaves is measured (``coevo bench precision``: about 0.003 nats a token after a step)."""
+        log-softmax in fp32 (``loss`` casts the head's logits). A local engine serves the published adapter
+        beside its bf16 base (``adapters.Beside``): on the same tokens, bit for bit what this lane computes."""
         kind = "cuda" if str(self.device).startswith("cuda") else "cpu"
         return torch.autocast(kind, dtype=self.dtype, enabled=self.dtype != torch.float32)
 

@@ -8,7 +8,7 @@ Invariants:
 - a fresh adapter computes exactly the base model (PEFT initialises ``lora_B`` to zero), so version 0
   of a LoRA lane serves what the base serves;
 - the adapter's tensors are named as PEFT saves them (``base_model.model.<module>.lora_A.weight``),
-  the names vLLM loads and ``adapters.merged`` merges.
+  the names vLLM loads and a local engine applies (``adapters.Beside``).
 """
 
 from __future__ import annotations
