@@ -138,12 +138,6 @@ class _HideFromConsole(logging.Filter):
         return isinstance(msg, dict) and msg.get("event") in self.FOR_PEOPLE
 
 
-def _quiet_console() -> None:
-    for handler in logging.getLogger().handlers:
-        if type(handler) is logging.StreamHandler:  # the console (the file handler is a subclass)
-            handler.addFilter(_HideFromConsole())
-
-
 # ---- coevo run -----------------------------------------------------------------------------------
 
 
@@ -160,8 +154,7 @@ async def run_main(
     from coevo.inference.clients import model_dir
 
     opts = opts or ObserveOptions()
-    async with open_runtime(cfg, name="coevo-run") as rt:
-        _quiet_console()
+    async with open_runtime(cfg, name="coevo-run", console_filter=_HideFromConsole()) as rt:
         (Path(rt.run_dir) / "config.json").write_text(cfg.model_dump_json(indent=2))  # replay reads it back
         await asyncio.to_thread(model_dir, cfg, "policy")
         await asyncio.to_thread(model_dir, cfg, "judge")

@@ -7,6 +7,7 @@ embedded server (if this process started one), in that order, whatever happened 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -147,11 +148,14 @@ async def provision_runs(url: str, admin: Path, run_ids: tuple[str, ...], replic
 
 
 @asynccontextmanager
-async def open_runtime(cfg: CoevoConfig, *, name: str = "coevo", log_to_file: bool = True) -> AsyncIterator[Runtime]:
+async def open_runtime(
+    cfg: CoevoConfig, *, name: str = "coevo", log_to_file: bool = True, console_filter: logging.Filter | None = None
+) -> AsyncIterator[Runtime]:
     run_id = cfg.run.run_id or make_run_id()
     run_dir = cfg.run.runs_dir / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    configure_logging(run_dir if log_to_file else None, level=cfg.log.level, console=cfg.log.console)
+    log_dir = run_dir if log_to_file else None
+    configure_logging(log_dir, level=cfg.log.level, console=cfg.log.console, console_filter=console_filter)
     bind(run_id=run_id)
     dump_tasks_on_usr1()
     async with open_bus(run_id, url=cfg.nats.url, store=run_dir / "nats", cfg=cfg, name=name) as bus:

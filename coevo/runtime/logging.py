@@ -22,9 +22,14 @@ _SHARED: list[Any] = [
 
 
 def configure_logging(
-    run_dir: Path | None, *, level: str = "info", console: Literal["pretty", "json", "off"] = "pretty"
+    run_dir: Path | None,
+    *,
+    level: str = "info",
+    console: Literal["pretty", "json", "off"] = "pretty",
+    console_filter: logging.Filter | None = None,
 ) -> Path | None:
-    """Route structlog (and stdlib logging) to a JSON-lines file and the console."""
+    """Route structlog (and stdlib logging) to a JSON-lines file and the console (``console_filter``: what
+    of it the console shows, from the first record on; the file keeps everything)."""
     structlog.configure(
         processors=[*_SHARED, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -65,6 +70,8 @@ def configure_logging(
                 processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
             )
         )
+        if console_filter is not None:
+            ch.addFilter(console_filter)
         root.addHandler(ch)
     # libraries that log each call at INFO (LiteLLM also through its own console handler): warnings and up
     for noisy in ("nats", "asyncio", "filelock", "urllib3", "httpx", "LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
