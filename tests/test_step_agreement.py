@@ -24,6 +24,7 @@ from coevo.bench.steps import (
     ceiling_paths,
     habit_rows,
     model_agreement,
+    sample_states,
 )
 from coevo.bench.tables import protocol_table
 from coevo.config import PolicyConfig, load_config
@@ -72,6 +73,24 @@ async def test_the_ceiling_path_is_the_shortest_solution_shown_as_the_policy_see
     assert first != second and len(set(first)) > 1
     _PATHS.clear()
     assert await ceiling_paths(family, tasks, SEEDS, policy) == paths  # seeded
+
+
+async def test_a_cap_on_states_draws_the_same_states_of_each_path_for_every_caller() -> None:
+    family, tasks, policy = QuickGame(), _heldout(8), PolicyConfig()
+    full = await ceiling_paths(family, tasks, SEEDS, policy)
+    capped = await ceiling_paths(family, tasks, SEEDS, policy, states=2)
+    for whole_row, row in zip(full, capped, strict=True):
+        for whole, path in zip(whole_row, row, strict=True):
+            assert len(path) == min(2, len(whole))
+            assert [whole.index(s) for s in path] == sorted(whole.index(s) for s in path)  # in path order
+    assert any(len(p) > 2 for row in full for p in row)  # the cap leaves states out
+    assert await ceiling_paths(family, tasks, SEEDS, policy, states=2) == capped  # every arm: the same states
+    # a path's states depend on its task and seed alone, not on which other tasks are evaluated
+    ids = [t.task_id for t in tasks]
+    assert sample_states(full[3:], 2, ids[3:], SEEDS) == capped[3:]
+    assert sample_states(full, None, ids, SEEDS) == full and sample_states(full, 99, ids, SEEDS) == full
+    with pytest.raises(ValueError, match=">= 1"):
+        sample_states(full, 0, ids, SEEDS)
 
 
 async def test_a_family_without_a_reader_agrees_with_its_walkthrough() -> None:

@@ -231,11 +231,13 @@ async def bench_heldout(
     both_forms: bool = True,
     judge: bool = False,
     measure: str = "both",
+    states: int | None = None,
 ) -> dict[str, Any]:
     """The held-out table of ``cfg``'s family and policy base: habits, the scripted reader, the base
     greedy and at the policy's temperature, each prompt form's label mass and sampled score
     (``both_forms=False``: the form the policy uses only, for families whose episodes are long), and the
-    base's step agreement (``base_agreement``); ``measure``: ``success`` or ``steps`` alone, else both;
+    base's step agreement (``base_agreement``, on at most ``states`` states of each path); ``measure``:
+    ``success`` or ``steps`` alone, else both;
     ``judge``: the judge model's votes against the step labels too (``coevo.bench.judge_probe``)."""
     from transformers import AutoTokenizer
 
@@ -258,7 +260,7 @@ async def bench_heldout(
         }
     if used in forms:
         rows["base greedy"], rows["base sampled"] = forms[used]["greedy"], forms[used]["sampled"]
-    steps = await base_agreement(base, family, tasks, seeds, policy, dtype) if measure != "success" else {}
+    steps = await base_agreement(base, family, tasks, seeds, policy, dtype, states) if measure != "success" else {}
     probe = {}
     if judge:
         from coevo.bench.judge_probe import judge_probe
@@ -291,6 +293,7 @@ async def base_agreement(
     seeds: Sequence[int],
     policy: PolicyConfig,
     dtype: ComputeDtype,
+    states: int | None = None,
 ) -> dict[str, Any]:
     """The step-agreement rows of ``bench heldout`` (``coevo.bench.steps``): the habits, the ceiling, the base
     greedy and at the policy's temperature, and the states measured; {} where the family has no ceiling
@@ -299,7 +302,7 @@ async def base_agreement(
 
     if not tasks or not family.has_ceiling or policy.mode != "choice":
         return {}
-    paths = await ceiling_paths(family, tasks, seeds, policy)
+    paths = await ceiling_paths(family, tasks, seeds, policy, states)
     agreed = await model_agreement(base, paths, policy, dtype)
     rows = habit_rows(paths) | {"base greedy": bootstrap(agreed.greedy), "base sampled": bootstrap(agreed.sampled)}
     verbs = habit_by_verb(paths) | {"base sampled": agreed.by_verb}

@@ -329,11 +329,13 @@ Measure = Literal["both", "success", "steps"]
 class Protocol:
     """How many held-out tasks a bench evaluates on, each once per how many evaluation seeds, and what it
     measures there: success (episodes played by the model), step agreement (``coevo.bench.steps``: one
-    forward pass per state of the ceiling's path) or both."""
+    forward pass per state of the ceiling's path; ``states``: at most that many states of each path) or
+    both."""
 
     tasks: int = HELDOUT_TASKS
     seeds: int = len(EVAL_SEEDS)
     measure: Measure = "both"
+    states: int | None = None
 
 
 async def eval_set(
@@ -342,10 +344,12 @@ async def eval_set(
     heldout: int = HELDOUT_TASKS,
     seeds: int = len(EVAL_SEEDS),
     measure: Measure = "both",
+    states: int | None = None,
 ) -> EvalSet:
     """The evaluation tasks of a run: its initial train tasks, and ``heldout`` held-out tasks played once per
-    each of ``seeds`` evaluation seeds. Prechecks them first, which compiles TextWorld games before the
-    clock starts; a task that fails its precheck is not evaluated."""
+    each of ``seeds`` evaluation seeds (their step agreement on at most ``states`` states of each path).
+    Prechecks them first, which compiles TextWorld games before the clock starts; a task that fails its
+    precheck is not evaluated."""
     from coevo.envs import make_family
 
     family = make_family(cfg.env)
@@ -365,7 +369,7 @@ async def eval_set(
         episodes,
         EVAL_SEEDS[:seeds],
         cfg.learner.dtype,
-        await ceiling_paths(family, held, EVAL_SEEDS[:seeds], cfg.policy) if with_paths else None,
+        await ceiling_paths(family, held, EVAL_SEEDS[:seeds], cfg.policy, states) if with_paths else None,
     )
 
 
@@ -539,7 +543,7 @@ async def run_budget(
             field="learner.publish_every",
         )
     protocol = protocol or Protocol()
-    ev = await eval_set(cfg, episodes, protocol.tasks, protocol.seeds, protocol.measure)
+    ev = await eval_set(cfg, episodes, *astuple(protocol))
     base = await asyncio.to_thread(model_dir, cfg, "policy")
     await asyncio.to_thread(model_dir, cfg, "judge")
     async with open_runtime(cfg, name="coevo-bench") as rt:
@@ -831,6 +835,7 @@ async def run_seeds(
         out["heldout_protocol"] = heldout_protocol(runs, habits)
     if ev.paths is not None and all("heldout_steps" in r for rs in runs.values() for r in rs):
         out["heldout_steps"] = agreement_table(runs, habit_rows(ev.paths), habit_by_verb(ev.paths))
+        out["heldout_states_per_path"] = protocol.states  # None: every state
     return out
 
 

@@ -24,6 +24,7 @@ SAME = (
     "episodes_per_evaluation",
     "heldout_seed",
     "lora",
+    "heldout_states_per_path",
 )
 """What every part must share (a key a part lacks reads as None)."""
 DERIVED = (

@@ -50,14 +50,17 @@ CONCURRENCY = 8
 """Ceiling episodes played at once (TextWorld: one emulator each)."""
 
 
-_PATHS: dict[tuple[str, ...], Paths] = {}
-"""Paths already played in this process (every run of a bench evaluates on the same ones)."""
+_PATHS: dict[tuple[str, ...], list[tuple[str, list[list[PathStep]]]]] = {}
+"""Paths already played in this process, by task id (every run of a bench evaluates on the same ones)."""
 
 
-async def ceiling_paths(family: Family, tasks: Sequence[TaskSpec], seeds: Sequence[int], policy: PolicyConfig) -> Paths:
+async def ceiling_paths(
+    family: Family, tasks: Sequence[TaskSpec], seeds: Sequence[int], policy: PolicyConfig, states: int | None = None
+) -> Paths:
     """The ceiling's path of every held-out task × evaluation seed (the success protocol's keys). A task
     on which the ceiling takes no action of its own in some seed is left out (none in the built-in
-    families): an empty path has nothing to agree with."""
+    families): an empty path has nothing to agree with. ``states``: at most that many states of each
+    path (``sample_states``), for long quests whose every state costs a forward pass per model."""
     key = (family.name, policy.model_dump_json(), repr(list(seeds)), *(t.model_dump_json() for t in tasks))
     if key not in _PATHS:
         permits = asyncio.Semaphore(CONCURRENCY)
@@ -67,8 +70,28 @@ async def ceiling_paths(family: Family, tasks: Sequence[TaskSpec], seeds: Sequen
                 return await ceiling_path(family, task, episode_key(task.task_id, seed, i), policy)
 
         rows = [asyncio.gather(*(one(i, t, s) for s in seeds)) for i, t in enumerate(tasks)]
-        _PATHS[key] = [row for row in await asyncio.gather(*rows) if all(row)]
-    return [list(row) for row in _PATHS[key]]
+        played = zip(tasks, await asyncio.gather(*rows), strict=True)
+        _PATHS[key] = [(t.task_id, row) for t, row in played if all(row)]
+    kept = _PATHS[key]
+    return sample_states([row for _, row in kept], states, [task_id for task_id, _ in kept], seeds)
+
+
+def sample_states(paths: Paths, states: int | None, task_ids: Sequence[str], seeds: Sequence[int]) -> Paths:
+    """At most ``states`` states of each path, drawn uniformly without replacement and kept in path order,
+    from a key of the task and the seed alone: every arm, habit and run meets the same states (pure;
+    ``None``: every state). ``task_ids`` names the paths' tasks in order."""
+    import random
+
+    if states is None:
+        return [list(row) for row in paths]
+    if states < 1:
+        raise ValueError(f"states per path must be >= 1, got {states}")
+
+    def pick(path: list[PathStep], task_id: str, seed: int) -> list[PathStep]:
+        kept = random.Random(f"{task_id}/{seed}").sample(range(len(path)), min(states, len(path)))
+        return [path[i] for i in sorted(kept)]
+
+    return [[pick(p, t, s) for p, s in zip(row, seeds, strict=True)] for row, t in zip(paths, task_ids, strict=True)]
 
 
 def uniform_dist(shown: list[str]) -> list[float]:

@@ -96,18 +96,16 @@ def _over_seeds(args: argparse.Namespace) -> dict[str, Any]:
         if not (args.judge_from / "config.json").is_file():
             raise SystemExit(f"coevo bench: --judge-from {args.judge_from}: not a model directory (no config.json)")
         overrides["judge.model"] = str(args.judge_from.resolve())
-    from coevo.bench.heldout import EVAL_SEEDS
     from coevo.bench.learn import Protocol
 
-    if args.heldout_tasks < 1 or not 1 <= args.eval_seeds <= len(EVAL_SEEDS):
-        raise SystemExit(f"coevo bench: --heldout-tasks must be >= 1 and --eval-seeds 1..{len(EVAL_SEEDS)}")
+    _check_heldout(args)
     return {
         "seeds": range(args.first_seed, args.first_seed + args.seeds),
         "preset": args.preset,
         "family": args.family,
         "cache_dir": args.cache_dir,
         "overrides": overrides,
-        "protocol": Protocol(args.heldout_tasks, args.eval_seeds, args.heldout_measure),
+        "protocol": Protocol(args.heldout_tasks, args.eval_seeds, args.heldout_measure, args.heldout_states),
         # every finished run beside the final JSON, as it finishes: a long bench killed keeps its runs
         "progress": args.json.with_name(args.json.stem + ".partial.json") if args.json else None,
     }
@@ -154,6 +152,15 @@ def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _check_heldout(args: argparse.Namespace) -> None:
+    from coevo.bench.heldout import EVAL_SEEDS
+
+    if args.heldout_tasks < 1 or not 1 <= args.eval_seeds <= len(EVAL_SEEDS):
+        raise SystemExit(f"coevo bench: --heldout-tasks must be >= 1 and --eval-seeds 1..{len(EVAL_SEEDS)}")
+    if args.heldout_states is not None and args.heldout_states < 1:
+        raise SystemExit("coevo bench: --heldout-states must be >= 1")
+
+
 def _heldout_args() -> tuple[Arg, ...]:
     return (
         arg("--heldout-tasks", type=int, default=64, help="held-out tasks evaluated (from the held-out region)"),
@@ -164,6 +171,13 @@ def _heldout_args() -> tuple[Arg, ...]:
             default="both",
             help="what a model's held-out evaluation measures: success (episodes the model plays), step "
             "agreement with the ceiling on its path (one forward pass a state: the cheaper), or both",
+        ),
+        arg(
+            "--heldout-states",
+            type=int,
+            metavar="N",
+            help="step agreement on at most N states of each path, drawn from the task and seed alone (the "
+            "same for every model and habit; default: every state): long quests at a fraction of the passes",
         ),
     )
 
@@ -342,8 +356,7 @@ def cmd_bench_heldout(args: argparse.Namespace) -> int:
     from coevo.bench.heldout import EVAL_SEEDS, bench_heldout, heldout_table
     from coevo.config import load_config
 
-    if args.heldout_tasks < 1 or not 1 <= args.eval_seeds <= len(EVAL_SEEDS):
-        raise SystemExit(f"coevo bench: --heldout-tasks must be >= 1 and --eval-seeds 1..{len(EVAL_SEEDS)}")
+    _check_heldout(args)
     overrides = {**_run_overrides(args), "env.family": args.family}
     if args.cache_dir is not None:
         overrides["env.cache_dir"] = str(args.cache_dir)
@@ -356,6 +369,7 @@ def cmd_bench_heldout(args: argparse.Namespace) -> int:
             both_forms=not args.used_form_only,
             judge=args.judge_probe,
             measure=args.heldout_measure,
+            states=args.heldout_states,
         )
     )
     _emit(result, args.json)
