@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from coevo.agents.tasks import InFlight, TasksAgent, round_due
+from coevo.agents.tasks import InFlight, TasksAgent, eval_turn, round_due
 from coevo.config import PRETRAINED_EVAL_EVERY_S, CoevoConfig, TasksConfig, load_config
 from coevo.observe.tally import eval_round
 from coevo.runtime.bus import NatsBus
@@ -29,6 +29,17 @@ def test_a_round_is_due_every_n_train_groups_or_seconds_after_the_last_whichever
     running.forget("eval2-a")
     running.round_ended(["eval2-a"], 3000.0)  # the round's last group, scored or lost: the clock starts
     assert running.eval_clock_at == 3000.0 and round_due(running, both, 3060.0) and not round_due(running, both, 3059.0)
+
+
+def test_a_round_leaves_one_group_in_flight_to_training() -> None:
+    queued = InFlight(eval_queue=["heldout-0", "heldout-1"], groups={"eval0-a": 0, "eval0-b": 0, "g-c": 0})
+    assert eval_turn(queued, 4, training=True)  # 2 of 4 held: a third may go
+    queued.groups["eval0-d"] = 0
+    assert not eval_turn(queued, 4, training=True)  # 3 of 4: the last is training's
+    assert eval_turn(queued, 4, training=False)  # no train slot: the round takes all
+    assert not eval_turn(InFlight(groups={"g-a": 0}), 4, training=True)  # nothing queued
+    assert eval_turn(InFlight(eval_queue=["heldout-0"]), 1, training=True)  # one slot: the round first
+    assert not eval_turn(InFlight(eval_queue=["heldout-0"], groups={"eval0-a": 0}), 1, training=True)
 
 
 def test_a_named_model_without_a_cadence_gets_rounds_by_the_clock_too() -> None:
@@ -76,7 +87,9 @@ async def _schedule_train(agent: TasksAgent, n: int) -> list[str]:
 
 async def test_rounds_are_numbered_in_order_by_groups_and_by_the_clock(bus: NatsBus, cfg: CoevoConfig) -> None:
     cfg = cfg.model_copy(update={"loop": "policy-only"})
-    cfg = cfg.model_copy(update={"tasks": cfg.tasks.model_copy(update={"eval_every": 4, "eval_every_s": 3600.0})})
+    # room for a whole round in flight (a round leaves one group to training: below)
+    rounds = {"eval_every": 4, "eval_every_s": 3600.0, "max_groups_in_flight": 64}
+    cfg = cfg.model_copy(update={"tasks": cfg.tasks.model_copy(update=rounds)})
     agent = TasksAgent(bus, cfg)
     await agent.load()
     heldout = sum(s.split == "heldout" for s in agent.slots.values())
@@ -107,3 +120,25 @@ async def test_rounds_are_numbered_in_order_by_groups_and_by_the_clock(bus: Nats
     await again.load()
     # round 3, not lost
     assert again.inflight.eval_rounds == 4 and again.inflight.eval_queue == agent.inflight.eval_queue != []
+
+
+async def test_a_long_round_shares_the_groups_in_flight_and_holds_back_no_train_sample(
+    bus: NatsBus, cfg: CoevoConfig
+) -> None:
+    cfg = cfg.model_copy(update={"loop": "policy-only"})
+    agent = TasksAgent(bus, cfg)
+    await agent.load()  # the "before" round, queued
+    capacity = cfg.tasks.max_groups_in_flight
+    purposes = []
+    while agent.admitted():
+        slot, task, purpose = agent.next_group()
+        await agent.schedule(slot, task, purpose)
+        purposes.append(purpose)
+    assert purposes == ["eval"] * (capacity - 1) + ["train"]  # the round's episodes have not ended
+    # many policy versions later, its groups still in flight: they are never trained on, so they hold
+    # back no scheduling; the train group of version 0 does
+    agent.policy_version = cfg.learner.max_staleness + 5
+    assert not agent.admitted()
+    train_group = next(g for g in agent.inflight.groups if g.startswith("g-"))
+    agent.inflight.forget(train_group)
+    assert agent.admitted() and agent.next_group()[2] == "train"

@@ -5,8 +5,10 @@ Invariants:
   rewrite; slots live in JetStream KV, so a restarted agent resumes them (and its in-flight groups);
 - held-out slots are never rewritten and their groups (``purpose = eval``) are never trained on;
 - at most ``tasks.max_groups_in_flight`` groups are scheduled and not yet scored, and no new group
-  is scheduled while a group that was scheduled more than ``learner.max_staleness`` policy versions
-  ago is still in flight (admission control pauses rollouts, it drops nothing);
+  is scheduled while a train group that was scheduled more than ``learner.max_staleness`` policy
+  versions ago is still in flight (admission control pauses rollouts, it drops nothing);
+- a held-out round leaves one of those groups to training while train slots exist (``eval_turn``): its
+  episodes, however long, never stop training;
 - a train group stays counted against that bound after it is scored, until a policy
   ``LearnerStepped`` names it (``Backlog``): a learner slower than the rollouts pauses scheduling
   instead of training ever staler samples (soft state: an entry the learner never names stops
@@ -119,6 +121,15 @@ class InFlight(BaseModel):
     def expired(self, now: float, timeout_s: float) -> list[str]:
         """Groups scheduled more than ``timeout_s`` ago and never scored (pure)."""
         return [g for g in self.groups if now - self.scheduled_at.get(g, now) > timeout_s]
+
+
+def eval_turn(inflight: InFlight, capacity: int, training: bool) -> bool:
+    """Whether the next group is the queued round's (pure): while there are train slots (``training``), a
+    round leaves one of the ``capacity`` groups in flight to training (a capacity of one: the round goes
+    first), so a round of long episodes does not stop training until it ends."""
+    if not inflight.eval_queue:
+        return False
+    return not training or sum(map(is_eval, inflight.groups)) < max(1, capacity - 1)
 
 
 def round_due(inflight: InFlight, tc: TasksConfig, now: float) -> bool:
@@ -283,7 +294,9 @@ class TasksAgent(Agent):
     def admitted(self) -> bool:
         if len(self.inflight.groups) >= self.cfg.tasks.max_groups_in_flight:
             return False
-        oldest = min(self.inflight.groups.values(), default=self.policy_version)
+        # held-out groups are never trained on: however long their episodes, they hold back no sample
+        trained = (v for g, v in self.inflight.groups.items() if not is_eval(g))
+        oldest = min(trained, default=self.policy_version)
         lc, now = self.cfg.learner, time.monotonic()
         queued = self.backlog.oldest(now) if lc.max_staleness > 0 else None
         if queued is not None:
@@ -296,15 +309,16 @@ class TasksAgent(Agent):
         return lc.max_staleness > 0 or self.lockstep.admits(len(self.inflight.groups) + self.scoring, versions, now)
 
     def next_group(self) -> tuple[Slot, TaskSpec, Literal["train", "candidate", "eval"]]:
-        """Candidates first, then a due held-out evaluation round, then a train slot by stride scheduling
-        (round-robin while none is saturated, a saturated one `tasks.saturated_share` as often)."""
+        """Candidates first, then a due held-out evaluation round (within its share of the groups in
+        flight: ``eval_turn``), then a train slot by stride scheduling (round-robin while none is
+        saturated, a saturated one `tasks.saturated_share` as often)."""
         for slot in self.slots.values():
             if slot.candidate is not None and not slot.candidate_scheduled:
                 return slot, slot.candidate, "candidate"
         train = [s for s in self.slots.values() if s.split == "train"]
         if not self.inflight.eval_queue and not train:
             self.queue_round()
-        if self.inflight.eval_queue:
+        if eval_turn(self.inflight, self.cfg.tasks.max_groups_in_flight, bool(train)):
             slot = self.slots[self.inflight.eval_queue.pop(0)]
             return slot, slot.active, "eval"
         tc = self.cfg.tasks
