@@ -3,11 +3,11 @@
 Per compute dtype (``learner.dtype``): the machine's matmul rate in it (the peak the phases are read
 against), the engine's prefill and sampling rates, a LoRA learner step, an adapter version applied to the
 engine, each way it can serve one (beside the base layers or merged into them: its cost per version and
-per forward pass, and its mismatch to the lane); and the mismatch KL per token from the engine's sampling
-to the lane's log-probs, at version 0 and after a step (the adapter served as the engine serves it by
-default), for every pair of sampler and learner dtypes: what a bf16 server costs an fp32 learner, and the reverse. With ``vllm_python``, the same for
-vLLM's CPU build serving the base in each dtype (``--dtype``): its sampling rate and its mismatch against
-the lane of every dtype at version 0.
+per forward pass, and its mismatch to the lane); and the mismatch KL per token from the engine's
+sampling to the lane's log-probs, at version 0 and after a step (the adapter served as the engine serves
+it by default), for every pair of sampler and learner dtypes: what a bf16 server costs an fp32 learner,
+and the reverse. With ``vllm_python``, the same for vLLM's CPU build serving the base in each dtype
+(``--dtype``): its sampling rate and its mismatch against the lane of every dtype at version 0.
 """
 
 from __future__ import annotations

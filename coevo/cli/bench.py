@@ -302,7 +302,10 @@ def cmd_bench_precision(args: argparse.Namespace) -> int:
 
     cfg = load_config(overrides=_run_overrides(args))
     base = model_dir(cfg, "policy")
-    bench = bench_precision(base, rollouts=args.rollouts, max_tokens=args.max_tokens, vllm_python=args.vllm_python)
+    dtypes = tuple(dict.fromkeys(args.dtype or ("float32", "bfloat16")))
+    bench = bench_precision(
+        base, dtypes=dtypes, rollouts=args.rollouts, max_tokens=args.max_tokens, vllm_python=args.vllm_python
+    )
     return _emit(run_stoppable(bench), args.json)
 
 
@@ -564,6 +567,13 @@ BENCHES: tuple[Command, ...] = (
             arg("--rollouts", type=int, default=32, help="free completions sampled per measurement"),
             arg("--max-tokens", type=int, default=16, help="tokens per completion"),
             arg("--vllm-python", help="python of a venv with vllm: measure vLLM's CPU build in each dtype too"),
+            arg(
+                "--dtype",
+                action="append",
+                choices=("float32", "bfloat16"),
+                help="a compute dtype measured (repeat for several; default both): bf16 alone is slow where the "
+                "CPU only emulates it (no AMX or AVX512-BF16)",
+            ),
             *_model_args(),
         ),
     ),
