@@ -1,7 +1,8 @@
 """A local engine serves a LoRA adapter beside its base layers (``adapters.Beside``): bit for bit what the
-LoRA lane computes, in fp32 and in bf16 (where merging the adapter into the weights rounds it away); a
-new version replaces the last whole; an adapter that does not fit is refused whole and what was served
-stays served; whole weights swapped in are served without an adapter."""
+LoRA lane computes, in fp32 and in bf16 (where merging the adapter into the weights rounds it); a new
+version replaces the last whole; an adapter that does not fit is refused whole and what was served stays
+served; whole weights swapped in are served without an adapter. ``auto`` merges in fp32, where both ways
+are exact and a merged engine samples faster, and serves beside in bf16."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ async def test_an_adapter_beside_the_base_serves_bit_for_bit_what_the_lane_compu
     bf16 = dtype == "bfloat16"
     v1, v2 = _published(lane, 1), _published(lane, 2)  # the lane now computes version 2
     async with (
-        LocalEngine(tiny, device="cpu", dtype=dtype) as beside,
+        LocalEngine(tiny, device="cpu", dtype=dtype, adapter_apply="beside") as beside,
         LocalEngine(tiny, device="cpu", dtype=dtype, adapter_apply="merge") as merged,
     ):
         base = _logits(beside.model)
@@ -86,7 +87,7 @@ async def test_an_adapter_that_does_not_fit_is_refused_whole_and_the_served_vers
     misshapen = {**tensors, f"{q}.lora_A.weight": tensors[f"{q}.lora_A.weight"][:, :-1]}
     not_linear = {**tensors, "base_model.model.model.norm.lora_A.weight": tensors[f"{q}.lora_A.weight"]}
     not_linear["base_model.model.model.norm.lora_B.weight"] = tensors[f"{q}.lora_B.weight"]
-    async with LocalEngine(tiny, device="cpu") as engine:
+    async with LocalEngine(tiny, device="cpu", adapter_apply="beside") as engine:
         await engine.load_adapter(path, 1)
         served = _logits(engine.model)
         for bad, why in ((unknown, "not in the base model"), (misshapen, "do not fit"), (not_linear, "not a linear")):
@@ -99,7 +100,7 @@ async def test_an_adapter_that_does_not_fit_is_refused_whole_and_the_served_vers
 async def test_whole_weights_swapped_in_are_served_without_the_adapter(tiny: Path, tmp_path: Path) -> None:
     lane = _lane(tiny, tmp_path, "float32")
     path = _published(lane, 1)
-    async with LocalEngine(tiny, device="cpu") as engine:
+    async with LocalEngine(tiny, device="cpu", adapter_apply="beside") as engine:
         base = _logits(engine.model)
         weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
         await engine.load_adapter(path, 1)
@@ -109,3 +110,9 @@ async def test_whole_weights_swapped_in_are_served_without_the_adapter(tiny: Pat
         await engine.load_adapter(path, 3)  # and an adapter after them applies to them
         assert torch.equal(_logits(engine.model), _logits(lane.model))
     lane.close()
+
+
+def test_auto_merges_in_fp32_where_both_are_exact_and_serves_beside_in_bf16(tiny: Path) -> None:
+    assert LocalEngine(tiny, device="cpu", dtype="float32").adapter_apply == "merge"
+    assert LocalEngine(tiny, device="cpu", dtype="bfloat16").adapter_apply == "beside"
+    assert LocalEngine(tiny, device="cpu", dtype="float32", adapter_apply="beside").adapter_apply == "beside"

@@ -174,10 +174,12 @@ class LocalEngine:
     """A transformers causal LM served in process (CPU or CUDA), with hot-swappable weights. ``model_dir``
     may be a LoRA adapter directory (a LoRA lane's checkpoint): its base, with the adapter applied.
 
-    ``adapter_apply``: how a LoRA adapter is served. ``beside`` (the default) adds it beside the base
-    layers (``adapters.Beside``: a version costs a copy of the adapter, and the engine computes what the
-    lane computes in any dtype); ``merge`` writes ``W + s B A`` into the adapted weights from the base
-    each version (no cost per forward pass)."""
+    ``adapter_apply``: how a LoRA adapter is served. ``beside`` adds it beside the base layers
+    (``adapters.Beside``: a version costs a copy of the adapter, a forward pass a few small matmuls per
+    adapted layer, and the engine computes what the lane computes in any dtype); ``merge`` writes
+    ``W + s B A`` into the adapted weights from the base each version (no cost per forward pass, but in
+    bf16 the sum is rounded to the weights' precision). ``auto``: ``merge`` in fp32, where both are exact
+    and merging samples faster; ``beside`` in a lower precision (``coevo bench precision``)."""
 
     def __init__(
         self,
@@ -191,7 +193,7 @@ class LocalEngine:
         sampling: SamplingConfig | None = None,
         grammar: GrammarConfig | None = None,
         dtype: ComputeDtype = "auto",
-        adapter_apply: Literal["beside", "merge"] = "beside",
+        adapter_apply: Literal["auto", "beside", "merge"] = "auto",
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -224,7 +226,8 @@ class LocalEngine:
         """(prompt ids, choice ids) -> their next-token logits under the weights served now (cleared by a
         swap): a state met again (another rollout of the group, another trajectory's same step) costs
         no forward pass; each request still draws its own sample"""
-        self.adapter_apply = adapter_apply
+        exact = self.dtype == torch.float32
+        self.adapter_apply = ("merge" if exact else "beside") if adapter_apply == "auto" else adapter_apply
         self.beside = adapters.Beside(self.model)
         """the adapter served beside the base layers (``adapter_apply = "beside"``)"""
         self._base: dict[str, Any] | None = None
