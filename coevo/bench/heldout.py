@@ -237,8 +237,7 @@ async def bench_heldout(
     greedy and at the policy's temperature, each prompt form's label mass and sampled score
     (``both_forms=False``: the form the policy uses only, for families whose episodes are long), and the
     base's step agreement (``base_agreement``, on at most ``states`` states of each path); ``measure``:
-    ``success`` or ``steps`` alone, else both;
-    ``judge``: the judge model's votes against the step labels too (``coevo.bench.judge_probe``)."""
+    ``success`` or ``steps`` alone, else both; ``judge``: the judge's votes too (``bench.judge_probe``)."""
     from transformers import AutoTokenizer
 
     from coevo.bench.learn import HELDOUT_SEED

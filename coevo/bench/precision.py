@@ -113,8 +113,7 @@ async def bench_precision(
     vllm_python: str | None = None,
     matmul_n: int = 2048,
 ) -> dict[str, Any]:
-    """See the module's docstring. ``base``: a transformers model directory; ``matmul_n``: the side of
-    the square matmul that measures the peak."""
+    """See the module's docstring. ``base``: a model directory; ``matmul_n``: the peak matmul's side."""
     lora = LoraConfig()
     out: dict[str, Any] = {"base": str(base), "rollouts": rollouts, "max_tokens": max_tokens, "dtypes": {}}
     with tempfile.TemporaryDirectory() as tmp:
