@@ -1,5 +1,5 @@
 """LoRA adapters as published weights: PEFT's directory format; one adapter applied beside a model's
-layers (what a local engine serves), or merged into base weights.
+layers (a local engine in bf16), or merged into base weights (one in fp32: ``LocalEngine.adapter_apply``).
 
 An adapter directory holds ``adapter_model.safetensors`` (per adapted linear layer
 ``base_model.model.<module>.lora_A.weight``, shape ``(r, in)``, and ``.lora_B.weight``, shape
