@@ -56,6 +56,15 @@ def prefill_rate(engine: LocalEngine, batch: int = 8, tokens: int = 128) -> floa
         return 2 * params * batch * tokens / (time.perf_counter() - t)
 
 
+async def timed_samples(
+    client: Any, lane: Lane, *, rollouts: int, max_tokens: int
+) -> tuple[list[TrainingSample], float]:
+    """``fresh_samples`` from ``client`` for ``lane``, and the response tokens they took a second."""
+    t = time.perf_counter()
+    got = await fresh_samples(client, lane, rollouts=rollouts, max_tokens=max_tokens)
+    return got, round(sum(len(s.response_token_ids) for s in got) / (time.perf_counter() - t), 1)
+
+
 async def adapter_modes(
     base: Path, dtype: ComputeDtype, lane: Lane, adapter: Path, *, rollouts: int, max_tokens: int, repeats: int = 3
 ) -> dict[str, dict[str, float]]:
@@ -68,10 +77,8 @@ async def adapter_modes(
             applied = [await engine.load_adapter(adapter, lane.version) for _ in range(repeats)]
             row = {"apply_ms_median": round(statistics.median(applied), 1)}
             row["prefill_gflops"] = round(prefill_rate(engine) / 1e9, 1)
-            t = time.perf_counter()
-            got = await fresh_samples(engine, lane, rollouts=rollouts, max_tokens=max_tokens)
-            row["sampled_tokens_per_s"] = round(
-                sum(len(s.response_token_ids) for s in got) / (time.perf_counter() - t), 1
+            got, row["sampled_tokens_per_s"] = await timed_samples(
+                engine, lane, rollouts=rollouts, max_tokens=max_tokens
             )
             row["mismatch_kl"] = round(lane.mismatch_kl(got), 6)
         out[mode] = row
@@ -91,10 +98,8 @@ async def _vllm(
         async with served(python, base, extra=["--dtype", d]) as url:
             async with VLLMClient(url, str(base), name="policy", tokenizer_dir=base) as client:
                 await fresh_samples(client, lanes[d], rollouts=2, max_tokens=max_tokens)  # warm
-                t = time.perf_counter()
-                got = await fresh_samples(client, lanes[d], rollouts=rollouts, max_tokens=max_tokens)
-                seconds = time.perf_counter() - t
-        row = {"sampled_tokens_per_s": round(sum(len(s.response_token_ids) for s in got) / seconds, 1)}
+                got, rate = await timed_samples(client, lanes[d], rollouts=rollouts, max_tokens=max_tokens)
+        row = {"sampled_tokens_per_s": rate}
         row |= {f"mismatch_kl against learner {k}": round(lane.mismatch_kl(got), 6) for k, lane in lanes.items()}
         out[f"vllm {d}"] = row
     return out
@@ -129,10 +134,9 @@ async def bench_precision(
             async with LocalEngine(base, seed=1, device="cpu", dtype=d) as engine:
                 row["prefill_gflops"] = round(prefill_rate(engine) / 1e9, 1)
                 row["prefill_share_of_peak"] = round(row["prefill_gflops"] / row["matmul_peak_gflops"], 3)
-                t = time.perf_counter()
-                first = await fresh_samples(engine, lanes[d], rollouts=rollouts, max_tokens=max_tokens)
-                tokens = sum(len(s.response_token_ids) for s in first)
-                row["sampled_tokens_per_s"] = round(tokens / (time.perf_counter() - t), 1)
+                first, row["sampled_tokens_per_s"] = await timed_samples(
+                    engine, lanes[d], rollouts=rollouts, max_tokens=max_tokens
+                )
                 samples[d][0] = first
                 t = time.perf_counter()
                 metrics = await asyncio.to_thread(lanes[d].step, _signed(first), ["g0"])

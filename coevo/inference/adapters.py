@@ -71,6 +71,23 @@ def adapted_weights(adapter: Mapping[str, torch.Tensor]) -> list[str]:
     return [k.removeprefix(PREFIX).removesuffix(_A) + ".weight" for k in adapter if k.endswith(_A)]
 
 
+def layers(adapter: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The adapter's layers: ``{"<module>": (A, B)}`` (a ValueError for a layer without its ``lora_B``,
+    or an adapter of no layer)."""
+    out = {}
+    for key, a in adapter.items():
+        if not key.endswith(_A):
+            continue
+        module = key.removeprefix(PREFIX).removesuffix(_A)
+        b = adapter.get(f"{PREFIX}{module}{_B}")
+        if b is None:
+            raise ValueError(f"adapter layer {module}: no lora_B")
+        out[module] = (a, b)
+    if not out:
+        raise ValueError("the adapter adapts no layer")
+    return out
+
+
 def merged(
     base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any]
 ) -> dict[str, torch.Tensor]:
@@ -80,18 +97,12 @@ def merged(
 
     s = scale(config)
     out: dict[str, torch.Tensor] = {}
-    for key, a in adapter.items():
-        if not key.endswith(_A):
-            continue
-        module = key.removeprefix(PREFIX).removesuffix(_A)
-        b = adapter.get(f"{PREFIX}{module}{_B}")
+    for module, (a, b) in layers(adapter).items():
         w = base.get(f"{module}.weight")
-        if b is None or w is None:
-            raise ValueError(f"adapter layer {module}: " + ("no lora_B" if b is None else "not in the base model"))
+        if w is None:
+            raise ValueError(f"adapter layer {module}: not in the base model")
         delta = b.to(device=w.device, dtype=torch.float32) @ a.to(device=w.device, dtype=torch.float32)
         out[f"{module}.weight"] = (w.float() + s * delta).to(w.dtype)
-    if not out:
-        raise ValueError("the adapter adapts no layer")
     return out
 
 
@@ -117,20 +128,16 @@ class Beside:
 
         modules = dict(self.model.named_modules())
         new: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for key, a in adapter.items():
-            if not key.endswith(_A):
-                continue
-            module = key.removeprefix(PREFIX).removesuffix(_A)
-            b, layer = adapter.get(f"{PREFIX}{module}{_B}"), modules.get(module)
-            if b is None or layer is None or not isinstance(layer, torch.nn.Linear):
-                why = "no lora_B" if b is None else "not in the base model" if layer is None else "not a linear layer"
-                raise ValueError(f"adapter layer {module}: {why}")
+        for module, (a, b) in layers(adapter).items():
+            layer = modules.get(module)
+            if layer is None or not isinstance(layer, torch.nn.Linear):
+                raise ValueError(
+                    f"adapter layer {module}: " + ("not a linear layer" if layer else "not in the base model")
+                )
             if a.shape != (b.shape[1], layer.in_features) or b.shape[0] != layer.out_features:
                 raise ValueError(f"adapter layer {module}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit it")
             device = layer.weight.device
             new[module] = (a.detach().to(device).clone(), b.detach().to(device).clone())
-        if not new:
-            raise ValueError("the adapter adapts no layer")
         self.clear()
         self.scale, self._ab = scale(config), new
         for module in new:
