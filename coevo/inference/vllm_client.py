@@ -39,6 +39,11 @@ SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_
 MAX_STOPS = 4
 """the stop strings vLLM's completions API takes (it refuses more with a 400)"""
 
+KEEPALIVE_S = 2.0
+"""how long this client keeps an idle connection for reuse: under the server's own keep-alive
+(vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s), so a request is never written into a connection the
+server is closing at that moment (aiohttp's default, 15 s, met that race: "Can not write request body")"""
+
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """the values vLLM accepts for ``--max-lora-rank``"""
 
@@ -162,7 +167,8 @@ class VLLMClient:
         return self._version
 
     async def __aenter__(self) -> VLLMClient:
-        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
         info = await self._get("/weight_info")
         try:
             self._version = int(info.get("weight_version") or 0)
@@ -194,7 +200,8 @@ class VLLMClient:
             raise VLLMError(f"client {self.name} is not open (use `async with`)")
         url = self.root + path
         last: Exception | None = None
-        for attempt in range(self.retries + 1 if retry else 1):
+        attempts = self.retries + 1 if retry else 1
+        for attempt in range(attempts):
             try:
                 timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self._session.timeout
                 async with self._session.request(method, url, json=json, params=params, timeout=timeout) as resp:
@@ -214,7 +221,7 @@ class VLLMClient:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 last = exc
                 await asyncio.sleep(min(0.2 * 2**attempt, 3.0))
-        raise VLLMError(f"{method} {path} failed after retries: {last!r}")
+        raise VLLMError(f"{method} {path} failed after {attempts} attempt(s): {last!r}")
 
     async def _get(self, path: str) -> dict[str, Any]:
         return await self._call("GET", path)
@@ -329,11 +336,10 @@ class VLLMClient:
         if not adapters.is_adapter(path):
             raise VLLMError(f"refusing to load an adapter from {path}: no {adapters.ADAPTER_CONFIG} there")
 
-        async def load() -> None:
+        async def load() -> None:  # in place, under one name, from one path: a retry loads the same thing
             await self._call(
                 "POST",
                 "/v1/load_lora_adapter",
-                retry=False,
                 json={"lora_name": self.adapter_name, "lora_path": str(path), "load_inplace": True},
             )
             self.served = self.adapter_name
