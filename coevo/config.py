@@ -242,6 +242,13 @@ class EnvConfig(Section):
         default=0.0,
         description="gym, and external episodes finished with a reward: an episode is won when its return exceeds this",
     )
+    start_knobs: dict[str, tuple[int, int]] = Field(
+        default_factory=dict,
+        description="where the initial train tasks are drawn: knob -> [low, high], within the family's "
+        "train bounds (the rewriter then moves tasks anywhere within those); a knob not named keeps the "
+        'family\'s own range. E.g. tw-coin_collector {"length": [1, 3]}: short chains a small model '
+        "sometimes wins (quickgame and TextWorld's challenge games)",
+    )
     n_train: int = Field(default=8, ge=1, description="training task slots")
     n_heldout: int = Field(default=8, ge=0, description="held-out tasks (never rewritten)")
     seed: int = Field(default=0, description="seed of the initial task set")
@@ -264,6 +271,14 @@ class EnvConfig(Section):
         if (problem := family_problem(name)) is not None:
             raise ValueError(problem)
         return name
+
+    @field_validator("start_knobs")
+    @classmethod
+    def _ranges(cls, ranges: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        for name, (low, high) in ranges.items():
+            if low > high:
+                raise ValueError(f"{name}: [{low}, {high}] has its low end above its high end")
+        return ranges
 
     @model_validator(mode="after")
     def _tasks_from_a_family(self) -> EnvConfig:

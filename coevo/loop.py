@@ -188,8 +188,9 @@ class Interrupts:
     """SIGINT and SIGTERM from the agents' start to the closing summary. One that comes while the run goes
     on stops it (the agents drain; ``interrupted`` names it). One that comes after the run stopped (by a
     signal or its budget) skips what is left of the closing measurements (``hurry``, awaited by
-    ``_baselines``) and removes the handlers: after it, SIGINT raises ``KeyboardInterrupt`` (the process
-    ends without a summary) and SIGTERM has its default action."""
+    ``_baselines``) and removes the handlers: after it, SIGINT and SIGTERM have their default action (the
+    process ends at once, without a summary and without a traceback: a ``KeyboardInterrupt`` raised
+    wherever the loop happened to be printed one after the summary)."""
 
     def __init__(self, stop: asyncio.Event) -> None:
         self.stop, self.hurry = stop, asyncio.Event()
@@ -213,6 +214,7 @@ class Interrupts:
         else:
             self.hurry.set()
             self.__exit__()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             log.warning("run.hurrying", signal=sig.name, hint="the summary without its closing measurements")
 
 

@@ -11,7 +11,7 @@ import pytest
 from coevo.envs.coding import Coding, humaneval_problems
 from coevo.envs.quickgame import QuickGame, build_world
 from coevo.envs.textworld_env import TextWorld
-from coevo.errors import EnvError
+from coevo.errors import ConfigError, EnvError
 from coevo.schemas import TaskSpec
 
 
@@ -321,3 +321,16 @@ async def test_textworld_episodes_run_concurrently_in_one_process(tmp_path: Path
 
     outcomes = await asyncio.gather(*(episode(t) for t in tasks))
     assert len(outcomes) == 6 and fam.compiled == 2
+
+
+def test_a_quick_game_pool_started_on_one_step_quests_keeps_its_heldout_tasks() -> None:
+    """``start_from`` (``env.start_knobs``) draws the train tasks there; held-out tasks do not move."""
+    fam, started = QuickGame(), QuickGame()
+    started.start_from({"steps": (1, 1), "distractors": (0, 0)})
+    tasks = started.initial_tasks(16, 8, 3)
+    assert all(t.knobs["steps"] == 1 and t.knobs["distractors"] == 0 for t in tasks if t.split == "train")
+    assert {t.knobs["slack"] for t in tasks if t.split == "train"} == {QuickGame.initial_knobs["slack"][0]}
+    assert [t for t in tasks if t.split == "heldout"] == fam.initial_tasks(16, 8, 3)[16:]
+    assert any(t.knobs["steps"] > 1 for t in fam.initial_tasks(16, 0, 3))
+    with pytest.raises(ConfigError, match=r"env\.start_knobs\.steps: 1\.\.7 is not within its train bounds 1\.\.5"):
+        started.start_from({"steps": (1, 7)})

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +81,30 @@ async def test_a_failed_measurement_prints_the_summary_without_it(tmp_path: Path
 
     summary = RunTally().summary("r1", 60.0).model_dump()
     assert await _baselines(load_config(), tmp_path, summary, measure, asyncio.Event()) == {}
+
+
+THREE_SIGNALS = """
+import asyncio, os, signal
+from coevo.loop import Interrupts
+
+async def main():
+    stop = asyncio.Event()
+    with Interrupts(stop) as signals:
+        os.kill(os.getpid(), signal.SIGINT)
+        await stop.wait()
+        os.kill(os.getpid(), signal.SIGINT)
+        await signals.hurry.wait()
+        print("hurried", flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.sleep(60)
+    print("outlived the third signal", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_the_third_signal_ends_the_process_at_once_and_without_a_traceback() -> None:
+    done = subprocess.run([sys.executable, "-c", THREE_SIGNALS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGINT, (done.returncode, done.stderr)
+    assert done.stdout.endswith("hurried\n") and "run.hurrying" in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from coevo.config import load_config
 from coevo.envs import make_family
 from coevo.envs.textworld_env import _tw
 from coevo.envs.tw_challenges import SEED_STRIDE, ChallengeFamily
-from coevo.errors import EnvError
+from coevo.errors import ConfigError, EnvError
 from coevo.schemas import TaskSpec
 from tests.test_envs import play
 
@@ -67,6 +68,49 @@ def test_heldout_region_is_out_of_reach_of_train_tasks_and_their_rewrites(name: 
         assert tuple(sorted(h.knobs.items())) not in reached
         with pytest.raises(EnvError):
             fam.derive(train[0], h.knobs)
+
+
+def test_a_pool_started_on_short_chains_draws_its_train_tasks_there_and_the_same_heldout_tasks(tmp_path: Path) -> None:
+    """``env.start_knobs`` moves where the initial train tasks are drawn, not the held-out tasks of a
+    seed (nor their number of train tasks), and a rewrite still reaches the whole train region."""
+    start = {"length": (1, 3), "distractors": (0, 0)}
+    cfg = load_config(overrides={"env.family": "tw-coin_collector", "env.cache_dir": str(tmp_path)})
+    short = make_family(cfg.env.model_copy(update={"start_knobs": start}))
+    tasks = short.initial_tasks(32, 8, seed=5)
+    train = [t for t in tasks if t.split == "train"]
+    assert all(1 <= t.knobs["length"] <= 3 and t.knobs["distractors"] == 0 for t in train), train
+    assert {t.knobs["length"] for t in train} == {1, 2, 3}
+    default = family("tw-coin_collector", tmp_path)
+    assert [t for t in tasks if t.split == "heldout"] == default.initial_tasks(0, 8, seed=5)
+    assert default.initial_tasks(4, 8, seed=5)[4:] == default.initial_tasks(0, 8, seed=5)
+    assert max(t.knobs["length"] for t in default.initial_tasks(32, 0, seed=5)) > 3
+    longest = max(train, key=lambda t: t.knobs["length"])
+    for _ in range(20):
+        longest = short.apply(longest, "length+") or longest
+    assert longest.knobs["length"] == short.train_limits["length"][1]
+
+
+@pytest.mark.parametrize(
+    ("name", "start", "says"),
+    [
+        ("tw-coin_collector", {"rooms": (1, 2)}, "env.start_knobs.rooms: family 'tw-coin_collector' has no such knob"),
+        (
+            "tw-coin_collector",
+            {"length": (5, 12)},
+            "env.start_knobs.length: 5..12 is not within its train bounds 1..10",
+        ),
+        ("coding", {"examples": (0, 1)}, "env.start_knobs: family 'coding' does not draw its initial tasks"),
+    ],
+)
+def test_a_start_the_family_cannot_honour_is_refused_naming_the_field(
+    name: str, start: dict, says: str, tmp_path: Path
+) -> None:
+    cfg = load_config(overrides={"env.family": name, "env.cache_dir": str(tmp_path), "env.sandbox": "process"})
+    with pytest.raises(ConfigError, match=re.escape(says)) as refused:
+        make_family(cfg.env.model_copy(update={"start_knobs": start}))
+    assert refused.value.field == says.split(":")[0]
+    with pytest.raises(ConfigError, match=r"env\.start_knobs: .*length: \[3, 1\] has its low end above its high end"):
+        load_config(overrides={"env.family": name, "env.start_knobs": {"length": [3, 1]}})
 
 
 def test_cooking_keeps_take_within_recipe(tmp_path: Path) -> None:

@@ -29,12 +29,15 @@ def make_family(cfg: EnvConfig) -> Family:
             return make_family(cfg.model_copy(update={"family": cfg.tasks_from, "tasks_from": None}))
         from coevo.envs.external import ExternalFamily
 
-        return ExternalFamily()
-    if cfg.family.startswith("gym:"):
+        family: Family = ExternalFamily()
+    elif cfg.family.startswith("gym:"):
         from coevo.envs.gym_env import GymFamily
 
-        return GymFamily(cfg.family, cfg)
-    return registered_family(cfg.family, cfg)
+        family = GymFamily(cfg.family, cfg)
+    else:
+        family = registered_family(cfg.family, cfg)
+    family.start_from(cfg.start_knobs)
+    return family
 
 
 def registered_family(name: str, cfg: EnvConfig) -> Family:

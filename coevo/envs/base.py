@@ -16,11 +16,12 @@ import asyncio
 import hashlib
 import json
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
-from coevo.errors import EnvError
+from coevo.errors import ConfigError, EnvError
 from coevo.schemas import TaskSpec
 from coevo.schemas.events import Direction, Outcome
 
@@ -88,6 +89,40 @@ class Family(abc.ABC):
     train_limits: ClassVar[dict[str, tuple[int, int]]] = {}
     """Knob ranges a train task and every rewrite of one stay within (a knob not named: its bounds).
     A family whose held-out tasks lie outside them measures on tasks no training task reaches."""
+
+    starts_from_knobs: ClassVar[bool] = False
+    """Whether ``initial_tasks`` draws its train tasks' knobs through ``start_ranges``, so that
+    ``env.start_knobs`` (``start_from``) sets where a run's pool starts."""
+    start_knobs: Mapping[str, tuple[int, int]] = MappingProxyType({})
+    """Where ``start_from`` put the initial train tasks: knob -> (low, high); a knob not named keeps
+    the family's own starting range."""
+
+    def start_from(self, ranges: Mapping[str, tuple[int, int]]) -> None:
+        """Draw the initial train tasks' knobs from ``ranges`` (``env.start_knobs``), each within that
+        knob's train bounds, so the rewriter can take them anywhere there later; raises a ConfigError
+        naming the field and the knob otherwise."""
+        if ranges and not self.starts_from_knobs:
+            raise ConfigError(
+                f"env.start_knobs: family {self.name!r} does not draw its initial tasks from knob ranges",
+                field="env.start_knobs",
+            )
+        names = [k.name for k in self.knobs]
+        for name, (lo, hi) in ranges.items():
+            field = f"env.start_knobs.{name}"
+            if name not in names:
+                raise ConfigError(f"{field}: family {self.name!r} has no such knob (its knobs: {names})", field)
+            low, high = self.bounds(name, "train")
+            if not low <= lo <= hi <= high:
+                raise ConfigError(
+                    f"{field}: {lo}..{hi} is not within its train bounds {low}..{high} "
+                    "(train tasks and their rewrites stay there)",
+                    field,
+                )
+        self.start_knobs = MappingProxyType(dict(ranges))
+
+    def start_ranges(self, ranges: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        """The family's own starting ``ranges`` with ``start_knobs`` in place of the knobs it names."""
+        return {**ranges, **self.start_knobs}
 
     @abc.abstractmethod
     def make_env(self) -> Environment: ...

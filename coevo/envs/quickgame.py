@@ -340,6 +340,7 @@ def world_of(task: TaskSpec) -> World:
 
 class QuickGame(Family):
     name = "quickgame"
+    starts_from_knobs = True
     knobs = (
         Knob("steps", 1, 7, harder=1),
         Knob("distractors", 0, 5, harder=1),
@@ -375,7 +376,7 @@ class QuickGame(Family):
         return read(observation, shown)
 
     def initial_tasks(self, n_train: int, n_heldout: int, seed: int) -> list[TaskSpec]:
-        train = self.drawn_pool(self.initial_knobs, self.id_prefix, n_train, 0, seed)
+        train = self.drawn_pool(self.start_ranges(self.initial_knobs), self.id_prefix, n_train, 0, seed)
         heldout = self.drawn_pool(self.heldout_knobs, self.id_prefix, 0, n_heldout, seed + 1_000_003)
         return train + [
             t.model_copy(update={"task_id": f"{self.id_prefix}-h{i}", "params": {**t.params, "words": "heldout"}})

@@ -50,6 +50,8 @@ SEED_STRIDE = 1_000_003
 class ChallengeFamily(Family):
     """One ``textworld.challenges`` game; subclasses name it and map knobs to its settings."""
 
+    starts_from_knobs = True
+
     challenge: ClassVar[str]
     id_prefix: ClassVar[str]
     heldout_ranges: ClassVar[dict[str, tuple[int, int]]]
@@ -150,20 +152,27 @@ class ChallengeFamily(Family):
         return child if child is None or self.consistent(child.knobs) else None
 
     def initial_tasks(self, n_train: int, n_heldout: int, seed: int) -> list[TaskSpec]:
-        """Train tasks drawn within ``train_limits``, held-out ones within ``heldout_ranges``; train
-        seeds are even and held-out seeds odd, so no held-out game shares a train game's seed."""
-        rng = random.Random(seed)
+        """Train tasks drawn within ``start_ranges`` (the train limits, or ``env.start_knobs``), held-out
+        ones within ``heldout_ranges``, each split from its own draw: the held-out tasks of a seed are
+        the same whatever the train tasks are. Train seeds are even and held-out seeds odd, so no
+        held-out game shares a train game's seed."""
+        train = self.start_ranges({k.name: self.bounds(k.name, "train") for k in self.knobs})
+        heldout = {**{k.name: self.bounds(k.name, "train") for k in self.knobs}, **self.heldout_ranges}
+        return [
+            *self._drawn(train, "train", n_train, random.Random(seed + SEED_STRIDE)),
+            *self._drawn(heldout, "heldout", n_heldout, random.Random(seed)),
+        ]
+
+    def _drawn(
+        self, ranges: dict[str, tuple[int, int]], split: Literal["train", "heldout"], n: int, rng: random.Random
+    ) -> list[TaskSpec]:
         out = []
-        for i in range(n_train + n_heldout):
-            split: Literal["train", "heldout"] = "train" if i < n_train else "heldout"
-            ranges = {k.name: self.bounds(k.name, "train") for k in self.knobs}
-            if split == "heldout":
-                ranges.update(self.heldout_ranges)
+        for i in range(n):
             knobs = {k: rng.randint(lo, hi) for k, (lo, hi) in ranges.items()}
             while not self.consistent(knobs):
                 knobs = {k: rng.randint(lo, hi) for k, (lo, hi) in ranges.items()}
             game_seed = 2 * rng.randrange(500_000) + (split == "heldout")
-            task_id = f"{self.id_prefix}-{split[0]}{i if split == 'train' else i - n_train}"
+            task_id = f"{self.id_prefix}-{split[0]}{i}"
             out.append(
                 TaskSpec(task_id=task_id, family=self.name, params={"seed": game_seed}, knobs=knobs, split=split)
             )
