@@ -113,6 +113,14 @@ def test_a_start_the_family_cannot_honour_is_refused_naming_the_field(
         load_config(overrides={"env.family": name, "env.start_knobs": {"length": [3, 1]}})
 
 
+def test_a_start_that_holds_no_consistent_task_is_refused_naming_the_field(tmp_path: Path) -> None:
+    fam = family("tw-cooking", tmp_path)
+    fam.start_from({"recipe": (1, 1), "take": (2, 2)})  # each within its bounds, never together
+    with pytest.raises(ConfigError, match=re.escape("env.start_knobs: no tw-cooking task is consistent")) as refused:
+        fam.initial_tasks(1, 0, seed=0)
+    assert refused.value.field == "env.start_knobs"
+
+
 def test_cooking_keeps_take_within_recipe(tmp_path: Path) -> None:
     fam = family("tw-cooking", tmp_path)
     t = small("tw-cooking")

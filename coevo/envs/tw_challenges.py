@@ -36,11 +36,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from coevo.envs.base import EnvError, Family, Knob, PrecheckResult, spec_hash
 from coevo.envs.textworld_env import _COMPILE_LOCK, TextWorldEnv, _tw, default_cache_dir, walkthrough_wins
+from coevo.errors import ConfigError
 from coevo.schemas import TaskSpec
 
 if TYPE_CHECKING:
     from coevo.config import EnvConfig
 
+CONSISTENT_DRAWS = 1000
+"""knob draws a task may take to find consistent knobs (cooking: no more to find than the recipe holds)"""
 SEED_ATTEMPTS = 8
 SEED_STRIDE = 1_000_003
 """A spec's seed ``s`` makes its game from ``s``, else ``s + k × SEED_STRIDE`` for the first k that can
@@ -168,15 +171,22 @@ class ChallengeFamily(Family):
     ) -> list[TaskSpec]:
         out = []
         for i in range(n):
-            knobs = {k: rng.randint(lo, hi) for k, (lo, hi) in ranges.items()}
-            while not self.consistent(knobs):
-                knobs = {k: rng.randint(lo, hi) for k, (lo, hi) in ranges.items()}
+            knobs = self._consistent_knobs(ranges, rng)
             game_seed = 2 * rng.randrange(500_000) + (split == "heldout")
             task_id = f"{self.id_prefix}-{split[0]}{i}"
             out.append(
                 TaskSpec(task_id=task_id, family=self.name, params={"seed": game_seed}, knobs=knobs, split=split)
             )
         return out
+
+    def _consistent_knobs(self, ranges: dict[str, tuple[int, int]], rng: random.Random) -> dict[str, int]:
+        for _ in range(CONSISTENT_DRAWS):
+            knobs = {k: rng.randint(lo, hi) for k, (lo, hi) in ranges.items()}
+            if self.consistent(knobs):
+                return knobs
+        raise ConfigError(  # the family's own ranges always hold consistent tasks: env.start_knobs narrowed them
+            f"env.start_knobs: no {self.name} task is consistent within {ranges}", field="env.start_knobs"
+        )
 
     async def precheck(self, task: TaskSpec) -> PrecheckResult:
         """Compile the game and replay its walkthrough to a win within the step budget."""
