@@ -190,7 +190,7 @@ class Interrupts:
     signal or its budget) skips what is left of the closing measurements (``hurry``, awaited by
     ``_baselines``) and removes the handlers: after it, SIGINT and SIGTERM have their default action (the
     process ends at once, without a summary and without a traceback: a ``KeyboardInterrupt`` raised
-    wherever the loop happened to be printed one after the summary)."""
+    wherever the loop happened to be printed one after the summary), to the end of the process."""
 
     def __init__(self, stop: asyncio.Event) -> None:
         self.stop, self.hurry = stop, asyncio.Event()
@@ -214,7 +214,7 @@ class Interrupts:
         else:
             self.hurry.set()
             self.__exit__()
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # for good: the process is ending
             log.warning("run.hurrying", signal=sig.name, hint="the summary without its closing measurements")
 
 

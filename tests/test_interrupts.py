@@ -1,6 +1,6 @@
 """Signals at the end of ``coevo run`` (``coevo.loop.Interrupts``): the first stops the run, the second
 skips the closing measurements and the summary still prints with its resume line, a third has the
-default action. Real signals, sent to this process."""
+default action (a child process takes all three). Real signals."""
 
 from __future__ import annotations
 
@@ -9,13 +9,23 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from coevo.config import CoevoConfig, load_config
 from coevo.loop import Interrupts, _baselines
 from coevo.observe.closing import describe
 from coevo.observe.tally import RunTally
+
+
+@pytest.fixture(autouse=True)
+def _pytests_own_sigint() -> Iterator[None]:
+    """A hurried ``Interrupts`` leaves SIGINT at its default action for good; this process is pytest's."""
+    yield
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 async def _measuring_until_cancelled(started: asyncio.Event, cancelled: asyncio.Event) -> dict[str, Any]:
@@ -46,6 +56,7 @@ async def test_the_second_signal_skips_the_closing_measurements_and_the_summary_
         os.kill(os.getpid(), signal.SIGTERM)
         bars = await closing
         assert not loop.remove_signal_handler(signal.SIGINT)  # a third signal: the default action
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL  # to the end of the process
     assert cancelled.is_set()  # the measurement stopped, not left running behind the summary
     assert bars == {"skipped": "a second signal skipped them"}
     text = describe(summary, cfg, {"resume": "coevo run --resume r1"}, bars, interrupted=signals.interrupted)
