@@ -313,6 +313,9 @@ NOT_HERE: dict[str, str] = {
     "coevo bench ladder --rungs full --seeds 5 --budget minutes:6 --eval-every 100000 --episodes 16 "
     "--base smollm2-135m-instruct --lora-lanes --heldout-tasks 64 --eval-seeds 2 --set tasks.eval_every=100000 "
     "--set learner.dtype=float32 --set learner.lr=1e-3": _BENCH,
+    "coevo bench ladder --rungs full --seeds 5 --budget minutes:6 --eval-every 100000 --episodes 16 "
+    "--base smollm2-135m-instruct --lora-lanes --heldout-tasks 64 --eval-seeds 2 --heldout-measure steps "
+    "--set tasks.eval_every=100000 --set learner.lr=1e-3": _BENCH,
     "coevo bench heldout --base smollm2-135m-instruct --heldout-tasks 64 --eval-seeds 2 --used-form-only": _BENCH,
     "coevo bench heldout --family tw-coin_collector --base smollm2-135m-instruct --heldout-tasks 64 --eval-seeds 1 "
     "--used-form-only": _BENCH,
