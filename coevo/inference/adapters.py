@@ -132,7 +132,7 @@ class Beside:
             layer = modules.get(module)
             if layer is None or not isinstance(layer, torch.nn.Linear):
                 raise ValueError(
-                    f"adapter layer {module}: " + ("not a linear layer" if layer else "not in the base model")
+                    f"adapter layer {module}: " + ("not in the base model" if layer is None else "not a linear layer")
                 )
             if a.shape != (b.shape[1], layer.in_features) or b.shape[0] != layer.out_features:
                 raise ValueError(f"adapter layer {module}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit it")
