@@ -159,8 +159,8 @@ class ChallengeFamily(Family):
         ones within ``heldout_ranges``, each split from its own draw: the held-out tasks of a seed are
         the same whatever the train tasks are. Train seeds are even and held-out seeds odd, so no
         held-out game shares a train game's seed."""
-        train = self.start_ranges({k.name: self.bounds(k.name, "train") for k in self.knobs})
-        heldout = {**{k.name: self.bounds(k.name, "train") for k in self.knobs}, **self.heldout_ranges}
+        bounds = {k.name: self.bounds(k.name, "train") for k in self.knobs}
+        train, heldout = self.start_ranges(bounds), {**bounds, **self.heldout_ranges}
         return [
             *self._drawn(train, "train", n_train, random.Random(seed + SEED_STRIDE)),
             *self._drawn(heldout, "heldout", n_heldout, random.Random(seed)),
