@@ -159,6 +159,7 @@ def a_run() -> list[Event]:
             kl=0.01,
             clip_fraction=0.1,
             mismatch_kl=0.02,
+            mismatch_kl_current=0.001,
             staleness_histogram={"0": 2, "1": 1},
             tokens_per_second=100.0,
             group_ids=["g-1"],
@@ -265,6 +266,7 @@ def test_the_aggregator_turns_events_into_every_series() -> None:
     assert [p.step for p in points if p.name == "learner_loss"] == [1, 2]  # the step is the version
     assert values(points, 'learner_staleness_mean{role="policy"}') == [0.3333, 1.0]
     assert values(points, 'learner_entropy{role="policy"}') == [0.4]  # the first step did not report one
+    assert values(points, 'learner_mismatch_kl_current{role="policy"}') == [0.001]  # the second had no sample of v1
     assert values(points, 'weights_pause_ms{role="policy",server="vllm-b",transport="gloo"}') == [40.0]
     assert values(points, 'weights_apply_failures_total{role="policy",server="vllm-b"}') == [1.0]
     assert values(points, 'task_difficulty{slot="train-0"}')[-1] > values(points, 'task_difficulty{slot="train-0"}')[0]
@@ -298,6 +300,8 @@ def test_same_events_same_points_and_the_summary_matches_the_tally() -> None:
         tally.add(e)
     assert agg.summary(20.0) == tally.summary("r1", 20.0).model_dump()
     assert agg.summary(20.0)["heldout_success_end"] == 0.75
+    summary = tally.summary("r1", 20.0)
+    assert (summary.policy_mismatch_kl_max, summary.policy_mismatch_kl_current_max) == (0.02, 0.001)
     s = tally.summary("r1", 20.0)  # 6 groups with votes: a quarter is the first or the last group
     assert (s.judge_vote_positive_start, s.judge_vote_positive) == (0.6, 0.1)
     assert (s.judge_steps_silent_start, s.judge_steps_silent) == (0.0, 1.0)

@@ -151,7 +151,7 @@ def test_sampler_and_learner_agree_and_a_step_learns(tiny: Path, tmp_path: Path)
     before = {k: v.clone() for k, v in lane.model.state_dict().items()}
     m = lane.step(samples, ["g1"])
     # at version 0 the learner recomputes exactly the log-probs the engine sampled with
-    assert m.mismatch_kl < 1e-6
+    assert m.mismatch_kl < 1e-6 and m.mismatch_kl_current == pytest.approx(m.mismatch_kl, abs=1e-12)
     # and reports the entropy of the distribution they were drawn from: one prompt, two choices
     p = {s.response_token_ids[0]: math.exp(s.logprobs[0]) for s in samples}
     assert len(p) == 2 and m.entropy == pytest.approx(-sum(q * math.log(q) for q in p.values()), abs=1e-5)
@@ -162,12 +162,25 @@ def test_sampler_and_learner_agree_and_a_step_learns(tiny: Path, tmp_path: Path)
     p_before = math.exp(next(s.logprobs[0] for s in samples if s.advantage > 0))
     again = lane.step(samples, ["g2"])
     assert again.mismatch_kl > 1e-4  # the learner has moved away from the sampler
+    assert again.mismatch_kl_current is None  # and that is drift: no sample was drawn by version 1
     path, sha, size = lane.checkpoint()
     assert latest_checkpoint(tmp_path / "policy") == path and len(sha) == 64 and size > 0
     resumed = Lane("policy", tiny, tmp_path, LearnerConfig(lr=1e-2), device="cpu")
     assert resumed.version == 2 and resumed.has_consumed("g1") and resumed.has_consumed("g2")
     assert all(torch.equal(v, lane.model.state_dict()[k]) for k, v in resumed.model.state_dict().items())
     assert p_before < 1.0
+
+
+def test_a_steps_current_mismatch_counts_only_samples_of_the_lanes_version(tiny: Path, tmp_path: Path) -> None:
+    samples = choice_samples(tiny)
+    lane = Lane("policy", tiny, tmp_path, LearnerConfig(lr=1e-2), device="cpu")
+    lane.step(samples, ["g1"])  # version 1: every sample, drawn by version 0, is now one version behind
+    # half of them told as drawn by version 1: what the step calls current is what the probe measures on them
+    told = [s.model_copy(update={"model_version": 1}) for s in samples[::2]]
+    probe = lane.mismatch_kl(told)
+    m = lane.step(told + samples[1::2], ["g2"])
+    assert probe > 1e-4 and m.mismatch_kl_current == pytest.approx(probe, rel=1e-5)
+    assert m.staleness_histogram == {"0": len(told), "1": len(samples) - len(told)}
 
 
 @pytest.mark.parametrize(

@@ -298,6 +298,9 @@ class Aggregator:
                 ("learner_tokens_per_second", e.tokens_per_second),
             )
         ]
+        if e.mismatch_kl_current is not None:
+            point = self._point("learner_mismatch_kl_current", labels, t, e.mismatch_kl_current, e.ts, step=e.version)
+            out.append(point)
         if e.entropy is not None:
             out.append(self._point("learner_entropy", labels, t, e.entropy, e.ts, step=e.version))
         if e.entropy_coef is not None:

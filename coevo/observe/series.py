@@ -65,7 +65,14 @@ SPECS: dict[str, Spec] = {
     ),
     "learner_mismatch_kl": Spec(
         "KL between the learner's and the inference engine's log-probs of the sampled "
-        "tokens (trainer/inference mismatch)",
+        "tokens (trainer/inference mismatch, with the weights' drift since a stale sample was drawn)",
+        "mismatch_kl",
+        "nats",
+        labels=("role",),
+    ),
+    "learner_mismatch_kl_current": Spec(
+        "the mismatch KL on a step's samples drawn by the weights the learner held (staleness 0): the sampler's "
+        "own mismatch, without the drift of the weights since a stale sample was drawn",
         "mismatch_kl",
         "nats",
         labels=("role",),

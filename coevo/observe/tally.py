@@ -164,7 +164,13 @@ class RunSummary(BaseModel):
         description=("largest KL per token a policy step moved its weights (measured under learner.max_step_kl)")
     )
     policy_mismatch_kl_max: float | None = Field(
-        description=("largest KL per token from the sampler to the learner's weights at a policy step")
+        description="largest KL per token from the sampler to the learner's weights at a policy step (the drift "
+        "of the weights since a stale sample was drawn included)"
+    )
+    policy_mismatch_kl_current_max: float | None = Field(
+        default=None,
+        description="largest KL per token from the sampler to the learner's weights at a policy step, on samples "
+        "drawn by those same weights: the sampler's own mismatch",
     )
     policy_entropy_start: float | None = Field(
         default=None,
@@ -249,6 +255,10 @@ def _mean(xs: list[float]) -> float | None:
     return round(statistics.fmean(xs), 4) if xs else None
 
 
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
 def _quarter(xs: list[float], *, first: bool) -> list[float]:
     """The first or the last quarter of ``xs`` (at least one value)."""
     k = max(1, len(xs) // 4)
@@ -280,6 +290,7 @@ class RunTally:
     not_finite: int = 0
     step_kl_max: float | None = None
     mismatch_kl_max: float | None = None
+    mismatch_kl_current_max: float | None = None
     entropy: list[float] = field(default_factory=list)
     gap: tuple[float, str] | None = None  # the longest wait for a policy batch so far, and where
     mark: tuple[float, int | None] | None = None  # this session's last step (or start): time, version
@@ -306,6 +317,8 @@ class RunTally:
                 self.not_finite += event.not_finite
             if event.role == "policy" and event.is_step:
                 self.mismatch_kl_max = max(self.mismatch_kl_max or 0.0, event.mismatch_kl)
+                if event.mismatch_kl_current is not None:
+                    self.mismatch_kl_current_max = max(self.mismatch_kl_current_max or 0.0, event.mismatch_kl_current)
                 if event.step_kl is not None:
                     self.step_kl_max = max(self.step_kl_max or 0.0, event.step_kl)
                 if event.entropy is not None:
@@ -435,8 +448,9 @@ class RunTally:
             judge_learner_steps=self.judge_steps,
             policy_kl_rejected=self.kl_rejected,
             policy_not_finite=self.not_finite,
-            policy_step_kl_max=None if self.step_kl_max is None else round(self.step_kl_max, 4),
-            policy_mismatch_kl_max=None if self.mismatch_kl_max is None else round(self.mismatch_kl_max, 4),
+            policy_step_kl_max=_round(self.step_kl_max, 4),
+            policy_mismatch_kl_max=_round(self.mismatch_kl_max, 4),
+            policy_mismatch_kl_current_max=_round(self.mismatch_kl_current_max, 7),
             policy_entropy_start=_mean(_quarter(self.entropy, first=True)),
             policy_entropy=_mean(_quarter(self.entropy, first=False)),
             policy_entropy_min=round(min(self.entropy), 4) if self.entropy else None,

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coevo.schemas.versions import SchemaVersion
 
-SCHEMA_VERSION = SchemaVersion(2, 3)
+SCHEMA_VERSION = SchemaVersion(2, 4)
 """The event schema this code writes and reads. Bump the minor for added optional fields (or kinds),
 the major for anything else, then refresh the snapshot: ``python -m coevo.schemas.snapshot --write``.
 2.0: the first with a minor; 1 (an integer on the wire) was every release before, whose readers

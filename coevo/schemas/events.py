@@ -312,7 +312,17 @@ class LearnerStepped(Event):
     loss: float
     kl: float
     clip_fraction: float
-    mismatch_kl: float
+    mismatch_kl: float = Field(
+        description="KL per response token from the sampler's distributions to the learner's weights before this "
+        "step, on the batch's sampled tokens: the sampler's mismatch, plus the drift of the weights since a stale "
+        "sample was drawn"
+    )
+    mismatch_kl_current: float | None = Field(
+        default=None,
+        ge=0,
+        description="mismatch_kl on the batch's samples drawn by the weights the learner held (staleness 0): the "
+        "sampler's mismatch alone (precision, kernels, a server's defaults); null when the batch had none",
+    )
     staleness_histogram: dict[str, int] = Field(default_factory=dict)
     tokens_per_second: float
     group_ids: list[str] = Field(default_factory=list, description="groups this step trained")

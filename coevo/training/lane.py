@@ -111,6 +111,10 @@ class StepMetrics:
     entropy_coef: float | None = None
     """the entropy bonus's coefficient this batch was trained with (``coevo.training.entropy``); None when
     the lane has no bonus (``entropy_coef`` 0, no target)"""
+    mismatch_kl_current: float | None = None
+    """``mismatch_kl`` on the batch's samples drawn by the weights the lane holds (staleness 0): the
+    sampler's mismatch alone, without the drift of the weights since a stale sample was drawn; None when
+    the batch has no such sample"""
 
     @classmethod
     def trained(
@@ -127,6 +131,7 @@ class StepMetrics:
         step_kl: float | None,
         entropy: float | None = None,
         entropy_coef: float | None = None,
+        mismatch_kl_current: float | None = None,
     ) -> StepMetrics:
         """A batch trained in ``steps`` optimiser steps: ``sums`` of their metrics become means."""
         loss, kl, clip, mismatch, grad_norm = (
@@ -149,6 +154,7 @@ class StepMetrics:
             step_kl=step_kl,
             entropy=entropy,
             entropy_coef=entropy_coef,
+            mismatch_kl_current=mismatch_kl_current,
         )
 
     @classmethod
@@ -391,7 +397,7 @@ class Lane:
         self.model.train()
         parts = minibatches(kept, self.cfg.minibatches, self.version)
         plans = [self._rank_tensors(part) for part in parts]
-        fixed, entropy = self._fixed_logprobs(plans)
+        fixed, entropy, current = self._fixed_logprobs(plans)
         eta, coef_after = self.entropy_control.decide(self.entropy_coef, entropy)
         agg: defaultdict[str, float] = defaultdict(float)
         steps = 0
@@ -427,6 +433,7 @@ class Lane:
             step_kl=step_kl,
             entropy=entropy,
             entropy_coef=eta if self.cfg.entropy_coef > 0 or self.entropy_control.adaptive else None,
+            mismatch_kl_current=current,
         )
 
     def _advance(self, groups: list[str], entropy_coef: float) -> None:
@@ -495,13 +502,14 @@ class Lane:
 
     def _fixed_logprobs(
         self, plans: list[list[Tensors]]
-    ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], float]:
+    ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], float, float | None]:
         """Per minibatch, per micro-batch: (proximal log-probs, the KL's reference log-probs), taken
-        once per batch before its first optimiser step; and the policy's entropy on the batch: nats per
+        once per batch before its first optimiser step; the policy's entropy on the batch: nats per
         response token of the distributions its tokens were drawn from, under the weights before the
-        step (every rank's rows)."""
+        step; and the mismatch KL on its rows of the lane's version (``StepMetrics.mismatch_kl_current``).
+        Every rank's rows."""
         fixed: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        num = den = 0.0
+        num = den = kl_num = kl_den = 0.0
         with torch.no_grad(), self._autocast():
             for micro in plans:
                 fixed.append([])
@@ -511,7 +519,16 @@ class Lane:
                     num += float((ent * t.response_mask).sum())
                     den += float(t.response_mask.sum())
                     fixed[-1].append((prox, self._reference_logprobs(t)))
-        return fixed, self._mean_over_ranks(num, den)
+                    mask = t.response_mask.float() * self._current_rows(t).unsqueeze(-1)
+                    kl_num += mismatch_kl(prox, t.behav_logp, mask) * float(mask.sum())
+                    kl_den += float(mask.sum())
+        has_current = self._mean_over_ranks(kl_den, 1.0) > 0  # a row of the lane's version on any rank
+        current = self._mean_over_ranks(kl_num, kl_den) if has_current else None
+        return fixed, self._mean_over_ranks(num, den), current
+
+    def _current_rows(self, t: Tensors) -> torch.Tensor:
+        """1 for each row of ``t`` drawn by the weights of the lane's version, 0 for the others."""
+        return torch.tensor([float(v == self.version) for v in t.versions], device=t.response_mask.device)
 
     def _reference_logprobs(self, t: Tensors) -> torch.Tensor:
         """The KL's reference log-probs of ``t``: the sampler's (``behavior``), or the starting weights'

@@ -570,6 +570,7 @@ class LearnerAgent(Agent):
                 kl=metrics.kl,
                 clip_fraction=metrics.clip_fraction,
                 mismatch_kl=metrics.mismatch_kl,
+                mismatch_kl_current=metrics.mismatch_kl_current,
                 staleness_histogram=metrics.staleness_histogram,
                 tokens_per_second=metrics.tokens_per_second,
                 group_ids=[p.group_id for p in take],
