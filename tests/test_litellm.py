@@ -23,7 +23,16 @@ from coevo.errors import ExternalCallFailed, OverBudget
 from coevo.inference.litellm_client import LiteLLMClient
 from coevo.runtime.agent import run_agents
 from coevo.runtime.bus import NatsBus
-from coevo.schemas import FailureDigest, Source, StepJudged, StepTaken, TaskScheduled, TaskSpec, TrajectoryCompleted
+from coevo.schemas import (
+    FailureDigest,
+    GroupScored,
+    Source,
+    StepJudged,
+    StepTaken,
+    TaskScheduled,
+    TaskSpec,
+    TrajectoryCompleted,
+)
 from tests.conftest import PYTHON, REPO, subprocess_env
 
 MODEL = "openai/gpt-4.1-mini"  # in LiteLLM's bundled price map, so costs are real numbers
@@ -131,6 +140,39 @@ async def test_mocked_judge_votes_reach_the_scorer_with_the_right_numbers(bus: N
     assert score.judge_consistency == pytest.approx((2 * 3 + 0 * 3) / 6)  # R·S over the six +1 votes
     assert score.judge_vote_positive == 1.0 and score.judge_steps_silent == 1.0  # unanimous: nothing to learn
     assert score.accuracy == 0.5
+
+
+async def test_a_judge_does_not_judge_the_steps_of_a_group_already_scored(bus: NatsBus, cfg: CoevoConfig) -> None:
+    """A step comes after its group was scored (the scorer stopped waiting for its votes): the judge
+    acknowledges it unjudged, counts it, and judges the steps of a group still open."""
+    agent = JudgeAgent(bus, judge_cfg(cfg, mock_response=r"\boxed{1}"))
+    scored = GroupScored(
+        run_id=bus.run_id,
+        source=SRC,
+        task_id="t",
+        group_id="done",
+        accuracy=1.0,
+        n_trajectories=1,
+        policy_band_ok=False,
+        judge_band_ok=False,
+    )
+    stop = asyncio.Event()
+
+    async def scenario() -> None:
+        async with asyncio.timeout(60):
+            await bus.publish(scored)
+            while "done" not in agent._scored:  # the judge has read the score
+                await asyncio.sleep(0.05)
+            await bus.publish(step(bus.run_id, 0, group="done"))
+            await bus.publish(step(bus.run_id, 1, group="open"))
+            while not (agent.counters["steps.skipped_scored"] and await bus.events(["step.judged"])):
+                await asyncio.sleep(0.05)
+        stop.set()
+
+    await asyncio.gather(run_agents([agent], handle_signals=False, until=stop), scenario())
+    judged = [e for e in await bus.events(["step.judged"]) if isinstance(e, StepJudged)]
+    assert [j.group_id for j in judged] == ["open"] and agent.counters["steps.skipped_scored"] == 1
+    assert [v.value for v in judged[0].votes] == [1, 1, 1]
 
 
 async def test_rate_limit_then_success(bus: NatsBus, cfg: CoevoConfig) -> None:

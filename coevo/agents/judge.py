@@ -2,7 +2,10 @@
 
 Invariants: each ``StepTaken`` yields exactly one ``StepJudged`` with ``m`` votes, whose event id
 is derived from the step's id, so a step judged twice (the judge died before acking) is stored
-once. A vote is ``ok`` (+1/-1), ``unparseable`` (counted, scored -2 for the judge) or ``error``
+once; except a step of a group the judge has seen scored (``GroupScored``: the scorer stopped waiting
+for its votes, so none could count), which is acknowledged unjudged and counted
+(``steps.skipped_scored``): a judge slower than the policy spends itself on steps whose votes
+still count. A vote is ``ok`` (+1/-1), ``unparseable`` (counted, scored -2 for the judge) or ``error``
 (the model call failed: not a vote at all).
 """
 
@@ -24,6 +27,7 @@ from coevo.runtime.consumer import Delivery, Subscription
 from coevo.schemas import (
     BudgetExceeded,
     FloatArray,
+    GroupScored,
     IntArray,
     StepJudged,
     StepTaken,
@@ -33,6 +37,9 @@ from coevo.schemas import (
 )
 from coevo.schemas.events import Role
 from coevo.weights.follower import WeightsFollower, report_applied, weights_subscription
+
+SCORED_KEPT = 4096
+"""the newest scored groups a judge remembers (their late steps are not judged)"""
 
 
 def judged_id(step_event_id: str) -> str:
@@ -81,12 +88,20 @@ class JudgeAgent(Agent):
         self.form = PromptForm.of(self.client, self.cfg.judge.prompt_format)
         self._tests: dict[str, list[dict[str, Any]]] = {}
         self._test_locks: dict[str, asyncio.Lock] = {}
+        self._scored: dict[str, None] = {}  # ids of groups seen scored, oldest first, at most SCORED_KEPT
 
     def subscriptions(self) -> list[Subscription]:
         return [
             Subscription("judge", (StepTaken,), self.on_step, concurrency=self.cfg.judge.max_concurrent_steps),
+            # its own, from the newest on: a judge that starts late needs no scores from before it
+            Subscription("judge-scored", (GroupScored,), self.on_scored, concurrency=1, shared=False, deliver="last"),
             weights_subscription(self.lane, self.on_weights),
         ]
+
+    async def on_scored(self, event: GroupScored, _d: Delivery) -> None:
+        self._scored[event.group_id] = None
+        while len(self._scored) > SCORED_KEPT:
+            del self._scored[next(iter(self._scored))]
 
     async def on_weights(self, event: WeightsPublished, delivery: Delivery) -> None:
         if (applied := await self.weights.follow(event, delivery)) is not None:
@@ -149,6 +164,9 @@ class JudgeAgent(Agent):
         )
 
     async def on_step(self, step: StepTaken, _d: Delivery) -> None:
+        if step.group_id in self._scored:
+            self.counters["steps.skipped_scored"] += 1
+            return
         if self.cfg.env.family == "coding":
             await self.on_program(step)
             return

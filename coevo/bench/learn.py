@@ -592,6 +592,33 @@ def heldout_fields(ev: EvalSet, won: Matrix, won0: Matrix, greedy0: Matrix) -> R
     }
 
 
+SUMMARY_KEYS = (
+    "judge_process_accuracy_start",
+    "judge_process_accuracy",
+    "judge_outcome_accuracy",
+    "judge_process_accuracy_heldout",
+    "judge_outcome_accuracy_heldout",
+    "judge_vote_positive_start",
+    "judge_vote_positive",
+    "judge_steps_silent_start",
+    "judge_steps_silent",
+    "steps_labelled_good",
+    "rewrites_accepted",
+    "learner_steps",
+    "judge_learner_steps",
+    "policy_kl_rejected",
+    "policy_mismatch_kl_max",
+    "policy_mismatch_kl_current_max",
+    "policy_step_kl_max",
+    "policy_entropy_start",
+    "policy_entropy",
+    "policy_entropy_min",
+    "policy_step_gap_max_s",
+    "heldout_agreement_rounds",  # the run's own evaluation rounds (tasks.eval_every), not the bench's
+)
+"""What a run's result carries over from its ``summary.json`` as it is."""
+
+
 def run_result(
     cfg: CoevoConfig,
     budget: Budget,
@@ -623,33 +650,7 @@ def run_result(
         "seconds": round(elapsed, 1),
         "train_tasks": len(ev.train),
         "heldout_tasks": len(ev.heldout),
-        **{
-            k: summary[k]
-            for k in (
-                "judge_process_accuracy_start",
-                "judge_process_accuracy",
-                "judge_outcome_accuracy",
-                "judge_process_accuracy_heldout",
-                "judge_outcome_accuracy_heldout",
-                "judge_vote_positive_start",
-                "judge_vote_positive",
-                "judge_steps_silent_start",
-                "judge_steps_silent",
-                "steps_labelled_good",
-                "rewrites_accepted",
-                "learner_steps",
-                "judge_learner_steps",
-                "policy_kl_rejected",
-                "policy_mismatch_kl_max",
-                "policy_mismatch_kl_current_max",
-                "policy_step_kl_max",
-                "policy_entropy_start",
-                "policy_entropy",
-                "policy_entropy_min",
-                "policy_step_gap_max_s",
-                "heldout_agreement_rounds",  # the run's own evaluation rounds (tasks.eval_every), not the bench's
-            )
-        },
+        **{k: summary[k] for k in SUMMARY_KEYS},
         "trajectories_per_second": round(summary["events"].get("trajectory.completed", 0) / max(elapsed, 1e-9), 2),
         "curve": curve,
     }
