@@ -16,7 +16,7 @@ from coevo.cli.run import resume_command
 from coevo.config import load_config
 from coevo.loop import _HideFromConsole
 from coevo.observe.aggregate import Aggregator, ConsumerInfo
-from coevo.observe.closing import describe, health_warnings, no_learning_reason, starving_warning
+from coevo.observe.closing import describe, health_warnings, no_learning_reason, starving_warning, unvoted_warning
 from coevo.observe.series import CHARTS, SPECS, Point, Series, tb_tag
 from coevo.observe.tally import SUMMARY_FIELDS, SUMMARY_TABLE, RunTally, summary_table
 from coevo.schemas import (
@@ -407,6 +407,27 @@ def test_the_human_summary_warns_when_the_learner_starves_at_the_end() -> None:
     tally.train[-1] = 0.5  # 19 of 20 unanimous: 95 % still warns; a shorter run does not
     assert starving_warning(tally.summary("r1", 600.0).model_dump())
     assert starving_warning({**summary, "groups_scored": 40}) is None
+
+
+def test_the_summary_says_when_the_judge_lagged_the_policy() -> None:
+    """Steps scored without votes (stragglers): their share of the scored steps, and a warning past 25 %."""
+    from tests.samples import sample_events
+
+    group = next(e for e in sample_events("r1") if isinstance(e, GroupScored))
+    tally = RunTally()
+    for i in range(4):  # 4 groups of 40 steps; 15 of each scored without votes
+        steps = [f"g{i}-s{j}" for j in range(40)]
+        tally.add(group.model_copy(update={"group_id": f"g{i}", "step_event_ids": steps, "stragglers": steps[:15]}))
+    tally.counts["step.taken"] = 160
+    summary = tally.summary("r1", 600.0).model_dump()
+    assert summary["steps_without_votes"] == 0.375
+    cfg = load_config(overrides={"scorer.vote_timeout_s": 45.0})
+    text = unvoted_warning(summary, cfg) or ""
+    assert text.startswith("the judge lagged the policy: 38% of the steps") and "vote_timeout_s = 45 s" in text
+    assert "warning: the judge lagged" in describe(summary, cfg, {})
+    assert unvoted_warning({**summary, "steps_without_votes": 0.25}, cfg) is None  # at the bound: no warning
+    assert unvoted_warning({**summary, "events": {"step.taken": 99}}, cfg) is None  # too few steps to say
+    assert RunTally().summary("r1", 1.0).steps_without_votes is None  # no group scored
 
 
 def _policy_step(version: int, ts: float, entropy: float) -> LearnerStepped:

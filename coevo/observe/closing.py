@@ -140,6 +140,23 @@ def health_warnings(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+UNVOTED = 0.25
+"""the share of steps scored without the judge's votes above which the closing summary warns"""
+
+
+def unvoted_warning(summary: dict[str, Any], cfg: CoevoConfig) -> str | None:
+    """The judge lagged the policy: a share of the scored steps over ``UNVOTED`` had no votes in time (pure)."""
+    share = summary.get("steps_without_votes")
+    if share is None or share <= UNVOTED or summary["events"].get("step.taken", 0) < 100:
+        return None
+    return (
+        f"the judge lagged the policy: {share:.0%} of the steps of scored groups were scored without its votes "
+        f"(none had come scorer.vote_timeout_s = {cfg.scorer.vote_timeout_s:g} s after their trajectory ended), "
+        "so those steps carried the outcome only. Give the judge its own compute (a vLLM server, an API), or "
+        "wait longer for it (configs/smollm2.toml waits 300 s on 2 CPU cores)"
+    )
+
+
 STARVING = 0.95
 """the share of unanimous train groups at the end of a run above which the closing summary warns"""
 
@@ -218,7 +235,7 @@ def describe(
             else ""
         )
     )
-    for reason in (no_learning_reason(s, cfg), starving_warning(s), *health_warnings(s)):
+    for reason in (no_learning_reason(s, cfg), starving_warning(s), *health_warnings(s), unvoted_warning(s, cfg)):
         if reason:
             lines.append(f"  warning: {reason}")
     lines += [f"  {name + ':':<12} {where}" for name, where in links.items()]

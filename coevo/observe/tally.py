@@ -127,6 +127,11 @@ class RunSummary(BaseModel):
         "on or not, as for the judge's accuracies)",
     )
     judge_steps_silent: float | None = Field(default=None, description="the same over the last quarter")
+    steps_without_votes: float | None = Field(
+        default=None,
+        description="share of the steps of scored groups scored without the judge's votes (they came after "
+        "scorer.vote_timeout_s: a judge slower than the policy), over the run; those steps carry the outcome only",
+    )
     steps_labelled_good: float | None = Field(
         default=None,
         description="share of the steps with a reference label labelled +1, over the run (a judge voting -1 on "
@@ -281,6 +286,8 @@ class RunTally:
     positive: list[float] = field(default_factory=list)
     silent: list[float] = field(default_factory=list)
     labelled_good: list[float] = field(default_factory=list)
+    steps_scored: int = 0
+    steps_unvoted: int = 0
     purposes: Counter[str] = field(default_factory=Counter)
     policy_samples: int = 0
     groups_with_samples: int = 0
@@ -372,6 +379,8 @@ class RunTally:
     def _scored(self, event: GroupScored) -> None:
         heldout = event.purpose == "eval"
         self.purposes[event.purpose] += 1
+        self.steps_scored += len(event.step_event_ids)
+        self.steps_unvoted += len(event.stragglers)
         if event.purpose == "train":
             self.train.append(event.accuracy)
             self.policy_samples += len(event.policy_samples)
@@ -438,6 +447,7 @@ class RunTally:
             judge_steps_silent_start=_mean(_quarter(self.silent, first=True)),
             judge_steps_silent=_mean(_quarter(self.silent, first=False)),
             steps_labelled_good=_mean(self.labelled_good),
+            steps_without_votes=round(self.steps_unvoted / self.steps_scored, 4) if self.steps_scored else None,
             judge_process_accuracy_heldout=_mean(self.proc_heldout[-max(1, len(self.proc_heldout) // 2) :]),
             judge_outcome_accuracy_heldout=_mean(self.outc_heldout[-max(1, len(self.outc_heldout) // 2) :]),
             rewrites_proposed=self.counts["task.rewritten"],

@@ -260,7 +260,11 @@ class GroupScore(Frozen):
     judge_band_ok: bool
     trajectory_ids: list[str] = Field(default_factory=list)
     step_event_ids: list[str] = Field(default_factory=list)
-    stragglers: list[str] = Field(default_factory=list, description="trajectories scored without all votes")
+    stragglers: list[str] = Field(
+        default_factory=list,
+        description="steps scored without the judge's votes (none had come scorer.vote_timeout_s after their "
+        "trajectory completed): ids of step_event_ids",
+    )
     policy_samples: list[TrainingSample] = Field(default_factory=list)
     judge_samples: list[TrainingSample] = Field(default_factory=list)
     judge_process_accuracy: Probability | None = None
