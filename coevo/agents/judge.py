@@ -4,8 +4,8 @@ Invariants: each ``StepTaken`` yields exactly one ``StepJudged`` with ``m`` vote
 is derived from the step's id, so a step judged twice (the judge died before acking) is stored
 once; except a step of a group the judge has seen scored (``GroupScored``: the scorer stopped waiting
 for its votes, so none could count), which is acknowledged unjudged and counted
-(``steps.skipped_scored``): a judge slower than the policy spends itself on steps whose votes
-still count. A vote is ``ok`` (+1/-1), ``unparseable`` (counted, scored -2 for the judge) or ``error``
+(``steps.skipped_scored``), so a judge slower than the policy spends its compute on the steps whose
+votes still count. A vote is ``ok`` (+1/-1), ``unparseable`` (counted, scored -2 for the judge) or ``error``
 (the model call failed: not a vote at all).
 """
 
