@@ -433,7 +433,7 @@ class Lane:
             step_kl=step_kl,
             entropy=entropy,
             entropy_coef=eta if self.cfg.entropy_coef > 0 or self.entropy_control.adaptive else None,
-            mismatch_kl_current=current,
+            mismatch_kl_current=current if "0" in hist else None,  # every rank holds the same batch
         )
 
     def _advance(self, groups: list[str], entropy_coef: float) -> None:
@@ -502,12 +502,12 @@ class Lane:
 
     def _fixed_logprobs(
         self, plans: list[list[Tensors]]
-    ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], float, float | None]:
+    ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], float, float]:
         """Per minibatch, per micro-batch: (proximal log-probs, the KL's reference log-probs), taken
         once per batch before its first optimiser step; the policy's entropy on the batch: nats per
         response token of the distributions its tokens were drawn from, under the weights before the
-        step; and the mismatch KL on its rows of the lane's version (``StepMetrics.mismatch_kl_current``).
-        Every rank's rows."""
+        step; and the mismatch KL on its rows of the lane's version (``StepMetrics.mismatch_kl_current``;
+        0 when it has none). Every rank's rows."""
         fixed: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         num = den = kl_num = kl_den = 0.0
         with torch.no_grad(), self._autocast():
@@ -522,9 +522,7 @@ class Lane:
                     mask = t.response_mask.float() * self._current_rows(t).unsqueeze(-1)
                     kl_num += mismatch_kl(prox, t.behav_logp, mask) * float(mask.sum())
                     kl_den += float(mask.sum())
-        has_current = self._mean_over_ranks(kl_den, 1.0) > 0  # a row of the lane's version on any rank
-        current = self._mean_over_ranks(kl_num, kl_den) if has_current else None
-        return fixed, self._mean_over_ranks(num, den), current
+        return fixed, self._mean_over_ranks(num, den), self._mean_over_ranks(kl_num, kl_den)
 
     def _current_rows(self, t: Tensors) -> torch.Tensor:
         """1 for each row of ``t`` drawn by the weights of the lane's version, 0 for the others."""
