@@ -34,6 +34,7 @@ from coevo.schemas import (
     TrajectoryCompleted,
 )
 from tests.conftest import PYTHON, REPO, subprocess_env
+from tests.samples import sample_events
 
 MODEL = "openai/gpt-4.1-mini"  # in LiteLLM's bundled price map, so costs are real numbers
 SRC = Source(agent_id="test", role="test")
@@ -146,16 +147,8 @@ async def test_a_judge_does_not_judge_the_steps_of_a_group_already_scored(bus: N
     """A step comes after its group was scored (the scorer stopped waiting for its votes): the judge
     acknowledges it unjudged, counts it, and judges the steps of a group still open."""
     agent = JudgeAgent(bus, judge_cfg(cfg, mock_response=r"\boxed{1}"))
-    scored = GroupScored(
-        run_id=bus.run_id,
-        source=SRC,
-        task_id="t",
-        group_id="done",
-        accuracy=1.0,
-        n_trajectories=1,
-        policy_band_ok=False,
-        judge_band_ok=False,
-    )
+    group = next(e for e in sample_events(bus.run_id) if isinstance(e, GroupScored))
+    scored = group.model_copy(update={"group_id": "done"})
     stop = asyncio.Event()
 
     async def scenario() -> None:

@@ -592,6 +592,18 @@ def heldout_fields(ev: EvalSet, won: Matrix, won0: Matrix, greedy0: Matrix) -> R
     }
 
 
+POLICY_HEALTH = (
+    "policy_kl_rejected",
+    "policy_mismatch_kl_max",
+    "policy_mismatch_kl_current_max",
+    "policy_step_kl_max",
+    "policy_entropy_start",
+    "policy_entropy",
+    "policy_entropy_min",
+    "policy_step_gap_max_s",
+)
+"""The policy lane's health in a run's summary: carried into each run's result and summarised per configuration."""
+
 SUMMARY_KEYS = (
     "judge_process_accuracy_start",
     "judge_process_accuracy",
@@ -607,14 +619,7 @@ SUMMARY_KEYS = (
     "rewrites_accepted",
     "learner_steps",
     "judge_learner_steps",
-    "policy_kl_rejected",
-    "policy_mismatch_kl_max",
-    "policy_mismatch_kl_current_max",
-    "policy_step_kl_max",
-    "policy_entropy_start",
-    "policy_entropy",
-    "policy_entropy_min",
-    "policy_step_gap_max_s",
+    *POLICY_HEALTH,
     "heldout_agreement_rounds",  # the run's own evaluation rounds (tasks.eval_every), not the bench's
 )
 """What a run's result carries over from its ``summary.json`` as it is."""
@@ -692,14 +697,7 @@ METRICS = (
     "policy_steps",
     "seconds",
     "steps_to_0.8",
-    "policy_kl_rejected",
-    "policy_mismatch_kl_max",
-    "policy_mismatch_kl_current_max",
-    "policy_step_kl_max",
-    "policy_entropy_start",
-    "policy_entropy",
-    "policy_entropy_min",
-    "policy_step_gap_max_s",
+    *POLICY_HEALTH,
 )
 """Summarised per configuration. ``seconds_to_0.8``: over the runs that reached 0.8 train success
 (``reached_0.8`` counts them); ``seconds_to_0.8_or_budget``: every run, one that never reached it
