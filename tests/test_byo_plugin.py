@@ -168,6 +168,14 @@ def test_coevo_run_trains_on_a_plugin_family(tmp_path: Path, model_cache: Path) 
         "2",
         "--minutes",
         "5",
+        # The rewrite is asserted by construction, not by timing: no accuracy of 4 trajectories (0, 1/4 ...
+        # 1) lies in this band, so the first train group the tasks agent scores is rewritten before it
+        # schedules another; and 2 steps of 4 scored groups each need 8 groups, more than the 4 it
+        # schedules before it has scored one. (Stepping on samples, a loaded machine stepped twice first.)
+        "--set",
+        "tasks.band=[0.3, 0.45]",
+        "--set",
+        "learner.batch_groups=4",
         pythonpath=(PLUGIN_SITE,),
     )
     assert summary["learner_steps"] >= 2
