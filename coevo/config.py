@@ -145,6 +145,13 @@ class BusConfig(Section):
 
 class AgentConfig(Section):
     heartbeat_s: float = Field(default=5.0, gt=0, description="between an agent's agent.status events")
+    heap_trim_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="seconds between handing freed heap memory back to the OS (glibc's malloc_trim) in a "
+        "process that runs agents: otherwise what a learner step's activations held stays resident, and "
+        "grows with fragmentation; 0 = never",
+    )
     drain_timeout_s: float = Field(
         default=3.0,
         gt=0,

@@ -61,3 +61,50 @@ def test_every_coevo_command_sets_it_first(tmp_path) -> None:
     )
     assert out.stdout.splitlines()[-1] == "0" and list(tmp_path.iterdir())
     assert sum(line.startswith("Arena ") for line in out.stderr.splitlines()) <= 2
+
+
+_FREED_BUT_RESIDENT = """
+import asyncio, sys
+from coevo.runtime.memory import rss_bytes, trim_heap, trimmed_while
+blocks = [bytearray(b"x" * 50_000) for _ in range(8_000)]  # 400 MB from the main heap, pages touched
+pin = bytearray(b"x" * 50_000)  # above them: the heap cannot shrink from its top
+full = rss_bytes()
+del blocks  # free, coalesced, and still resident
+freed = rss_bytes()
+if sys.argv[1] == "trim":
+    print(trim_heap(), full, freed, rss_bytes(), flush=True)
+else:
+    async def main():
+        async def low():  # the agents: done once the trimmer has handed the pages back
+            while rss_bytes() > freed - 300_000_000:
+                await asyncio.sleep(0.02)
+        agents = [asyncio.ensure_future(low())]
+        await asyncio.wait_for(trimmed_while(agents, 0.05), 30)
+    asyncio.run(main())
+    print(True, full, freed, rss_bytes(), flush=True)
+"""
+
+
+def _resident(mode: str) -> tuple[bool, int, int, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", _FREED_BUT_RESIDENT, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "MALLOC_ARENA_MAX": "1"},
+        timeout=60,
+    )
+    released, full, freed, trimmed = out.stdout.splitlines()[-1].split()  # after any log line
+    return released == "True", int(full), int(freed), int(trimmed)
+
+
+def test_trim_heap_hands_freed_pages_back() -> None:
+    released, full, freed, trimmed = _resident("trim")
+    assert freed > full - 50_000_000, "glibc kept the freed 400 MB resident (else this test means nothing)"
+    assert released and trimmed < freed - 350_000_000
+
+
+def test_agents_host_trims_until_its_agents_are_done() -> None:
+    """``trimmed_while`` trims on its own schedule and returns once every task it watches is done."""
+    released, _, freed, trimmed = _resident("while")
+    assert released and trimmed < freed - 300_000_000

@@ -45,5 +45,15 @@ def test_window_medians_and_summary() -> None:
     summary = summarize_samples([(t, {"rss_coevo_mb": v, "stream_mb": 2 * v}) for t, v in samples])
     assert summary["samples"] == 60
     assert summary["window_medians"] == {"rss_coevo_mb": [[0, 0.0], [300, 1.0], [600, 2.0]]}
+    assert summary["max"] == {"rss_coevo_mb": 2.0}
     slopes = summary["robust_slope_per_hour"]
     assert slopes["rss_coevo_mb"] > 0 and abs(slopes["stream_mb"] - 2 * slopes["rss_coevo_mb"]) < 0.02
+
+
+def test_soak_passes_the_run_its_flags_after_the_separator() -> None:
+    from coevo.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "soak", "--minutes", "1", "--set", "agent.heap_trim_s=0", "--", "--family", "quickgame", "--lora"]
+    )
+    assert args.set == ["agent.heap_trim_s=0"] and args.run_args == ["--family", "quickgame", "--lora"]

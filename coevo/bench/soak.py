@@ -15,6 +15,7 @@ five-minute medians (``window_medians``) are kept beside them so the curve itsel
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -138,6 +139,7 @@ def summarize_samples(samples: list[tuple[float, dict[str, float]]]) -> dict[str
             for k in keys
             if k.startswith("rss_")
         },
+        "max": {k: round(max(s[k] for _, s in samples), 1) for k in keys if k.startswith("rss_")},
         "end": {k: round(v, 1) for k, v in samples[-1][1].items()} if samples else {},
         "series": [{"t_s": round(t, 1), **{k: round(v, 1) for k, v in s.items()}} for t, s in samples],
     }
@@ -175,10 +177,13 @@ async def bench_soak(minutes: float = 30.0, every_s: float = 10.0, extra: list[s
                 if run_dir.exists():
                     samples.append((time.monotonic() - t0, await asyncio.to_thread(sample, proc.pid, run_dir)))
         err = (Path(tmp) / "stderr.txt").read_bytes()[-2000:].decode(errors="replace")
+        summary = run_dir / "summary.json"
         result = {
             "minutes": minutes,
             "every_s": every_s,
+            "run_args": extra or [],
             "returncode": proc.returncode,
+            "learner_steps": json.loads(summary.read_text())["learner_steps"] if summary.exists() else None,
             **summarize_samples(samples),
             "final_run_dir_mb": round(dir_mb(run_dir), 1),
         }

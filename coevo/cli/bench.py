@@ -383,7 +383,7 @@ def cmd_bench_heldout(args: argparse.Namespace) -> int:
 def cmd_bench_soak(args: argparse.Namespace) -> int:
     from coevo.bench.soak import bench_soak
 
-    extra = [a for kv in args.set for a in ("--set", kv)]
+    extra = [*(a for kv in args.set for a in ("--set", kv)), *args.run_args]
     return _emit(run_stoppable(bench_soak(args.minutes, args.every, extra)), args.json)
 
 
@@ -639,6 +639,13 @@ BENCHES: tuple[Command, ...] = (
                 default=[],
                 metavar="KEY=VALUE",
                 help="config override for the run (repeatable), e.g. stream.retain_bytes=200000000",
+            ),
+            arg(
+                "run_args",
+                nargs="*",
+                metavar="RUN_FLAG",
+                help="after --, flags of the coevo run itself, e.g. -- --family tw-coin_collector --lora --base "
+                "smollm2-135m-instruct",
             ),
         ),
     ),

@@ -31,6 +31,7 @@ from coevo.runtime import outbox
 from coevo.runtime.aio import cancel_all, drain, first_completed, unless_set, wait_event
 from coevo.runtime.bus import TRANSIENT, NatsBus
 from coevo.runtime.consumer import Consumer, Subscription, backoff
+from coevo.runtime.memory import trimmed_while
 from coevo.runtime.proc import dump_tasks
 from coevo.schemas import AgentStatus, ControlReply, ControlRequest, Event, Source, kind_of, new_id
 from coevo.schemas.events import AgentState
@@ -339,7 +340,8 @@ class Agent:
 async def run_agents(
     agents: Iterable[Agent], *, handle_signals: bool = True, until: asyncio.Event | None = None
 ) -> None:
-    """Run agents side by side in one event loop; SIGINT/SIGTERM or ``until`` stops them all."""
+    """Run agents side by side in one event loop; SIGINT/SIGTERM or ``until`` stops them all. The
+    process's heap is trimmed every ``agent.heap_trim_s`` (the first agent's config) meanwhile."""
     agents = list(agents)
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task[None]] = []
@@ -368,6 +370,8 @@ async def run_agents(
     try:
         async with asyncio.TaskGroup() as tg:
             tasks += [tg.create_task(a.run(), name=a.agent_id) for a in agents]
+            if agents:
+                tg.create_task(trimmed_while(tasks, agents[0].cfg.agent.heap_trim_s), name="run_agents:heap_trim")
             if until is not None:
 
                 async def watch() -> None:

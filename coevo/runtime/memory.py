@@ -7,18 +7,33 @@ learner's and engines' worker threads, torch's threads and the checkpoint writer
 (docs/benchmarks.md, "A long run"). With two, memory one thread freed is reusable by the next
 instead of pinned in an arena of its own. ``MALLOC_ARENA_MAX`` in the environment, when set, wins.
 
+Freed memory stays resident too: glibc returns a heap's pages to the OS only from its top, so
+what a learner step's activations held (GBs on a pretrained model) stays in the process after the
+step, and fragmentation lets the span grow: a 15-minute coin-collector bench on SmolLM2 reached
+23 GB, though ``malloc_trim`` brought a run at 8.3 GB back to 3.2 (docs/benchmarks.md, "A long
+run"). ``trimmed_while`` hands the free pages back every ``agent.heap_trim_s`` in every process
+that runs agents.
+
 Invariant: ``bound_malloc_arenas`` is called before the process starts threads (the CLI's first
-step); it never raises, and it does nothing off glibc.
+step); neither it nor ``trim_heap`` raises, and both do nothing off glibc.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import sys
+import time
+from collections.abc import Collection
+from typing import Any
+
+import structlog
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 ARENAS = 2
+
+log = structlog.get_logger(__name__)
 
 
 def bound_malloc_arenas(arenas: int = ARENAS) -> bool:
@@ -30,3 +45,45 @@ def bound_malloc_arenas(arenas: int = ARENAS) -> bool:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     return bool(mallopt(M_ARENA_MAX, arenas))
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set (Linux), or None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def trim_heap() -> bool:
+    """Hand the pages of every arena's free chunks back to the OS (glibc's ``malloc_trim(0)``): the
+    chunks stay free for the next allocation, which faults in fresh pages. True when it released any."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(malloc_trim(0))
+
+
+async def trimmed_while(tasks: Collection[asyncio.Future[Any]], every_s: float) -> None:
+    """``trim_heap`` every ``every_s`` seconds (in a worker thread: it takes the arenas' locks, not the
+    event loop) until every one of ``tasks`` is done; ``every_s`` 0: never."""
+    if every_s <= 0 or not tasks:
+        return
+    while True:
+        _, pending = await asyncio.wait(tasks, timeout=every_s)
+        if not pending:
+            return
+        before, t0 = rss_bytes(), time.perf_counter()
+        released = await asyncio.to_thread(trim_heap)
+        after = rss_bytes()
+        log.debug(
+            "memory.trimmed",
+            released=released,
+            rss_mb=None if after is None else round(after / 2**20),
+            freed_mb=None if before is None or after is None else round((before - after) / 2**20),
+            seconds=round(time.perf_counter() - t0, 3),
+        )
