@@ -469,6 +469,9 @@ class ApiConfig(Section):
     mock_response: str | list[str] | None = Field(
         default=None, description="offline testing: LiteLLM mock_response per attempt (text or error name)"
     )
+    mock_delay_s: float | None = Field(
+        default=None, gt=0, description="offline testing: LiteLLM's mock_delay, seconds before each mocked answer"
+    )
 
 
 class LocalEndpoint(Section):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from coevo.runtime.aio import cancel_all, wait_event
+from coevo.runtime.aio import cancel_all, unless_set, wait_event
 
 
 async def _swallowing_task() -> tuple[asyncio.Task[None], list[int]]:
@@ -72,3 +72,16 @@ async def test_wait_event_never_drops_a_cancellation_that_arrives_as_the_event_i
     task.cancel()
     await asyncio.wait({task}, timeout=1)
     assert task.cancelled() and not turns
+
+
+async def test_unless_set_cancels_a_gather_and_says_so() -> None:
+    """A cancelled ``gather`` ends holding ``CancelledError`` as its exception, not ``cancelled()``:
+    ``unless_set`` still answers False for it, and the gathered work is cancelled."""
+    event = asyncio.Event()
+    children = [asyncio.ensure_future(asyncio.sleep(60, result=1)) for _ in range(3)]
+    ballot = asyncio.gather(*children)
+    asyncio.get_running_loop().call_soon(event.set)
+    assert await asyncio.wait_for(unless_set(event, ballot), 10) is False
+    assert all(c.cancelled() for c in children)
+    done = asyncio.gather(asyncio.sleep(0, result=2))
+    assert await unless_set(asyncio.Event(), done) is True and done.result() == [2]

@@ -154,7 +154,7 @@ async def test_a_judge_does_not_judge_the_steps_of_a_group_already_scored(bus: N
     async def scenario() -> None:
         async with asyncio.timeout(60):
             await bus.publish(scored)
-            while "done" not in agent._scored:  # the judge has read the score
+            while not agent.scored("done").is_set():  # the judge has read the score
                 await asyncio.sleep(0.05)
             await bus.publish(step(bus.run_id, 0, group="done"))
             await bus.publish(step(bus.run_id, 1, group="open"))
@@ -166,6 +166,27 @@ async def test_a_judge_does_not_judge_the_steps_of_a_group_already_scored(bus: N
     judged = [e for e in await bus.events(["step.judged"]) if isinstance(e, StepJudged)]
     assert [j.group_id for j in judged] == ["open"] and agent.counters["steps.skipped_scored"] == 1
     assert [v.value for v in judged[0].votes] == [1, 1, 1]
+
+
+async def test_a_judge_abandons_the_votes_in_flight_of_a_group_scored_meanwhile(bus: NatsBus, cfg: CoevoConfig) -> None:
+    """The scorer scores a group while the judge's votes on one of its steps are in flight (each mocked
+    answer takes 60 s): the judge cancels them at once, acknowledges the step unjudged and counts it."""
+    agent = JudgeAgent(bus, judge_cfg(cfg, mock_response=r"\boxed{1}", mock_delay_s=60.0))
+    group = next(e for e in sample_events(bus.run_id) if isinstance(e, GroupScored))
+    stop = asyncio.Event()
+
+    async def scenario() -> None:
+        async with asyncio.timeout(30):  # well inside one mocked answer
+            await bus.publish(step(bus.run_id, 0, group="slow"))
+            while "slow" not in agent._groups:  # the judge is asking for its votes
+                await asyncio.sleep(0.05)
+            await bus.publish(group.model_copy(update={"group_id": "slow"}))
+            while not agent.counters["steps.abandoned_scored"]:
+                await asyncio.sleep(0.05)
+        stop.set()
+
+    await asyncio.gather(run_agents([agent], handle_signals=False, until=stop), scenario())
+    assert await bus.events(["step.judged"]) == [] and agent.counters["steps.skipped_scored"] == 0
 
 
 async def test_rate_limit_then_success(bus: NatsBus, cfg: CoevoConfig) -> None:

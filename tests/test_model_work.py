@@ -136,6 +136,22 @@ async def test_a_groups_rollouts_at_one_observation_share_its_forward(tiny: Path
     assert done[8].prompt_token_ids != done[0].prompt_token_ids
 
 
+async def test_a_request_given_up_while_queued_costs_no_forward(tiny: Path) -> None:  # noqa: F811
+    """One request a batch: the second waits in the queue while the first runs; its waiter is
+    cancelled meanwhile (a judge whose group was scored), and the engine drops it unrun."""
+    labels = list(INDEX_LABELS[:2])
+    prompts = [policy_prompt(f"goal: take the coin. room: {room}.", ["go north", "take coin"]) for room in "abc"]
+    async with LocalEngine(tiny, name="judge", device="cpu", seed=1, max_batch=1) as engine:
+        first = asyncio.ensure_future(engine.complete(prompts[0], choices=labels))
+        given_up = asyncio.ensure_future(engine.complete(prompts[1], choices=labels))
+        await asyncio.sleep(0)  # both queued
+        given_up.cancel()
+        await first
+        await engine.complete(prompts[2], choices=labels)
+        assert engine.rows_computed == 2 and engine.requests_dropped == 1
+    assert given_up.cancelled()
+
+
 async def test_a_state_met_again_costs_no_forward_until_the_weights_change(tiny: Path) -> None:  # noqa: F811
     """A prompt asked again in a later batch (another trajectory reaching the same state) is served
     from the logits kept for the weights served now; a swap drops them: the new weights' are computed."""

@@ -3,9 +3,10 @@
 Invariants: each ``StepTaken`` yields exactly one ``StepJudged`` with ``m`` votes, whose event id
 is derived from the step's id, so a step judged twice (the judge died before acking) is stored
 once; except a step of a group the judge has seen scored (``GroupScored``: the scorer stopped waiting
-for its votes, so none could count), which is acknowledged unjudged and counted
-(``steps.skipped_scored``), so a judge slower than the policy spends its compute on the steps whose
-votes still count. A vote is ``ok`` (+1/-1), ``unparseable`` (counted, scored -2 for the judge) or ``error``
+for its votes, so none could count), which is acknowledged unjudged and counted: before its votes
+were asked (``steps.skipped_scored``), or while they were in flight, which are then cancelled (a local
+engine drops them from its queue; ``steps.abandoned_scored``). So a judge slower than the policy
+spends its compute on the steps whose votes still count. A vote is ``ok`` (+1/-1), ``unparseable`` (counted, scored -2 for the judge) or ``error``
 (the model call failed: not a vote at all).
 """
 
@@ -23,6 +24,7 @@ from coevo.inference.chat import PromptForm
 from coevo.inference.clients import make_client
 from coevo.inference.engine import CachesCalls, Completion, Metered
 from coevo.runtime.agent import Agent
+from coevo.runtime.aio import unless_set
 from coevo.runtime.consumer import Delivery, Subscription
 from coevo.schemas import (
     BudgetExceeded,
@@ -39,7 +41,7 @@ from coevo.schemas.events import Role
 from coevo.weights.follower import WeightsFollower, report_applied, weights_subscription
 
 SCORED_KEPT = 4096
-"""the newest scored groups a judge remembers (their late steps are not judged)"""
+"""the newest groups a judge remembers, scored or not (the late steps of a scored one are not judged)"""
 
 
 def judged_id(step_event_id: str) -> str:
@@ -88,7 +90,7 @@ class JudgeAgent(Agent):
         self.form = PromptForm.of(self.client, self.cfg.judge.prompt_format)
         self._tests: dict[str, list[dict[str, Any]]] = {}
         self._test_locks: dict[str, asyncio.Lock] = {}
-        self._scored: dict[str, None] = {}  # ids of groups seen scored, oldest first, at most SCORED_KEPT
+        self._groups: dict[str, asyncio.Event] = {}  # set once scored; oldest first, at most SCORED_KEPT
 
     def subscriptions(self) -> list[Subscription]:
         return [
@@ -98,10 +100,16 @@ class JudgeAgent(Agent):
             weights_subscription(self.lane, self.on_weights),
         ]
 
+    def scored(self, group_id: str) -> asyncio.Event:
+        """Set once ``group_id`` is seen scored."""
+        if (event := self._groups.get(group_id)) is None:
+            event = self._groups[group_id] = asyncio.Event()
+            while len(self._groups) > SCORED_KEPT:
+                del self._groups[next(iter(self._groups))]
+        return event
+
     async def on_scored(self, event: GroupScored, _d: Delivery) -> None:
-        self._scored[event.group_id] = None
-        while len(self._scored) > SCORED_KEPT:
-            del self._scored[next(iter(self._scored))]
+        self.scored(event.group_id).set()
 
     async def on_weights(self, event: WeightsPublished, delivery: Delivery) -> None:
         if (applied := await self.weights.follow(event, delivery)) is not None:
@@ -164,7 +172,8 @@ class JudgeAgent(Agent):
         )
 
     async def on_step(self, step: StepTaken, _d: Delivery) -> None:
-        if step.group_id in self._scored:
+        scored = self.scored(step.group_id)
+        if scored.is_set():
             self.counters["steps.skipped_scored"] += 1
             return
         if self.cfg.env.family == "coding":
@@ -172,7 +181,11 @@ class JudgeAgent(Agent):
             return
         mode = self.cfg.judge.effective_mode
         prompt, ids = step_prompt(step, mode), step_prompt_ids(self.form, step, mode)
-        votes = await asyncio.gather(*(self.vote(prompt, j, ids) for j in range(self.cfg.judge.m)))
+        ballot = asyncio.gather(*(self.vote(prompt, j, ids) for j in range(self.cfg.judge.m)))
+        if not await unless_set(scored, ballot):
+            self.counters["steps.abandoned_scored"] += 1
+            return
+        votes = ballot.result()
         versions = [v.model_version for v in votes if v.model_version is not None]
         await self.emit(
             self.event(

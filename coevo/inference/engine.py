@@ -218,6 +218,8 @@ class LocalEngine:
         self._choice_ids: dict[tuple[str, ...], list[int]] = {}
         self.rows_computed = 0
         """prompt rows the constrained batches ran through the model (requests sharing a prompt count once)"""
+        self.requests_dropped = 0
+        """requests whose waiter was cancelled before the engine reached them (never computed)"""
         self.generate_passes = 0
         """forward passes of free generation (a batch of generating requests takes one pass per token of its
         longest response, not one per token of each)"""
@@ -338,6 +340,8 @@ class LocalEngine:
             if isinstance(item, tuple):
                 await self._swap(*item)
                 continue
+            if self._dropped(item):
+                continue
             batch = [item]
             swaps: list[_Swap] = []
             while len(batch) < self.max_batch and not self._queue.empty():
@@ -345,7 +349,8 @@ class LocalEngine:
                 if isinstance(nxt, tuple):
                     swaps.append(nxt)
                     break
-                batch.append(nxt)
+                if not self._dropped(nxt):
+                    batch.append(nxt)
             try:
                 results = await asyncio.to_thread(self._run_batch, batch)
             except Exception as exc:  # every waiter learns why
@@ -358,6 +363,12 @@ class LocalEngine:
                         r.future.set_result(res)
             for s in swaps:
                 await self._swap(*s)
+
+    def _dropped(self, r: _Request) -> bool:
+        """Whether ``r``'s waiter gave up (cancelled) while it was queued: then it costs no forward pass."""
+        if r.future.done():
+            self.requests_dropped += 1
+        return r.future.done()
 
     async def _swap(self, source: Path | dict[str, Any] | _Adapter, version: int, fut: asyncio.Future[float]) -> None:
         import time

@@ -204,6 +204,8 @@ class LiteLLMClient:
             mock = self._mock()
             if mock is not None:
                 kwargs["mock_response"] = mock
+                if self.api.mock_delay_s is not None:
+                    kwargs["mock_delay"] = self.api.mock_delay_s
             t0 = time.perf_counter()
             try:
                 response = await self.router.acompletion(**kwargs)

@@ -57,7 +57,10 @@ async def unless_set(event: asyncio.Event, aw: Awaitable[Any]) -> bool:
         await cancel_all([task])
     if task.cancelled():
         return False
-    task.result()
+    try:
+        task.result()
+    except asyncio.CancelledError:  # a cancelled gather() holds it as its exception: it is not cancelled()
+        return False
     return True
 
 
