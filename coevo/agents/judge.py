@@ -6,8 +6,8 @@ once; except a step of a group the judge has seen scored (``GroupScored``: the s
 for its votes, so none could count), which is acknowledged unjudged and counted: before its votes
 were asked (``steps.skipped_scored``), or while they were in flight, which are then cancelled (a local
 engine drops them from its queue; ``steps.abandoned_scored``). So a judge slower than the policy
-spends its compute on the steps whose votes still count. A vote is ``ok`` (+1/-1), ``unparseable`` (counted, scored -2 for the judge) or ``error``
-(the model call failed: not a vote at all).
+spends its compute on the steps whose votes still count. A vote is ``ok`` (+1/-1), ``unparseable``
+(counted, scored -2 for the judge) or ``error`` (the model call failed: not a vote at all).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ instead of pinned in an arena of its own. ``MALLOC_ARENA_MAX`` in the environmen
 
 Freed memory stays resident too: glibc returns a heap's pages to the OS only from its top, so
 what a learner step's activations held (GBs on a pretrained model) stays in the process after the
-step, and fragmentation lets the span grow: a 15-minute coin-collector bench on SmolLM2 reached
-23 GB, though ``malloc_trim`` brought a run at 8.3 GB back to 3.2 (docs/benchmarks.md, "A long
-run"). ``trimmed_while`` hands the free pages back every ``agent.heap_trim_s`` in every process
-that runs agents.
+step, and fragmentation lets the span grow. ``trimmed_while`` hands the free pages back every
+``agent.heap_trim_s`` in every process that runs agents: a 12-minute SmolLM2 coin-collector run
+peaked at 8.0 GB with it and 14.9 GB without (docs/benchmarks.md, "Freed memory handed back, on a
+real model").
 
 Invariant: ``bound_malloc_arenas`` is called before the process starts threads (the CLI's first
 step); neither it nor ``trim_heap`` raises, and both do nothing off glibc.
