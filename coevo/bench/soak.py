@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coevo.runtime.memory import rss_bytes
 from coevo.runtime.proc import die_with_parent
 
 MB = 1024 * 1024
@@ -60,13 +61,8 @@ def window_medians(samples: list[tuple[float, float]], window_s: float = 300.0) 
 
 
 def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    rss = rss_bytes(pid)
+    return None if rss is None else rss / 2**20
 
 
 def children(pid: int) -> list[int]:

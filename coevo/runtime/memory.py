@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import os
 import sys
 import time
@@ -36,21 +37,29 @@ ARENAS = 2
 log = structlog.get_logger(__name__)
 
 
+@functools.cache
+def _glibc(name: str) -> Any:
+    """glibc's function ``name``, or None off Linux or off glibc (musl has no mallopt nor malloc_trim)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def bound_malloc_arenas(arenas: int = ARENAS) -> bool:
     """Cap glibc's arenas at ``arenas`` (True when the cap was set here)."""
-    if not sys.platform.startswith("linux") or "MALLOC_ARENA_MAX" in os.environ:
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    mallopt = _glibc("mallopt")
+    if mallopt is None or "MALLOC_ARENA_MAX" in os.environ:
         return False
     return bool(mallopt(M_ARENA_MAX, arenas))
 
 
-def rss_bytes() -> int | None:
-    """This process's resident set (Linux), or None."""
+def rss_bytes(pid: int | None = None) -> int | None:
+    """The resident set of process ``pid`` (this one when None; Linux), or None."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
@@ -59,13 +68,8 @@ def rss_bytes() -> int | None:
 def trim_heap() -> bool:
     """Hand the pages of every arena's free chunks back to the OS (glibc's ``malloc_trim(0)``): the
     chunks stay free for the next allocation, which faults in fresh pages. True when it released any."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(malloc_trim(0))
+    malloc_trim = _glibc("malloc_trim")
+    return malloc_trim is not None and bool(malloc_trim(0))
 
 
 async def trimmed_while(tasks: Collection[asyncio.Future[Any]], every_s: float) -> None:
