@@ -130,6 +130,13 @@ async def test_short_run_produces_every_event_kind_with_consistent_ids(bus: Nats
     assert 0.0 <= summary["judge_vote_positive"] <= 1.0 and 0.0 <= summary["judge_steps_silent"] <= 1.0
     decided = [e for e in events if isinstance(e, TaskDecided)]
     assert summary["rewrites_accepted"] == sum(d.accepted for d in decided)
+    # where the compute went: both local engines counted in their heartbeats, the learner by its steps
+    busy = summary["busy_share"]
+    assert set(busy) == {"policy engine", "judge engine", "learner"} and all(v > 0 for v in busy.values())
+    assert all(
+        0 <= summary["engine_padding_share"][r] < 1 and summary["engine_tokens_per_s"][r] > 0
+        for r in ("policy", "judge")
+    )
 
 
 def spawn(role: str, nats_url: str, run_id: str, cfg: CoevoConfig) -> subprocess.Popen[bytes]:

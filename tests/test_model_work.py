@@ -112,6 +112,12 @@ async def test_generating_requests_run_as_one_batch_and_each_row_is_what_the_lea
     assert len({len(c.prompt_token_ids) for c in done}) >= 3 and sum(lengths) > 100  # left-padded together
     assert all(n <= 6 + 4 * i for i, n in enumerate(lengths))
     assert engine.generate_passes == max(lengths) < sum(lengths)  # together, not one request after another
+    # counted: every prompt left-padded to the longest, then one position a row a pass, a finished row's padding
+    width, n = max(len(c.prompt_token_ids) for c in done), len(done)
+    rode_along = sum(n - sum(k >= p for k in lengths) for p in range(2, max(lengths) + 1))
+    assert engine.work()["tokens"] == n * width + n * (max(lengths) - 1)
+    assert engine.work()["padding"] == n * width - sum(len(c.prompt_token_ids) for c in done) + rode_along > 0
+    assert engine.busy_s > 0 and engine.work()["rows"] == 0  # no constrained batch
     samples = [
         as_sample(c, f"g{i}", "policy", grammar=grammar if i == 4 else None)
         for i, c in enumerate(done)
@@ -132,6 +138,13 @@ async def test_a_groups_rollouts_at_one_observation_share_its_forward(tiny: Path
             *(engine.complete(other, choices=labels) for _ in range(3)),
         )
         assert engine.rows_computed == 2
+    lengths = sorted({len(c.prompt_token_ids) for c in done})
+    assert len(lengths) == 2 and engine.work() == {
+        "busy_ms": round(engine.busy_s * 1e3),
+        "rows": 2,
+        "tokens": 2 * lengths[1],  # the shorter row padded to the longer
+        "padding": lengths[1] - lengths[0],
+    }
     assert {tuple(c.prompt_token_ids) for c in done[:8]} == {tuple(done[0].prompt_token_ids)}
     assert done[8].prompt_token_ids != done[0].prompt_token_ids
 

@@ -479,6 +479,34 @@ def test_the_summary_names_a_collapse_and_the_longest_wait_for_a_batch() -> None
     assert first.summary("r", 400.0).policy_step_gap_max_s == 369.0
 
 
+def _beat(agent: str, role: str, **work: int) -> AgentStatus:
+    counters = {"emitted.step.taken": 5, **{f"engine.{k}": v for k, v in work.items()}}
+    return AgentStatus(
+        run_id="r1", source=SRC, agent_id=agent, role=role, state="running", uptime_s=1.0, counters=counters
+    )
+
+
+def test_the_summary_says_where_the_compute_went() -> None:
+    """Engines' work comes from their agents' heartbeats (each a total: the last one counts), the learner's
+    from its steps' own time; shares are of the run's wall clock, per role."""
+    tally = RunTally()
+    tally.add(_beat("policy-a", "policy", busy_ms=10_000, rows=5, tokens=20_000, padding=1_000))
+    tally.add(_beat("policy-a", "policy", busy_ms=40_000, rows=50, tokens=80_000, padding=8_000))
+    tally.add(_beat("judge-a", "judge", busy_ms=20_000, rows=40, tokens=30_000, padding=0))
+    tally.add(_beat("judge-b", "judge", busy_ms=10_000, rows=10, tokens=30_000, padding=3_000))  # a second judge
+    tally.add(_beat("tasks-1", "tasks"))  # no engine: not a row
+    for v in (1, 2, 3):
+        tally.add(_policy_step(v, 10.0 * v, 0.5))  # 100 tokens at 100 a second: 1 s each
+    summary = tally.summary("r1", 100.0).model_dump()
+    assert summary["busy_share"] == {"judge engine": 0.3, "policy engine": 0.4, "learner": 0.03}
+    assert summary["engine_tokens_per_s"] == {"policy": 2000.0, "judge": 2000.0}
+    assert summary["engine_padding_share"] == {"policy": 0.1, "judge": 0.05}
+    line = "  busy: judge engine 30% (2,000 tokens/s, 5% padding), policy engine 40% (2,000 tokens/s, 10% padding), "
+    assert line + "learner 3% of the run (overlapping on shared cores)" in describe(summary, load_config(), {})
+    quiet = RunTally().summary("r2", 10.0).model_dump()  # remote servers only, no learner step
+    assert quiet["busy_share"] == {} and "busy:" not in describe(quiet, load_config(), {})
+
+
 def test_the_console_shows_what_a_person_acts_on_and_the_log_file_the_rest() -> None:
     import logging
 

@@ -22,7 +22,7 @@ from coevo.config import JudgeBase, LitellmEndpoint
 from coevo.errors import OverBudget
 from coevo.inference.chat import PromptForm
 from coevo.inference.clients import make_client
-from coevo.inference.engine import CachesCalls, Completion, Metered
+from coevo.inference.engine import CachesCalls, Completion, Metered, engine_counters
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import unless_set
 from coevo.runtime.consumer import Delivery, Subscription
@@ -91,6 +91,9 @@ class JudgeAgent(Agent):
         self._tests: dict[str, list[dict[str, Any]]] = {}
         self._test_locks: dict[str, asyncio.Lock] = {}
         self._groups: dict[str, asyncio.Event] = {}  # set once scored; oldest first, at most SCORED_KEPT
+
+    def snapshot_counters(self) -> dict[str, int]:
+        return {**super().snapshot_counters(), **engine_counters(self.client)}
 
     def subscriptions(self) -> list[Subscription]:
         return [

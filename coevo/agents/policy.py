@@ -31,7 +31,7 @@ from coevo.envs.base import Environment, Observation, StepResult
 from coevo.errors import EnvError
 from coevo.inference.chat import ChatTokens, Conversation, PromptForm
 from coevo.inference.clients import make_client
-from coevo.inference.engine import Completion
+from coevo.inference.engine import Completion, engine_counters
 from coevo.runtime import faults
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import wait_event
@@ -105,6 +105,9 @@ class PolicyAgent(Agent):
                 key=key,
                 key_file=key_file,
             )
+
+    def snapshot_counters(self) -> dict[str, int]:
+        return {**super().snapshot_counters(), **engine_counters(self.client)}
 
     def subscriptions(self) -> list[Subscription]:
         subs = [

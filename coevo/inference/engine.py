@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,18 @@ class CachesCalls(Protocol):
 
 
 @runtime_checkable
+class CountsWork(Protocol):
+    """A client whose model work runs here (a local engine), counting it: totals since it started."""
+
+    def work(self) -> dict[str, int]: ...
+
+
+def engine_counters(client: object) -> dict[str, int]:
+    """An agent's ``engine.*`` heartbeat counters: its client's ``work`` (none for a remote server)."""
+    return {f"engine.{k}": v for k, v in client.work().items()} if isinstance(client, CountsWork) else {}
+
+
+@runtime_checkable
 class Metered(Protocol):
     """A client that counts what its calls cost."""
 
@@ -223,6 +236,12 @@ class LocalEngine:
         self.generate_passes = 0
         """forward passes of free generation (a batch of generating requests takes one pass per token of its
         longest response, not one per token of each)"""
+        self.tokens_computed = 0
+        """token positions the model ran (prompts and generated tokens, each once per pass that computed it)"""
+        self.padding_computed = 0
+        """of those, padding: a batch's rows are left-padded to its longest prompt"""
+        self.busy_s = 0.0
+        """wall-clock seconds the engine spent in batches of model work (swaps not included)"""
         self.choice_cache_size = 4096
         self._choice_logits: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], Any] = OrderedDict()
         """(prompt ids, choice ids) -> their next-token logits under the weights served now (cleared by a
@@ -351,6 +370,7 @@ class LocalEngine:
                     break
                 if not self._dropped(nxt):
                     batch.append(nxt)
+            t0 = time.perf_counter()
             try:
                 results = await asyncio.to_thread(self._run_batch, batch)
             except Exception as exc:  # every waiter learns why
@@ -361,6 +381,8 @@ class LocalEngine:
                 for r, res in zip(batch, results, strict=True):
                     if not r.future.done():
                         r.future.set_result(res)
+            finally:
+                self.busy_s += time.perf_counter() - t0
             for s in swaps:
                 await self._swap(*s)
 
@@ -370,9 +392,17 @@ class LocalEngine:
             self.requests_dropped += 1
         return r.future.done()
 
-    async def _swap(self, source: Path | dict[str, Any] | _Adapter, version: int, fut: asyncio.Future[float]) -> None:
-        import time
+    def work(self) -> dict[str, int]:
+        """What the engine computed since it started (``CountsWork``): milliseconds busy, prompt rows of
+        constrained batches, token positions run and how many of them were padding."""
+        return {
+            "busy_ms": round(self.busy_s * 1e3),
+            "rows": self.rows_computed,
+            "tokens": self.tokens_computed,
+            "padding": self.padding_computed,
+        }
 
+    async def _swap(self, source: Path | dict[str, Any] | _Adapter, version: int, fut: asyncio.Future[float]) -> None:
         t0 = time.perf_counter()
         try:
             await asyncio.to_thread(self._load, source)
@@ -518,6 +548,8 @@ class LocalEngine:
         import torch
 
         width = max(map(len, prompts))
+        self.tokens_computed += width * len(prompts)
+        self.padding_computed += width * len(prompts) - sum(map(len, prompts))
         ids = torch.full((len(prompts), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -583,6 +615,9 @@ class LocalEngine:
                 use_cache=True,
                 **self._last_logits_only,
             )
+            if cache is not None:  # a pass after the prompt's: one position a row, a finished row's is padding
+                self.tokens_computed += n
+                self.padding_computed += n - sum(live)
             cache = res.cache
             self.generate_passes += 1
             logits = res.logits[:, -1].float().cpu()

@@ -182,6 +182,21 @@ def starving_warning(summary: dict[str, Any]) -> str | None:
     return text + "."
 
 
+def compute_line(summary: dict[str, Any]) -> str | None:
+    """``  busy: policy engine 41 % of the run (1,230 tokens/s, 12 % padding), ..., learner 30 %`` (None when
+    nothing was counted: remote servers only, no learner step)."""
+    busy = summary.get("busy_share") or {}
+    if not busy:
+        return None
+    parts = []
+    for name, share in busy.items():
+        role = name.removesuffix(" engine")
+        rate, pad = summary.get("engine_tokens_per_s", {}).get(role), summary.get("engine_padding_share", {}).get(role)
+        extra = f" ({rate:,.0f} tokens/s, {pad:.0%} padding)" if rate is not None and pad is not None else ""
+        parts.append(f"{name} {share:.0%}{extra}")
+    return "  busy: " + ", ".join(parts) + " of the run (overlapping on shared cores)"
+
+
 def describe(
     summary: dict[str, Any],
     cfg: CoevoConfig,
@@ -235,6 +250,8 @@ def describe(
             else ""
         )
     )
+    if busy := compute_line(s):
+        lines.append(busy)
     for reason in (no_learning_reason(s, cfg), starving_warning(s), *health_warnings(s), unvoted_warning(s, cfg)):
         if reason:
             lines.append(f"  warning: {reason}")

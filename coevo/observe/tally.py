@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from coevo.schemas import (
+    AgentStatus,
     Event,
     GroupScored,
     LearnerStepped,
@@ -227,6 +228,21 @@ class RunSummary(BaseModel):
             "(held-out); their sum is events['group.scored']"
         )
     )
+    busy_share: dict[str, float] = Field(
+        default_factory=dict,
+        description="share of the run's wall clock each worker spent computing: 'policy engine' and 'judge engine' "
+        "(batches of forward passes of a local engine, from their agents' heartbeats) and 'learner' (its steps, "
+        "both lanes). On shared cores they overlap: two at 0.5 each may have run at once half the time",
+    )
+    engine_tokens_per_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="per local engine (policy, judge): token positions run per second busy, padding included",
+    )
+    engine_padding_share: dict[str, float] = Field(
+        default_factory=dict,
+        description="per local engine: the share of its token positions that were padding (a batch's rows are "
+        "left-padded to its longest prompt; a finished row rides along a batch that still generates)",
+    )
 
 
 SUMMARY_FIELDS: dict[str, str] = {name: f.description or "" for name, f in RunSummary.model_fields.items()}
@@ -254,6 +270,11 @@ def eval_round(group_id: str) -> str:
 def round_index(name: str) -> int:
     """The number of an evaluation round (``eval3`` -> 3)."""
     return int(name[4:] or 0)
+
+
+def _busy_s(event: LearnerStepped) -> float:
+    """The seconds a learner step itself took (its tokens at its rate)."""
+    return event.tokens / event.tokens_per_second if event.tokens_per_second > 0 else 0.0
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -307,6 +328,9 @@ class RunTally:
     capped: int = 0
     judge: Counter[str] = field(default_factory=Counter)
     judge_cost: float = 0.0
+    learner_busy_s: float = 0.0
+    engines: dict[str, tuple[str, dict[str, int]]] = field(default_factory=dict)
+    """agent id -> its role and its last heartbeat's ``engine.*`` counters (totals since it started)"""
 
     def add(self, event: Event | None) -> None:
         if event is None:
@@ -316,7 +340,12 @@ class RunTally:
         self._wait(event)
         if isinstance(event, GroupScored):
             self._scored(event)
+        elif isinstance(event, AgentStatus):
+            work = {k.removeprefix("engine."): v for k, v in event.counters.items() if k.startswith("engine.")}
+            if work:
+                self.engines[event.agent_id] = (event.role, work)
         elif isinstance(event, LearnerStepped):
+            self.learner_busy_s += _busy_s(event)
             self.learner_steps += event.role == "policy" and event.is_step
             self.judge_steps += event.role == "judge" and event.is_step
             if event.role == "policy":
@@ -354,8 +383,7 @@ class RunTally:
         if self.mark is None:  # a session's first event
             self.mark = (ts, None)
         if isinstance(event, LearnerStepped) and event.role == "policy" and event.is_step:
-            busy = event.tokens / event.tokens_per_second if event.tokens_per_second > 0 else 0.0
-            self._waited(ts - self.mark[0] - busy, self.mark[1])
+            self._waited(ts - self.mark[0] - _busy_s(event), self.mark[1])
             self.mark = (ts, event.version)
         elif isinstance(event, RunFinished):
             self._waited(ts - self.mark[0], self.mark[1], last=True)
@@ -402,6 +430,22 @@ class RunTally:
         ):
             if x is not None:
                 values.append(x)
+
+    def _compute(self, seconds: float) -> dict[str, Any]:
+        """``busy_share``, ``engine_tokens_per_s`` and ``engine_padding_share`` (engines summed per role)."""
+        work: dict[str, Counter[str]] = {}
+        for role, counters in self.engines.values():
+            work.setdefault(role, Counter()).update(counters)
+        busy = {f"{role} engine": w["busy_ms"] / 1e3 / seconds for role, w in sorted(work.items())}
+        if self.learner_busy_s:
+            busy["learner"] = self.learner_busy_s / seconds
+        return {
+            "busy_share": {k: round(v, 4) for k, v in busy.items()},
+            "engine_tokens_per_s": {
+                r: round(w["tokens"] * 1e3 / w["busy_ms"], 1) for r, w in work.items() if w["busy_ms"]
+            },
+            "engine_padding_share": {r: round(w["padding"] / w["tokens"], 4) for r, w in work.items() if w["tokens"]},
+        }
 
     def _agreement_rounds(self) -> dict[str, Any]:
         """The ``heldout_agreement_*`` fields: the mean of each evaluation round whose every scheduled group
@@ -477,4 +521,5 @@ class RunTally:
             seconds=round(seconds, 1),
             groups_scored=len(self.train),
             groups_scored_by_purpose=dict(sorted(self.purposes.items())),
+            **self._compute(seconds),
         )
