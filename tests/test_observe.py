@@ -479,6 +479,55 @@ def test_the_summary_names_a_collapse_and_the_longest_wait_for_a_batch() -> None
     assert first.summary("r", 400.0).policy_step_gap_max_s == 369.0
 
 
+def test_the_summary_says_where_the_rewriters_candidates_landed() -> None:
+    """Every verdict of the real gate (``accept_rewrite``, band 0.2..0.8) read back from the event alone."""
+    from coevo.algorithm.scoring import accept_rewrite
+
+    cases = [  # direction, parent accuracy, candidate accuracy (None: refused before any rollout), where it landed
+        ("harder", 0.9, 0.5, "accepted"),
+        ("harder", 0.9, 0.1, "too_hard"),
+        ("harder", 0.875, 0.0, "unsolved"),
+        ("harder", 0.8, 0.9, "not_harder"),
+        ("harder", 0.8, 0.8, "not_harder"),
+        ("easier", 0.1, 0.5, "accepted"),
+        ("easier", 0.0, 0.125, "accepted"),  # easier need not reach the band: only rise and stay under its top
+        ("easier", 0.1, 0.9, "too_easy"),
+        ("easier", 0.125, 0.125, "not_easier"),
+        ("easier", 0.125, None, "unmeasured"),
+    ]
+    tally = RunTally()
+    for direction, parent, candidate, _ in cases:
+        accepted, reason = (
+            (False, "precheck failed") if candidate is None else accept_rewrite(direction, parent, candidate)
+        )
+        tally.add(
+            TaskDecided(
+                run_id="r1",
+                source=SRC,
+                slot_id="s",
+                parent_id="p",
+                candidate_id="c",
+                direction=direction,
+                accepted=accepted,
+                reason=reason,
+                parent_accuracy=parent,
+                candidate_accuracy=candidate,
+                rewriter="builtin",
+            )
+        )
+    summary = tally.summary("r1", 60.0).model_dump()
+    assert summary["rewrites_decided"] == {
+        "harder": {"accepted": 1, "not_harder": 2, "too_hard": 1, "unsolved": 1},
+        "easier": {"accepted": 2, "not_easier": 1, "too_easy": 1, "unmeasured": 1},
+    }
+    assert summary["rewrites_accepted"] == 3
+    assert (
+        "(harder: 2 not harder, 1 accepted, 1 too hard, 1 unsolved; easier: 2 accepted, 1 not easier, 1 too easy, "
+        "1 unmeasured)" in describe(summary, load_config(), {})
+    )
+    assert RunTally().summary("r2", 1.0).rewrites_decided == {}
+
+
 def _beat(agent: str, role: str, **work: int) -> AgentStatus:
     counters = {"emitted.step.taken": 5, **{f"engine.{k}": v for k, v in work.items()}}
     return AgentStatus(

@@ -182,6 +182,17 @@ def starving_warning(summary: dict[str, Any]) -> str | None:
     return text + "."
 
 
+def _landed(decided: dict[str, dict[str, int]]) -> str:
+    """`` (harder: 2 accepted, 3 unsolved; easier: 4 accepted, 1 not easier)``: the gate's verdicts by
+    direction, most common first (empty when nothing was decided)."""
+    parts = [
+        f"{d}: " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in sorted(c.items(), key=lambda kv: -kv[1]))
+        for d, c in decided.items()
+        if c
+    ]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def compute_line(summary: dict[str, Any]) -> str | None:
     """``  busy: policy engine 41 % of the run (1,230 tokens/s, 12 % padding), ..., learner 30 %`` (None when
     nothing was counted: remote servers only, no learner step)."""
@@ -244,6 +255,7 @@ def describe(
     ]
     lines.append(
         f"  rewrites: {s['rewrites_accepted']} accepted of {s['rewrites_proposed']} proposed"
+        + _landed(s.get("rewrites_decided") or {})
         + (
             f"; judge errors: {s['judge_errors']}, cost ${s['judge_cost_usd']:.4f}"
             if s["judge_errors"] or s["judge_cost_usd"]

@@ -156,6 +156,13 @@ class RunSummary(BaseModel):
         description="of the rewrites proposed, those an earlier overshoot capped below the knob steps their slot's "
         "saturation asked for (saturation.capped; counted from events of schema 2.1 on)",
     )
+    rewrites_decided: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description="the gate's verdicts by direction and where each measured candidate landed: harder ones "
+        "accepted, too_hard (solved, below the band), unsolved (accuracy 0) or not_harder (at or above their "
+        "parent's accuracy); easier ones accepted, too_easy (above the band) or not_easier; unmeasured: refused "
+        "before any rollout",
+    )
     learner_steps: int = Field(description="optimiser steps of the policy lane (= the last policy weights version)")
     judge_learner_steps: int = Field(description="optimiser steps of the judge lane")
     policy_kl_rejected: int = Field(
@@ -272,6 +279,20 @@ def round_index(name: str) -> int:
     return int(name[4:] or 0)
 
 
+def landed(event: TaskDecided) -> str:
+    """Where the gate's verdict put a candidate (``accept_rewrite``'s cases, read from the verdict and the
+    two accuracies alone: a refused candidate between its parent and 0 was below the band, one above its
+    parent's accuracy going easier was above it)."""
+    c, p = event.candidate_accuracy, event.parent_accuracy
+    if event.accepted:
+        return "accepted"
+    if c is None:
+        return "unmeasured"
+    if event.direction == "harder":
+        return "unsolved" if c == 0 else "too_hard" if c < p else "not_harder"
+    return "too_easy" if c > p else "not_easier"
+
+
 def _busy_s(event: LearnerStepped) -> float:
     """The seconds a learner step itself took (its tokens at its rate)."""
     return event.tokens / event.tokens_per_second if event.tokens_per_second > 0 else 0.0
@@ -329,6 +350,7 @@ class RunTally:
     judge: Counter[str] = field(default_factory=Counter)
     judge_cost: float = 0.0
     learner_busy_s: float = 0.0
+    decided: dict[str, Counter[str]] = field(default_factory=lambda: {"harder": Counter(), "easier": Counter()})
     engines: dict[str, tuple[str, dict[str, int]]] = field(default_factory=dict)
     """agent id -> its role and its last heartbeat's ``engine.*`` counters (totals since it started)"""
 
@@ -361,6 +383,7 @@ class RunTally:
                     self.entropy.append(event.entropy)
         elif isinstance(event, TaskDecided):
             self.accepted += event.accepted
+            self.decided[event.direction][landed(event)] += 1
         elif isinstance(event, TaskRewritten):
             self.wide += event.moves > 1
             self.capped += event.moves_wanted is not None and event.moves < event.moves_wanted
@@ -498,6 +521,7 @@ class RunTally:
             rewrites_accepted=self.accepted,
             rewrites_proposed_wide=self.wide,
             rewrites_proposed_capped=self.capped,
+            rewrites_decided={d: dict(sorted(c.items())) for d, c in self.decided.items() if c},
             learner_steps=self.learner_steps,
             judge_learner_steps=self.judge_steps,
             policy_kl_rejected=self.kl_rejected,
