@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections import OrderedDict
 from typing import Any, Literal
 
 from coevo.algorithm.prompts import VERDICT_LABELS, Messages, judge_messages, judge_prompt, parse_vote
+from coevo.algorithm.recent import put_newest
 from coevo.config import JudgeBase, LitellmEndpoint
 from coevo.errors import OverBudget
 from coevo.inference.chat import PromptForm
@@ -42,6 +44,8 @@ from coevo.weights.follower import WeightsFollower, report_applied, weights_subs
 
 SCORED_KEPT = 4096
 """the newest groups a judge remembers, scored or not (the late steps of a scored one are not judged)"""
+TESTS_KEPT = 256
+"""the newest groups whose unit tests a coding judge keeps (a group's steps arrive close together)"""
 
 
 def judged_id(step_event_id: str) -> str:
@@ -88,9 +92,9 @@ class JudgeAgent(Agent):
             self.cfg, self.bus, self.lane, self.client, server=self.agent_id, counters=self.counters
         )
         self.form = PromptForm.of(self.client, self.cfg.judge.prompt_format)
-        self._tests: dict[str, list[dict[str, Any]]] = {}
+        self._tests: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()  # the newest TESTS_KEPT groups'
         self._test_locks: dict[str, asyncio.Lock] = {}
-        self._groups: dict[str, asyncio.Event] = {}  # set once scored; oldest first, at most SCORED_KEPT
+        self._groups: OrderedDict[str, asyncio.Event] = OrderedDict()  # set once scored; the newest SCORED_KEPT
 
     def snapshot_counters(self) -> dict[str, int]:
         return {**super().snapshot_counters(), **engine_counters(self.client)}
@@ -106,9 +110,8 @@ class JudgeAgent(Agent):
     def scored(self, group_id: str) -> asyncio.Event:
         """Set once ``group_id`` is seen scored."""
         if (event := self._groups.get(group_id)) is None:
-            event = self._groups[group_id] = asyncio.Event()
-            while len(self._groups) > SCORED_KEPT:
-                del self._groups[next(iter(self._groups))]
+            event = asyncio.Event()
+            put_newest(self._groups, group_id, event, SCORED_KEPT)
         return event
 
     async def on_scored(self, event: GroupScored, _d: Delivery) -> None:
@@ -247,10 +250,7 @@ class JudgeAgent(Agent):
                 if not await kv.create(step.group_id, json.dumps(tests).encode()):
                     theirs = await kv.get(step.group_id)  # another judge wrote them first: use theirs
                     tests = json.loads(theirs) if theirs is not None else tests
-            self._tests[step.group_id] = tests
-            while len(self._tests) > 256:
-                oldest = next(iter(self._tests))
-                self._tests.pop(oldest)
+            for oldest, _ in put_newest(self._tests, step.group_id, tests, TESTS_KEPT):
                 self._test_locks.pop(oldest, None)
             return tests
 

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from coevo.algorithm.recent import put_newest
+
 
 @dataclass
 class Backlog:
@@ -41,9 +43,7 @@ class Backlog:
     def trained(self, group_ids: Iterable[str]) -> None:
         for g in group_ids:
             self.groups.pop(g, None)
-            self.trained_ids[g] = None
-        while len(self.trained_ids) > self.remember:
-            self.trained_ids.popitem(last=False)
+            put_newest(self.trained_ids, g, None, self.remember)
 
     def oldest(self, now: float) -> int | None:
         """The oldest scheduling version still waiting for the learner (None: none waits)."""

@@ -11,6 +11,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from coevo.algorithm.recent import put_newest
 from coevo.schemas import (
     AgentStatus,
     DeadLettered,
@@ -25,13 +26,6 @@ from coevo.schemas import (
 
 if TYPE_CHECKING:
     from coevo.envs.base import Family
-
-
-def _bounded_put(d: OrderedDict[str, Any], key: str, value: Any, limit: int) -> None:
-    d[key] = value
-    d.move_to_end(key)
-    while len(d) > limit:
-        d.popitem(last=False)
 
 
 @dataclass
@@ -80,7 +74,7 @@ class PoolView:
     def rewritten(self, e: TaskRewritten, t: float) -> None:
         cand = e.candidate
         key = cand.task_id if cand else f"{e.parent.task_id}:{e.event_id}"
-        _bounded_put(
+        put_newest(
             self.rewrites,
             key,
             {
@@ -117,7 +111,7 @@ class PoolView:
                 "rewriter": e.rewriter,
                 "precheck_ok": True,
             }
-            _bounded_put(self.rewrites, e.candidate_id, rec, self.limit)
+            put_newest(self.rewrites, e.candidate_id, rec, self.limit)
         rec.update(
             accepted=e.accepted,
             reason=e.reason,
@@ -192,7 +186,7 @@ class TrajectoriesView:
 
     def completed(self, e: TrajectoryCompleted, t: float) -> None:
         g = self.groups.get(e.group_id)
-        _bounded_put(
+        put_newest(
             self.trajectories,
             e.trajectory_id,
             {
@@ -211,7 +205,7 @@ class TrajectoriesView:
         )
 
     def scheduled(self, e: TaskScheduled) -> None:
-        _bounded_put(self.groups, e.group_id, {"purpose": e.purpose, "trajectories": []}, 2 * self.limit)
+        put_newest(self.groups, e.group_id, {"purpose": e.purpose, "trajectories": []}, 2 * self.limit)
 
     def scored(self, e: GroupScored) -> None:
         g = self.groups.get(e.group_id)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from coevo.algorithm.recent import put_newest
 from coevo.inference.chat import Turn
 from coevo.schemas import TaskScheduled, TaskSpec, new_id
 
@@ -211,9 +212,7 @@ class Book:
         ep.ended = True
         self.episodes.pop(ep.episode_id, None)
         self.keys.pop(ep.key, None)
-        self.ended[ep.episode_id] = outcome
-        while len(self.ended) > self.remember:
-            self.ended.popitem(last=False)
+        put_newest(self.ended, ep.episode_id, outcome, self.remember)
         if ep.on_end is not None:
             ep.on_end()
 

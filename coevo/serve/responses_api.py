@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coevo.algorithm.recent import put_newest
 from coevo.errors import ApiError
 from coevo.inference.chat import message_text
 from coevo.schemas import new_id
@@ -305,9 +306,7 @@ class History:
         self.kept: OrderedDict[str, Kept] = OrderedDict()
 
     def keep(self, response_id: str, messages: list[dict[str, Any]], episode_id: str | None) -> None:
-        self.kept[response_id] = Kept(messages, episode_id)
-        while len(self.kept) > self.size:
-            self.kept.popitem(last=False)
+        put_newest(self.kept, response_id, Kept(messages, episode_id), self.size)
 
     def before(self, response_id: str | None, episode_id: str | None) -> list[dict[str, Any]]:
         """The conversation ``response_id`` ended with (empty for None)."""

@@ -55,6 +55,7 @@ from typing import Any, Literal, cast
 
 import torch
 
+from coevo.algorithm.recent import put_newest
 from coevo.config import GrammarConfig, LearnerConfig, SamplingConfig
 from coevo.errors import ConfigError, NonFiniteStep
 from coevo.inference import adapters
@@ -364,9 +365,7 @@ class Lane:
         if hit is None:
             assert s.grammar is not None
             hit = self.grammars.replay(s.grammar, list(s.response_token_ids))
-            self._replayed[s.sample_id] = hit
-            if len(self._replayed) > REPLAYED_KEPT:
-                self._replayed.popitem(last=False)
+            put_newest(self._replayed, s.sample_id, hit, REPLAYED_KEPT)
         return hit
 
     def step(self, samples: list[TrainingSample], groups: list[str]) -> StepMetrics:

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coevo.algorithm.recent import put_newest
 from coevo.config import CoevoConfig, PushSync, checkpoint_root
 from coevo.errors import NonFiniteStep, Reject, Retry
 from coevo.inference.clients import model_dir
@@ -191,10 +192,7 @@ class Verdicts:
     def add(self, event: TaskDecided) -> None:
         if event.group_id is None:
             return  # refused before any rollout (pre-check, invalid proposal): no group's verdict
-        self.by_group[event.group_id] = event.accepted
-        self.by_group.move_to_end(event.group_id)
-        while len(self.by_group) > self.limit:
-            self.by_group.popitem(last=False)
+        put_newest(self.by_group, event.group_id, event.accepted, self.limit)
         self.changed.set()
 
     def of(self, event: GroupScored) -> bool | None:
