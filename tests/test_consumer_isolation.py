@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
@@ -26,6 +26,7 @@ from coevo.runtime.consumer import Consumer, Subscription
 from coevo.runtime.credentials import EMITS, consumer_names, inbox_prefix, read_credential, slot_name
 from coevo.runtime.pull import Puller
 from coevo.schemas import Source, TaskDecided, TaskScheduled, TaskSpec, subject_for
+from tests.waiting import until
 
 ROLES = tuple(EMITS)
 
@@ -49,12 +50,6 @@ async def _connect(bus: NatsBus, tmp_path: Path, role: str, errors: list[Excepti
     return await nats.connect(
         _url(bus), user=c.user, password=c.password, inbox_prefix=inbox_prefix(c.user), error_cb=on_error
     )
-
-
-async def _until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not await predicate():
-            await asyncio.sleep(0.05)
 
 
 def _touches(stream: str, name: str, filter_subject: str) -> list[str]:
@@ -225,7 +220,7 @@ async def test_an_unshared_consumer_taken_by_another_owner_comes_back_under_anot
             rewriter="builtin",
         )
 
-    async def until(n: int) -> None:
+    async def seen_at_least(n: int) -> None:
         async with asyncio.timeout(20):
             while len(seen) < n:
                 changed.clear()
@@ -239,7 +234,7 @@ async def test_an_unshared_consumer_taken_by_another_owner_comes_back_under_anot
         async with asyncio.TaskGroup() as tg:
             tg.create_task(own.run(stop))
             await admin.publish_sync(decided(0))
-            await until(1)
+            await seen_at_least(1)
             first = own.revival.name
 
             async def pulls_waiting() -> bool:
@@ -249,10 +244,10 @@ async def test_an_unshared_consumer_taken_by_another_owner_comes_back_under_anot
                 return not await pulls_waiting()
 
             if pulling:
-                await _until(pulls_waiting)
+                await until(pulls_waiting)
             own.resumed.clear()  # away (as across a partition)
             if not pulling:
-                await _until(idle)
+                await until(idle)
             await admin.js.delete_consumer(admin.stream, first)
             # another owner takes the name at once (the admin, as another instance of the role would)
             await admin.js.add_consumer(
@@ -263,12 +258,12 @@ async def test_an_unshared_consumer_taken_by_another_owner_comes_back_under_anot
             )
             own.resumed.set()
             await admin.publish_sync(decided(1))
-            await until(2)
+            await seen_at_least(2)
 
             async def moved() -> bool:
                 return own.revival.recreated == 1
 
-            await _until(moved)
+            await until(moved)
             stop.set()
         assert seen == ["s0", "s1"]
         assert own.revival.name != first and own.revival.name.startswith("learner_")
@@ -317,7 +312,7 @@ async def test_a_durable_repointed_under_its_consumer_is_restored(admin: NatsBus
         async def restored() -> bool:
             return c.revival.recreated == 1 and seen == ["g0", "g1"]
 
-        await _until(restored)
+        await until(restored)
         stop.set()
     assert seen == ["g0", "g1"] and c.stats.recreated == 1
     restored_config = (await admin.js.consumer_info(admin.stream, "rp")).config

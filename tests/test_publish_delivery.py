@@ -21,12 +21,7 @@ from coevo.training.learner import LearnerAgent
 from coevo.weights.follower import WeightsFollower
 from coevo.weights.transports import DiskReload
 from tests.test_delivery import _learner_cfg, _samples, _scored
-
-
-async def _until(predicate, timeout: float = 90.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not await predicate():
-            await asyncio.sleep(0.2)
+from tests.waiting import until
 
 
 async def _steps(bus: NatsBus) -> list[LearnerStepped]:
@@ -44,7 +39,7 @@ async def test_groups_stay_unacknowledged_until_a_checkpoint_including_them_is_d
 
     async def scenario() -> None:
         try:
-            await _until(lambda: _covered(bus, {"g1", "g2"}))
+            await until(lambda: _covered(bus, {"g1", "g2"}), timeout_s=90.0)
             await asyncio.sleep(3.0)  # longer than bus.ack_wait_s: held with in_progress, not redelivered
             held = await bus.js.consumer_info(bus.stream, "learner")
             assert held.num_ack_pending == 2 and held.num_redelivered == 0
@@ -83,7 +78,7 @@ async def test_groups_held_up_to_half_of_max_ack_pending_force_a_checkpoint(
                     return False
                 return (await bus.js.consumer_info(bus.stream, "learner")).ack_floor.stream_seq >= 2
 
-            await _until(acked)
+            await until(acked, timeout_s=90.0)
         finally:
             stop.set()
 

@@ -7,7 +7,6 @@ every event acked before was handled again (versions 1-5 twice, on a real server
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from coevo.config import CoevoConfig
@@ -15,6 +14,7 @@ from coevo.runtime.bus import NatsBus
 from coevo.runtime.consumer import Consumer, Subscription
 from coevo.runtime.revival import Ledger
 from coevo.schemas import Source, TaskScheduled, TaskSpec
+from tests.waiting import until
 
 SRC = Source(agent_id="test", role="test")
 
@@ -45,12 +45,6 @@ def test_a_ledger_that_fetched_nothing_resumes_at_the_floor_it_read() -> None:
     assert ledger.resume_from() == 14
 
 
-async def _until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not await predicate():
-            await asyncio.sleep(0.05)
-
-
 async def test_a_durable_deleted_before_the_first_fetch_is_not_replayed(
     bus: NatsBus, run_id: str, cfg: CoevoConfig
 ) -> None:
@@ -72,7 +66,7 @@ async def test_a_durable_deleted_before_the_first_fetch_is_not_replayed(
         async def acked_all() -> bool:
             return len(first) == 5 and (await bus.js.consumer_info(bus.stream, "floor")).ack_floor.stream_seq == 5
 
-        await _until(acked_all)
+        await until(acked_all)
         stop.set()
     assert first == ["v1", "v2", "v3", "v4", "v5"]
 
@@ -92,14 +86,14 @@ async def test_a_durable_deleted_before_the_first_fetch_is_not_replayed(
         async def waiting() -> bool:  # its pull is in: the floor was read before it
             return (await bus.js.consumer_info(bus.stream, "floor")).num_waiting > 0
 
-        await _until(waiting)
+        await until(waiting)
         assert b.revival.ledger.ack_floor == 5 and b.revival.ledger.last == 0
         await bus.js.delete_consumer(bus.stream, "floor")
 
         async def recreated() -> bool:
             return b.revival.recreated == 1
 
-        await _until(recreated)
+        await until(recreated)
         await bus.publish_sync(sched(run_id, 6))
         await asyncio.wait_for(got.wait(), 20)
         stop.set()

@@ -39,6 +39,7 @@ from coevo.schemas import (
     encode,
     subject_for,
 )
+from tests.waiting import until
 
 # ---- the subjects, as pure decisions ---------------------------------------------------------------
 
@@ -144,12 +145,6 @@ async def _role_bus(admin: NatsBus, tmp_path: Path, role: str, cfg: CoevoConfig)
     )
 
 
-async def _until(predicate: Any, timeout_s: float = 60.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not await predicate():
-            await asyncio.sleep(0.1)
-
-
 async def _settled(bus: NatsBus, consumer: str) -> bool:
     """Everything stored so far was handed to ``consumer`` and has an outcome."""
     try:
@@ -207,7 +202,7 @@ async def test_a_policy_cannot_schedule_a_candidate_group(admin: NatsBus, tmp_pa
     stop = asyncio.Event()
     run_task = asyncio.create_task(scorer.run())
     try:
-        await _until(lambda: _settled(admin, "scorer"))
+        await until(lambda: _settled(admin, "scorer"), timeout_s=60.0)
     finally:
         stop.set()
         scorer.stop()
@@ -289,7 +284,9 @@ async def test_each_last_only_subscription_gets_its_own_lanes_latest(
         stop = asyncio.Event()
         task = asyncio.create_task(consumer.run(stop))
         try:
-            await _until(lambda durable=durable, source=source: _settled(admin, f"{durable}-{source.agent_id}"))
+            await until(
+                lambda durable=durable, source=source: _settled(admin, f"{durable}-{source.agent_id}"), timeout_s=60.0
+            )
         finally:
             stop.set()
             await task
@@ -343,7 +340,7 @@ async def test_a_restarted_policy_follower_applies_its_lanes_weights_announced_b
 
     task = asyncio.create_task(policy.run())
     try:
-        await _until(applied, 90.0)
+        await until(applied, 90.0)
     finally:
         policy.stop()
         await task
