@@ -819,7 +819,8 @@ async def run_seeds(
     name = family_of(family, preset)
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
-        common = {"env.cache_dir": str(cache_dir or Path(tmp) / "cache"), "env.family": name, **(overrides or {})}
+        cache = {"env.cache_dir": str(cache_dir)} if cache_dir is not None else {}  # else the config's, as coevo run
+        common = {**cache, "env.family": name, **(overrides or {})}
         for s, c, run in tracked(
             plan, f"{len(configs)} configurations × {len(plan) // len(configs)} seeds", unit="runs"
         ):

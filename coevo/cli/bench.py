@@ -210,7 +210,12 @@ def _seeds_args() -> tuple[Arg, ...]:
             help="a registered environment family: " + ", ".join(registered_families()) + " (tw-*: TextWorld's "
             "challenge games; arithmetic: word problems; a plugin's too)",
         ),
-        arg("--cache-dir", type=Path, help="models and compiled games (default: a temporary directory)"),
+        arg(
+            "--cache-dir",
+            type=Path,
+            help="models and compiled games (default: env.cache_dir, else ~/.cache/coevo or $COEVO_CACHE_DIR, "
+            "as coevo run: a model converted or a game compiled once serves every later bench)",
+        ),
         arg(
             "--budget",
             help="per run: steps:N (equal policy learner steps; --eval-every counts steps), "
