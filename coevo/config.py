@@ -675,6 +675,13 @@ class TasksConfig(Section):
     rewriter: RewriterConfig = Field(default_factory=BuiltinRewriterConfig)
     band: Band = Field(default=(0.2, 0.8), description="(α_low, α_high) of the rewrite trigger and gate")
     min_groups_between_rewrites: int = Field(default=2, ge=0, description="per slot, against oscillation")
+    train_worlds: Literal["slot", "fresh"] = Field(
+        default="slot",
+        description="what a train group of a slot plays: the slot's active task (slot: the same world every time, "
+        "which a policy can win by memorising it) or its knobs in a world drawn for that group and never a "
+        "held-out one (fresh: winning needs reading the observation; families whose tasks have a seed param, "
+        "the others play the slot's task). Rewrites, candidates and held-out rounds are the same either way",
+    )
     max_groups_in_flight: int = Field(default=4, ge=1, description="scheduled but not yet scored")
     eval_every: int = Field(default=16, ge=1, description="train groups between held-out evaluations")
     eval_every_s: float | None = Field(

@@ -331,3 +331,50 @@ async def test_a_task_without_another_world_falls_back_to_the_rewriters_knob_ste
     proposal = await agent.propose(BuiltinRewriter(), slot, "harder", _scored(agent, slot_id, 1.0, 0), 1)
     assert proposal.candidate is not None and not proposal.rewriter.endswith(":world")
     assert proposal.candidate.knobs != slot.active.knobs  # a knob step, as before fresh worlds existed
+
+
+# ---- fresh train worlds (tasks.train_worlds = "fresh") --------------------------------------------------
+
+
+async def test_fresh_train_worlds_differ_per_group_and_are_scored_as_the_slots_task_after_a_restart(
+    bus: NatsBus, cfg: CoevoConfig
+) -> None:
+    """Every train group of a slot plays the active task's knobs in a world of its own, never a held-out
+    one; its score counts for the slot (streak, accuracy), also when a restarted agent receives it."""
+    fresh = cfg.model_copy(
+        update={"loop": "policy-only", "tasks": cfg.tasks.model_copy(update={"train_worlds": "fresh"})}
+    )
+    agent = TasksAgent(bus, fresh)
+    await agent.load()
+    slot = next(s for s in agent.slots.values() if s.split == "train")
+    worlds = []
+    for _ in range(3):
+        worlds.append(await agent.train_world(slot))
+        await agent.schedule(slot, worlds[-1], "train")
+    seeds = {w.params["seed"] for w in worlds}
+    assert len(seeds) == 3 and slot.active.params["seed"] not in seeds
+    assert all(w.knobs == slot.active.knobs and w.split == "train" for w in worlds)
+    assert not {spec_hash(w.family, w.params, w.knobs) for w in worlds} & agent.heldout()
+    scheduled = {e.task.task_id: e.group_id async for _, e, _m in bus.history(["task.scheduled"])}  # type: ignore[attr-defined]
+    assert set(scheduled) == {w.task_id for w in worlds}
+
+    again = TasksAgent(bus, fresh)  # a restart: what each group stood for was saved with the in-flight state
+    await again.load()
+    for k, world in enumerate(worlds[:2]):
+        won = _scored(again, slot.slot_id, 1.0, k).model_copy(
+            update={"task_id": world.task_id, "group_id": scheduled[world.task_id]}
+        )
+        await again.on_scored(won, None)  # type: ignore[arg-type]
+    assert again.slots[slot.slot_id].saturated_streak == 2 and again.slots[slot.slot_id].last_accuracy == 1.0
+    assert scheduled[worlds[0].task_id] not in again.inflight.world_of  # forgotten once scored
+    # a group of a world the slot no longer stands for (its active task was replaced since): not counted
+    again.slots[slot.slot_id].active = worlds[0]
+    stale = _scored(again, slot.slot_id, 0.5, 2).model_copy(
+        update={"task_id": worlds[2].task_id, "group_id": scheduled[worlds[2].task_id]}
+    )
+    await again.on_scored(stale, None)  # type: ignore[arg-type]
+    assert again.slots[slot.slot_id].last_accuracy == 1.0
+
+    same = TasksAgent(bus, cfg)  # the default: the slot's own task every time
+    await same.load()
+    assert await same.train_world(slot) == slot.active

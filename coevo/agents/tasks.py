@@ -92,6 +92,10 @@ class InFlight(BaseModel):
     groups: dict[str, int] = Field(default_factory=dict, description="group id -> policy version at scheduling")
     scheduled_at: dict[str, float] = Field(default_factory=dict, description="group id -> unix time scheduled")
     slot_of: dict[str, str] = Field(default_factory=dict, description="candidate group id -> its slot")
+    world_of: dict[str, str] = Field(
+        default_factory=dict,
+        description="train group id playing a fresh world (tasks.train_worlds) -> the slot's active task id then",
+    )
     train_groups_scheduled: int = 0
     eval_rounds: int = Field(default=0, description="held-out rounds queued so far (round k's groups: eval{k}-…)")
     eval_queue: list[str] = Field(
@@ -117,6 +121,7 @@ class InFlight(BaseModel):
         self.groups.pop(group_id, None)
         self.scheduled_at.pop(group_id, None)
         self.slot_of.pop(group_id, None)
+        self.world_of.pop(group_id, None)
 
     def expired(self, now: float, timeout_s: float) -> list[str]:
         """Groups scheduled more than ``timeout_s`` ago and never scored (pure)."""
@@ -330,6 +335,19 @@ class TasksAgent(Agent):
             self.counters["scheduled.train_saturated"] += 1
         return slot, slot.active, "train"
 
+    async def train_world(self, slot: Slot) -> TaskSpec:
+        """What the next train group of ``slot`` plays: its active task, or (``tasks.train_worlds = "fresh"``)
+        the active task's knobs in a world drawn for this group, never a held-out one, that passes the
+        family's precheck; the active task where the family has no other world or the drawn one fails."""
+        if self.cfg.tasks.train_worlds == "slot":
+            return slot.active
+        salt = f"train{self.inflight.train_groups_scheduled}"  # one per train group, kept across a resume
+        world = self.family.fresh_world(slot.active, salt, self.heldout())
+        if world is None or not (await self.family.precheck(world)).ok:
+            self.counters["scheduled.fresh_world_refused" if world else "scheduled.no_fresh_world"] += 1
+            return slot.active
+        return world
+
     async def schedule(self, slot: Slot, task: TaskSpec, purpose: Literal["train", "candidate", "eval"]) -> None:
         """Publish the group (stored before anything records it), then record it in KV: a crash in
         between leaves a group that is scored but never counted, never one counted but never scored."""
@@ -356,6 +374,8 @@ class TasksAgent(Agent):
         self.lockstep.scheduled()
         if purpose == "train":
             self.inflight.train_groups_scheduled += 1
+            if task.task_id != slot.active.task_id:  # a fresh world: scored as the slot's active task
+                self.inflight.world_of[group_id] = slot.active.task_id
             if round_due(self.inflight, self.cfg.tasks, time.time()) and not self.inflight.eval_queue:
                 self.queue_round()
         if purpose == "candidate":
@@ -397,7 +417,8 @@ class TasksAgent(Agent):
         while await self.wait_resumed():
             await self.expire()
             while self.admitted() and not self.stopping.is_set():
-                await self.schedule(*self.next_group())
+                slot, task, purpose = self.next_group()
+                await self.schedule(slot, await self.train_world(slot) if purpose == "train" else task, purpose)
             self.changed.clear()
             await wait_event(self.changed, 1.0)
 
@@ -430,6 +451,7 @@ class TasksAgent(Agent):
     async def on_scored(self, event: GroupScored, _d: Delivery) -> None:
         self._loaded()
         version = self.inflight.groups.get(event.group_id)
+        played = self.inflight.world_of.get(event.group_id, event.task_id)  # the slot task a fresh world stood for
         if version is not None and event.purpose == "train" and event.policy_samples and not event.flagged:
             self.backlog.scored(event.group_id, version, time.monotonic(), len(event.policy_samples))
         self.inflight.forget(event.group_id)
@@ -438,16 +460,17 @@ class TasksAgent(Agent):
         try:
             slot = self.slots.get(event.slot_id or "")
             if slot is not None:
-                await self.score_slot(slot, event)
+                await self.score_slot(slot, event, played)
         finally:
             self.scoring -= 1
         await self.save_inflight()
         self.changed.set()
 
-    async def score_slot(self, slot: Slot, event: GroupScored) -> None:
+    async def score_slot(self, slot: Slot, event: GroupScored, played: str) -> None:
+        """``played``: the slot task the group stood for (its own, or the active task of a fresh world's)."""
         if event.purpose == "candidate":
             await self.decide(slot, event)
-        elif event.purpose == "train" and event.task_id == slot.active.task_id:
+        elif event.purpose == "train" and played == slot.active.task_id:
             slot.last_accuracy = event.accuracy
             slot.groups_since_rewrite += 1
             slot.saturated_streak = saturation.streak_after(slot.saturated_streak, event.accuracy)
