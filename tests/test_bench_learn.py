@@ -386,6 +386,10 @@ def test_one_rung_is_compared_with_its_own_base_only() -> None:
     for bad in ("", "full,full", "full,nope"):
         with pytest.raises(ValueError, match="one or more distinct rungs"):
             rungs_named(bad)
+    for name, overrides in RUNGS.items():  # every rung is a valid configuration, and differs from the others
+        assert load_config(overrides=overrides).loop in name
+    assert load_config(overrides=RUNGS["policy-only-fresh"]).tasks.train_worlds == "fresh"
+    assert len({json.dumps(o, sort_keys=True) for o in RUNGS.values()}) == len(RUNGS)
     out = _ladder_out()
     result = ladder_result({**out, "configs": {"full": out["configs"]["full"]}})
     assert result["paired"] == {} and list(result["rungs"]) == ["full"]

@@ -891,11 +891,15 @@ RUNGS: dict[str, Overrides] = {
     "full-unsaturated": {"loop": "full", "tasks.saturated_after": 0},
     "policy+judge-balanced": {"loop": "policy+judge", "scorer.judge_balance": True},
     "policy+judge-group": {"loop": "policy+judge", "scorer.judge_baseline": "group"},
+    "policy-only-fresh": {"loop": "policy-only", "tasks.train_worlds": "fresh"},
+    "full-fresh": {"loop": "full", "tasks.train_worlds": "fresh"},
 }
 """The rungs ``bench ladder --rungs`` chooses from: ``full-unsaturated`` is the full loop without the saturated-slot
 rules (``coevo.algorithm.saturation``), the ablation of that rule; ``policy+judge-balanced`` trains the judge with
 won and lost trajectories weighed alike (``scorer.judge_balance``); ``policy+judge-group`` standardises the judge's
-consistency rewards over the group's votes, so that steps whose votes agree are heard (``scorer.judge_baseline``)."""
+consistency rewards over the group's votes, so that steps whose votes agree are heard (``scorer.judge_baseline``);
+``policy-only-fresh`` and ``full-fresh`` play every train group in a world of its own (``tasks.train_worlds``), so no
+rung can win a slot by memorising its world."""
 LADDER: dict[str, Overrides] = {k: RUNGS[k] for k in ("policy-only", "policy+judge", "full")}
 """``bench ladder``'s rungs, bottom first: policy-only, + judge training, + environment adaptation."""
 
