@@ -194,8 +194,9 @@ def _landed(decided: dict[str, dict[str, int]]) -> str:
 
 
 def compute_line(summary: dict[str, Any]) -> str | None:
-    """``  busy: policy engine 41 % of the run (1,230 tokens/s, 12 % padding), ..., learner 30 %`` (None when
-    nothing was counted: remote servers only, no learner step)."""
+    """``  busy: judge engine 38% (1,230 tokens/s, 12% padding), ..., learner 30% of the run (...)``: what
+    ``busy_share`` says, each engine with its rate and padding (None when nothing was counted: remote
+    servers only and no learner step)."""
     busy = summary.get("busy_share") or {}
     if not busy:
         return None
