@@ -40,8 +40,8 @@ def test_two_parts_give_what_one_command_over_all_seeds_gives() -> None:
     whole = _ladder([0, 1, 2, 3, 4])
     merged = merge_results([_ladder([3, 4]), _ladder([0, 1, 2])])  # any order of parts
     assert merged["merged_from"] == [
-        {"seeds": [3, 4], "overrides_recorded": True},
-        {"seeds": [0, 1, 2], "overrides_recorded": True},
+        {"seeds": [3, 4], "overrides_recorded": True, "machine": None},
+        {"seeds": [0, 1, 2], "overrides_recorded": True, "machine": None},
     ]
     assert {k: v for k, v in merged.items() if k != "merged_from"} == whole
     assert merged["seeds"] == [0, 1, 2, 3, 4]
@@ -89,7 +89,46 @@ def test_a_part_that_recorded_no_config_fields_is_named_in_the_result() -> None:
     merged = merge_results([_ladder([0, 1, 2], overrides=None), _ladder([3, 4])])
     assert merged["overrides"] == OVER  # what the recording part ran with
     assert merged["overrides_unrecorded_for_seeds"] == [0, 1, 2]
-    assert merged["merged_from"][0] == {"seeds": [0, 1, 2], "overrides_recorded": False}
+    assert merged["merged_from"][0] == {"seeds": [0, 1, 2], "overrides_recorded": False, "machine": None}
+
+
+HOST = {"cpu": "AMD EPYC 9R14", "cores": 2, "cpu_bf16": True, "gpu": None, "torch": "2.13.0", "commit": "abc"}
+
+
+def test_wall_clock_parts_join_only_from_one_kind_of_machine_and_each_keeps_its_own() -> None:
+    """A minute buys another number of steps on another machine; a step budget joins across machines."""
+    a, b = _ladder([0, 1, 2]), _ladder([3, 4])
+    a["machine"], b["machine"] = HOST, {**HOST, "commit": "def", "torch": "2.14.0"}  # same kind: the code moved on
+    merged = merge_results([a, b])
+    assert [m["machine"]["commit"] for m in merged["merged_from"]] == ["abc", "def"] and "machine" not in merged
+    b["machine"] = {**HOST, "cpu": "Intel Xeon Platinum 8488C"}
+    with pytest.raises(ValueError, match=r"part 2 ran on \('Intel Xeon Platinum 8488C', 2, None\).*part 1 on"):
+        merge_results([a, b])
+    b["machine"] = {**HOST, "cores": 16, "gpu": "NVIDIA H100"}
+    with pytest.raises(ValueError, match="a wall-clock budget buys other numbers"):
+        merge_results([a, b])
+    steps = [_ladder(seeds, budget=Budget("steps", 24.0)) for seeds in ([0, 1, 2], [3, 4])]
+    steps[0]["machine"], steps[1]["machine"] = HOST, b["machine"]
+    assert merge_results(steps)["seeds"] == [0, 1, 2, 3, 4]
+    del a["machine"]  # a part written before results recorded their machine: not checked
+    assert merge_results([a, b])["merged_from"][0]["machine"] is None
+
+
+def test_a_bench_result_records_the_machine_and_commit_it_ran_on(tmp_path: Path) -> None:
+    from coevo.bench.machine import machine
+
+    here = machine()
+    assert here["cores"] >= 1 and here["cpu"] and here["torch"].startswith("2.")
+    assert here["commit"] is None or len(here["commit"].removesuffix("+changes")) == 40
+    out = tmp_path / "merged.json"
+    (tmp_path / "a.json").write_text(json.dumps(_ladder([0, 1, 2])))
+    (tmp_path / "b.json").write_text(json.dumps(_ladder([3, 4])))
+    assert main(["bench", "merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(out)]) == 0
+    assert "machine" not in json.loads(out.read_text())  # a merge keeps its parts' machines, not its own
+    from coevo.cli.bench import _emit  # what every other bench writes its result with
+
+    assert _emit({"rate": 1.0}, tmp_path / "bench.json") == 0
+    assert json.loads((tmp_path / "bench.json").read_text()) == {"rate": 1.0, "machine": here}
 
 
 def test_the_command_writes_the_merge_and_names_a_bad_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from coevo.bench.learn import Result, heldout_protocol, ladder_result, learn_result, summarize_configs
+from coevo.bench.machine import kind
 from coevo.bench.steps import agreement_table
 
 SAME = (
@@ -38,8 +39,10 @@ DERIVED = (
     "target",
     "heldout_protocol",
     "heldout_steps",
+    "machine",
 )
-"""What a merge computes again rather than copies from the first part."""
+"""What a merge computes again rather than copies from the first part (the machine: each part's, in
+``merged_from``)."""
 
 
 def result_kind(result: Result) -> str:
@@ -65,6 +68,7 @@ def merge_results(parts: list[Result]) -> Result:
                 raise ValueError(f"part {i}'s {key} is {part.get(key)!r}, part 1's {first.get(key)!r}")
         if list(part["configs"]) != list(first["configs"]):
             raise ValueError(f"part {i} ran {list(part['configs'])}, part 1 {list(first['configs'])}")
+    _same_machine(parts)
     overrides, unrecorded = _overrides(parts)
     runs = {
         c: sorted((r for p in parts for r in p["configs"][c]["runs"]), key=lambda r: r["seed"])
@@ -77,7 +81,9 @@ def merge_results(parts: list[Result]) -> Result:
     out: Result = {
         **{k: v for k, v in first.items() if k not in DERIVED},
         "seeds": [r["seed"] for r in next(iter(runs.values()))],
-        "merged_from": [{"seeds": p["seeds"], "overrides_recorded": "overrides" in p} for p in parts],
+        "merged_from": [
+            {"seeds": p["seeds"], "overrides_recorded": "overrides" in p, "machine": p.get("machine")} for p in parts
+        ],
         "configs": summarize_configs(runs),
     }
     if overrides is not None:
@@ -92,6 +98,22 @@ def merge_results(parts: list[Result]) -> Result:
         verbs = {k: v for k, v in first["heldout_steps"].get("by_verb", {}).items() if k in (*habits, "states")}
         out["heldout_steps"] = agreement_table(runs, habits, verbs)
     return ladder_result(out) if kind == "ladder" else learn_result(out, {c: {} for c in first["configs"]})
+
+
+def _same_machine(parts: list[Result]) -> None:
+    """Parts of a wall-clock budget must have run on one kind of machine (``machine.kind``): a minute buys
+    another number of steps elsewhere. Step budgets join across machines; a part that recorded no
+    machine (written before results did) is not checked."""
+    if parts[0].get("budget_kind") != "seconds":
+        return
+    recorded = [(i, p["machine"]) for i, p in enumerate(parts, start=1) if p.get("machine")]
+    for i, m in recorded[1:]:
+        j, first = recorded[0]
+        if kind(m) != kind(first):
+            raise ValueError(
+                f"part {i} ran on {kind(m)} (cpu, cores, gpu), part {j} on {kind(first)}: a wall-clock budget "
+                "buys other numbers on another machine"
+            )
 
 
 def _overrides(parts: list[Result]) -> tuple[dict[str, Any] | None, list[int]]:

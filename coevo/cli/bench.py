@@ -291,7 +291,7 @@ def cmd_bench_merge(args: argparse.Namespace) -> int:
         merged = merge_results(parts)
     except (ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"coevo bench merge: {exc}") from None
-    return _emit(merged, args.json)
+    return _emit(merged, args.json, here=False)
 
 
 def cmd_bench_parity(args: argparse.Namespace) -> int:
@@ -423,7 +423,13 @@ def cmd_bench_hostile(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-def _emit(result: dict[str, Any], path: Path | None) -> int:
+def _emit(result: dict[str, Any], path: Path | None, *, here: bool = True) -> int:
+    """Print ``result`` and write it to ``path``; ``here``: with the machine and commit it ran on
+    (``coevo.bench.machine``; a merge keeps its parts' instead)."""
+    if here:
+        from coevo.bench.machine import machine
+
+        result = {**result, "machine": machine()}
     text = json.dumps(result, indent=2)
     print(text)
     if path is not None:
