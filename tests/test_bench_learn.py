@@ -155,7 +155,9 @@ async def test_bench_learn_two_seeds_smoke(model_cache: Path, tmp_path: Path) ->
         progress=progress,
     )
     # every run was written as it finished: the last write holds all four, as the result has them
-    finished = json.loads(progress.read_text())["finished_runs"]
+    written = json.loads(progress.read_text())
+    finished = written["finished_runs"]
+    assert written["machine"]["cores"] >= 1  # where they ran
     assert {c: [r["seed"] for r in rs] for c, rs in finished.items()} == {"integrated": [0, 1], "outcome_only": [0, 1]}
     assert out["seeds"] == [0, 1]
     assert out["family"] == "quickgame"

@@ -844,10 +844,13 @@ async def run_seeds(
 
 
 def _write_progress(path: Path, runs: dict[str, list[dict[str, Any]]]) -> None:
-    """``runs`` so far into ``path``, whole or not at all (written beside it, then renamed)."""
+    """``runs`` so far into ``path``, whole or not at all (written beside it, then renamed), with the
+    machine they ran on."""
+    from coevo.bench.machine import machine
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"finished_runs": runs}, indent=1, default=str) + "\n")
+    tmp.write_text(json.dumps({"finished_runs": runs, "machine": machine()}, indent=1, default=str) + "\n")
     tmp.replace(path)
 
 
