@@ -313,17 +313,14 @@ NOT_HERE: dict[str, str] = {
     "coevo bench ladder --rungs full --seeds 5 --budget minutes:6 --eval-every 100000 --episodes 16 "
     "--base smollm2-135m-instruct --lora-lanes --heldout-tasks 64 --eval-seeds 2 --set tasks.eval_every=100000 "
     "--set learner.dtype=float32 --set learner.lr=1e-3": _BENCH,
-    "coevo bench ladder --rungs full --seeds 5 --budget minutes:6 --eval-every 100000 --episodes 16 "
-    "--base smollm2-135m-instruct --lora-lanes --heldout-tasks 64 --eval-seeds 2 --heldout-measure steps "
-    "--set tasks.eval_every=100000 --set learner.lr=1e-3": _BENCH,
+    "coevo bench ladder --rungs policy-only,policy+judge,full --seeds 2 --budget minutes:15 --eval-every 100000 "
+    "--episodes 16 --base smollm2-135m-instruct --lora-lanes --heldout-tasks 64 --eval-seeds 2 --heldout-measure steps "
+    "--set tasks.eval_every=100000": _BENCH,
     "coevo bench heldout --base smollm2-135m-instruct --heldout-tasks 64 --eval-seeds 2 --used-form-only": _BENCH,
     "coevo bench heldout --family tw-coin_collector --base smollm2-135m-instruct --heldout-tasks 64 --eval-seeds 1 "
     "--used-form-only": _BENCH,
     "coevo bench heldout --family tw-coin_collector --base smollm2-135m-instruct --heldout-tasks 64 --eval-seeds 1 "
     "--used-form-only --heldout-measure steps": _BENCH,
-    "coevo bench ladder --family tw-coin_collector --rungs full --seeds 5 --budget minutes:6 --eval-every 100000 "
-    "--episodes 8 --base smollm2-135m-instruct --lora-lanes --heldout-tasks 64 --eval-seeds 1 --heldout-measure steps "
-    "--heldout-states 4 --set env.n_heldout=0": _BENCH,
     "coevo run --policy-model DIR --policy-url http://127.0.0.1:8000/v1": (
         "needs a vLLM server (tests/test_vllm.py trains against vLLM's CPU build, in process, when .ci/run provides it)"
     ),

@@ -236,10 +236,8 @@ class LocalEngine:
         self.generate_passes = 0
         """forward passes of free generation (a batch of generating requests takes one pass per token of its
         longest response, not one per token of each)"""
-        self.tokens_computed = 0
-        """token positions the model ran (prompts and generated tokens, each once per pass that computed it)"""
-        self.padding_computed = 0
-        """of those, padding: a batch's rows are left-padded to its longest prompt"""
+        self.tokens_computed = self.padding_computed = 0
+        """token positions the model ran (prompts and generated tokens), and how many of them were padding"""
         self.busy_s = 0.0
         """wall-clock seconds the engine spent in batches of model work (swaps not included)"""
         self.choice_cache_size = 4096

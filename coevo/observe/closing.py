@@ -263,8 +263,7 @@ def describe(
             else ""
         )
     )
-    if busy := compute_line(s):
-        lines.append(busy)
+    lines += [busy for busy in (compute_line(s),) if busy]
     for reason in (no_learning_reason(s, cfg), starving_warning(s), *health_warnings(s), unvoted_warning(s, cfg)):
         if reason:
             lines.append(f"  warning: {reason}")

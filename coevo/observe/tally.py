@@ -454,6 +454,16 @@ class RunTally:
             if x is not None:
                 values.append(x)
 
+    def _rewrites(self) -> dict[str, Any]:
+        """The ``rewrites_*`` fields."""
+        return {
+            "rewrites_proposed": self.counts["task.rewritten"],
+            "rewrites_accepted": self.accepted,
+            "rewrites_proposed_wide": self.wide,
+            "rewrites_proposed_capped": self.capped,
+            "rewrites_decided": {d: dict(sorted(c.items())) for d, c in self.decided.items() if c},
+        }
+
     def _compute(self, seconds: float) -> dict[str, Any]:
         """``busy_share``, ``engine_tokens_per_s`` and ``engine_padding_share`` (engines summed per role)."""
         work: dict[str, Counter[str]] = {}
@@ -517,11 +527,7 @@ class RunTally:
             steps_without_votes=round(self.steps_unvoted / self.steps_scored, 4) if self.steps_scored else None,
             judge_process_accuracy_heldout=_mean(self.proc_heldout[-max(1, len(self.proc_heldout) // 2) :]),
             judge_outcome_accuracy_heldout=_mean(self.outc_heldout[-max(1, len(self.outc_heldout) // 2) :]),
-            rewrites_proposed=self.counts["task.rewritten"],
-            rewrites_accepted=self.accepted,
-            rewrites_proposed_wide=self.wide,
-            rewrites_proposed_capped=self.capped,
-            rewrites_decided={d: dict(sorted(c.items())) for d, c in self.decided.items() if c},
+            **self._rewrites(),
             learner_steps=self.learner_steps,
             judge_learner_steps=self.judge_steps,
             policy_kl_rejected=self.kl_rejected,
