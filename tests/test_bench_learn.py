@@ -169,6 +169,8 @@ async def test_bench_learn_two_seeds_smoke(model_cache: Path, tmp_path: Path) ->
             assert 0 <= r["slots_rewritten"] <= 2
             assert r["pool_accuracy"] is None or 0.0 <= r["pool_accuracy"] <= 1.0
             assert all({"pool_accuracy", "slots_rewritten"} <= set(p) for p in r["curve"])
+            # every point plays the same draws: the base (version 0) scores one number wherever it is evaluated
+            assert {p["success"] for p in r["curve"] if p["policy_version"] == 0} == {r["curve"][0]["success"]}
             assert all(0 < a < 1 for a in r["heldout_agreement_rounds"])  # the run's own rounds, as far as it got
         assert c["summary"]["train_success"]["n"] == 2
         assert c["summary"]["heldout_success"]["half_width"] is not None

@@ -148,23 +148,38 @@ def _dead_group(letter: DeadLettered) -> str | None:
 
 
 def _trained_twice(steps: list[LearnerStepped]) -> int:
-    """Groups trained again while their first training is still in the surviving weights.
+    """Groups trained again while their first training is still in the surviving weights."""
+    return len(twice_trained(steps))
+
+
+def twice_trained(steps: list[LearnerStepped]) -> list[dict[str, Any]]:
+    """Each group trained again while its first training is still in the surviving weights, with
+    the two steps (process, version, event id): a failure that explains itself.
 
     A learner process that restarts resumes from its newest checkpoint (version ``v0``): steps an
     earlier process made after ``v0`` are rolled back with it, so retraining their groups is not a
-    double count."""
-    twice = 0
-    for role in {s.role for s in steps}:
-        live: dict[str, int] = {}  # group -> version of the step that trained it
+    double count. A step event stored twice (one event id) is one step."""
+    twice: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for role in sorted({s.role for s in steps}):
+        live: dict[str, LearnerStepped] = {}  # group -> the step that trained it
         incarnation = None
         for s in (s for s in steps if s.role == role):
+            if s.event_id in seen:
+                continue
+            seen.add(s.event_id)
             if s.source.agent_id != incarnation:
                 incarnation, restored = s.source.agent_id, s.version - 1
-                live = {g: v for g, v in live.items() if v <= restored}
+                live = {g: first for g, first in live.items() if first.version <= restored}
             for g in s.group_ids:
-                twice += g in live
-                live[g] = s.version
+                if g in live:
+                    twice.append({"group_id": g, "role": role, "first": _step_of(live[g]), "again": _step_of(s)})
+                live[g] = s
     return twice
+
+
+def _step_of(s: LearnerStepped) -> dict[str, Any]:
+    return {"agent_id": s.source.agent_id, "version": s.version, "event_id": s.event_id, "groups": len(s.group_ids)}
 
 
 def _monotonic(steps: list[LearnerStepped]) -> bool:
@@ -204,6 +219,7 @@ def judge_stream(events: list[Event], seconds: float) -> dict[str, Any]:
         "groups_lost": len(scheduled - scored - dead),
         "groups_dead_lettered": len(dead & scheduled),
         "groups_trained_twice": _trained_twice(steps),
+        "trained_twice_examples": twice_trained(steps)[:5],
         "learner_steps": len(steps),
         "learner_versions_monotonic": _monotonic(steps),
         "dead_lettered": dict(reasons.most_common()),
