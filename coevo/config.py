@@ -601,8 +601,9 @@ class ScorerConfig(Section):
         description="what the judge's consistency rewards are standardised over: 'step', the paper's, over the "
         "step's own m votes (a step whose votes agree is skipped, so a judge that votes alike everywhere hears "
         "nothing more); 'group', over every vote of the group, so such a step still tells the judge whether "
-        "its votes agreed with the outcome more or less than the group's average vote. Measured on the tiny judge it "
-        "sends every judge to -1 (docs/benchmarks.md 'Why a judge collapses'): off",
+        "its votes agreed with the outcome more or less than the group's average vote (with judge_balance, the balanced "
+        "average). Measured alone on the tiny judge it sends every judge to -1 (docs/benchmarks.md 'Why a judge "
+        "collapses'): off",
     )
     max_abs_env_reward: float = Field(
         default=100.0,

@@ -393,6 +393,8 @@ def test_one_rung_is_compared_with_its_own_base_only() -> None:
     for name, overrides in RUNGS.items():  # every rung is a valid configuration, and differs from the others
         assert load_config(overrides=overrides).loop in name
     assert load_config(overrides=RUNGS["policy-only-fresh"]).tasks.train_worlds == "fresh"
+    both = load_config(overrides=RUNGS["policy+judge-balanced-group"]).scorer
+    assert both.judge_balance and both.judge_baseline == "group"
     assert len({json.dumps(o, sort_keys=True) for o in RUNGS.values()}) == len(RUNGS)
     out = _ladder_out()
     result = ladder_result({**out, "configs": {"full": out["configs"]["full"]}})

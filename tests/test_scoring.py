@@ -511,6 +511,28 @@ def test_a_judge_that_votes_alike_everywhere_is_silent_per_step_and_told_where_i
     assert sum(s.advantage for s in group.judge_samples) == pytest.approx(0.0)
 
 
+@pytest.mark.parametrize("vote", [1, -1])
+def test_balanced_and_group_baseline_together_push_a_constant_vote_neither_way(vote: int) -> None:
+    """With both ``scorer.judge_balance`` and the group baseline, the baseline is the weighted mean: the
+    won step's 3 votes weigh 7/2 each, the lost steps' 18 votes 7/12 each (half the group each), and
+    the weighted advantages of a judge that votes alike everywhere sum to zero. (With the plain mean
+    they would not: 6 lost steps against 1 won one pushed the constant vote on, towards +1.)"""
+    from coevo.agents.scorer import score_group
+    from coevo.config import load_config
+
+    cfg = load_config(overrides={"scorer.judge_balance": True, "scorer.judge_baseline": "group"})
+    group = score_group(quarter_won_group(voted=(vote, vote, vote)), cfg, train_judge=True)  # type: ignore[arg-type]
+    assert len(group.judge_samples) == 7 * 3
+    won_step = group.step_event_ids[0]
+    # R·S: +1 votes score 2 on the won step and 0 on the lost ones (-1 votes: 0 and 2); weighted mean 1,
+    # weighted spread 1: z = ±1, times the step's weight
+    on_won = [s.advantage for s in group.judge_samples if s.step_event_id == won_step]
+    on_lost = [s.advantage for s in group.judge_samples if s.step_event_id != won_step]
+    assert on_won == pytest.approx([vote * 7 / 2] * 3)
+    assert on_lost == pytest.approx([-vote * 7 / 12] * 18)
+    assert sum(on_won) + sum(on_lost) == pytest.approx(0.0)
+
+
 def test_the_group_baseline_standardises_every_vote_of_the_group_together() -> None:
     # R = 2 (won, votes +1 +1), R = 0 (lost, + -), an error vote and an unparseable one (-2)
     z = group_consistency_advantages([(2.0, [P, P]), (0.0, [P, M]), (-1.0, [E, U])])

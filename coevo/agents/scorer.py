@@ -144,13 +144,15 @@ def judge_vote_samples(
     ``scorer.judge_balance`` weighted by ``scoring.outcome_weights``."""
     won_w, lost_w = scoring.outcome_weights(trajs) if sc.judge_balance else (1.0, 1.0)
     judged = [(t, s, j) for t in trajs for s in t.steps if (j := g.judged.get(s.step_id)) is not None]
-    if sc.judge_baseline == "group":
-        advantages = scoring.group_consistency_advantages([(rewards[s.step_id], s.votes) for _, s, _ in judged])
+    weights = [won_w if t.outcome == "won" else lost_w for t, _, _ in judged]
+    if sc.judge_baseline == "group":  # the weighted baseline: a constant vote gets no net push, balanced or not
+        advantages = scoring.group_consistency_advantages(
+            [(rewards[s.step_id], s.votes) for _, s, _ in judged], weights=weights
+        )
     else:
         advantages = [scoring.consistency_advantages(rewards[s.step_id], s.votes) for _, s, _ in judged]
     out = []
-    for (t, s, j), step_advantages in zip(judged, advantages, strict=True):
-        w = won_w if t.outcome == "won" else lost_w
+    for (_, s, j), w, step_advantages in zip(judged, weights, advantages, strict=True):
         for vote, va in zip(j.votes, step_advantages, strict=True):
             if va is not None and va != 0.0 and vote.response_token_ids:
                 sid = f"j-{s.step_id}-{vote.index}"

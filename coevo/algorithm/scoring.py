@@ -143,20 +143,28 @@ def consistency_advantages(step_reward: float, votes: Sequence[VoteRec], eps: fl
 
 
 def group_consistency_advantages(
-    steps: Sequence[tuple[float, Sequence[VoteRec]]], eps: float = 1e-8
+    steps: Sequence[tuple[float, Sequence[VoteRec]]], eps: float = 1e-8, weights: Sequence[float] | None = None
 ) -> list[list[float | None]]:
     """``scorer.judge_baseline = "group"``: per step (its integrated reward R, its votes), per vote, the
     consistency reward R·S standardised over every vote of the group instead of over the step's own.
     A step whose votes agree is then heard too: its votes gain where they agree with the outcome more
     than the group's average vote does, and lose where less; with the paper's per-step baseline such
     a step is silent, which makes a judge that votes alike everywhere an absorbing state. None: an
-    error vote, or every vote of the group earned the same reward."""
+    error vote, or every vote of the group earned the same reward.
+
+    ``weights`` (one per step; ``scorer.judge_balance``'s ``outcome_weights``, which the caller multiplies
+    the advantages by): the mean and spread are the weighted ones, so the weighted advantages still sum
+    to zero and a judge that votes alike everywhere gets no net push either way."""
     rewards = [consistency_rewards(r, votes) for r, votes in steps]
-    present = [x for rs in rewards for x in rs if x is not None]
-    if len(present) < 2 or max(present) - min(present) <= eps:
+    ws = [1.0] * len(steps) if weights is None else list(weights)
+    present = [(x, w) for rs, w in zip(rewards, ws, strict=True) for x in rs if x is not None]
+    values = [x for x, _ in present]
+    if len(present) < 2 or max(values) - min(values) <= eps:
         return [[None] * len(rs) for rs in rewards]
-    z = iter(zscore(present, eps))
-    return [[next(z) if x is not None else None for x in rs] for rs in rewards]
+    total = sum(w for _, w in present)
+    mu = sum(x * w for x, w in present) / total
+    sd = math.sqrt(sum(w * (x - mu) ** 2 for x, w in present) / total)
+    return [[(x - mu) / sd if x is not None else None for x in rs] for rs in rewards]
 
 
 def outcome_weights(trajs: Sequence[TrajRec]) -> tuple[float, float]:

@@ -898,6 +898,11 @@ RUNGS: dict[str, Overrides] = {
     "full-unsaturated": {"loop": "full", "tasks.saturated_after": 0},
     "policy+judge-balanced": {"loop": "policy+judge", "scorer.judge_balance": True},
     "policy+judge-group": {"loop": "policy+judge", "scorer.judge_baseline": "group"},
+    "policy+judge-balanced-group": {
+        "loop": "policy+judge",
+        "scorer.judge_balance": True,
+        "scorer.judge_baseline": "group",
+    },
     "policy-only-fresh": {"loop": "policy-only", "tasks.train_worlds": "fresh"},
     "full-fresh": {"loop": "full", "tasks.train_worlds": "fresh"},
 }
@@ -905,6 +910,7 @@ RUNGS: dict[str, Overrides] = {
 rules (``coevo.algorithm.saturation``), the ablation of that rule; ``policy+judge-balanced`` trains the judge with
 won and lost trajectories weighed alike (``scorer.judge_balance``); ``policy+judge-group`` standardises the judge's
 consistency rewards over the group's votes, so that steps whose votes agree are heard (``scorer.judge_baseline``);
+``policy+judge-balanced-group`` both (an outcome-blind vote gets no net push, and a unanimous step is still heard);
 ``policy-only-fresh`` and ``full-fresh`` play every train group in a world of its own (``tasks.train_worlds``), so no
 rung can win a slot by memorising its world."""
 LADDER: dict[str, Overrides] = {k: RUNGS[k] for k in ("policy-only", "policy+judge", "full")}

@@ -524,8 +524,8 @@ BENCHES: tuple[Command, ...] = (
                 default="policy-only,policy+judge,full",
                 help="comma-separated, bottom first (one rung: against its own base), of policy-only, policy+judge, "
                 "full, full-unsaturated (the full loop without the saturated-slot rules), policy+judge-balanced "
-                "(scorer.judge_balance), policy+judge-group (scorer.judge_baseline=group), policy-only-fresh and "
-                "full-fresh (tasks.train_worlds=fresh: every train group in a world of its own)",
+                "(scorer.judge_balance), policy+judge-group (scorer.judge_baseline=group), policy+judge-balanced-group "
+                "(both), policy-only-fresh and full-fresh (tasks.train_worlds=fresh: every train group in a world of its own)",
             ),
             *_seeds_args(),
         ),
