@@ -16,7 +16,14 @@ from coevo.cli.run import resume_command
 from coevo.config import load_config
 from coevo.loop import _HideFromConsole
 from coevo.observe.aggregate import Aggregator, ConsumerInfo
-from coevo.observe.closing import describe, health_warnings, no_learning_reason, starving_warning, unvoted_warning
+from coevo.observe.closing import (
+    describe,
+    health_warnings,
+    judge_warning,
+    no_learning_reason,
+    starving_warning,
+    unvoted_warning,
+)
 from coevo.observe.series import CHARTS, SPECS, Point, Series, tb_tag
 from coevo.observe.tally import SUMMARY_FIELDS, SUMMARY_TABLE, RunTally, summary_table
 from coevo.schemas import (
@@ -428,6 +435,37 @@ def test_the_summary_says_when_the_judge_lagged_the_policy() -> None:
     assert unvoted_warning({**summary, "steps_without_votes": 0.25}, cfg) is None  # at the bound: no warning
     assert unvoted_warning({**summary, "events": {"step.taken": 99}}, cfg) is None  # too few steps to say
     assert RunTally().summary("r1", 1.0).steps_without_votes is None  # no group scored
+
+
+def test_the_summary_names_a_judge_that_collapsed_onto_one_vote() -> None:
+    """The 15-minute ladder's trained judges (docs/benchmarks.md): +1 on 0.3 % of the steps, 99 % silent."""
+    from tests.samples import sample_events
+
+    group = next(e for e in sample_events("r1") if isinstance(e, GroupScored))
+    tally = RunTally()
+    for i in range(8):  # the first quarter judges; the rest votes -1 everywhere and hears nothing
+        late = i >= 2
+        tally.add(
+            group.model_copy(
+                update={
+                    "group_id": f"g{i}",
+                    "judge_vote_positive": 0.003 if late else 0.25,
+                    "judge_steps_silent": 0.99 if late else 0.45,
+                }
+            )
+        )
+    tally.judge_steps = 11
+    summary = tally.summary("r1", 900.0).model_dump()
+    assert summary["judge_vote_positive"] == pytest.approx(0.003) and summary["judge_steps_silent"] == 0.99
+    text = judge_warning(summary) or ""
+    assert text.startswith("the judge collapsed: it voted +1 on 0.3% of the steps in the last quarter (25% in")
+    assert "99% of its steps were silent" in text and "warning: the judge collapsed" in describe(
+        summary, load_config(), {}
+    )
+    assert judge_warning({**summary, "judge_vote_positive": 0.995})  # onto +1: the same
+    assert judge_warning({**summary, "judge_vote_positive": 0.05}) is None  # still votes both ways
+    assert judge_warning({**summary, "judge_steps_silent": 0.9}) is None  # still hears most steps
+    assert judge_warning({**summary, "judge_learner_steps": 0}) is None  # a fixed judge is not trained to collapse
 
 
 def _policy_step(version: int, ts: float, entropy: float) -> LearnerStepped:

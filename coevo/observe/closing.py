@@ -140,6 +140,34 @@ def health_warnings(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+JUDGE_ONE_WAY = 0.02
+"""share of +1 votes (or of -1 votes) in the last quarter at or under which the closing summary calls a
+trained judge collapsed onto the other vote"""
+JUDGE_SILENT = 0.9
+"""share of silent steps (votes that all earned the same reward: no sample) in the last quarter above
+which a one-way judge has stopped hearing its training signal"""
+
+
+def judge_warning(summary: dict[str, Any]) -> str | None:
+    """A trained judge that ended voting one way on nearly every step, with nearly every step silent (pure):
+    its step rewards are then a constant, which the policy's group advantage removes."""
+    pos, silent = summary.get("judge_vote_positive"), summary.get("judge_steps_silent")
+    if not summary.get("judge_learner_steps") or pos is None or silent is None or silent <= JUDGE_SILENT:
+        return None
+    if min(pos, 1.0 - pos) > JUDGE_ONE_WAY:
+        return None
+    start = summary.get("judge_vote_positive_start")
+    was = f" ({start:.0%} in the first quarter)" if start is not None else ""
+    return (
+        f"the judge collapsed: it voted +1 on {pos:.1%} of the steps in the last quarter{was} and {silent:.0%} of "
+        "its steps were silent (their votes all earned the same reward: no sample), so it has stopped learning and "
+        "its step rewards are a constant the policy's advantage removes: the policy trained on the outcome alone. "
+        "Trained for consistency with outcomes, a judge whose policy mostly loses is pushed to -1 (mostly wins: "
+        "+1); scorer.judge_balance with scorer.judge_baseline = 'group' removes that push (docs/benchmarks.md, "
+        "'Why a judge collapses')"
+    )
+
+
 UNVOTED = 0.25
 """the share of steps scored without the judge's votes above which the closing summary warns"""
 
@@ -264,7 +292,8 @@ def describe(
         )
     )
     lines += [busy for busy in (compute_line(s),) if busy]
-    for reason in (no_learning_reason(s, cfg), starving_warning(s), *health_warnings(s), unvoted_warning(s, cfg)):
+    warnings = (no_learning_reason(s, cfg), starving_warning(s), *health_warnings(s), judge_warning(s))
+    for reason in (*warnings, unvoted_warning(s, cfg)):
         if reason:
             lines.append(f"  warning: {reason}")
     lines += [f"  {name + ':':<12} {where}" for name, where in links.items()]
