@@ -5,6 +5,7 @@ in stream order (a restored learner's lower version included)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from coevo.config import CoevoConfig, LearnerConfig
+from coevo.runtime import faults
 from coevo.runtime.agent import run_agents
 from coevo.runtime.bus import NatsBus
 from coevo.schemas import LearnerStepped, Source, WeightsPublished
@@ -248,3 +250,39 @@ async def test_publication_pruning_never_removes_a_version_a_follower_is_loading
     await asyncio.to_thread(publish, 2 + 2 * KEEP_PUBLISHED)
     assert not Path(first.path).exists()
     assert len(list(Path(first.path).parent.glob("v*"))) == KEEP_PUBLISHED
+
+
+async def test_a_step_the_bus_refuses_at_first_is_named_once_it_is_stored(
+    bus: NatsBus, loop_cfg: CoevoConfig, monkeypatch
+) -> None:
+    """A ``LearnerStepped`` refused more often than one confirmed publish tries (a NATS node down for
+    seconds, as in ``bench chaos``) is retried until stored: the step's groups are named, and the
+    learner's main task does not crash (it did, and its groups were then never named: the backlog gate
+    waited for them, and the chaos check read their retraining after a restart as training twice)."""
+    cfg = _learner_cfg(loop_cfg, **{"agent.heartbeat_s": 3600.0})
+    for g in ("r1", "r2"):
+        await bus.publish_sync(_scored(bus.run_id, g, f"t-{g}", policy_samples=_samples(g)))
+    # the learner's publishes: its version-0 weights, its first status, then the step's event: refused
+    # on every try of a confirmed publish (the bus's publish_retries + 1) and on the first of the next round
+    refused = bus.cfg.publish_retries + 2
+    monkeypatch.setenv(faults.ENV, json.dumps({"publish": {"p": 1.0, "after": 2, "times": refused}}))
+    faults.reset()
+    learner = LearnerAgent(bus, cfg)
+    stop = asyncio.Event()
+
+    async def scenario() -> None:
+        try:
+            await until(lambda: _covered(bus, {"r1", "r2"}), timeout_s=90.0)
+        finally:
+            stop.set()
+
+    try:
+        await asyncio.gather(run_agents([learner], handle_signals=False, until=stop), scenario())
+        assert faults.fired("publish") == refused
+    finally:
+        monkeypatch.delenv(faults.ENV)
+        faults.reset()
+    assert learner.counters["restarts.main"] == 0
+    assert learner.counters["republished.learner.stepped"] >= 1
+    (step,) = [s for s in await _steps(bus) if s.is_step]
+    assert sorted(step.group_ids) == ["r1", "r2"] and step.version == 1

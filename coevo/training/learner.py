@@ -24,7 +24,8 @@ Invariants:
   ``learner.max_staleness`` versions behind are dropped (``learner.stale = "drop"``: counted, and
   reported in ``LearnerStepped.stale_dropped``) or kept with truncated IS (``"correct"``); a batch
   left with no sample takes no step and its groups are done untrained;
-- every group a lane is done with is named by a ``LearnerStepped`` at once: trained (``group_ids``),
+- every group a lane is done with is named by a ``LearnerStepped`` at once, stored whatever the bus does
+  meanwhile (retried until it is: ``name_groups``): trained (``group_ids``),
   or, by a report that trained nothing (``samples`` 0, version unchanged), undone by the KL guard,
   all stale, without signal (a train group that gave the policy lane no sample) or dead-lettered.
   So the backlog gate (``coevo.algorithm.admission``) never waits for a group no step will train;
@@ -59,6 +60,7 @@ from coevo.config import CoevoConfig, PushSync, checkpoint_root
 from coevo.errors import NonFiniteStep, Reject, Retry
 from coevo.inference.clients import model_dir
 from coevo.inference.precision import model_dtype
+from coevo.runtime import outbox
 from coevo.runtime.agent import Agent
 from coevo.runtime.aio import outlast, wait_event
 from coevo.runtime.consumer import Delivery, Subscription
@@ -356,7 +358,7 @@ class LearnerAgent(Agent):
         """A ``LearnerStepped`` that trained nothing (``samples`` 0, the lane's version): it names the
         groups the lane disposed of without a step and carries the counts not reported yet."""
         counts: dict[str, Any] = {**self.unreported(q), **named}
-        await self.emit(
+        await self.name_groups(
             self.event(
                 LearnerStepped,
                 role=role,
@@ -369,9 +371,18 @@ class LearnerAgent(Agent):
                 mismatch_kl=0.0,
                 tokens_per_second=0.0,
                 **counts,
-            ),
-            confirm=True,
+            )
         )
+
+    async def name_groups(self, event: LearnerStepped) -> None:
+        """Store a ``LearnerStepped``: in a handler through its outbox (a failure redelivers the input,
+        which names the groups again); from the lanes' loop, retried until stored, as nothing else would
+        name its groups again (a lost one leaves the backlog gate waiting for them, and the stream
+        without the version they went into)."""
+        if outbox.current() is not None:
+            await self.emit(event, confirm=True)
+        else:
+            await self.emit_durable(event)
 
     @staticmethod
     def unreported(q: LaneQueue) -> dict[str, Any]:
@@ -557,7 +568,7 @@ class LearnerAgent(Agent):
             q.undurable[p.group_id] = p.done
         if role == "policy":
             self.model_version = metrics.version
-        await self.emit(
+        await self.name_groups(
             self.event(
                 LearnerStepped,
                 role=role,
@@ -576,8 +587,7 @@ class LearnerAgent(Agent):
                 entropy=metrics.entropy,
                 entropy_coef=metrics.entropy_coef,
                 **self.unreported(q),
-            ),
-            confirm=True,
+            )
         )
         if metrics.version % self.cfg.learner.publish_every == 0:
             await self.publish_weights(q.lane)
