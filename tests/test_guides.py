@@ -319,8 +319,6 @@ NOT_HERE: dict[str, str] = {
     "coevo bench heldout --base smollm2-135m-instruct --heldout-tasks 64 --eval-seeds 2 --used-form-only": _BENCH,
     "coevo bench heldout --family tw-coin_collector --base smollm2-135m-instruct --heldout-tasks 64 --eval-seeds 1 "
     "--used-form-only": _BENCH,
-    "coevo bench heldout --family tw-coin_collector --base smollm2-135m-instruct --heldout-tasks 64 --eval-seeds 1 "
-    "--used-form-only --heldout-measure steps": _BENCH,
     "coevo run --policy-model DIR --policy-url http://127.0.0.1:8000/v1": (
         "needs a vLLM server (tests/test_vllm.py trains against vLLM's CPU build, in process, when .ci/run provides it)"
     ),
