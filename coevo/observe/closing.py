@@ -210,6 +210,12 @@ def starving_warning(summary: dict[str, Any]) -> str | None:
     return text + "."
 
 
+def warnings(s: dict[str, Any], cfg: CoevoConfig) -> list[str]:
+    """Every warning of the closing summary, in the order it prints them."""
+    found = (no_learning_reason(s, cfg), starving_warning(s), *health_warnings(s), judge_warning(s))
+    return [w for w in (*found, unvoted_warning(s, cfg)) if w]
+
+
 def _landed(decided: dict[str, dict[str, int]]) -> str:
     """`` (harder: 2 accepted, 3 unsolved; easier: 4 accepted, 1 not easier)``: the gate's verdicts by
     direction, most common first (empty when nothing was decided)."""
@@ -292,9 +298,6 @@ def describe(
         )
     )
     lines += [busy for busy in (compute_line(s),) if busy]
-    warnings = (no_learning_reason(s, cfg), starving_warning(s), *health_warnings(s), judge_warning(s))
-    for reason in (*warnings, unvoted_warning(s, cfg)):
-        if reason:
-            lines.append(f"  warning: {reason}")
+    lines += [f"  warning: {reason}" for reason in warnings(s, cfg)]
     lines += [f"  {name + ':':<12} {where}" for name, where in links.items()]
     return "\n".join(lines)
