@@ -66,21 +66,18 @@ def test_the_double_training_check_counts_retraining_not_rollbacks_or_a_step_sto
     the first training does not; nor does one step event the stream holds twice."""
     from coevo.bench.chaos import twice_trained
     from coevo.schemas import LearnerStepped, Source
+    from tests.samples import sample_events
+
+    sample = next(e for e in sample_events("r") if isinstance(e, LearnerStepped))
 
     def step(agent: str, version: int, groups: list[str]) -> LearnerStepped:
-        return LearnerStepped(
-            run_id="r",
-            source=Source(agent_id=agent, role="learner"),
-            role="policy",
-            version=version,
-            samples=8,
-            tokens=80,
-            loss=0.0,
-            kl=0.0,
-            clip_fraction=0.0,
-            mismatch_kl=0.0,
-            tokens_per_second=1.0,
-            group_ids=groups,
+        return sample.model_copy(
+            update={
+                "event_id": f"{agent}-v{version}",
+                "source": Source(agent_id=agent, role="learner"),
+                "version": version,
+                "group_ids": groups,
+            }
         )
 
     first = step("a", 1, ["g1", "g2"])

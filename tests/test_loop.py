@@ -562,7 +562,7 @@ async def test_a_rank_that_fails_its_step_ends_the_group_which_resumes_from_its_
     against rank 1's old ones. Now the failing rank ends its process and the other follows, so
     torchrun exits; started again (as a process manager does) the group resumes from its checkpoint:
     nothing dead-lettered, nothing trained twice into the surviving weights, versions monotonic."""
-    from coevo.bench.chaos import _monotonic, _trained_twice
+    from coevo.bench.chaos import _monotonic, twice_trained
     from coevo.inference.clients import model_dir
     from coevo.runtime.faults import ENV
     from coevo.training.distributed import EXIT_RANK_FAILED
@@ -636,7 +636,7 @@ async def test_a_rank_that_fails_its_step_ends_the_group_which_resumes_from_its_
     await asyncio.gather(run_agents(producers, handle_signals=False, until=stop), scenario())
     steps = steps_of(await bus.events(["learner.stepped"]))
     per_process = Counter(e.source.agent_id for e in steps)
-    assert _trained_twice(steps) == 0, f"trained twice: {_trained_twice(steps)} ({per_process})"
+    assert twice_trained(steps) == [], f"trained twice: {twice_trained(steps)} ({per_process})"
     assert _monotonic(steps), [(e.source.agent_id, e.role, e.version) for e in steps]
     letters = [
         d.reason[:200] for d in await bus.events(["dead.lettered"]) if d.original_subject.endswith("group.scored")

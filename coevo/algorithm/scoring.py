@@ -90,12 +90,15 @@ def integrated_rewards(
     return out
 
 
-def zscore(values: Sequence[float], eps: float = 1e-8) -> list[float]:
-    n = len(values)
-    mu = sum(values) / n
-    std = math.sqrt(sum((v - mu) ** 2 for v in values) / n)
+def zscore(values: Sequence[float], eps: float = 1e-8, weights: Sequence[float] | None = None) -> list[float]:
+    """``values`` standardised by their mean and spread, the ``weights``-weighted ones if given; all 0
+    when the spread is at most ``eps``."""
+    ws = [1.0] * len(values) if weights is None else weights
+    total = sum(ws)
+    mu = sum(v * w for v, w in zip(values, ws, strict=True)) / total
+    std = math.sqrt(sum(w * (v - mu) ** 2 for v, w in zip(values, ws, strict=True)) / total)
     if std <= eps:
-        return [0.0] * n
+        return [0.0] * len(values)
     return [(v - mu) / std for v in values]
 
 
@@ -156,15 +159,13 @@ def group_consistency_advantages(
     the advantages by): the mean and spread are the weighted ones, so the weighted advantages still sum
     to zero and a judge that votes alike everywhere gets no net push either way."""
     rewards = [consistency_rewards(r, votes) for r, votes in steps]
-    ws = [1.0] * len(steps) if weights is None else list(weights)
+    ws = [1.0] * len(steps) if weights is None else weights
     present = [(x, w) for rs, w in zip(rewards, ws, strict=True) for x in rs if x is not None]
     values = [x for x, _ in present]
     if len(present) < 2 or max(values) - min(values) <= eps:
         return [[None] * len(rs) for rs in rewards]
-    total = sum(w for _, w in present)
-    mu = sum(x * w for x, w in present) / total
-    sd = math.sqrt(sum(w * (x - mu) ** 2 for x, w in present) / total)
-    return [[(x - mu) / sd if x is not None else None for x in rs] for rs in rewards]
+    z = iter(zscore(values, eps, [w for _, w in present]))
+    return [[next(z) if x is not None else None for x in rs] for rs in rewards]
 
 
 def outcome_weights(trajs: Sequence[TrajRec]) -> tuple[float, float]:

@@ -147,11 +147,6 @@ def _dead_group(letter: DeadLettered) -> str | None:
     return body.get("group_id") if body.get("kind") in ("task.scheduled", "group.scored") else None
 
 
-def _trained_twice(steps: list[LearnerStepped]) -> int:
-    """Groups trained again while their first training is still in the surviving weights."""
-    return len(twice_trained(steps))
-
-
 def twice_trained(steps: list[LearnerStepped]) -> list[dict[str, Any]]:
     """Each group trained again while its first training is still in the surviving weights, with
     the two steps (process, version, event id): a failure that explains itself.

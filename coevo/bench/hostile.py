@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
-from coevo.bench.chaos import _trained_twice
+from coevo.bench.chaos import twice_trained
 from coevo.bench.hostile_clients import (
     ATTACKS,
     CHAT,
@@ -118,7 +118,7 @@ def stream_verdict(events: list[Event], accepted: dict[str, set[int]], opened: I
         "learner_batches_not_finite": sum(e.not_finite for e in reports),
         "groups_disposed_untrained": sum(len(e.disposed_group_ids) - len(e.group_ids) for e in reports),
         "dead_lettered": dict(Counter(e.reason.split(":")[0][:80] for e in events if isinstance(e, DeadLettered))),
-        "groups_trained_twice": _trained_twice([e for e in events if isinstance(e, LearnerStepped)]),
+        "groups_trained_twice": len(twice_trained([e for e in events if isinstance(e, LearnerStepped)])),
     }
 
 
